@@ -1,0 +1,71 @@
+"""Embedded datasets, written as JSONL files into the cache on first use.
+
+Each dataset is a table entry: a recipe version and a function returning all its splits as
+rows. ``dataset(name, split)`` builds every split of ``name`` at once (they are cheap and some
+are drawn from one stream) and returns the path of one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from twinkle.assets import gsm8k, self_cognition
+from twinkle.assets.cache import asset_dir, build_once
+from twinkle.errors import UnknownNameError, one_of
+
+Rows = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class DatasetRecipe:
+    """How to make one embedded dataset."""
+
+    # Bump when the rows change, so cached copies are rebuilt.
+    version: int
+    # Returns every split by name, rows in file order.
+    make_splits: Callable[[], dict[str, Rows]]
+    # The split names, known without building.
+    splits: tuple[str, ...]
+
+
+DATASET_RECIPES: dict[str, DatasetRecipe] = {
+    'self-cognition': DatasetRecipe(1, lambda: {'train': self_cognition.rows()}, ('train',)),
+    'gsm8k': DatasetRecipe(1, gsm8k.splits, tuple(gsm8k.SPLIT_SIZES)),
+}
+DATASETS: tuple[str, ...] = tuple(DATASET_RECIPES)
+
+
+def write_jsonl(path: Path, rows: Rows) -> None:
+    """One JSON object per line, keys in row order, UTF-8 without escapes, ``\\n`` endings."""
+    with path.open('w', encoding='utf-8', newline='\n') as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + '\n')
+
+
+def _write_splits(recipe: DatasetRecipe, folder: Path) -> None:
+    for split, rows in recipe.make_splits().items():
+        write_jsonl(folder / f'{split}.jsonl', rows)
+
+
+def dataset(name: str, split: str = 'train') -> str:
+    """Path of the JSONL file of split ``split`` of embedded dataset ``name``.
+
+    Unknown names raise ``UnknownNameError`` and unknown splits ``ConfigurationError``, each
+    listing the valid values.
+
+    >>> from pathlib import Path
+    >>> from twinkle.assets import dataset
+    >>> Path(dataset('gsm8k', 'test')).name
+    'test.jsonl'
+    """
+    if name not in DATASET_RECIPES:
+        raise UnknownNameError('dataset', name, DATASETS)
+    recipe = DATASET_RECIPES[name]
+    if split not in recipe.splits:
+        raise one_of(f'split of dataset {name!r}', split, recipe.splits)
+    final = asset_dir('datasets', f'{name}-v{recipe.version}')
+    folder = build_once(final, lambda tmp: _write_splits(recipe, tmp))
+    return str(folder / f'{split}.jsonl')

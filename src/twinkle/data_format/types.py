@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
+
+from typing_extensions import NotRequired
+
+#: Label value of a position that is not trained on (the Hugging Face / PyTorch convention).
+IGNORE_INDEX = -100
+
+
+class Message(TypedDict):
+    """One chat turn."""
+
+    role: Literal['system', 'user', 'assistant', 'tool']
+    content: str
+    tool_calls: NotRequired[list[dict[str, Any]]]
+    reasoning_content: NotRequired[str]
+
+
+class Trajectory(TypedDict):
+    """A conversation before encoding: what preprocessors produce and templates consume."""
+
+    messages: list[Message]
+    tools: NotRequired[list[dict[str, Any]]]
+    #: Anything a reward or metric needs later (a ground-truth answer, a task id...).
+    user_data: NotRequired[dict[str, Any]]
+
+
+class InputFeature(TypedDict):
+    """One encoded sequence of ``length`` tokens, ready to collate.
+
+    ``labels`` are pre-shifted: ``labels[i]`` is the token position ``i`` must predict (that is
+    ``input_ids[i + 1]``) or ``IGNORE_INDEX``. ``completion_mask[i]`` is 1 exactly where
+    ``labels[i]`` is trained on, so ``logits[i]`` scores a completion token.
+    """
+
+    input_ids: list[int]
+    attention_mask: list[int]
+    position_ids: list[int]
+    labels: list[int]
+    completion_mask: list[int]
+    length: int
+    user_data: NotRequired[dict[str, Any]]
+
+
+@dataclass
+class ModelOutput:
+    """What ``forward``/``forward_only``/``forward_backward`` return.
+
+    ``loss`` is the reduced loss of this call (a float, ``None`` before a loss is computed);
+    ``num_tokens`` counts the trained label tokens. ``logits`` and ``logps`` (log-probability of
+    each label token, 0 where the label is ignored; shape ``[batch, seq]``) are kept only by
+    ``forward`` and ``forward_only``.
+    """
+
+    loss: float | None = None
+    num_tokens: int = 0
+    logits: Any = None
+    logps: Any = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        loss = 'None' if self.loss is None else f'{self.loss:.4f}'
+        return f'ModelOutput(loss={loss}, num_tokens={self.num_tokens})'

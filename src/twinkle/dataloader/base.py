@@ -1,0 +1,107 @@
+"""Batches of rows, in a seeded order that a resumed run reproduces.
+
+A batch is a list of rows (dicts); the model collates them. Each pass over the loader is one
+epoch; the order of epoch ``e`` is a permutation seeded with ``data_seed + e``, independent of
+the global random state, so skipping ``consumed_train_samples`` after a restart lands on exactly
+the rows the interrupted run would have seen next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from twinkle.dataset import Dataset
+from twinkle.errors import ConfigurationError, DataError
+
+
+class DataLoader:
+    """Example::
+
+        dataloader = DataLoader(dataset, batch_size=8, shuffle=True)
+        for batch in dataloader:          # one epoch
+            model.forward_backward(inputs=batch)
+        state = dataloader.get_state()    # {'consumed_train_samples': ..., 'epoch': ...}
+
+    ``min_batch_size``: a last batch smaller than this is dropped (``drop_last=True`` is
+    ``min_batch_size=batch_size``). ``dataset`` may also be a function that builds the dataset.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset | Sequence[dict[str, Any]] | Callable[[], Dataset],
+        *,
+        batch_size: int,
+        min_batch_size: int | None = None,
+        shuffle: bool = False,
+        data_seed: int = 0,
+        drop_last: bool = False,
+    ):
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ConfigurationError(f'batch_size must be a positive integer; got {batch_size!r}')
+        if drop_last:
+            min_batch_size = batch_size
+        if min_batch_size is not None and not 0 < min_batch_size <= batch_size:
+            raise ConfigurationError(f'min_batch_size must be in [1, batch_size={batch_size}]; got {min_batch_size!r}')
+        if callable(dataset) and not isinstance(dataset, (Dataset, Sequence)):
+            dataset = dataset()
+        self.dataset = dataset
+        self._rows = dataset.dataset if isinstance(dataset, Dataset) else dataset
+        if len(self._rows) == 0:
+            raise DataError('the dataset is empty: there is nothing to load')
+        self.batch_size = batch_size
+        self.min_batch_size = min_batch_size or 1
+        self.shuffle = shuffle
+        self.data_seed = data_seed
+        self.epoch = 0
+        self._offset = 0  # samples of the current epoch already handed out
+        self._consumed = 0
+
+    @property
+    def samples_per_epoch(self) -> int:
+        total, tail = len(self._rows), len(self._rows) % self.batch_size
+        return total - tail if 0 < tail < self.min_batch_size else total
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return -(-self.samples_per_epoch // self.batch_size)
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self._rows)))
+        generator = torch.Generator().manual_seed(self.data_seed + epoch)
+        return torch.randperm(len(self._rows), generator=generator).tolist()
+
+    def _fetch(self, indices: list[int]) -> list[dict[str, Any]]:
+        getitems = getattr(self._rows, '__getitems__', None)
+        return list(getitems(indices)) if getitems else [self._rows[i] for i in indices]
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        """The rest of the current epoch (all of it, unless a run was resumed or interrupted)."""
+        order, end = self._order(self.epoch), self.samples_per_epoch
+        while self._offset < end:
+            indices = order[self._offset : min(self._offset + self.batch_size, end)]
+            self._offset += len(indices)
+            self._consumed += len(indices)
+            yield self._fetch(indices)
+        self.epoch, self._offset = self.epoch + 1, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning at the next iteration."""
+        self.epoch, self._offset = epoch, 0
+
+    def get_state(self) -> dict[str, int]:
+        return {'consumed_train_samples': self._consumed, 'epoch': self.epoch}
+
+    def skip_consumed_samples(self, consumed_train_samples: int) -> None:
+        """Position the loader as if ``consumed_train_samples`` had been handed out from the start."""
+        if consumed_train_samples < 0:
+            raise ConfigurationError(f'consumed_train_samples must be >= 0; got {consumed_train_samples}')
+        self.epoch, self._offset = divmod(consumed_train_samples, self.samples_per_epoch)
+        self._consumed = consumed_train_samples
+
+    def resume_from_checkpoint(self, consumed_train_samples: int) -> None:
+        """Alias of ``skip_consumed_samples``, for ``model.resume_from_checkpoint``'s result."""
+        self.skip_consumed_samples(consumed_train_samples)

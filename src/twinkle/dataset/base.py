@@ -1,0 +1,294 @@
+"""Datasets: rows loaded from a hub id, a local file or memory, then mapped, filtered and
+encoded in place. Rows live in a Hugging Face ``datasets.Dataset`` (Arrow on disk), so a
+dataset larger than memory works and ``map`` can run in several processes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import datasets as hf
+
+from twinkle.errors import ConfigurationError, DataError, StateError
+from twinkle.hub import resolve_dataset
+from twinkle.preprocessor import FILTERS, PREPROCESSORS, DataFilter, Preprocessor
+from twinkle.template import TEMPLATES, Template
+
+#: File extension to the ``datasets`` builder that reads it.
+BUILDERS = {
+    '.json': 'json',
+    '.jsonl': 'json',
+    '.csv': 'csv',
+    '.parquet': 'parquet',
+    '.txt': 'text',
+    '.arrow': 'arrow',
+}
+
+
+@dataclass
+class DatasetMeta:
+    """Where a dataset comes from.
+
+    ``dataset_id`` is ``ms://org/name``, ``hf://org/name``, a local file (json, jsonl, csv,
+    parquet, txt) or a directory of such files; ``data`` gives the rows in memory instead (a
+    list of dicts, a dict of lists, or a ``datasets.Dataset``). ``data_slice`` picks row indices;
+    they wrap around, so ``range(1000)`` over 100 rows repeats each row ten times.
+    """
+
+    dataset_id: str = ''
+    subset_name: str = 'default'
+    split: str = 'train'
+    data_slice: Iterable[int] | None = None
+    data: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.dataset_id and self.data is None:
+            raise ConfigurationError('DatasetMeta needs a dataset_id or in-memory data')
+        if self.data_slice is not None and not isinstance(self.data_slice, Iterable):
+            raise ConfigurationError(f'data_slice must be an iterable of row indices; got {self.data_slice!r}')
+
+    def get_id(self) -> str:
+        name = self.dataset_id or f'memory-{id(self.data):x}'
+        return f'{name.replace(os.sep, "_").replace(".", "_")}:{self.subset_name}:{self.split}'
+
+
+class Dataset:
+    """Rows for training. ``map``, ``filter`` and ``encode`` change it in place and return it.
+
+    Example::
+
+        dataset = Dataset(DatasetMeta(assets.dataset('self-cognition'), data_slice=range(200)))
+        dataset.set_template('Template', model_id=assets.tiny_model(), max_length=256)
+        dataset.map(SelfCognitionProcessor('twinkle LLM', 'ModelScope Community'))
+        dataset.encode()
+        dataset[0]['input_ids']
+    """
+
+    def __init__(self, dataset_meta: DatasetMeta, *, revision: str | None = None, num_proc: int | None = None):
+        self.num_proc = num_proc
+        self.revision = revision
+        self.datasets: dict[str, hf.Dataset] = {}
+        self.template: Template | None = None
+        self._mixed: hf.Dataset | None = None
+        self.add_dataset(dataset_meta)
+
+    # ---- loading ------------------------------------------------------------------------------
+    def add_dataset(self, dataset_meta: DatasetMeta) -> Dataset:
+        """Load another dataset beside the first; ``mix_dataset`` merges them."""
+        key = dataset_meta.get_id()
+        if key in self.datasets:
+            raise ConfigurationError(f'dataset {key!r} was already added')
+        self.datasets[key] = load_rows(dataset_meta, revision=self.revision)
+        self._mixed = None
+        return self
+
+    def mix_dataset(
+        self, interleave: bool = True, probabilities: Sequence[float] | None = None, seed: int | None = None
+    ) -> Dataset:
+        """Merge the added datasets: interleaved (round robin, or sampled with
+        ``probabilities``) or concatenated. Later ``map``/``encode`` calls apply to the mix."""
+        parts = list(self.datasets.values())
+        if len(parts) == 1:
+            self._mixed = parts[0]
+        elif interleave:
+            self._mixed = hf.interleave_datasets(parts, probabilities=probabilities, seed=seed)
+        else:
+            self._mixed = hf.concatenate_datasets(parts)
+        return self
+
+    @property
+    def dataset(self) -> hf.Dataset:
+        """The mixed dataset after ``mix_dataset``, else the first one added."""
+        return self._mixed if self._mixed is not None else next(iter(self.datasets.values()))
+
+    # ---- transforms -----------------------------------------------------------------------------
+    def set_template(self, template: str | type[Template] | Template, **kwargs: Any) -> Dataset:
+        self.template = TEMPLATES.build(template, Template, **kwargs)
+        return self
+
+    def map(
+        self,
+        preprocessor: str | type[Preprocessor] | Preprocessor | Callable[[Mapping[str, Any]], Any],
+        dataset_meta: DatasetMeta | None = None,
+        init_args: Mapping[str, Any] | None = None,
+        load_from_cache_file: bool = False,
+        batch_size: int = 1000,
+    ) -> Dataset:
+        """Apply a preprocessor (an instance, a class or a registered name built with
+        ``init_args``, or a plain function of one row) to every row. A ``None`` result drops the
+        row; the result's fields replace the row's."""
+        fn = _as_row_fn(preprocessor, init_args)
+        self._transform(dataset_meta, partial(_map_batch, fn), load_from_cache_file, batch_size)
+        return self
+
+    def filter(
+        self,
+        predicate: str | type[DataFilter] | DataFilter | Callable[[Mapping[str, Any]], bool],
+        dataset_meta: DatasetMeta | None = None,
+        init_args: Mapping[str, Any] | None = None,
+    ) -> Dataset:
+        """Keep the rows for which ``predicate(row)`` is true."""
+        if isinstance(predicate, (str, type)):
+            predicate = FILTERS.build(predicate, DataFilter, **(init_args or {}))
+        key = self._target(dataset_meta)
+        self._store(key, self._get(key).filter(predicate, num_proc=self.num_proc, load_from_cache_file=False))
+        return self
+
+    def encode(
+        self,
+        add_generation_prompt: bool = False,
+        batched: bool = True,
+        load_from_cache_file: bool = False,
+        dataset_meta: DatasetMeta | None = None,
+    ) -> Dataset:
+        """Tokenize every row with the template (``set_template`` first). The rows keep their
+        other fields (``messages``, ``user_data``); rows the template drops
+        (``truncation_strategy='delete'``) leave the dataset."""
+        if self.template is None:
+            raise StateError('Dataset.encode() needs a template: call dataset.set_template(...) first')
+        fn = partial(self.template.encode, add_generation_prompt=add_generation_prompt)
+        self._transform(dataset_meta, partial(_map_batch, fn, merge=True), load_from_cache_file, 1000 if batched else 1)
+        return self
+
+    # ---- plumbing -----------------------------------------------------------------------------
+    def _target(self, dataset_meta: DatasetMeta | None) -> str | None:
+        """The key of the dataset a transform applies to; ``None`` means the mix."""
+        if dataset_meta is not None:
+            key = dataset_meta.get_id()
+            if key not in self.datasets:
+                raise ConfigurationError(f'dataset {key!r} was not added; added: {sorted(self.datasets)}')
+            if self._mixed is not None:
+                raise StateError('the datasets were already mixed: transform them before mix_dataset()')
+            return key
+        if self._mixed is not None:
+            return None
+        if len(self.datasets) > 1:
+            raise ConfigurationError(
+                f'{len(self.datasets)} datasets were added: pass dataset_meta= to pick one, or call mix_dataset() first'
+            )
+        return next(iter(self.datasets))
+
+    def _get(self, key: str | None) -> hf.Dataset:
+        return self._mixed if key is None else self.datasets[key]
+
+    def _store(self, key: str | None, data: hf.Dataset) -> None:
+        if key is None:
+            self._mixed = data
+        else:
+            self.datasets[key] = data
+
+    def _transform(self, dataset_meta: DatasetMeta | None, fn: Callable, from_cache: bool, batch_size: int) -> None:
+        key = self._target(dataset_meta)
+        data = self._get(key)
+        mapped = data.map(
+            fn,
+            batched=True,
+            batch_size=batch_size,
+            remove_columns=data.column_names,
+            load_from_cache_file=from_cache,
+            num_proc=self.num_proc,
+        )
+        self._store(key, mapped)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.dataset[index]
+
+    def __repr__(self) -> str:
+        return f'Dataset({len(self)} rows, columns={self.dataset.column_names})'
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _as_row_fn(preprocessor: Any, init_args: Mapping[str, Any] | None) -> Callable[[Mapping[str, Any]], Any]:
+    if isinstance(preprocessor, (str, type)):
+        preprocessor = PREPROCESSORS.build(preprocessor, Preprocessor, **(init_args or {}))
+    elif init_args:
+        raise ConfigurationError('init_args only apply when the preprocessor is given by name or class')
+    if isinstance(preprocessor, Preprocessor):
+        instance = preprocessor
+
+        def run(row: Mapping[str, Any]) -> Any:
+            instance.check_row(row)
+            return instance.preprocess(row)
+
+        return run
+    if callable(preprocessor):
+        return preprocessor
+    raise ConfigurationError(
+        f'a preprocessor must be a registered name, a Preprocessor, or a function of one row; got {preprocessor!r}. '
+        f'Registered names: {PREPROCESSORS.names()}'
+    )
+
+
+def _map_batch(fn: Callable, columns: dict[str, list], merge: bool = False) -> dict[str, list]:
+    """Run a row function over a column batch; ``merge`` keeps the input fields beside the output."""
+    names = list(columns)
+    size = len(columns[names[0]]) if names else 0
+    rows = []
+    for i in range(size):
+        row = {name: columns[name][i] for name in names}
+        result = fn(row)
+        if result is None:
+            continue
+        if not isinstance(result, Mapping):
+            raise DataError(f'a preprocessor returned {type(result).__name__} for row {row}; expected a dict or None')
+        rows.append({**row, **result} if merge else dict(result))
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    return {key: [row.get(key) for row in rows] for key in keys}
+
+
+def load_rows(meta: DatasetMeta, revision: str | None = None) -> hf.Dataset:
+    """Load the rows a ``DatasetMeta`` points at and apply its ``data_slice``."""
+    data = _from_memory(meta.data) if meta.data is not None else _from_files(meta, revision)
+    if len(data) == 0:
+        raise DataError(f'dataset {meta.dataset_id or "(in memory)"} split {meta.split!r} has no rows')
+    if meta.data_slice is not None:
+        data = data.select([index % len(data) for index in meta.data_slice])
+    return data
+
+
+def _from_memory(data: Any) -> hf.Dataset:
+    if isinstance(data, hf.Dataset):
+        return data
+    if isinstance(data, Mapping):
+        return hf.Dataset.from_dict(dict(data))
+    if isinstance(data, Sequence) and all(isinstance(row, Mapping) for row in data):
+        return hf.Dataset.from_list([dict(row) for row in data])
+    raise ConfigurationError(
+        f'in-memory data must be a list of dicts, a dict of lists or a datasets.Dataset; got {type(data)}'
+    )
+
+
+def _from_files(meta: DatasetMeta, revision: str | None) -> hf.Dataset:
+    path = Path(resolve_dataset(meta.dataset_id, revision=revision))
+    files = [path] if path.is_file() else _data_files(path, meta)
+    builders = {BUILDERS.get(_suffix(f)) for f in files}
+    if None in builders or len(builders) != 1:
+        raise ConfigurationError(
+            f'cannot read {meta.dataset_id!r}: found {[str(f) for f in files][:5]}; '
+            f'supported file types are {sorted(BUILDERS)}, one type per dataset'
+        )
+    kwargs = {'keep_default_na': False} if builders == {'csv'} else {}
+    return hf.load_dataset(builders.pop(), data_files=[str(f) for f in files], split='train', **kwargs)
+
+
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
+
+
+def _data_files(root: Path, meta: DatasetMeta) -> list[Path]:
+    """The data files of a dataset folder: those of the subset folder if there is one, and of
+    the split if file names tell splits apart."""
+    if meta.subset_name != 'default' and (root / meta.subset_name).is_dir():
+        root = root / meta.subset_name
+    files = sorted(p for p in root.rglob('*') if p.is_file() and _suffix(p) in BUILDERS and not p.name.startswith('.'))
+    if not files:
+        raise DataError(f'no data files ({sorted(BUILDERS)}) under {root} for dataset {meta.dataset_id!r}')
+    split_files = [p for p in files if meta.split in p.relative_to(root).as_posix()]
+    return split_files or files

@@ -1,0 +1,53 @@
+"""The one exception tree of twinkle.
+
+Every class also inherits the builtin it refines, so ``except ValueError`` keeps working for
+callers that do not know twinkle. Messages name the bad value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class TwinkleError(Exception):
+    """Root of every error twinkle raises on purpose."""
+
+
+class ConfigurationError(TwinkleError, ValueError):
+    """A component was configured with a value it cannot use."""
+
+
+class UnknownNameError(TwinkleError, KeyError):
+    """A name looked up in a registry (loss, template, optimizer...) does not exist."""
+
+    def __init__(self, kind: str, name: object, valid: Iterable[str]):
+        self.kind, self.name, self.valid = kind, name, sorted(valid)
+        super().__init__(f'Unknown {kind} {name!r}. Valid {kind} names are: {self.valid}')
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return str(self.args[0])
+
+
+class DataError(TwinkleError, ValueError):
+    """A row, a sample or a batch does not have the shape the component needs."""
+
+
+class SequenceTooLongError(DataError):
+    """An encoded sequence is longer than ``max_length`` under ``truncation_strategy='raise'``."""
+
+
+class AssetNotFoundError(TwinkleError, FileNotFoundError):
+    """A model or dataset id could not be resolved to local files."""
+
+
+class StateError(TwinkleError, RuntimeError):
+    """A method was called when the component is not in a state to run it."""
+
+
+class CheckpointError(TwinkleError, OSError):
+    """A checkpoint is missing, incomplete, or does not match the model it is loaded into."""
+
+
+def one_of(kind: str, value: object, valid: Iterable[object]) -> ConfigurationError:
+    """Build the standard 'bad value, here are the good ones' error."""
+    return ConfigurationError(f'Invalid {kind} {value!r}. Accepted values are: {sorted(map(str, valid))}')

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from twinkle.data_format import IGNORE_INDEX
+from twinkle.errors import ConfigurationError, DataError, one_of
+from twinkle.loss.base import LOSSES, Loss, LossOutput
+
+
+@LOSSES.register
+class CrossEntropyLoss(Loss):
+    """Next-token cross-entropy on the pre-shifted ``labels``.
+
+    ``reduction='mean'`` (default) averages over every trained token of the optimizer step,
+    across all its micro-batches: long sequences weigh more than short ones, as in plain SFT.
+    ``reduction='sum'`` sums over tokens (the Tinker convention). Logits are upcast to float32
+    before the softmax.
+
+    Example: logits that put probability 1/2 on the label at each of 3 trained tokens give a
+    mean loss of ``ln 2`` and a sum of ``3 ln 2``.
+    """
+
+    def __init__(self, reduction: Literal['mean', 'sum'] = 'mean', ignore_index: int = IGNORE_INDEX):
+        if reduction not in ('mean', 'sum'):
+            raise one_of('CrossEntropyLoss reduction', reduction, ['mean', 'sum'])
+        self.reduction = reduction
+        self.ignore_index = ignore_index
+
+    def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **kwargs: Any) -> LossOutput:
+        if kwargs:
+            raise ConfigurationError(f'CrossEntropyLoss takes no loss arguments; got {sorted(kwargs)}')
+        logits, labels = outputs['logits'], inputs['labels']
+        if logits.shape[:-1] != labels.shape:
+            raise DataError(f'logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}')
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction='sum',
+        )
+        count = (labels != self.ignore_index).sum() if self.reduction == 'mean' else torch.ones((), dtype=torch.long)
+        return LossOutput(loss=loss, num_items=count)

@@ -1,0 +1,7 @@
+"""Metrics: loss, token accuracy, learning rate, gradient norm, throughput."""
+
+from twinkle.metric.base import METRICS, Metric
+from twinkle.metric.loss import Accuracy, LossMetric
+from twinkle.metric.train import TrainMetric
+
+__all__ = ['METRICS', 'Accuracy', 'LossMetric', 'Metric', 'TrainMetric']

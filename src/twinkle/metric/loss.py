@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from twinkle.data_format import IGNORE_INDEX
+from twinkle.loss.base import LossOutput
+from twinkle.metric.base import METRICS, Metric
+
+
+@METRICS.register
+class LossMetric(Metric):
+    """``loss``: the summed loss over the summed item count since the last reset, i.e. the
+    loss the optimizer saw, not a mean of per-batch means."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def accumulate(self, *, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], loss: LossOutput | None) -> None:
+        if loss is not None:
+            self.total = self.total + loss.loss.detach().float()
+            self.count = self.count + loss.num_items.detach()
+
+    def calculate(self) -> dict[str, float]:
+        count = float(self.count)
+        return {'loss': float(self.total) / count} if count else {}
+
+    def reset(self) -> None:
+        self.total: torch.Tensor | float = 0.0
+        self.count: torch.Tensor | int = 0
+
+
+@METRICS.register
+class Accuracy(Metric):
+    """``accuracy``: the share of trained label tokens that are the argmax of the logits."""
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
+        self.ignore_index = ignore_index
+        self.reset()
+
+    def accumulate(self, *, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], loss: LossOutput | None) -> None:
+        labels = inputs['labels']
+        mask = labels != self.ignore_index
+        hits = (outputs['logits'].detach().argmax(-1) == labels) & mask
+        self.correct = self.correct + hits.sum()
+        self.total = self.total + mask.sum()
+
+    def calculate(self) -> dict[str, float]:
+        total = int(self.total)
+        return {'accuracy': int(self.correct) / total} if total else {}
+
+    def reset(self) -> None:
+        self.correct: torch.Tensor | int = 0
+        self.total: torch.Tensor | int = 0

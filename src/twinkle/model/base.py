@@ -1,0 +1,63 @@
+"""The model interface the user's training loop calls.
+
+Every method takes ``adapter_name``: the adapter (a LoRA added with ``add_adapter_to_model``)
+the call is about. Left out, it means the only adapter there is, or the full model when no
+adapter was added; with several adapters it must be given.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from twinkle.data_format import InputFeature, ModelOutput, Trajectory
+
+Inputs = Sequence[InputFeature | Trajectory] | InputFeature | Trajectory
+
+
+class TwinkleModel(ABC):
+    @abstractmethod
+    def forward(self, *, inputs: Inputs, adapter_name: str | None = None) -> ModelOutput: ...
+
+    @abstractmethod
+    def forward_only(self, *, inputs: Inputs, adapter_name: str | None = None) -> ModelOutput: ...
+
+    @abstractmethod
+    def calculate_loss(self, *, adapter_name: str | None = None, **loss_inputs: Any) -> float: ...
+
+    @abstractmethod
+    def backward(self, *, adapter_name: str | None = None) -> None: ...
+
+    @abstractmethod
+    def forward_backward(
+        self, *, inputs: Inputs, adapter_name: str | None = None, **loss_inputs: Any
+    ) -> ModelOutput: ...
+
+    @abstractmethod
+    def clip_grad_norm(self, max_grad_norm: float = 1.0, *, adapter_name: str | None = None) -> float | None: ...
+
+    @abstractmethod
+    def step(self, *, adapter_name: str | None = None) -> bool: ...
+
+    @abstractmethod
+    def zero_grad(self, *, adapter_name: str | None = None) -> None: ...
+
+    @abstractmethod
+    def lr_step(self, *, adapter_name: str | None = None) -> None: ...
+
+    def clip_grad_and_step(self, max_grad_norm: float = 1.0, *, adapter_name: str | None = None) -> float | None:
+        """``clip_grad_norm``, ``step``, ``zero_grad``, ``lr_step``: call it after every
+        ``forward_backward``; it acts on every ``gradient_accumulation_steps``-th call and
+        returns the gradient norm then (``None`` in between)."""
+        norm = self.clip_grad_norm(max_grad_norm, adapter_name=adapter_name)
+        self.step(adapter_name=adapter_name)
+        self.zero_grad(adapter_name=adapter_name)
+        self.lr_step(adapter_name=adapter_name)
+        return norm
+
+    @abstractmethod
+    def save(self, name: str | None = None, output_dir: str = 'output', **options: Any) -> str: ...
+
+    @abstractmethod
+    def load(self, name: str, output_dir: str | None = None, **options: Any) -> str: ...

@@ -1,0 +1,88 @@
+"""Per-adapter training state: what one tenant's adapter (or the full model) owns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from twinkle.loss import CrossEntropyLoss, Loss, LossOutput
+from twinkle.metric import Accuracy, LossMetric, Metric, TrainMetric
+from twinkle.processor import InputProcessor
+from twinkle.template import Template
+
+#: The group that trains every parameter of a model without adapters.
+FULL = ''
+
+
+@dataclass
+class Pending:
+    """The last forward of a group, waiting for ``calculate_loss`` and ``backward``."""
+
+    batch: dict[str, torch.Tensor]
+    outputs: dict[str, Any]
+    training: bool
+    loss: LossOutput | None = None
+
+
+@dataclass
+class TrainGroup:
+    """An adapter (or ``FULL``) with its own optimizer, schedule, loss, template, processor,
+    metrics and step counters. Nothing here is shared between groups."""
+
+    name: str
+    params: list[torch.nn.Parameter]
+    gradient_accumulation_steps: int = 1
+    config: Any = None  # the adapter's PeftConfig; None for FULL
+    optimizer: Optimizer | None = None
+    scheduler: LRScheduler | None = None
+    loss: Loss = field(default_factory=CrossEntropyLoss)
+    template: Template | None = None
+    processor: InputProcessor = field(default_factory=InputProcessor)
+    train_metrics: list[Metric] = field(default_factory=lambda: [LossMetric(), Accuracy()])
+    eval_metrics: list[Metric] = field(default_factory=lambda: [LossMetric(), Accuracy()])
+    stats: TrainMetric = field(default_factory=TrainMetric)
+    micro_step: int = 0  # backward calls so far
+    optim_step: int = 0  # optimizer steps taken
+    consumed_train_samples: int = 0
+    pending: Pending | None = None
+    # Loss items (tokens for a token-mean loss) accumulated since the last zero_grad: the
+    # gradient is divided by this once, before clipping or stepping.
+    pending_items: torch.Tensor | int = 0
+    grads_normalized: bool = False
+    last_grad_norm: torch.Tensor | None = None
+    _done_at: int = -1
+    _done: set[str] = field(default_factory=set)
+
+    def at_boundary(self, operation: str) -> bool:
+        """True once per accumulation boundary for each of clip / step / zero_grad / lr_step:
+        every ``gradient_accumulation_steps``-th backward, and only the first call there."""
+        if self.micro_step == 0 or self.micro_step % self.gradient_accumulation_steps:
+            return False
+        if self._done_at != self.micro_step:
+            self._done_at, self._done = self.micro_step, set()
+        if operation in self._done:
+            return False
+        self._done.add(operation)
+        return True
+
+    def normalize_grads(self) -> None:
+        """Divide the summed gradient by the number of loss items of the whole step."""
+        if self.grads_normalized:
+            return
+        self.grads_normalized = True
+        items = self.pending_items
+        if isinstance(items, torch.Tensor) or items > 1:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, torch.clamp(torch.as_tensor(items, device=grads[0].device), min=1))
+
+    def reset_accumulation(self) -> None:
+        self.pending_items = 0
+        self.grads_normalized = False
+
+    def current_lr(self) -> float | None:
+        return None if self.optimizer is None else float(self.optimizer.param_groups[0]['lr'])

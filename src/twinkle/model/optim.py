@@ -1,0 +1,122 @@
+"""Optimizers and learning-rate schedulers by name.
+
+Every ``torch.optim`` optimizer and ``torch.optim.lr_scheduler`` scheduler is registered under
+its class name, plus the warmup schedules the reference release offers. Keyword arguments are
+checked against the constructor, so a typo fails with the accepted names instead of a bare
+``TypeError`` deep inside torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from twinkle.errors import ConfigurationError
+from twinkle.registry import Registry
+
+OPTIMIZERS: Registry[Optimizer] = Registry('optimizer')
+SCHEDULERS: Registry[LRScheduler] = Registry('lr scheduler')
+
+for _name, _cls in vars(torch.optim).items():
+    if isinstance(_cls, type) and issubclass(_cls, Optimizer) and _cls is not Optimizer and not _name.startswith('_'):
+        OPTIMIZERS.register(_cls, name=_name)
+for _name, _cls in vars(torch.optim.lr_scheduler).items():
+    if isinstance(_cls, type) and issubclass(_cls, LRScheduler) and not _name.startswith('_'):
+        SCHEDULERS.register(_cls, name=_name)
+
+
+def _warmup_factor(step: int, num_warmup_steps: int) -> float:
+    return (step + 1) / (num_warmup_steps + 1)
+
+
+@SCHEDULERS.register
+class CosineWarmupScheduler(LambdaLR):
+    """Linear warmup over ``num_warmup_steps``, then a cosine decay to ``min_lr_ratio`` of the
+    base rate at ``num_training_steps`` (``num_cycles=0.5`` is one half cosine)."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        num_warmup_steps: int = 0,
+        num_training_steps: int = 1000,
+        num_cycles: float = 0.5,
+        min_lr_ratio: float = 0.0,
+        last_epoch: int = -1,
+    ):
+        _check_steps(num_warmup_steps, num_training_steps)
+
+        def factor(step: int) -> float:
+            if step < num_warmup_steps:
+                return _warmup_factor(step, num_warmup_steps)
+            progress = min(1.0, (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps))
+            cosine = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+            return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
+
+        super().__init__(optimizer, factor, last_epoch)
+
+
+@SCHEDULERS.register
+class LinearWarmupScheduler(LambdaLR):
+    """Linear warmup over ``num_warmup_steps``, then a linear decay to ``min_lr_ratio`` of the
+    base rate at ``num_training_steps``."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        num_warmup_steps: int = 0,
+        num_training_steps: int = 1000,
+        min_lr_ratio: float = 0.0,
+        last_epoch: int = -1,
+    ):
+        _check_steps(num_warmup_steps, num_training_steps)
+
+        def factor(step: int) -> float:
+            if step < num_warmup_steps:
+                return _warmup_factor(step, num_warmup_steps)
+            progress = min(1.0, (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps))
+            return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
+
+        super().__init__(optimizer, factor, last_epoch)
+
+
+def _check_steps(num_warmup_steps: int, num_training_steps: int) -> None:
+    if num_warmup_steps < 0 or num_training_steps <= 0:
+        raise ConfigurationError(
+            f'need num_warmup_steps >= 0 and num_training_steps > 0; '
+            f'got num_warmup_steps={num_warmup_steps}, num_training_steps={num_training_steps}'
+        )
+
+
+def check_kwargs(kind: str, cls: type, kwargs: dict[str, Any], skip: Iterable[str]) -> None:
+    """Fail with the accepted argument names if ``kwargs`` has one ``cls`` does not take."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [name for name in params if name not in skip]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ConfigurationError(f'{kind} {cls.__name__} does not take {unknown}. Accepted arguments are: {accepted}')
+
+
+def build_optimizer(spec: str | type[Optimizer], params: list[torch.nn.Parameter], kwargs: dict) -> Optimizer:
+    cls = OPTIMIZERS.get(spec) if isinstance(spec, str) else _subclass(spec, Optimizer, 'optimizer')
+    check_kwargs('optimizer', cls, kwargs, skip=('params',))
+    return cls(params, **kwargs)
+
+
+def build_scheduler(spec: str | type[LRScheduler], optimizer: Optimizer, kwargs: dict) -> LRScheduler:
+    cls = SCHEDULERS.get(spec) if isinstance(spec, str) else _subclass(spec, LRScheduler, 'lr scheduler')
+    check_kwargs('lr scheduler', cls, kwargs, skip=('optimizer',))
+    return cls(optimizer, **kwargs)
+
+
+def _subclass(spec: Any, base: type, kind: str) -> type:
+    if isinstance(spec, type) and issubclass(spec, base):
+        return spec
+    raise ConfigurationError(f'{kind} must be a registered name or a {base.__name__} subclass; got {spec!r}')

@@ -1,0 +1,583 @@
+"""``TransformersModel``: a Hugging Face causal LM with named LoRA adapters, each trained on its
+own optimizer, schedule, loss and accumulation count, behind the methods the user's loop calls."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
+from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNameError, one_of
+from twinkle.hub import resolve_model
+from twinkle.loss import LOSSES, Loss, LossOutput
+from twinkle.metric import METRICS, Metric
+from twinkle.model import checkpoint as ckpt
+from twinkle.model.base import Inputs, TwinkleModel
+from twinkle.model.group import FULL, Pending, TrainGroup
+from twinkle.model.optim import build_optimizer, build_scheduler
+from twinkle.processor import PROCESSORS, InputProcessor
+from twinkle.template import TEMPLATES, Template
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
+_ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_-]+$')
+DEFAULT_OPTIMIZER = {'optimizer_cls': 'AdamW', 'lr': 1e-5}
+
+
+class TransformersModel(TwinkleModel):
+    """A causal LM from ``model_id`` (``ms://``, ``hf://`` or a local directory), or built from
+    ``config`` with random weights.
+
+    Example::
+
+        model = TransformersModel(model_id=assets.tiny_model())
+        model.add_adapter_to_model('default', LoraConfig(r=8, target_modules='all-linear'))
+        model.set_optimizer('AdamW', lr=1e-4)
+        for batch in dataloader:
+            model.forward_backward(inputs=batch)
+            model.clip_grad_and_step()
+
+    ``mixed_precision='bf16'`` runs forward passes under bfloat16 autocast (the default on a
+    GPU that supports it; ``'no'`` on a CPU). Weights keep ``dtype`` (float32 unless given).
+    """
+
+    def __init__(
+        self,
+        model_id: str | None = None,
+        model_cls: type[PreTrainedModel] | None = None,
+        config: PretrainedConfig | None = None,
+        *,
+        device: str | torch.device | None = None,
+        mixed_precision: Literal['no', 'bf16'] | None = None,
+        dtype: torch.dtype | None = None,
+        attn_implementation: str = 'sdpa',
+        gradient_checkpointing: bool = False,
+        **from_pretrained_kwargs: Any,
+    ):
+        if model_id is None and config is None:
+            raise ConfigurationError('TransformersModel needs a model_id or a config')
+        self.model_id = model_id
+        self.device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+        self.mixed_precision = mixed_precision or _default_precision(self.device)
+        if self.mixed_precision not in ('no', 'bf16'):
+            raise one_of('mixed_precision', self.mixed_precision, ['no', 'bf16'])
+        cls = model_cls or AutoModelForCausalLM
+        kwargs = {'dtype': dtype or torch.float32, 'attn_implementation': attn_implementation}
+        if model_id is not None:
+            self.model = cls.from_pretrained(resolve_model(model_id), **kwargs, **from_pretrained_kwargs)
+        else:
+            self.model = cls.from_config(config, **kwargs)
+        self.model.to(self.device)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+            self.model.enable_input_require_grads()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.groups: dict[str, TrainGroup] = {FULL: TrainGroup(name=FULL, params=params)}
+        self._template: Template | None = None
+
+    # ---- adapters and components ---------------------------------------------------------------
+    def add_adapter_to_model(
+        self, adapter_name: str, config_or_dir: PeftConfig | str, *, gradient_accumulation_steps: int = 1
+    ) -> None:
+        """Add a LoRA (or other PEFT) adapter named ``adapter_name``; from then on the base
+        weights are frozen. ``config_or_dir`` is a ``peft`` config, or a saved adapter directory
+        whose config and weights are loaded."""
+        if not isinstance(adapter_name, str) or not _ADAPTER_NAME.match(adapter_name):
+            raise ConfigurationError(f'adapter name {adapter_name!r} must be non-empty letters, digits, "_" or "-"')
+        if adapter_name in self.groups:
+            raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {self.adapter_names}')
+        _check_positive('gradient_accumulation_steps', gradient_accumulation_steps)
+        weights_dir = None
+        if isinstance(config_or_dir, str):
+            weights_dir = Path(resolve_model(config_or_dir))
+            config_or_dir = PeftConfig.from_pretrained(str(weights_dir))
+        if not isinstance(config_or_dir, PeftConfig):
+            raise ConfigurationError(f'expected a peft config (e.g. LoraConfig) or a directory; got {config_or_dir!r}')
+        before = {name for name, _ in self.model.named_parameters()}
+        if isinstance(self.model, PeftModel):
+            self.model.add_adapter(adapter_name, config_or_dir)
+        else:
+            self.groups.pop(FULL, None)
+            self.model = get_peft_model(self.model, config_or_dir, adapter_name=adapter_name)
+        params = [
+            p for name, p in self.model.named_parameters() if name not in before and adapter_name in name.split('.')
+        ]
+        self.groups[adapter_name] = TrainGroup(
+            name=adapter_name,
+            params=params,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            config=config_or_dir,
+        )
+        if weights_dir is not None:
+            self._load_adapter_weights(adapter_name, weights_dir)
+        self._activate(self.groups[adapter_name])
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return [name for name in self.groups if name != FULL]
+
+    def set_optimizer(
+        self, optimizer_cls: str | type = 'AdamW', *, adapter_name: str | None = None, **kwargs: Any
+    ) -> None:
+        """Any ``torch.optim`` optimizer by name or class; ``kwargs`` go to its constructor
+        (``lr`` defaults to 1e-5). Parameters of fewer than 2 dimensions (biases, norms) get no
+        weight decay."""
+        group = self._group(adapter_name)
+        kwargs.setdefault('lr', DEFAULT_OPTIMIZER['lr'])
+        group.optimizer = build_optimizer(optimizer_cls, _param_groups(group.params), kwargs)
+        group.scheduler = None
+
+    def set_lr_scheduler(self, scheduler_cls: str | type, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """A ``torch.optim.lr_scheduler`` scheduler, ``CosineWarmupScheduler`` or
+        ``LinearWarmupScheduler``; stepped once per optimizer step."""
+        group = self._group(adapter_name)
+        if group.optimizer is None:
+            raise StateError(f'set_optimizer(...) before set_lr_scheduler(...) for adapter {group.name!r}')
+        group.scheduler = build_scheduler(scheduler_cls, group.optimizer, kwargs)
+
+    def set_loss(self, loss_cls: str | type[Loss] | Loss, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        self._group(adapter_name).loss = LOSSES.build(loss_cls, Loss, **kwargs)
+
+    def set_template(
+        self, template_cls: str | type[Template] | Template, *, adapter_name: str | None = None, **kwargs: Any
+    ) -> None:
+        """The template that encodes trajectories given to this adapter; ``model_id`` defaults
+        to the model's own."""
+        if not isinstance(template_cls, Template):
+            kwargs.setdefault('model_id', self.model_id)
+        self._group(adapter_name).template = TEMPLATES.build(template_cls, Template, **kwargs)
+
+    def set_processor(
+        self,
+        processor_cls: str | type[InputProcessor] | InputProcessor,
+        *,
+        adapter_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._group(adapter_name).processor = PROCESSORS.build(processor_cls, InputProcessor, **kwargs)
+
+    def add_metric(
+        self,
+        metric: str | type[Metric] | Metric,
+        *,
+        is_training: bool = True,
+        adapter_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Add a metric fed ``accumulate(inputs=, outputs=, loss=)`` after every loss."""
+        group = self._group(adapter_name)
+        (group.train_metrics if is_training else group.eval_metrics).append(METRICS.build(metric, Metric, **kwargs))
+
+    # ---- forward and backward -------------------------------------------------------------------
+    def forward(self, *, inputs: Inputs, adapter_name: str | None = None) -> ModelOutput:
+        """A training-mode forward pass; ``calculate_loss`` and ``backward`` continue it."""
+        group = self._group(adapter_name)
+        batch, outputs = self._run(group, self._features(group, inputs), training=True)
+        group.pending = Pending(batch, outputs, training=True)
+        return _with_logps(outputs['logits'], batch)
+
+    def forward_only(
+        self, *, inputs: Inputs, adapter_name: str | None = None, disable_lora: bool = False
+    ) -> ModelOutput:
+        """An evaluation-mode forward pass without gradients (``disable_lora=True``: the base
+        model alone). ``calculate_loss`` afterwards feeds the evaluation metrics."""
+        group = self._group(adapter_name)
+        lora_off = self.model.disable_adapter() if disable_lora and self.adapter_names else contextlib.nullcontext()
+        with torch.no_grad(), lora_off:
+            batch, outputs = self._run(group, self._features(group, inputs), training=False)
+        group.pending = Pending(batch, outputs, training=False)
+        return _with_logps(outputs['logits'], batch)
+
+    def calculate_loss(self, *, adapter_name: str | None = None, **loss_inputs: Any) -> float:
+        """The loss of the last forward pass (its mean over the items the loss counts)."""
+        group = self._group(adapter_name)
+        if group.pending is None:
+            raise StateError(f'calculate_loss() needs a forward()/forward_only() first (adapter {group.name!r})')
+        pending = group.pending
+        pending.loss = self._loss(group, pending.batch, pending.outputs, pending.training, loss_inputs)
+        return float(pending.loss.loss.detach() / pending.loss.num_items.clamp(min=1))
+
+    def backward(self, *, adapter_name: str | None = None) -> None:
+        group = self._group(adapter_name)
+        pending = group.pending
+        if pending is None or pending.loss is None or not pending.training:
+            raise StateError(f'backward() needs forward() then calculate_loss() first (adapter {group.name!r})')
+        self._backward(group, pending.loss)
+        group.micro_step += 1
+        group.consumed_train_samples += len(pending.batch['input_ids'])
+        group.pending = None
+
+    def forward_backward(
+        self,
+        *,
+        inputs: Inputs,
+        adapter_name: str | None = None,
+        micro_batch_size: int | None = None,
+        **loss_inputs: Any,
+    ) -> ModelOutput:
+        """Forward, loss and backward over ``inputs`` (in chunks of ``micro_batch_size`` rows
+        if given: one accumulation step either way). Returns the loss of these inputs."""
+        group = self._group(adapter_name)
+        features = self._features(group, inputs)
+        started, total, items, trained = time.perf_counter(), 0.0, 0, 0
+        for rows, chunk_inputs in _chunks(features, micro_batch_size, loss_inputs):
+            batch, outputs = self._run(group, rows, training=True)
+            loss = self._loss(group, batch, outputs, True, chunk_inputs)
+            self._backward(group, loss)
+            total, items = total + loss.loss.detach(), items + loss.num_items.detach()
+            trained = trained + (batch['labels'] != IGNORE_INDEX).sum()
+        group.micro_step += 1
+        group.consumed_train_samples += len(features)
+        mean_loss = float(total / max(int(items), 1))  # the one device sync of the call
+        group.stats.accumulate(
+            num_tokens=sum(len(f['input_ids']) for f in features), elapsed_s=time.perf_counter() - started
+        )
+        return ModelOutput(loss=mean_loss, num_tokens=int(trained))
+
+    # ---- optimizer ------------------------------------------------------------------------------
+    def clip_grad_norm(
+        self, max_grad_norm: float = 1.0, norm_type: float = 2.0, *, adapter_name: str | None = None
+    ) -> float | None:
+        """At an accumulation boundary: normalise the summed gradient, clip it to
+        ``max_grad_norm`` and return its norm before clipping; ``None`` elsewhere."""
+        group = self._group(adapter_name)
+        if not group.at_boundary('clip'):
+            return None
+        started = time.perf_counter()
+        group.normalize_grads()
+        norm = torch.nn.utils.clip_grad_norm_(group.params, max_grad_norm, norm_type=norm_type)
+        group.last_grad_norm = norm
+        value = float(norm)
+        group.stats.accumulate(grad_norm=value, elapsed_s=time.perf_counter() - started)
+        return value
+
+    def step(self, *, adapter_name: str | None = None) -> bool:
+        """At an accumulation boundary, take an optimizer step; returns whether it did. A step
+        whose gradient norm (from ``clip_grad_norm``) is NaN or infinite is skipped."""
+        group = self._group(adapter_name)
+        if not group.at_boundary('step'):
+            return False
+        started = time.perf_counter()
+        group.normalize_grads()
+        if group.last_grad_norm is not None and not torch.isfinite(group.last_grad_norm):
+            logger.warning(f'adapter {group.name!r}: gradient norm is {float(group.last_grad_norm)}; step skipped')
+            group.last_grad_norm = None
+            return False
+        if group.optimizer is None:
+            logger.info(f'adapter {group.name!r} has no optimizer: using AdamW(lr={DEFAULT_OPTIMIZER["lr"]})')
+            self.set_optimizer(DEFAULT_OPTIMIZER['optimizer_cls'], adapter_name=group.name)
+        group.optimizer.step()
+        group.optim_step += 1
+        group.last_grad_norm = None
+        group.stats.accumulate(elapsed_s=time.perf_counter() - started, lr=group.current_lr(), stepped=True)
+        return True
+
+    def zero_grad(self, *, adapter_name: str | None = None) -> None:
+        group = self._group(adapter_name)
+        if group.at_boundary('zero_grad'):
+            for param in group.params:
+                param.grad = None
+            group.reset_accumulation()
+
+    def lr_step(self, *, adapter_name: str | None = None) -> None:
+        group = self._group(adapter_name)
+        if group.at_boundary('lr_step') and group.scheduler is not None:
+            group.scheduler.step()
+
+    # ---- metrics and configuration -------------------------------------------------------------
+    def calculate_metric(self, is_training: bool = True, *, adapter_name: str | None = None) -> dict[str, float]:
+        """Metrics since the last call, then reset: ``loss``, ``accuracy`` (token accuracy),
+        and for training ``lr``, ``grad_norm``, ``tokens_per_s`` and ``steps``."""
+        group = self._group(adapter_name)
+        metrics = group.train_metrics if is_training else group.eval_metrics
+        if is_training:
+            metrics = [*metrics, group.stats]
+        result: dict[str, float] = {}
+        for metric in metrics:
+            result.update(metric.calculate())
+            metric.reset()
+        return result
+
+    def get_train_configs(self, *, adapter_name: str | None = None) -> str:
+        group = self._group(adapter_name)
+        trainable = sum(p.numel() for p in group.params)
+        total = sum(p.numel() for p in self.model.parameters())
+        lines = [
+            f'model: {self.model_id}',
+            f'adapter: {group.name or "(full model)"}',
+            f'trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)',
+            f'gradient_accumulation_steps: {group.gradient_accumulation_steps}',
+            f'optimizer: {_describe(group.optimizer)}',
+            f'lr scheduler: {type(group.scheduler).__name__ if group.scheduler else None}',
+            f'loss: {type(group.loss).__name__}',
+            f'mixed precision: {self.mixed_precision}, device: {self.device}',
+        ]
+        if group.config is not None:
+            lines.append(f'adapter config: {group.config.to_dict()}')
+        return '\n'.join(lines)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save(
+        self,
+        name: str | None = None,
+        output_dir: str = 'output',
+        *,
+        adapter_name: str | None = None,
+        save_optimizer: bool = False,
+        consumed_train_samples: int | None = None,
+    ) -> str:
+        """Write ``output_dir/name`` atomically and return its path: the adapter as PEFT files
+        (``PeftModel.from_pretrained`` loads it) or, without adapters, the full model in Hugging
+        Face format; the tokenizer; with ``save_optimizer=True`` also the optimizer, scheduler,
+        RNG and trainer state that ``resume_from_checkpoint`` needs."""
+        group = self._group(adapter_name)
+        name = name or f'checkpoint-{group.optim_step}'
+        destination = Path(output_dir) / name
+        with ckpt.atomic_directory(destination) as staging:
+            self._save_weights(group, staging)
+            self._template_for(group).tokenizer.save_pretrained(str(staging))
+            if save_optimizer:
+                self._save_training_state(group, staging, consumed_train_samples)
+        return str(destination)
+
+    def load(
+        self,
+        name: str,
+        output_dir: str | None = None,
+        *,
+        adapter_name: str | None = None,
+        load_optimizer: bool = False,
+    ) -> str:
+        """Load adapter weights (and with ``load_optimizer=True`` the optimizer and scheduler)
+        from a checkpoint ``save`` wrote; ``name`` is a path, or a name under ``output_dir``."""
+        path = Path(output_dir) / name if output_dir else Path(name)
+        if not path.is_dir():
+            raise ckpt.CheckpointError(f'checkpoint {str(path)!r} does not exist or is not a directory')
+        group = self._group(adapter_name)
+        self._load_weights(group, path)
+        if load_optimizer:
+            self._load_optimizer(group, path)
+        return str(path)
+
+    def resume_from_checkpoint(
+        self, checkpoint_dir: str, *, adapter_name: str | None = None, resume_only_model: bool = False
+    ) -> dict[str, int]:
+        """Restore weights and, unless ``resume_only_model``, optimizer, scheduler, RNG and step
+        counters. Returns ``{'cur_step', 'optim_step', 'consumed_train_samples',
+        'gradient_accumulation_steps'}``: give ``consumed_train_samples`` to the DataLoader's
+        ``resume_from_checkpoint``."""
+        path = Path(checkpoint_dir)
+        group = self._group(adapter_name)
+        self.load(str(path), adapter_name=group.name, load_optimizer=False)
+        state = ckpt.read_trainer_state(path)
+        if not resume_only_model:
+            self._load_optimizer(group, path)
+            ckpt.set_rng_state(torch.load(path / ckpt.RNG_STATE, weights_only=False))
+            group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
+            group.gradient_accumulation_steps = state['gradient_accumulation_steps']
+            group.consumed_train_samples = state['consumed_train_samples']
+        return {
+            key: state[key]
+            for key in ('cur_step', 'optim_step', 'consumed_train_samples', 'gradient_accumulation_steps')
+        }
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _group(self, adapter_name: str | None) -> TrainGroup:
+        if adapter_name is None:
+            if len(self.groups) == 1:
+                return next(iter(self.groups.values()))
+            raise ConfigurationError(f'this model has several adapters; pass adapter_name= one of {self.adapter_names}')
+        try:
+            return self.groups[adapter_name]
+        except KeyError:
+            valid = self.adapter_names or ['(none: no adapter was added)']
+            raise UnknownNameError('adapter', adapter_name, valid) from None
+
+    def _template_for(self, group: TrainGroup) -> Template:
+        if group.template is not None:
+            return group.template
+        if self._template is None:
+            if self.model_id is None:
+                raise StateError('this model was built from a config: call set_template(...) first')
+            self._template = Template(self.model_id)
+        return self._template
+
+    def _features(self, group: TrainGroup, inputs: Inputs) -> list[InputFeature]:
+        rows = [inputs] if isinstance(inputs, Mapping) else list(inputs)
+        if not rows:
+            raise DataError('inputs is empty: pass at least one row')
+        if all('input_ids' in row for row in rows):
+            features = rows
+        else:
+            features = self._template_for(group).batch_encode(rows)
+            if not features:
+                raise DataError('every input row was dropped by the template (truncation_strategy="delete")')
+        self._check_tokens(features)
+        return features
+
+    def _check_tokens(self, features: Sequence[InputFeature]) -> None:
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for index, feature in enumerate(features):
+            ids = feature['input_ids']
+            if len(ids) == 0:
+                raise DataError(f'input row {index} has no tokens')
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise DataError(f'input row {index} has token id {bad}, outside the vocabulary [0, {vocab})')
+
+    def _activate(self, group: TrainGroup) -> None:
+        if isinstance(self.model, PeftModel) and self.model.active_adapter != group.name:
+            self.model.set_adapter(group.name)
+
+    def _run(self, group: TrainGroup, rows: Sequence[InputFeature], training: bool) -> tuple[dict, dict]:
+        self._activate(group)
+        self.model.train(training)
+        pad = self._template_for(group).pad_token_id
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in group.processor(rows, pad).items()}
+        model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
+        with self._autocast():
+            logits = self.model(**model_inputs, use_cache=False).logits
+        return batch, {'logits': logits}
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.mixed_precision == 'bf16':
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss(self, group: TrainGroup, batch: dict, outputs: dict, training: bool, loss_inputs: dict) -> LossOutput:
+        loss = group.loss(batch, outputs, **loss_inputs)
+        for metric in group.train_metrics if training else group.eval_metrics:
+            metric.accumulate(inputs=batch, outputs=outputs, loss=loss)
+        return loss
+
+    def _backward(self, group: TrainGroup, loss: LossOutput) -> None:
+        if not loss.loss.requires_grad:
+            raise StateError(f'the loss of adapter {group.name!r} does not require grad: nothing would be trained')
+        loss.loss.backward()
+        group.pending_items = group.pending_items + loss.num_items.detach()
+
+    def _save_weights(self, group: TrainGroup, directory: Path) -> None:
+        if group.name == FULL:
+            self.model.save_pretrained(str(directory), safe_serialization=True)
+            return
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        state = get_peft_model_state_dict(self.model, adapter_name=group.name)
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in state.items()},
+            str(directory / 'adapter_model.safetensors'),
+        )
+        config = copy.copy(group.config)
+        config.base_model_name_or_path = self.model_id
+        config.inference_mode = True
+        config.save_pretrained(str(directory))
+
+    def _load_weights(self, group: TrainGroup, directory: Path) -> None:
+        if group.name == FULL:
+            raise ConfigurationError(
+                'to continue full-parameter training, build TransformersModel(model_id=<checkpoint dir>) instead'
+            )
+        self._load_adapter_weights(group.name, directory)
+
+    def _load_adapter_weights(self, adapter_name: str, directory: Path) -> None:
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        weights = directory / 'adapter_model.safetensors'
+        if not weights.is_file():
+            raise ckpt.CheckpointError(f'{directory} has no adapter_model.safetensors: it is not an adapter checkpoint')
+        result = set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=adapter_name)
+        missing = [k for k in result.missing_keys if f'.{adapter_name}.' in k]
+        if missing:
+            raise ckpt.CheckpointError(
+                f'{directory} does not fit adapter {adapter_name!r}: {len(missing)} weights missing, e.g. {missing[0]}'
+            )
+
+    def _save_training_state(self, group: TrainGroup, directory: Path, consumed: int | None) -> None:
+        if group.optimizer is not None:
+            torch.save(group.optimizer.state_dict(), directory / ckpt.OPTIMIZER)
+        if group.scheduler is not None:
+            torch.save(group.scheduler.state_dict(), directory / ckpt.SCHEDULER)
+        torch.save(ckpt.rng_state(), directory / ckpt.RNG_STATE)
+        state = {
+            'checkpoint_version': ckpt.CHECKPOINT_VERSION,
+            'cur_step': group.micro_step,
+            'optim_step': group.optim_step,
+            'gradient_accumulation_steps': group.gradient_accumulation_steps,
+            'consumed_train_samples': group.consumed_train_samples if consumed is None else consumed,
+        }
+        ckpt.write_json(directory / ckpt.TRAINER_STATE, state)
+
+    def _load_optimizer(self, group: TrainGroup, directory: Path) -> None:
+        if (directory / ckpt.OPTIMIZER).is_file():
+            if group.optimizer is None:
+                raise StateError(f'set_optimizer(...) for adapter {group.name!r} before loading its optimizer state')
+            group.optimizer.load_state_dict(torch.load(directory / ckpt.OPTIMIZER, weights_only=True))
+        if (directory / ckpt.SCHEDULER).is_file() and group.scheduler is not None:
+            group.scheduler.load_state_dict(torch.load(directory / ckpt.SCHEDULER, weights_only=False))
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _default_precision(device: torch.device) -> str:
+    return 'bf16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'no'
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigurationError(f'{name} must be a positive integer; got {value!r}')
+
+
+def _param_groups(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups: list[dict[str, Any]] = [{'params': decay}]
+    if no_decay:
+        groups.append({'params': no_decay, 'weight_decay': 0.0})
+    return groups
+
+
+def _chunks(
+    features: list[InputFeature], size: int | None, loss_inputs: dict[str, Any]
+) -> Iterator[tuple[list[InputFeature], dict[str, Any]]]:
+    """Split rows, and the per-row loss inputs beside them, into micro-batches of ``size``."""
+    if size is None or size >= len(features):
+        yield features, loss_inputs
+        return
+    _check_positive('micro_batch_size', size)
+    for key, value in loss_inputs.items():
+        if isinstance(value, Sequence) and len(value) != len(features):
+            raise DataError(f'loss input {key!r} has {len(value)} entries for {len(features)} rows')
+    for start in range(0, len(features), size):
+        part = {k: v[start : start + size] if isinstance(v, Sequence) else v for k, v in loss_inputs.items()}
+        yield features[start : start + size], part
+
+
+def _with_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> ModelOutput:
+    """Logits plus the log-probability of each label token (0 where the label is ignored)."""
+    labels = batch['labels']
+    mask = labels != IGNORE_INDEX
+    with torch.no_grad():
+        logps = torch.log_softmax(logits.detach().float(), dim=-1)
+        logps = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    return ModelOutput(logits=logits, logps=logps, num_tokens=int(mask.sum()))
+
+
+def _describe(optimizer: torch.optim.Optimizer | None) -> str:
+    if optimizer is None:
+        return 'None'
+    hyper = {k: v for k, v in optimizer.defaults.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return f'{type(optimizer).__name__}({hyper})'
+
+
+__all__ = ['LoraConfig', 'TransformersModel']

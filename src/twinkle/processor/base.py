@@ -1,0 +1,86 @@
+"""Collation: a list of ``InputFeature`` rows into the tensors a model takes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from twinkle.data_format import IGNORE_INDEX, InputFeature
+from twinkle.errors import DataError, one_of
+from twinkle.registry import Registry
+
+#: Per-token fields and the value that pads each of them.
+_PAD_VALUES = {
+    'input_ids': None,
+    'labels': IGNORE_INDEX,
+    'attention_mask': 0,
+    'position_ids': 0,
+    'completion_mask': 0,
+}
+
+
+class InputProcessor:
+    """Pads (or packs) encoded rows into a batch.
+
+    ``padding_side`` is ``'right'`` (training) or ``'left'`` (generation). With
+    ``padding_free=True`` the rows are concatenated into a single row whose ``position_ids``
+    restart at 0 for each sequence and no attention mask is sent: transformers then builds a
+    block-diagonal causal mask, so no compute is spent on padding. Packing pays when lengths in
+    a batch differ a lot; the logits are the same as with padding.
+    """
+
+    def __init__(self, padding_side: Literal['left', 'right'] = 'right', padding_free: bool = False):
+        if padding_side not in ('left', 'right'):
+            raise one_of('padding_side', padding_side, ['left', 'right'])
+        self.padding_side = padding_side
+        self.padding_free = padding_free
+
+    def __call__(self, features: Sequence[InputFeature], pad_token_id: int) -> dict[str, torch.Tensor]:
+        if not features:
+            raise DataError('cannot collate an empty batch')
+        for index, feature in enumerate(features):
+            if 'input_ids' not in feature or 'labels' not in feature:
+                raise DataError(
+                    f'batch row {index} is not encoded: it has fields {sorted(feature)}, '
+                    "but 'input_ids' and 'labels' are needed (call dataset.encode() or set a template)"
+                )
+        fields = [name for name in _PAD_VALUES if all(name in f for f in features)]
+        if self.padding_free:
+            return self._pack(features, fields)
+        return self._pad(features, fields, pad_token_id)
+
+    def _pad(self, features: Sequence[InputFeature], fields: list[str], pad_token_id: int) -> dict[str, torch.Tensor]:
+        width = max(len(f['input_ids']) for f in features)
+        batch = {}
+        for name in fields:
+            pad = pad_token_id if name == 'input_ids' else _PAD_VALUES[name]
+            rows = torch.full((len(features), width), pad, dtype=torch.long)
+            for i, feature in enumerate(features):
+                values = torch.as_tensor(feature[name], dtype=torch.long)
+                if self.padding_side == 'right':
+                    rows[i, : len(values)] = values
+                else:
+                    rows[i, width - len(values) :] = values
+            batch[name] = rows
+        if 'attention_mask' not in batch:
+            lengths = torch.tensor([len(f['input_ids']) for f in features])
+            positions = torch.arange(width).expand(len(features), width)
+            if self.padding_side == 'left':
+                positions = positions.flip(-1)
+            batch['attention_mask'] = (positions < lengths[:, None]).long()
+        return batch
+
+    def _pack(self, features: Sequence[InputFeature], fields: list[str]) -> dict[str, torch.Tensor]:
+        batch = {
+            name: torch.cat([torch.as_tensor(f[name], dtype=torch.long) for f in features])[None]
+            for name in fields
+            if name != 'attention_mask'
+        }
+        batch['position_ids'] = torch.cat([torch.arange(len(f['input_ids'])) for f in features])[None]
+        return batch
+
+
+PROCESSORS: Registry[InputProcessor] = Registry('processor')
+PROCESSORS.register(InputProcessor)

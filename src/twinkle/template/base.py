@@ -1,0 +1,208 @@
+"""Templates: a conversation in, token ids and training labels out.
+
+The text comes from the tokenizer's own chat template (``apply_chat_template``), so any model
+with a Hugging Face chat template works. Labels cover the assistant turns only: each turn's
+span is found by rendering the conversation up to that turn with the generation prompt (the
+span starts where that render stops agreeing with the full text) and up to the end of the
+turn (the span stops there, trailing whitespace excluded, so ``<|im_end|>`` is learned but the
+newline after it is not). Tokens are assigned to spans by their character offsets.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from twinkle.data_format import IGNORE_INDEX, InputFeature, Message, Trajectory
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, one_of
+from twinkle.registry import Registry
+
+TruncationStrategy = Literal['raise', 'left', 'right', 'delete']
+_ROLES = ('system', 'user', 'assistant', 'tool')
+
+
+class Template:
+    """Encodes trajectories (``{'messages': [...]}``) or raw text (``{'text': ...}``).
+
+    Example::
+
+        template = Template(tiny_model(), max_length=512)
+        feature = template.encode({'messages': [{'role': 'user', 'content': 'hi'},
+                                                {'role': 'assistant', 'content': 'hello'}]})
+        # feature['labels'] holds the ids of 'hello<|im_end|>' at the positions that predict them
+    """
+
+    def __init__(
+        self,
+        model_id: str,
+        use_chat_template: bool = True,
+        max_length: int | None = 8192,
+        truncation_strategy: TruncationStrategy = 'raise',
+        default_system: str | None = None,
+        enable_thinking: bool = True,
+        tokenizer: Any = None,
+    ):
+        if truncation_strategy not in ('raise', 'left', 'right', 'delete'):
+            raise one_of('truncation_strategy', truncation_strategy, ['raise', 'left', 'right', 'delete'])
+        if max_length is not None and max_length <= 0:
+            raise ConfigurationError(f'max_length must be positive or None; got {max_length}')
+        self.model_id = model_id
+        self.use_chat_template = use_chat_template
+        self.max_length = max_length
+        self.truncation_strategy = truncation_strategy
+        self.default_system = default_system
+        self.enable_thinking = enable_thinking
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_id)
+        if use_chat_template and not self.tokenizer.chat_template:
+            raise ConfigurationError(
+                f'the tokenizer of {model_id!r} has no chat template; pass use_chat_template=False '
+                'to join the messages as plain text'
+            )
+
+    # ---- public API -------------------------------------------------------------------------
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+    def encode(self, row: Trajectory | Mapping[str, Any], add_generation_prompt: bool = False) -> InputFeature | None:
+        """Encode one row. Returns ``None`` only when ``truncation_strategy='delete'`` drops it.
+
+        With ``add_generation_prompt=True`` the row is a prompt: it must not end with an
+        assistant turn, and the assistant header is appended so a sampler continues from it.
+        """
+        if 'messages' in row:
+            ids, trained = self._encode_messages(self._messages(row), add_generation_prompt)
+        elif 'text' in row:
+            ids, trained = self._encode_text(row['text'])
+        else:
+            raise DataError(f"a row to encode needs 'messages' or 'text'; it has fields {sorted(row)}")
+        truncated = self._truncate(ids, trained)
+        if truncated is None:
+            return None
+        feature = _feature(*truncated)
+        if 'user_data' in row:
+            feature['user_data'] = row['user_data']
+        return feature
+
+    def batch_encode(
+        self, rows: Sequence[Trajectory | Mapping[str, Any]], add_generation_prompt: bool = False
+    ) -> list[InputFeature]:
+        """Encode many rows; rows dropped by ``truncation_strategy='delete'`` are left out."""
+        encoded = (self.encode(row, add_generation_prompt) for row in rows)
+        return [feature for feature in encoded if feature is not None]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    # ---- steps --------------------------------------------------------------------------------
+    def _messages(self, row: Mapping[str, Any]) -> list[Message]:
+        messages = row['messages']
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"'messages' must be a non-empty list of {{'role', 'content'}} dicts; got {messages!r}")
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping) or 'role' not in message or 'content' not in message:
+                raise DataError(f"message {index} needs 'role' and 'content'; got {message!r}")
+            if message['role'] not in _ROLES:
+                raise DataError(f'message {index} has role {message["role"]!r}; accepted roles are {list(_ROLES)}')
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if self.default_system is not None and messages[0]['role'] != 'system':
+            messages.insert(0, {'role': 'system', 'content': self.default_system})
+        return messages
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool, tools: Any = None) -> str:
+        if not self.use_chat_template:
+            text = '\n'.join(m['content'] for m in messages)
+            return text + '\n' if add_generation_prompt else text
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=self.enable_thinking,
+        )
+
+    def _assistant_spans(self, messages: list[Message], full: str) -> list[tuple[int, int]]:
+        spans = []
+        for index, message in enumerate(messages):
+            if message['role'] != 'assistant':
+                continue
+            start = _common_prefix(self._render(messages[:index], add_generation_prompt=True), full)
+            stop = _common_prefix(self._render(messages[: index + 1], add_generation_prompt=False), full)
+            stop = len(full[:stop].rstrip())
+            if stop > start:
+                spans.append((start, stop))
+        return spans
+
+    def _encode_messages(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
+        if add_generation_prompt and messages[-1]['role'] == 'assistant':
+            raise DataError(
+                'add_generation_prompt=True encodes a prompt, but the conversation ends with an assistant '
+                'turn; remove it (keep reference answers in user_data)'
+            )
+        full = self._render(messages, add_generation_prompt)
+        spans = [] if add_generation_prompt else self._assistant_spans(messages, full)
+        encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = encoding['input_ids']
+        trained = [any(start <= lo < stop for start, stop in spans) for lo, _ in encoding['offset_mapping']]
+        return ids, trained
+
+    def _encode_text(self, text: str) -> tuple[list[int], list[bool]]:
+        if not isinstance(text, str) or not text:
+            raise DataError(f"'text' must be a non-empty string; got {text!r}")
+        ids = self.tokenizer(text, add_special_tokens=False)['input_ids']
+        if self.tokenizer.eos_token_id is not None:
+            ids = [*ids, self.tokenizer.eos_token_id]
+        return ids, [True] * len(ids)
+
+    def _truncate(self, ids: list[int], trained: list[bool]) -> tuple[list[int], list[bool]] | None:
+        limit = self.max_length
+        if limit is None or len(ids) <= limit:
+            return ids, trained
+        if self.truncation_strategy == 'raise':
+            raise SequenceTooLongError(
+                f'an encoded sequence has {len(ids)} tokens, over max_length={limit}; raise max_length '
+                "or set truncation_strategy to 'left', 'right' or 'delete'"
+            )
+        if self.truncation_strategy == 'delete':
+            return None
+        if self.truncation_strategy == 'left':
+            return ids[-limit:], trained[-limit:]
+        return ids[:limit], trained[:limit]
+
+
+def _feature(ids: list[int], trained: list[bool]) -> InputFeature:
+    """Pre-shift the labels: position i predicts token i + 1 when that token is trained."""
+    labels = [ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)] + [IGNORE_INDEX]
+    return {
+        'input_ids': ids,
+        'attention_mask': [1] * len(ids),
+        'position_ids': list(range(len(ids))),
+        'labels': labels,
+        'completion_mask': [int(label != IGNORE_INDEX) for label in labels],
+        'length': len(ids),
+    }
+
+
+def _common_prefix(a: str, b: str) -> int:
+    limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:
+        return limit
+    return next(i for i in range(limit) if a[i] != b[i])
+
+
+def load_tokenizer(model_id: str) -> Any:
+    """The tokenizer of a model id (``ms://``, ``hf://`` or a local directory)."""
+    from transformers import AutoTokenizer
+
+    from twinkle.hub import resolve_model
+
+    path = resolve_model(model_id)
+    if not os.path.isdir(path):
+        raise ConfigurationError(f'model id {model_id!r} resolved to {path!r}, which is not a directory')
+    return AutoTokenizer.from_pretrained(path)
+
+
+TEMPLATES: Registry[Template] = Registry('template')
+TEMPLATES.register(Template)
