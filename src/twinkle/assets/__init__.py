@@ -15,7 +15,7 @@ Typical use (``path`` is a normal Hugging Face folder)::
 """
 
 from twinkle.assets.cache import twinkle_home
-from twinkle.assets.data import DATASETS, dataset
+from twinkle.assets.data import DATASETS, dataset, dataset_splits
 from twinkle.assets.models import MODELS, tiny_model
 
-__all__ = ['DATASETS', 'MODELS', 'dataset', 'tiny_model', 'twinkle_home']
+__all__ = ['DATASETS', 'MODELS', 'dataset', 'dataset_splits', 'tiny_model', 'twinkle_home']

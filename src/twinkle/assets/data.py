@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from twinkle.assets import gsm8k, self_cognition
-from twinkle.assets.cache import asset_dir, build_once
+from twinkle.assets.cache import build_asset
 from twinkle.errors import UnknownNameError, one_of
 
 Rows = list[dict[str, str]]
@@ -50,6 +50,21 @@ def _write_splits(recipe: DatasetRecipe, folder: Path) -> None:
         write_jsonl(folder / f'{split}.jsonl', rows)
 
 
+def _recipe(name: str) -> DatasetRecipe:
+    if name not in DATASET_RECIPES:
+        raise UnknownNameError('dataset', name, DATASETS)
+    return DATASET_RECIPES[name]
+
+
+def dataset_splits(name: str) -> tuple[str, ...]:
+    """The split names of embedded dataset ``name``, without building it.
+
+    >>> dataset_splits('gsm8k')
+    ('train', 'test')
+    """
+    return _recipe(name).splits
+
+
 def dataset(name: str, split: str = 'train') -> str:
     """Path of the JSONL file of split ``split`` of embedded dataset ``name``.
 
@@ -61,11 +76,8 @@ def dataset(name: str, split: str = 'train') -> str:
     >>> Path(dataset('gsm8k', 'test')).name
     'test.jsonl'
     """
-    if name not in DATASET_RECIPES:
-        raise UnknownNameError('dataset', name, DATASETS)
-    recipe = DATASET_RECIPES[name]
+    recipe = _recipe(name)
     if split not in recipe.splits:
         raise one_of(f'split of dataset {name!r}', split, recipe.splits)
-    final = asset_dir('datasets', f'{name}-v{recipe.version}')
-    folder = build_once(final, lambda tmp: _write_splits(recipe, tmp))
+    folder = build_asset('datasets', f'{name}-v{recipe.version}', lambda tmp: _write_splits(recipe, tmp))
     return str(folder / f'{split}.jsonl')

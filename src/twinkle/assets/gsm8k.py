@@ -109,7 +109,7 @@ def _give_away(rng: random.Random) -> Problem:
     name, k, s = rng.choice(NAMES), rng.choice((2, 3, 4, 5)), Solution()
     apples = k * rng.randint(4, 20)
     give_text, give = s.calc(apples, '/', k)
-    e = rng.randint(1, apples - give - 1)
+    e = rng.randint(2, apples - give - 1)
     s.say(f'{name} gives away {give_text} apples.')
     left_text, left = s.calc(apples, '-', give)
     s.say(f'{name} then has {left_text} apples.')
@@ -124,7 +124,7 @@ def _give_away(rng: random.Random) -> Problem:
 def _chairs(rng: random.Random) -> Problem:
     r, c, s = rng.randint(3, 12), rng.randint(4, 15), Solution()
     chairs_text, chairs = s.calc(r, '*', c)
-    students = rng.randint(1, chairs - 1)
+    students = rng.randint(2, chairs - 1)
     s.say(f'There are {chairs_text} chairs in the hall.')
     s.say(f'{s.calc(chairs, "-", students)[0]} chairs are empty.')
     q = f'A hall has {r} rows of {c} chairs. If {students} students sit down, how many chairs are empty?'
@@ -133,7 +133,7 @@ def _chairs(rng: random.Random) -> Problem:
 
 def _ages(rng: random.Random) -> Problem:
     a, b = rng.sample(NAMES, 2)
-    y, x, z, s = rng.randint(3, 40), rng.randint(1, 30), rng.randint(1, 15), Solution()
+    y, x, z, s = rng.randint(3, 40), rng.randint(2, 30), rng.randint(2, 15), Solution()
     a_text, a_now = s.calc(y, '+', x)
     s.say(f'{a} is {a_text} years old now.')
     a_later_text, a_later = s.calc(a_now, '+', z)
@@ -160,7 +160,7 @@ def _savings(rng: random.Random) -> Problem:
 
 def _distance(rng: random.Random) -> Problem:
     name, place, s = rng.choice(NAMES), rng.choice(PLACES), Solution()
-    v, h, u, g = rng.randint(30, 70), rng.randint(1, 5), rng.randint(20, 60), rng.randint(1, 4)
+    v, h, u, g = rng.randint(30, 70), rng.randint(2, 5), rng.randint(20, 60), rng.randint(2, 4)
     first_text, first = s.calc(v, '*', h)
     s.say(f'First {name} drives {first_text} miles.')
     second_text, second = s.calc(u, '*', g)
@@ -176,7 +176,7 @@ def _distance(rng: random.Random) -> Problem:
 def _baking(rng: random.Random) -> Problem:
     name, f, b, s = rng.choice(NAMES), rng.randint(2, 6), rng.randint(2, 9), Solution()
     need_text, need = s.calc(f, '*', b)
-    have = rng.randint(1, need - 1)
+    have = rng.randint(2, need - 1)
     s.say(f'{name} needs {need_text} cups of flour.')
     s.say(f'{name} must buy {s.calc(need, "-", have)[0]} more cups of flour.')
     q = (
@@ -197,7 +197,7 @@ def _discount(rng: random.Random) -> Problem:
 
 def _sharing(rng: random.Random) -> Problem:
     name, k, each, s = rng.choice(NAMES), rng.randint(2, 9), rng.randint(3, 15), Solution()
-    candies, e = k * each, rng.randint(1, each - 1)
+    candies, e = k * each, rng.randint(2, each - 1)
     share_text, share = s.calc(candies, '/', k)
     s.say(f'Each friend gets {share_text} candies.')
     s.say(f'Each friend has {s.calc(share, "-", e)[0]} candies left.')
@@ -223,7 +223,7 @@ def _garden(rng: random.Random) -> Problem:
 
 def _marbles(rng: random.Random) -> Problem:
     a, b, c = rng.sample(NAMES, 3)
-    x, f, s = rng.randint(3, 40), rng.randint(1, 5), Solution()
+    x, f, s = rng.randint(3, 40), rng.randint(2, 5), Solution()
     b_text, b_has = s.calc(x, '*', 2)
     s.say(f'{b} has {b_text} marbles.')
     c_text, c_has = s.calc(b_has, '-', f)
@@ -240,7 +240,7 @@ def _marbles(rng: random.Random) -> Problem:
 
 def _tickets(rng: random.Random) -> Problem:
     place, s = rng.choice(PLACES), Solution()
-    adult, child, n, m = rng.randint(10, 30), rng.randint(3, 9), rng.randint(1, 4), rng.randint(1, 5)
+    adult, child, n, m = rng.randint(10, 30), rng.randint(3, 9), rng.randint(2, 4), rng.randint(2, 5)
     a_text, a = s.calc(n, '*', adult)
     s.say(f'The adult tickets cost {a_text} dollars.')
     c_text, c = s.calc(m, '*', child)
@@ -254,7 +254,7 @@ def _tickets(rng: random.Random) -> Problem:
 
 
 def _legs(rng: random.Random) -> Problem:
-    name, d, c, s = rng.choice(NAMES), rng.randint(1, 12), rng.randint(1, 30), Solution()
+    name, d, c, s = rng.choice(NAMES), rng.randint(2, 12), rng.randint(2, 30), Solution()
     dog_text, dog = s.calc(d, '*', 4)
     s.say(f'The dogs have {dog_text} legs.')
     hen_text, hen = s.calc(c, '*', 2)
@@ -266,7 +266,7 @@ def _legs(rng: random.Random) -> Problem:
 
 def _episodes(rng: random.Random) -> Problem:
     name, m, s = rng.choice(NAMES), rng.choice((20, 30, 40, 45, 60, 90)), Solution()
-    e = rng.randint(1, 8) * (60 // math.gcd(m, 60))  # so that m * e is a whole number of hours
+    e = rng.randint(2, 8) * (60 // math.gcd(m, 60))  # so that m * e is a whole number of hours
     minutes_text, minutes = s.calc(m, '*', e)
     s.say(f'{name} watches for {minutes_text} minutes.')
     s.say(f'That is {s.calc(minutes, "/", 60)[0]} hours.')

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from twinkle.assets import tokenizer as tok
-from twinkle.assets.cache import asset_dir, build_once
+from twinkle.assets.cache import build_asset
 from twinkle.errors import UnknownNameError
 
 if TYPE_CHECKING:
@@ -110,13 +110,23 @@ def build_model(name: str) -> Qwen3ForCausalLM:
 
 
 def write_model(name: str, folder: Path) -> None:
-    """Save model ``name``, its generation config and the tokenizer files into ``folder``."""
+    """Save model ``name`` as a Hugging Face folder, with its tokenizer files, into ``folder``.
+
+    Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (written directly
+    rather than by ``save_pretrained``: the same bytes, and no progress bar), tokenizer files.
+    """
+    from safetensors.torch import save_file
     from transformers import GenerationConfig
 
     model = build_model(name)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(folder)
     pad, eos = tok.TOKEN_IDS[tok.PAD_TOKEN], tok.TOKEN_IDS[tok.EOS_TOKEN]
-    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
-    model.save_pretrained(folder, safe_serialization=True)
+    GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad).save_pretrained(folder)
+    # named_parameters() lists a tied weight once, under its first name (the embedding), which
+    # is how transformers saves tied checkpoints; the header metadata is fixed.
+    weights = {key: param.detach().contiguous() for key, param in model.named_parameters()}
+    save_file(weights, str(folder / 'model.safetensors'), metadata={'format': 'pt'})
     source = tok.tokenizer_dir()
     for file in tok.TOKENIZER_FILES:
         shutil.copyfile(source / file, folder / file)
@@ -140,5 +150,5 @@ def tiny_model(name: str = 'tiny-qwen3') -> str:
     twinkle.errors.UnknownNameError: Unknown model 'gpt-2'. Valid model names are: [...]
     """
     recipe(name)  # fail on an unknown name before touching the cache
-    folder = build_once(asset_dir('models', model_dir_name(name)), lambda tmp: write_model(name, tmp))
+    folder = build_asset('models', model_dir_name(name), lambda tmp: write_model(name, tmp))
     return str(folder)

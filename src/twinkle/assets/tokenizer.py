@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from twinkle.assets import gsm8k, self_cognition
-from twinkle.assets.cache import asset_dir, build_once
+from twinkle.assets.cache import build_asset
 from twinkle.assets.corpus import generated_text
 
 if TYPE_CHECKING:  # imported lazily below, so that `twinkle assets list` stays light
@@ -93,7 +93,7 @@ def train_tokenizer() -> Tokenizer:
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(
         vocab_size=BPE_SIZE,
         min_frequency=2,
@@ -165,4 +165,4 @@ def write_tokenizer(folder: Path) -> None:
 
 def tokenizer_dir() -> Path:
     """The cached tokenizer folder, trained on first use (about a second)."""
-    return build_once(asset_dir('tokenizers', TOKENIZER_NAME), write_tokenizer)
+    return build_asset('tokenizers', TOKENIZER_NAME, write_tokenizer)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
+from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
@@ -102,6 +103,10 @@ class TransformersModel(TwinkleModel):
             config_or_dir = PeftConfig.from_pretrained(str(weights_dir))
         if not isinstance(config_or_dir, PeftConfig):
             raise ConfigurationError(f'expected a peft config (e.g. LoraConfig) or a directory; got {config_or_dir!r}')
+        prefix = PEFT_TYPE_TO_PREFIX_MAPPING.get(config_or_dir.peft_type, '')
+        if adapter_name in prefix:
+            # peft would mistake such an adapter's weights for its own module names on loading.
+            raise ConfigurationError(f'adapter name {adapter_name!r} is part of the prefix {prefix!r}; choose another')
         before = {name for name, _ in self.model.named_parameters()}
         if isinstance(self.model, PeftModel):
             self.model.add_adapter(adapter_name, config_or_dir)

@@ -5,7 +5,13 @@ with a Hugging Face chat template works. Labels cover the assistant turns only: 
 span is found by rendering the conversation up to that turn with the generation prompt (the
 span starts where that render stops agreeing with the full text) and up to the end of the
 turn (the span stops there, trailing whitespace excluded, so ``<|im_end|>`` is learned but the
-newline after it is not). Tokens are assigned to spans by their character offsets.
+newline after it is not). Templates that render the last turn differently from earlier ones
+(Qwen3 adds an empty think block to the last assistant turn only) are handled by finding the
+turn's content in the full text instead.
+
+The text is tokenized piece by piece, cut at the span edges, so no token straddles a prompt
+and a completion: the completion tokens are exactly those a sampler would produce after the
+prompt, and the decoded labels are exactly the assistant text.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from twinkle.registry import Registry
 
 TruncationStrategy = Literal['raise', 'left', 'right', 'delete']
 _ROLES = ('system', 'user', 'assistant', 'tool')
+_SENTINEL = 'TWINKLE0SENTINEL0CONTENT'  # stands in for an assistant content to find what follows it
 
 
 class Template:
@@ -73,7 +80,7 @@ class Template:
         assistant turn, and the assistant header is appended so a sampler continues from it.
         """
         if 'messages' in row:
-            ids, trained = self._encode_messages(self._messages(row), add_generation_prompt)
+            ids, trained = self._encode_messages(self._messages(row), add_generation_prompt, row.get('tools'))
         elif 'text' in row:
             ids, trained = self._encode_text(row['text'])
         else:
@@ -123,30 +130,61 @@ class Template:
             enable_thinking=self.enable_thinking,
         )
 
-    def _assistant_spans(self, messages: list[Message], full: str) -> list[tuple[int, int]]:
+    def _assistant_spans(self, messages: list[Message], full: str, tools: Any = None) -> list[tuple[int, int]]:
         spans = []
         for index, message in enumerate(messages):
             if message['role'] != 'assistant':
                 continue
-            start = _common_prefix(self._render(messages[:index], add_generation_prompt=True), full)
-            stop = _common_prefix(self._render(messages[: index + 1], add_generation_prompt=False), full)
-            stop = len(full[:stop].rstrip())
+            start = _common_prefix(self._render(messages[:index], True, tools), full)
+            turn = self._render(messages[: index + 1], False, tools)
+            stop = _common_prefix(turn, full)
+            if stop < len(turn):  # the template renders a last turn differently from the same turn in history
+                stop = self._turn_end(messages, index, full, start, tools)
+            stop = max(start, len(full[:stop].rstrip()))
             if stop > start:
                 spans.append((start, stop))
         return spans
 
-    def _encode_messages(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
+    def _turn_end(self, messages: list[Message], index: int, full: str, start: int, tools: Any) -> int:
+        """Where assistant turn ``index`` ends in ``full`` when the template renders it differently
+        as the last turn than in history: after its content and the end-of-turn marker (the text
+        that follows the content in the last-turn render, ``<|im_end|>``). ``start`` (no span)
+        when the content is not in ``full``."""
+        content = messages[index].get('content') or ''
+        at = full.find(content, start) if content else -1
+        if at < 0:
+            return start
+        stop = at + len(content)
+        probe = [*messages[:index], {**messages[index], 'content': _SENTINEL}]
+        rendered = self._render(probe, False, tools)
+        marker = rendered[rendered.rfind(_SENTINEL) + len(_SENTINEL) :].rstrip() if _SENTINEL in rendered else ''
+        return stop + len(marker) if marker and full.startswith(marker, stop) else stop
+
+    def _encode_messages(
+        self, messages: list[Message], add_generation_prompt: bool, tools: Any = None
+    ) -> tuple[list[int], list[bool]]:
         if add_generation_prompt and messages[-1]['role'] == 'assistant':
             raise DataError(
                 'add_generation_prompt=True encodes a prompt, but the conversation ends with an assistant '
                 'turn; remove it (keep reference answers in user_data)'
             )
-        full = self._render(messages, add_generation_prompt)
-        spans = [] if add_generation_prompt else self._assistant_spans(messages, full)
-        encoding = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = encoding['input_ids']
-        trained = [any(start <= lo < stop for start, stop in spans) for lo, _ in encoding['offset_mapping']]
-        return ids, trained
+        full = self._render(messages, add_generation_prompt, tools)
+        spans = [] if add_generation_prompt else self._assistant_spans(messages, full, tools)
+        ids: list[int] = []
+        trained: list[bool] = []
+        cursor = 0
+        for start, stop in spans:
+            start = max(start, cursor)
+            for piece, is_trained in ((full[cursor:start], False), (full[start:stop], True)):
+                piece_ids = self._tokenize(piece)
+                ids += piece_ids
+                trained += [is_trained] * len(piece_ids)
+            cursor = max(cursor, stop)
+        rest = self._tokenize(full[cursor:])
+        return ids + rest, trained + [False] * len(rest)
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)['input_ids'] if text else []
 
     def _encode_text(self, text: str) -> tuple[list[int], list[bool]]:
         if not isinstance(text, str) or not text:

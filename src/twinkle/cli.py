@@ -1,0 +1,115 @@
+"""The ``twinkle`` command line.
+
+Each top-level command is one entry in ``COMMANDS``: a function that adds its parser (and its
+sub-actions) to the ``twinkle`` parser. Each action is a function ``(args) -> exit code``
+attached with ``set_defaults(run=...)``. To add a command, write its ``add_*_parser`` and its
+action functions, and list it in ``COMMANDS``.
+
+    twinkle assets list
+    twinkle assets model [NAME]
+    twinkle assets dataset NAME [--split SPLIT] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from twinkle.errors import TwinkleError
+
+Subparsers = argparse._SubParsersAction  # argparse exposes no public name for this type
+
+
+# --- twinkle assets ------------------------------------------------------------------------------
+
+
+def assets_list(args: argparse.Namespace) -> int:
+    """Print the embedded model and dataset names (with their splits)."""
+    from twinkle.assets import DATASETS, MODELS
+    from twinkle.assets.data import dataset_splits
+
+    print('models:')
+    for name in MODELS:
+        print(f'  {name}')
+    print('datasets:')
+    for name in DATASETS:
+        print(f'  {name} (splits: {", ".join(dataset_splits(name))})')
+    return 0
+
+
+def assets_model(args: argparse.Namespace) -> int:
+    """Build model ``args.name`` if needed and print its folder."""
+    from twinkle.assets import tiny_model
+
+    print(tiny_model(args.name))
+    return 0
+
+
+def assets_dataset(args: argparse.Namespace) -> int:
+    """Build dataset ``args.name`` if needed; print its file, or copy it to ``args.out``."""
+    from twinkle.assets import dataset
+
+    path = dataset(args.name, args.split)
+    if args.out is None:
+        print(path)
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, args.out)
+    print(args.out)
+    return 0
+
+
+def add_assets_parser(commands: Subparsers) -> None:
+    """``twinkle assets {list,model,dataset}``: the embedded models and datasets."""
+    assets = commands.add_parser('assets', help='embedded tiny models and datasets (built locally)')
+    actions = assets.add_subparsers(dest='action', required=True, metavar='ACTION')
+
+    listing = actions.add_parser('list', help='print the embedded model and dataset names')
+    listing.set_defaults(run=assets_list)
+
+    model = actions.add_parser('model', help='build a model if needed and print its folder')
+    model.add_argument('name', nargs='?', default='tiny-qwen3', help='model name (default: tiny-qwen3)')
+    model.set_defaults(run=assets_model)
+
+    data = actions.add_parser('dataset', help='build a dataset if needed and print its JSONL file')
+    data.add_argument('name', help='dataset name, see `twinkle assets list`')
+    data.add_argument('--split', default='train', help='split name (default: train)')
+    data.add_argument('--out', type=Path, default=None, help='write a copy of the file here')
+    data.set_defaults(run=assets_dataset)
+
+
+# --- the command table and entry point -----------------------------------------------------------
+
+COMMANDS: dict[str, Callable[[Subparsers], None]] = {
+    'assets': add_assets_parser,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``twinkle`` parser with every command in ``COMMANDS``."""
+    parser = argparse.ArgumentParser(prog='twinkle', description='Post-training for large language models.')
+    commands = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
+    for add_parser in COMMANDS.values():
+        add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line (``argv`` defaults to ``sys.argv[1:]``); return the exit code.
+
+    Errors twinkle raises on purpose (an unknown name, a bad split) print one line to stderr
+    and exit with 2, like argparse's own usage errors.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except TwinkleError as error:
+        print(f'twinkle: error: {error}', file=sys.stderr)
+        return 2
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Shared test set-up: everything offline, assets built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Set before anything imports huggingface_hub / datasets, which read these once.
+for _name in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE', 'TRANSFORMERS_OFFLINE', 'TWINKLE_OFFLINE', 'MODELSCOPE_OFFLINE'):
+    os.environ[_name] = '1'
+os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+# One asset cache for the whole run (CI sets TWINKLE_HOME to reuse it across runs).
+os.environ.setdefault('TWINKLE_HOME', str(Path(__file__).resolve().parent.parent / '.twinkle_home'))
+
+
+@pytest.fixture(scope='session')
+def tiny_model_dir() -> str:
+    from twinkle import assets
+
+    return assets.tiny_model()
+
+
+@pytest.fixture(scope='session')
+def self_cognition_path() -> str:
+    from twinkle import assets
+
+    return assets.dataset('self-cognition')
