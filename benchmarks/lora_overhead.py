@@ -13,13 +13,15 @@ The data (self-cognition, encoded once with twinkle's Dataset + Template) is cut
 batches; global step ``k`` of either loop trains on batch ``k``. After ``--warmup`` untimed
 steps each, the loops take turns (raw, twinkle, twinkle, raw, raw, twinkle, ...: the order
 flips every repeat so neither always runs first) for ``--repeats`` blocks of ``--steps`` timed
-steps. Collation is timed in both (it is part of every training step).
+steps. Short blocks keep the two timings of a batch close in time, so a change in machine
+load (another process starting) hits both. Collation is timed in both (it is part of every training step).
 
 Figures (``overhead_pct`` is the headline):
 
 * ``median_step_s``: median wall time of one step (forward, backward, clip, optimizer step).
-* ``tokens_per_s``: real (unpadded) input tokens over the wall time of a block, median over
-  the blocks.
+* ``tokens_per_s``: real (unpadded) input tokens of a step over its wall time, median over the
+  timed steps (``mean_tokens_per_s``: all tokens over all time, which a burst of load from
+  another process skews).
 * ``throughput_ratio`` = twinkle tokens/s / raw tokens/s (1.0 = parity, below 1 = slower).
 * ``overhead_pct`` = (median over steps of twinkle_step_time / raw_step_time - 1) * 100: the
   extra time twinkle spends per step, each step compared with the raw step on the same batch.
@@ -183,16 +185,16 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 # ---- timing ---------------------------------------------------------------------------------------
 @dataclass
 class Trace:
-    """What one loop did: per-step losses (every step) and times (timed steps only)."""
+    """What one loop did: the loss of every step, and the wall time and input tokens of each
+    timed step."""
 
     losses: list[float]
     step_s: list[float]
-    block_tokens_per_s: list[float]
+    step_tokens: list[int]
 
 
 def run_steps(loop: Loop, batches: list[Batch], first: int, count: int, device: torch.device, trace: Trace) -> None:
     """Global steps ``first .. first + count - 1`` (step k trains batch k mod len(batches))."""
-    tokens, started = 0, time.perf_counter()
     for k in range(first, first + count):
         batch = batches[k % len(batches)]
         began = time.perf_counter()
@@ -200,17 +202,18 @@ def run_steps(loop: Loop, batches: list[Batch], first: int, count: int, device: 
         if device.type == 'cuda':
             torch.cuda.synchronize(device)
         trace.step_s.append(time.perf_counter() - began)
-        tokens += sum(len(row['input_ids']) for row in batch)
-    trace.block_tokens_per_s.append(tokens / (time.perf_counter() - started))
+        trace.step_tokens.append(sum(len(row['input_ids']) for row in batch))
 
 
 def benchmark(loops: dict[str, Loop], batches: list[Batch], settings: Settings) -> dict[str, Trace]:
+    """Warm up each loop, then alternate timed blocks: A B, B A, A B, ... (step k of both
+    loops trains the same batch)."""
     device = torch.device(settings.device)
     traces = {name: Trace([], [], []) for name in loops}
     for name, loop in loops.items():
         run_steps(loop, batches, 0, settings.warmup, device, traces[name])
         traces[name].step_s.clear()
-        traces[name].block_tokens_per_s.clear()
+        traces[name].step_tokens.clear()
     names = list(loops)
     for repeat in range(settings.repeats):
         first = settings.warmup + repeat * settings.steps
@@ -223,12 +226,13 @@ def benchmark(loops: dict[str, Loop], batches: list[Batch], settings: Settings) 
 def summarize(traces: dict[str, Trace]) -> dict[str, Any]:
     raw, tw = traces['raw'], traces['twinkle']
     ratios = [t / r for t, r in zip(tw.step_s, raw.step_s, strict=True)]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     loss_diffs = [abs(a - b) for a, b in zip(raw.losses, tw.losses, strict=True)]
     per_loop = {
         name: {
             'median_step_s': statistics.median(trace.step_s),
-            'tokens_per_s': statistics.median(trace.block_tokens_per_s),
-            'block_tokens_per_s': trace.block_tokens_per_s,
+            'tokens_per_s': statistics.median(n / t for n, t in zip(trace.step_tokens, trace.step_s, strict=True)),
+            'mean_tokens_per_s': sum(trace.step_tokens) / sum(trace.step_s),
             'first_loss': trace.losses[0],
             'last_loss': trace.losses[-1],
         }
@@ -238,6 +242,8 @@ def summarize(traces: dict[str, Trace]) -> dict[str, Any]:
         'loops': per_loop,
         'throughput_ratio': per_loop['twinkle']['tokens_per_s'] / per_loop['raw']['tokens_per_s'],
         'overhead_pct': (statistics.median(ratios) - 1) * 100,
+        # The middle half of the per-step ratios: a wide range means a noisy machine.
+        'overhead_pct_iqr': [(quartiles[0] - 1) * 100, (quartiles[2] - 1) * 100],
         'overhead_pct_of_median_step': (per_loop['twinkle']['median_step_s'] / per_loop['raw']['median_step_s'] - 1)
         * 100,
         'first_loss_abs_diff': loss_diffs[0],
@@ -255,6 +261,8 @@ def environment(settings: Settings) -> dict[str, Any]:
         'peft': peft.__version__,
         'python': platform.python_version(),
         'cpu_count': os.cpu_count(),
+        # This run adds about torch_threads; more means other processes competed for the CPU.
+        'load_average_1min': os.getloadavg()[0],
         'torch_threads': torch.get_num_threads(),
         'device': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu',
     }
@@ -270,7 +278,11 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f'  {name:8s} median step {1000 * loop["median_step_s"]:8.1f} ms   {loop["tokens_per_s"]:9.0f} tokens/s')
     print(f'  throughput ratio (twinkle / raw tokens/s): {fig["throughput_ratio"]:.3f}')
     verdict = 'within' if fig['within_target'] else 'OVER'
-    print(f'  overhead (median per-step twinkle/raw - 1): {fig["overhead_pct"]:+.1f}% ({verdict} the 5% target)')
+    low, high = fig['overhead_pct_iqr']
+    print(
+        f'  overhead (median per-step twinkle/raw - 1): {fig["overhead_pct"]:+.1f}% ({verdict} the 5% target;'
+        f' middle half of steps {low:+.1f}% .. {high:+.1f}%)'
+    )
     match = 'match' if fig['losses_match'] else 'DIFFER'
     print(
         f'  first-step loss raw {fig["loops"]["raw"]["first_loss"]:.6f} twinkle {fig["loops"]["twinkle"]["first_loss"]:.6f}'
@@ -283,9 +295,9 @@ def parse_args() -> tuple[Settings, Path]:
     parser.add_argument('--model', default='small-qwen3', help='embedded model name or a local model directory')
     parser.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
     parser.add_argument('--mixed-precision', default=None, choices=['no', 'bf16'], help='default: bf16 on cuda')
-    parser.add_argument('--steps', type=int, default=20, help='timed steps per block')
-    parser.add_argument('--warmup', type=int, default=3, help='untimed steps per loop before timing')
-    parser.add_argument('--repeats', type=int, default=5, help='timed blocks per loop')
+    parser.add_argument('--steps', type=int, default=2, help='timed steps per block')
+    parser.add_argument('--warmup', type=int, default=2, help='untimed steps per loop before timing')
+    parser.add_argument('--repeats', type=int, default=15, help='timed blocks per loop (short blocks resist drift)')
     parser.add_argument('--batch-size', type=int, default=8)
     parser.add_argument('--max-length', type=int, default=256)
     parser.add_argument('--output', default='benchmarks/results/lora_overhead.json')

@@ -100,9 +100,7 @@ def test_the_hf_cache_built_here_is_one_huggingface_hub_recognises(offline_env: 
     make_hf_repo(offline_env / 'hf', 'org/data', 'dataset', {'train.jsonl': '{"a": 1}\n'})
     info = huggingface_hub.scan_cache_dir(offline_env / 'hf')
     assert not info.warnings
-    found = {
-        (r.repo_id, r.repo_type, rev.commit_hash, tuple(rev.refs)) for r in info.repos for rev in r.revisions
-    }
+    found = {(r.repo_id, r.repo_type, rev.commit_hash, tuple(rev.refs)) for r in info.repos for rev in r.revisions}
     assert found == {('org/tiny', 'model', COMMIT, ('main',)), ('org/data', 'dataset', COMMIT, ('main',))}
 
 

@@ -153,7 +153,9 @@ def test_forward_backward_loss_is_the_token_mean_cross_entropy(tiny_model_dir, r
     expected = -(out.logps.sum() / out.num_tokens).item()
     assert math.isclose(model.calculate_loss(), expected, rel_tol=1e-5)
     model.backward()
-    assert math.isclose(new_model(tiny_model_dir, 'default').forward_backward(inputs=batch).loss, expected, rel_tol=1e-5)
+    assert math.isclose(
+        new_model(tiny_model_dir, 'default').forward_backward(inputs=batch).loss, expected, rel_tol=1e-5
+    )
 
 
 def test_saved_adapter_loads_in_plain_peft_with_the_same_logits(tiny_model_dir, rows, tmp_path):

@@ -3,10 +3,10 @@
 Layout under :func:`twinkle_home`::
 
     assets/
-      tokenizers/twinkle-bpe-4096-v1/      tokenizer.json, tokenizer_config.json
-      models/tiny-qwen3-v1.1/               config.json, model.safetensors, tokenizer files...
-      datasets/gsm8k-v1/                    train.jsonl, test.jsonl
-      locks/                                one FileLock per asset, e.g. models-tiny-qwen3-v1.1.lock
+      tokenizers/twinkle-bpe-4096-v2/      tokenizer.json, tokenizer_config.json
+      models/tiny-qwen3-v1.2/               config.json, model.safetensors, tokenizer files...
+      datasets/gsm8k-v2/                    train.jsonl, test.jsonl
+      locks/                                one FileLock per asset, e.g. models-tiny-qwen3-v1.2.lock
 
 An asset is built into a temporary folder next to its final place and renamed into place in
 one step, under a per-asset file lock. A folder that exists under its final name is therefore

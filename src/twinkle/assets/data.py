@@ -32,8 +32,8 @@ class DatasetRecipe:
 
 
 DATASET_RECIPES: dict[str, DatasetRecipe] = {
-    'self-cognition': DatasetRecipe(1, lambda: {'train': self_cognition.rows()}, ('train',)),
-    'gsm8k': DatasetRecipe(1, gsm8k.splits, tuple(gsm8k.SPLIT_SIZES)),
+    'self-cognition': DatasetRecipe(2, lambda: {'train': self_cognition.rows()}, ('train',)),
+    'gsm8k': DatasetRecipe(2, gsm8k.splits, tuple(gsm8k.SPLIT_SIZES)),
 }
 DATASETS: tuple[str, ...] = tuple(DATASET_RECIPES)
 

@@ -20,7 +20,11 @@ from twinkle.errors import UnknownNameError
 if TYPE_CHECKING:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-MODEL_VERSION = 1  # bump when the config or weight recipe below changes
+MODEL_VERSION = 2  # bump when the config or weight recipe below changes
+# Scale of the output head. With normal(0, 0.02) and a 128-wide model, logits stay within about
+# +-3 however the hidden state turns, so the loss cannot fall far below 6 whatever LoRA learns;
+# at 0.1 the head can express confident predictions, as a trained model's does.
+LM_HEAD_STD = 0.1
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ def qwen3_config(name: str) -> Qwen3Config:
         initializer_range=0.02,
         rms_norm_eps=1e-6,
         rope_parameters={'rope_type': 'default', 'rope_theta': 1_000_000.0},
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         bos_token_id=tok.TOKEN_IDS[tok.PAD_TOKEN],
         eos_token_id=tok.TOKEN_IDS[tok.EOS_TOKEN],
         pad_token_id=tok.TOKEN_IDS[tok.PAD_TOKEN],
@@ -84,19 +88,20 @@ def qwen3_config(name: str) -> Qwen3Config:
 def init_weights(model: Qwen3ForCausalLM, seed: int) -> None:
     """Fill every parameter from one seeded stream, in ``named_parameters`` order.
 
-    Matrices (projections, the tied embedding) ~ normal(0, initializer_range); vectors (the
-    RMSNorm scales; Qwen3 has no biases) = 1. Independent of transformers' own init code.
+    Matrices (projections, the embedding) ~ normal(0, initializer_range), the output head
+    ~ normal(0, LM_HEAD_STD); vectors (the RMSNorm scales; Qwen3 has no biases) = 1.
+    Independent of transformers' own init code.
     """
     import torch
 
     std = model.config.initializer_range
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, param in model.named_parameters():
+        for name, param in model.named_parameters():
             if param.ndim == 1:
                 param.fill_(1.0)
             else:
-                param.normal_(0.0, std, generator=generator)
+                param.normal_(0.0, LM_HEAD_STD if name == 'lm_head.weight' else std, generator=generator)
 
 
 def build_model(name: str) -> Qwen3ForCausalLM:
@@ -112,8 +117,8 @@ def build_model(name: str) -> Qwen3ForCausalLM:
 def write_model(name: str, folder: Path) -> None:
     """Save model ``name`` as a Hugging Face folder, with its tokenizer files, into ``folder``.
 
-    Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (written directly
-    rather than by ``save_pretrained``: the same bytes, and no progress bar), tokenizer files.
+    Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (written directly:
+    the bytes ``save_pretrained`` writes, without its progress bar), tokenizer files.
     """
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -123,8 +128,7 @@ def write_model(name: str, folder: Path) -> None:
     model.config.save_pretrained(folder)
     pad, eos = tok.TOKEN_IDS[tok.PAD_TOKEN], tok.TOKEN_IDS[tok.EOS_TOKEN]
     GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad).save_pretrained(folder)
-    # named_parameters() lists a tied weight once, under its first name (the embedding), which
-    # is how transformers saves tied checkpoints; the header metadata is fixed.
+    # The header metadata is fixed, so the bytes are too.
     weights = {key: param.detach().contiguous() for key, param in model.named_parameters()}
     save_file(weights, str(folder / 'model.safetensors'), metadata={'format': 'pt'})
     source = tok.tokenizer_dir()

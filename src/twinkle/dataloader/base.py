@@ -39,7 +39,7 @@ class DataLoader:
         data_seed: int = 0,
         drop_last: bool = False,
     ):
-        if not isinstance(batch_size, int) or batch_size <= 0:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
             raise ConfigurationError(f'batch_size must be a positive integer; got {batch_size!r}')
         if drop_last:
             min_batch_size = batch_size
@@ -48,16 +48,25 @@ class DataLoader:
         if callable(dataset) and not isinstance(dataset, (Dataset, Sequence)):
             dataset = dataset()
         self.dataset = dataset
-        self._rows = dataset.dataset if isinstance(dataset, Dataset) else dataset
         if len(self._rows) == 0:
             raise DataError('the dataset is empty: there is nothing to load')
         self.batch_size = batch_size
         self.min_batch_size = min_batch_size or 1
+        if len(self._rows) < self.min_batch_size:
+            raise DataError(
+                f'the dataset has {len(self._rows)} rows, fewer than min_batch_size={self.min_batch_size} '
+                '(drop_last=True means min_batch_size=batch_size): every epoch would be empty'
+            )
         self.shuffle = shuffle
         self.data_seed = data_seed
         self.epoch = 0
         self._offset = 0  # samples of the current epoch already handed out
         self._consumed = 0
+
+    @property
+    def _rows(self) -> Any:
+        """The rows as they are now (a ``Dataset`` may be mapped or encoded after the loader is made)."""
+        return self.dataset.dataset if isinstance(self.dataset, Dataset) else self.dataset
 
     @property
     def samples_per_epoch(self) -> int:
@@ -79,14 +88,24 @@ class DataLoader:
         return list(getitems(indices)) if getitems else [self._rows[i] for i in indices]
 
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
-        """The rest of the current epoch (all of it, unless a run was resumed or interrupted)."""
-        order, end = self._order(self.epoch), self.samples_per_epoch
+        """The rest of the current epoch (all of it, unless a run was resumed or interrupted).
+
+        The position moves on as each batch is handed out, and to the next epoch with the last
+        batch, so ``get_state()`` is right even when the caller stops pulling batches early
+        (``zip(range(steps), loader)``) and the next ``iter`` starts a full epoch."""
+        end = self.samples_per_epoch
+        if self._offset >= end:  # the rows were cut down (filter, encode) under a half-read epoch
+            self.epoch, self._offset = self.epoch + 1, 0
+        order = self._order(self.epoch)
         while self._offset < end:
             indices = order[self._offset : min(self._offset + self.batch_size, end)]
             self._offset += len(indices)
             self._consumed += len(indices)
+            if self._offset == end:
+                self.epoch, self._offset = self.epoch + 1, 0
             yield self._fetch(indices)
-        self.epoch, self._offset = self.epoch + 1, 0
+            if self._offset == 0:
+                return
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning at the next iteration."""
@@ -99,6 +118,8 @@ class DataLoader:
         """Position the loader as if ``consumed_train_samples`` had been handed out from the start."""
         if consumed_train_samples < 0:
             raise ConfigurationError(f'consumed_train_samples must be >= 0; got {consumed_train_samples}')
+        if self.samples_per_epoch == 0:
+            raise DataError(f'the dataset has {len(self._rows)} rows, fewer than min_batch_size={self.min_batch_size}')
         self.epoch, self._offset = divmod(consumed_train_samples, self.samples_per_epoch)
         self._consumed = consumed_train_samples
 

@@ -5,7 +5,7 @@ dataset larger than memory works and ``map`` can run in several processes."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -90,7 +90,9 @@ class Dataset:
         self, interleave: bool = True, probabilities: Sequence[float] | None = None, seed: int | None = None
     ) -> Dataset:
         """Merge the added datasets: interleaved (round robin, or sampled with
-        ``probabilities``) or concatenated. Later ``map``/``encode`` calls apply to the mix."""
+        ``probabilities``) or concatenated. Interleaving stops when the first dataset runs out
+        (as ``datasets.interleave_datasets`` does by default), so rows of longer datasets past
+        that point are left out. Later ``map``/``encode`` calls apply to the mix."""
         parts = list(self.datasets.values())
         if len(parts) == 1:
             self._mixed = parts[0]
@@ -122,7 +124,7 @@ class Dataset:
         ``init_args``, or a plain function of one row) to every row. A ``None`` result drops the
         row; the result's fields replace the row's."""
         fn = _as_row_fn(preprocessor, init_args)
-        self._transform(dataset_meta, partial(_map_batch, fn), load_from_cache_file, batch_size)
+        self._transform(dataset_meta, fn, False, load_from_cache_file, batch_size)
         return self
 
     def filter(
@@ -151,7 +153,7 @@ class Dataset:
         if self.template is None:
             raise StateError('Dataset.encode() needs a template: call dataset.set_template(...) first')
         fn = partial(self.template.encode, add_generation_prompt=add_generation_prompt)
-        self._transform(dataset_meta, partial(_map_batch, fn, merge=True), load_from_cache_file, 1000 if batched else 1)
+        self._transform(dataset_meta, fn, True, load_from_cache_file, 1000 if batched else 1)
         return self
 
     # ---- plumbing -----------------------------------------------------------------------------
@@ -181,11 +183,21 @@ class Dataset:
         else:
             self.datasets[key] = data
 
-    def _transform(self, dataset_meta: DatasetMeta | None, fn: Callable, from_cache: bool, batch_size: int) -> None:
+    def _transform(
+        self, dataset_meta: DatasetMeta | None, fn: Callable, merge: bool, from_cache: bool, batch_size: int
+    ) -> None:
+        """Run the row function ``fn`` over the target dataset, in batches (``merge``: keep the
+        input fields beside the output).
+
+        The output columns are found first from the first row ``fn`` keeps, so that a batch whose
+        rows are all dropped still hands Arrow the same columns (empty) as the others."""
         key = self._target(dataset_meta)
         data = self._get(key)
+        columns = _output_columns(fn, data, merge)
+        if columns is None:
+            raise DataError(f'every one of the {len(data)} rows was dropped, leaving an empty dataset')
         mapped = data.map(
-            fn,
+            partial(_map_batch, fn, merge=merge, columns=columns),
             batched=True,
             batch_size=batch_size,
             remove_columns=data.column_names,
@@ -199,6 +211,9 @@ class Dataset:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.dataset[index]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.dataset)
 
     def __repr__(self) -> str:
         return f'Dataset({len(self)} rows, columns={self.dataset.column_names})'
@@ -226,30 +241,50 @@ def _as_row_fn(preprocessor: Any, init_args: Mapping[str, Any] | None) -> Callab
     )
 
 
-def _map_batch(fn: Callable, columns: dict[str, list], merge: bool = False) -> dict[str, list]:
-    """Run a row function over a column batch; ``merge`` keeps the input fields beside the output."""
-    names = list(columns)
-    size = len(columns[names[0]]) if names else 0
+def _map_batch(
+    fn: Callable, batch: dict[str, list], merge: bool = False, columns: Sequence[str] = ()
+) -> dict[str, list]:
+    """Run a row function over a column batch; ``merge`` keeps the input fields beside the output.
+    The result has ``columns`` (plus any new field a row brings), even when every row is dropped."""
+    names = list(batch)
+    size = len(batch[names[0]]) if names else 0
     rows = []
     for i in range(size):
-        row = {name: columns[name][i] for name in names}
-        result = fn(row)
-        if result is None:
-            continue
-        if not isinstance(result, Mapping):
-            raise DataError(f'a preprocessor returned {type(result).__name__} for row {row}; expected a dict or None')
-        rows.append({**row, **result} if merge else dict(result))
-    keys = list(dict.fromkeys(key for row in rows for key in row))
+        row = {name: batch[name][i] for name in names}
+        result = _call_row(fn, row)
+        if result is not None:
+            rows.append({**row, **result} if merge else dict(result))
+    keys = list(dict.fromkeys([*columns, *(key for row in rows for key in row)]))
     return {key: [row.get(key) for row in rows] for key in keys}
+
+
+def _call_row(fn: Callable, row: dict[str, Any]) -> Mapping[str, Any] | None:
+    result = fn(row)
+    if result is not None and not isinstance(result, Mapping):
+        raise DataError(f'a preprocessor returned {type(result).__name__} for row {row}; expected a dict or None')
+    return result
+
+
+def _output_columns(fn: Callable, data: hf.Dataset, merge: bool) -> list[str] | None:
+    """The columns mapping ``fn`` makes: those of the first row it keeps, or ``None`` when it
+    drops every row."""
+    for row in data:
+        result = _call_row(fn, row)
+        if result is not None:
+            return list({**row, **result} if merge else result)
+    return None
 
 
 def load_rows(meta: DatasetMeta, revision: str | None = None) -> hf.Dataset:
     """Load the rows a ``DatasetMeta`` points at and apply its ``data_slice``."""
     data = _from_memory(meta.data) if meta.data is not None else _from_files(meta, revision)
+    name = meta.dataset_id or '(in memory)'
     if len(data) == 0:
-        raise DataError(f'dataset {meta.dataset_id or "(in memory)"} split {meta.split!r} has no rows')
+        raise DataError(f'dataset {name} split {meta.split!r} has no rows')
     if meta.data_slice is not None:
         data = data.select([index % len(data) for index in meta.data_slice])
+        if len(data) == 0:
+            raise DataError(f'data_slice {meta.data_slice!r} selects no rows of dataset {name}')
     return data
 
 
@@ -274,8 +309,19 @@ def _from_files(meta: DatasetMeta, revision: str | None) -> hf.Dataset:
             f'cannot read {meta.dataset_id!r}: found {[str(f) for f in files][:5]}; '
             f'supported file types are {sorted(BUILDERS)}, one type per dataset'
         )
+    if all(_is_blank(f) for f in files):
+        raise DataError(f'dataset {meta.dataset_id!r} has no rows: its files are empty ({[str(f) for f in files][:5]})')
     kwargs = {'keep_default_na': False} if builders == {'csv'} else {}
-    return hf.load_dataset(builders.pop(), data_files=[str(f) for f in files], split='train', **kwargs)
+    try:
+        return hf.load_dataset(builders.pop(), data_files=[str(f) for f in files], split='train', **kwargs)
+    except StopIteration as e:  # datasets' json builder, on files holding only whitespace
+        raise DataError(f'dataset {meta.dataset_id!r} has no rows ({[str(f) for f in files][:5]})') from e
+
+
+def _is_blank(path: Path) -> bool:
+    """Empty, or (when small) only whitespace: no rows, which ``datasets`` reports obscurely."""
+    size = path.stat().st_size
+    return size == 0 or (size <= 65536 and not path.read_bytes().strip())
 
 
 def _suffix(path: Path) -> str:

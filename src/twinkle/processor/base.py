@@ -27,7 +27,9 @@ class InputProcessor:
     ``padding_side`` is ``'right'`` (training) or ``'left'`` (generation). With
     ``padding_free=True`` the rows are concatenated into a single row whose ``position_ids``
     restart at 0 for each sequence and no attention mask is sent: transformers then builds a
-    block-diagonal causal mask, so no compute is spent on padding. Packing pays when lengths in
+    block-diagonal causal mask, so no compute is spent on padding. It does so only without a
+    KV cache, so call the model with ``use_cache=False`` (an eval-mode model otherwise makes a
+    cache and silently lets the sequences attend to each other). Packing pays when lengths in
     a batch differ a lot; the logits are the same as with padding.
     """
 

@@ -16,6 +16,7 @@ prompt, and the decoded labels are exactly the assistant text.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -80,7 +81,7 @@ class Template:
         assistant turn, and the assistant header is appended so a sampler continues from it.
         """
         if 'messages' in row:
-            ids, trained = self._encode_messages(self._messages(row), add_generation_prompt, row.get('tools'))
+            ids, trained = self._encode_messages(self._messages(row), add_generation_prompt, _tools(row))
         elif 'text' in row:
             ids, trained = self._encode_text(row['text'])
         else:
@@ -139,7 +140,7 @@ class Template:
             turn = self._render(messages[: index + 1], False, tools)
             stop = _common_prefix(turn, full)
             if stop < len(turn):  # the template renders a last turn differently from the same turn in history
-                stop = self._turn_end(messages, index, full, start, tools)
+                stop = max(stop, self._turn_end(messages, index, full, start, tools))
             stop = max(start, len(full[:stop].rstrip()))
             if stop > start:
                 spans.append((start, stop))
@@ -147,9 +148,9 @@ class Template:
 
     def _turn_end(self, messages: list[Message], index: int, full: str, start: int, tools: Any) -> int:
         """Where assistant turn ``index`` ends in ``full`` when the template renders it differently
-        as the last turn than in history: after its content and the end-of-turn marker (the text
-        that follows the content in the last-turn render, ``<|im_end|>``). ``start`` (no span)
-        when the content is not in ``full``."""
+        as the last turn than in history: after its content and as much of the end-of-turn marker
+        (the text that follows the content in the last-turn render, ``<|im_end|>``) as ``full``
+        has there. ``start`` (no span) when the content is not in ``full``."""
         content = messages[index].get('content') or ''
         at = full.find(content, start) if content else -1
         if at < 0:
@@ -158,7 +159,7 @@ class Template:
         probe = [*messages[:index], {**messages[index], 'content': _SENTINEL}]
         rendered = self._render(probe, False, tools)
         marker = rendered[rendered.rfind(_SENTINEL) + len(_SENTINEL) :].rstrip() if _SENTINEL in rendered else ''
-        return stop + len(marker) if marker and full.startswith(marker, stop) else stop
+        return stop + _common_prefix(marker, full[stop : stop + len(marker)])
 
     def _encode_messages(
         self, messages: list[Message], add_generation_prompt: bool, tools: Any = None
@@ -208,6 +209,20 @@ class Template:
         if self.truncation_strategy == 'left':
             return ids[-limit:], trained[-limit:]
         return ids[:limit], trained[:limit]
+
+
+def _tools(row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The row's tool schemas for the chat template; a JSON string (how datasets often store
+    them, since schemas differ row to row) is parsed."""
+    tools = row.get('tools')
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"'tools' is a string but not JSON ({e}); got {tools[:80]!r}") from e
+    if tools is not None and not isinstance(tools, list):
+        raise DataError(f"'tools' must be a list of tool schemas (or its JSON); got {type(tools).__name__}")
+    return tools or None
 
 
 def _feature(ids: list[int], trained: list[bool]) -> InputFeature:

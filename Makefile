@@ -1,0 +1,30 @@
+# Two commands do all the set-up:  `make train` (the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is pinned first so pip takes the CPU wheel instead of pulling CUDA packages.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup train test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+train: setup  ## LoRA SFT of the embedded tiny model, with a progress bar
+	$(PY) cookbook/sft_self_cognition.py
+
+test: setup  ## lint, then the whole test suite (CPU only, offline)
+	$(VENV)/bin/ruff check src tests cookbook benchmarks
+	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
+	$(PY) -m pytest -q
+
+bench: setup  ## framework overhead against a raw PyTorch + PEFT loop
+	$(PY) benchmarks/lora_overhead.py
+
+clean:
+	rm -rf output .twinkle_home .pytest_cache
