@@ -13,6 +13,8 @@ for _name in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE', 'TRANSFORMERS_OFFLINE', '
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 # One asset cache for the whole run (CI sets TWINKLE_HOME to reuse it across runs).
 os.environ.setdefault('TWINKLE_HOME', str(Path(__file__).resolve().parent.parent / '.twinkle_home'))
+# Arrow caches of the datasets the tests load stay beside the assets, not in the user's cache.
+os.environ.setdefault('HF_DATASETS_CACHE', str(Path(os.environ['TWINKLE_HOME']) / 'hf-datasets'))
 
 
 @pytest.fixture(scope='session')

@@ -89,7 +89,7 @@ def test_two_adapters_trained_alternately_match_each_trained_alone(tiny_model_di
     batches_b = [rows[i : i + 4] for i in range(16, 32, 4)]
     both = new_model(tiny_model_dir, 'alice', 'bob')
     both.set_lr_scheduler('LinearLR', start_factor=0.5, total_iters=3, adapter_name='bob')
-    for batch_a, batch_b in zip(batches_a, batches_b):
+    for batch_a, batch_b in zip(batches_a, batches_b, strict=True):
         train(both, [batch_a], 'alice')
         train(both, [batch_b], 'bob')
 
