@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -31,8 +31,20 @@ for _name, _cls in vars(torch.optim.lr_scheduler).items():
         SCHEDULERS.register(_cls, name=_name)
 
 
-def _warmup_factor(step: int, num_warmup_steps: int) -> float:
-    return (step + 1) / (num_warmup_steps + 1)
+def _warmup_then(
+    num_warmup_steps: int, num_training_steps: int, min_lr_ratio: float, decay: Callable[[float], float]
+) -> Callable[[int], float]:
+    """A LambdaLR factor: linear warmup, then ``decay(progress)`` from 1 to 0 scaled into
+    ``[min_lr_ratio, 1]`` over the remaining steps."""
+    _check_steps(num_warmup_steps, num_training_steps)
+
+    def factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return (step + 1) / (num_warmup_steps + 1)
+        progress = min(1.0, (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * decay(progress)
+
+    return factor
 
 
 @SCHEDULERS.register
@@ -49,15 +61,10 @@ class CosineWarmupScheduler(LambdaLR):
         min_lr_ratio: float = 0.0,
         last_epoch: int = -1,
     ):
-        _check_steps(num_warmup_steps, num_training_steps)
+        def cosine(progress: float) -> float:
+            return 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
 
-        def factor(step: int) -> float:
-            if step < num_warmup_steps:
-                return _warmup_factor(step, num_warmup_steps)
-            progress = min(1.0, (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps))
-            cosine = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
-            return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
-
+        factor = _warmup_then(num_warmup_steps, num_training_steps, min_lr_ratio, cosine)
         super().__init__(optimizer, factor, last_epoch)
 
 
@@ -74,14 +81,10 @@ class LinearWarmupScheduler(LambdaLR):
         min_lr_ratio: float = 0.0,
         last_epoch: int = -1,
     ):
-        _check_steps(num_warmup_steps, num_training_steps)
+        def linear(progress: float) -> float:
+            return 1.0 - progress
 
-        def factor(step: int) -> float:
-            if step < num_warmup_steps:
-                return _warmup_factor(step, num_warmup_steps)
-            progress = min(1.0, (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps))
-            return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
-
+        factor = _warmup_then(num_warmup_steps, num_training_steps, min_lr_ratio, linear)
         super().__init__(optimizer, factor, last_epoch)
 
 
