@@ -20,6 +20,7 @@ from twinkle.errors import (
     UnknownNameError,
 )
 from twinkle.model import TransformersModel
+from twinkle.model import checkpoint as ckpt
 from twinkle.preprocessor import SelfCognitionProcessor
 
 
@@ -221,7 +222,7 @@ def test_checkpoint_swap_is_atomic_when_a_save_fails(tiny_model_dir, rows, tmp_p
     def crash(*args, **kwargs):
         raise OSError('disk full')
 
-    monkeypatch.setattr(model, '_save_training_state', crash)
+    monkeypatch.setattr(ckpt, 'save_training_state', crash)
     with pytest.raises(OSError, match='disk full'):
         model.save('ckpt', output_dir=str(tmp_path), save_optimizer=True)
     assert (path / 'adapter_model.safetensors').read_bytes() == before

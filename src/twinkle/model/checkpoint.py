@@ -7,6 +7,7 @@ or the new complete one, never a mixture.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -19,9 +20,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from peft import PeftModel
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 
-from twinkle.errors import CheckpointError
+from twinkle.errors import CheckpointError, StateError
+from twinkle.model.group import TrainGroup
 
+ADAPTER_WEIGHTS = 'adapter_model.safetensors'
 TRAINER_STATE = 'trainer_state.json'
 OPTIMIZER = 'optimizer.pt'
 SCHEDULER = 'scheduler.pt'
@@ -100,3 +106,52 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state['torch'])
     if 'cuda' in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def save_adapter(model: PeftModel, group: TrainGroup, base_model_id: str | None, directory: Path) -> None:
+    """The adapter as PEFT files at the top of ``directory`` (whatever its name), so that
+    ``PeftModel.from_pretrained(base, directory)`` loads it."""
+    state = get_peft_model_state_dict(model, adapter_name=group.name)
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS))
+    config = copy.copy(group.config)
+    config.base_model_name_or_path = base_model_id
+    config.inference_mode = True
+    config.save_pretrained(str(directory))
+
+
+def load_adapter(model: PeftModel, adapter_name: str, directory: Path) -> None:
+    weights = directory / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f'{directory} has no {ADAPTER_WEIGHTS}: it is not an adapter checkpoint')
+    result = set_peft_model_state_dict(model, load_file(str(weights)), adapter_name=adapter_name)
+    missing = [k for k in result.missing_keys if f'.{adapter_name}.' in k]
+    if missing:
+        raise CheckpointError(
+            f'{directory} does not fit adapter {adapter_name!r}: {len(missing)} weights missing, e.g. {missing[0]}'
+        )
+
+
+def save_training_state(group: TrainGroup, directory: Path, consumed: int | None) -> None:
+    """Optimizer, scheduler, RNG and counters: what ``resume_from_checkpoint`` restores."""
+    if group.optimizer is not None:
+        torch.save(group.optimizer.state_dict(), directory / OPTIMIZER)
+    if group.scheduler is not None:
+        torch.save(group.scheduler.state_dict(), directory / SCHEDULER)
+    torch.save(rng_state(), directory / RNG_STATE)
+    state = {
+        'checkpoint_version': CHECKPOINT_VERSION,
+        'cur_step': group.micro_step,
+        'optim_step': group.optim_step,
+        'gradient_accumulation_steps': group.gradient_accumulation_steps,
+        'consumed_train_samples': group.consumed_train_samples if consumed is None else consumed,
+    }
+    write_json(directory / TRAINER_STATE, state)
+
+
+def load_optimizer_state(group: TrainGroup, directory: Path) -> None:
+    if (directory / OPTIMIZER).is_file():
+        if group.optimizer is None:
+            raise StateError(f'set_optimizer(...) for adapter {group.name!r} before loading its optimizer state')
+        group.optimizer.load_state_dict(torch.load(directory / OPTIMIZER, weights_only=True))
+    if (directory / SCHEDULER).is_file() and group.scheduler is not None:
+        group.scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))

@@ -4,7 +4,6 @@ own optimizer, schedule, loss and accumulation count, behind the methods the use
 from __future__ import annotations
 
 import contextlib
-import copy
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -123,7 +122,7 @@ class TransformersModel(TwinkleModel):
             config=config_or_dir,
         )
         if weights_dir is not None:
-            self._load_adapter_weights(adapter_name, weights_dir)
+            ckpt.load_adapter(self.model, adapter_name, weights_dir)
         self._activate(self.groups[adapter_name])
 
     @property
@@ -348,10 +347,13 @@ class TransformersModel(TwinkleModel):
         name = name or f'checkpoint-{group.optim_step}'
         destination = Path(output_dir) / name
         with ckpt.atomic_directory(destination) as staging:
-            self._save_weights(group, staging)
+            if group.name == FULL:
+                self.model.save_pretrained(str(staging), safe_serialization=True)
+            else:
+                ckpt.save_adapter(self.model, group, self.model_id, staging)
             self._template_for(group).tokenizer.save_pretrained(str(staging))
             if save_optimizer:
-                self._save_training_state(group, staging, consumed_train_samples)
+                ckpt.save_training_state(group, staging, consumed_train_samples)
         return str(destination)
 
     def load(
@@ -370,7 +372,7 @@ class TransformersModel(TwinkleModel):
         group = self._group(adapter_name)
         self._load_weights(group, path)
         if load_optimizer:
-            self._load_optimizer(group, path)
+            ckpt.load_optimizer_state(group, path)
         return str(path)
 
     def resume_from_checkpoint(
@@ -385,7 +387,7 @@ class TransformersModel(TwinkleModel):
         self.load(str(path), adapter_name=group.name, load_optimizer=False)
         state = ckpt.read_trainer_state(path)
         if not resume_only_model:
-            self._load_optimizer(group, path)
+            ckpt.load_optimizer_state(group, path)
             ckpt.set_rng_state(torch.load(path / ckpt.RNG_STATE, weights_only=False))
             group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
             group.gradient_accumulation_steps = state['gradient_accumulation_steps']
@@ -471,66 +473,12 @@ class TransformersModel(TwinkleModel):
         loss.loss.backward()
         group.pending_items = group.pending_items + loss.num_items.detach()
 
-    def _save_weights(self, group: TrainGroup, directory: Path) -> None:
-        if group.name == FULL:
-            self.model.save_pretrained(str(directory), safe_serialization=True)
-            return
-        from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
-        state = get_peft_model_state_dict(self.model, adapter_name=group.name)
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in state.items()},
-            str(directory / 'adapter_model.safetensors'),
-        )
-        config = copy.copy(group.config)
-        config.base_model_name_or_path = self.model_id
-        config.inference_mode = True
-        config.save_pretrained(str(directory))
-
     def _load_weights(self, group: TrainGroup, directory: Path) -> None:
         if group.name == FULL:
             raise ConfigurationError(
                 'to continue full-parameter training, build TransformersModel(model_id=<checkpoint dir>) instead'
             )
-        self._load_adapter_weights(group.name, directory)
-
-    def _load_adapter_weights(self, adapter_name: str, directory: Path) -> None:
-        from peft.utils import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        weights = directory / 'adapter_model.safetensors'
-        if not weights.is_file():
-            raise ckpt.CheckpointError(f'{directory} has no adapter_model.safetensors: it is not an adapter checkpoint')
-        result = set_peft_model_state_dict(self.model, load_file(str(weights)), adapter_name=adapter_name)
-        missing = [k for k in result.missing_keys if f'.{adapter_name}.' in k]
-        if missing:
-            raise ckpt.CheckpointError(
-                f'{directory} does not fit adapter {adapter_name!r}: {len(missing)} weights missing, e.g. {missing[0]}'
-            )
-
-    def _save_training_state(self, group: TrainGroup, directory: Path, consumed: int | None) -> None:
-        if group.optimizer is not None:
-            torch.save(group.optimizer.state_dict(), directory / ckpt.OPTIMIZER)
-        if group.scheduler is not None:
-            torch.save(group.scheduler.state_dict(), directory / ckpt.SCHEDULER)
-        torch.save(ckpt.rng_state(), directory / ckpt.RNG_STATE)
-        state = {
-            'checkpoint_version': ckpt.CHECKPOINT_VERSION,
-            'cur_step': group.micro_step,
-            'optim_step': group.optim_step,
-            'gradient_accumulation_steps': group.gradient_accumulation_steps,
-            'consumed_train_samples': group.consumed_train_samples if consumed is None else consumed,
-        }
-        ckpt.write_json(directory / ckpt.TRAINER_STATE, state)
-
-    def _load_optimizer(self, group: TrainGroup, directory: Path) -> None:
-        if (directory / ckpt.OPTIMIZER).is_file():
-            if group.optimizer is None:
-                raise StateError(f'set_optimizer(...) for adapter {group.name!r} before loading its optimizer state')
-            group.optimizer.load_state_dict(torch.load(directory / ckpt.OPTIMIZER, weights_only=True))
-        if (directory / ckpt.SCHEDULER).is_file() and group.scheduler is not None:
-            group.scheduler.load_state_dict(torch.load(directory / ckpt.SCHEDULER, weights_only=False))
+        ckpt.load_adapter(self.model, group.name, directory)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
