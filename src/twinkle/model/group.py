@@ -53,7 +53,7 @@ class TrainGroup:
     # gradient is divided by this once, before clipping or stepping.
     pending_items: torch.Tensor | int = 0
     grads_normalized: bool = False
-    last_grad_norm: torch.Tensor | None = None
+    last_grad_norm: float | None = None  # from clip_grad_norm, before clipping
     _done_at: int = -1
     _done: set[str] = field(default_factory=set)
 

@@ -4,6 +4,7 @@ own optimizer, schedule, loss and accumulation count, behind the methods the use
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -232,20 +233,20 @@ class TransformersModel(TwinkleModel):
         if given: one accumulation step either way). Returns the loss of these inputs."""
         group = self._group(adapter_name)
         features = self._features(group, inputs)
-        started, total, items, trained = time.perf_counter(), 0.0, 0, 0
+        started, sums = time.perf_counter(), []
         for rows, chunk_inputs in _chunks(features, micro_batch_size, loss_inputs):
             batch, outputs = self._run(group, rows, training=True)
             loss = self._loss(group, batch, outputs, True, chunk_inputs)
             self._backward(group, loss)
-            total, items = total + loss.loss.detach(), items + loss.num_items.detach()
-            trained = trained + (batch['labels'] != IGNORE_INDEX).sum()
+            trained = (batch['labels'] != IGNORE_INDEX).sum()
+            sums.append(torch.stack([loss.loss.detach().float(), loss.num_items.float(), trained.float()]))
         group.micro_step += 1
         group.consumed_train_samples += len(features)
-        mean_loss = float(total / max(int(items), 1))  # the one device sync of the call
+        total, items, trained = torch.stack(sums).sum(0).tolist()  # the one device sync of the call
         group.stats.accumulate(
             num_tokens=sum(len(f['input_ids']) for f in features), elapsed_s=time.perf_counter() - started
         )
-        return ModelOutput(loss=mean_loss, num_tokens=int(trained))
+        return ModelOutput(loss=total / max(items, 1.0), num_tokens=int(trained))
 
     # ---- optimizer ------------------------------------------------------------------------------
     def clip_grad_norm(
@@ -259,10 +260,9 @@ class TransformersModel(TwinkleModel):
         started = time.perf_counter()
         group.normalize_grads()
         norm = torch.nn.utils.clip_grad_norm_(group.params, max_grad_norm, norm_type=norm_type)
-        group.last_grad_norm = norm
-        value = float(norm)
-        group.stats.accumulate(grad_norm=value, elapsed_s=time.perf_counter() - started)
-        return value
+        group.last_grad_norm = float(norm)
+        group.stats.accumulate(grad_norm=group.last_grad_norm, elapsed_s=time.perf_counter() - started)
+        return group.last_grad_norm
 
     def step(self, *, adapter_name: str | None = None) -> bool:
         """At an accumulation boundary, take an optimizer step; returns whether it did. A step
@@ -272,8 +272,8 @@ class TransformersModel(TwinkleModel):
             return False
         started = time.perf_counter()
         group.normalize_grads()
-        if group.last_grad_norm is not None and not torch.isfinite(group.last_grad_norm):
-            logger.warning(f'adapter {group.name!r}: gradient norm is {float(group.last_grad_norm)}; step skipped')
+        if group.last_grad_norm is not None and not math.isfinite(group.last_grad_norm):
+            logger.warning(f'adapter {group.name!r}: gradient norm is {group.last_grad_norm}; step skipped')
             group.last_grad_norm = None
             return False
         if group.optimizer is None:
@@ -448,7 +448,8 @@ class TransformersModel(TwinkleModel):
 
     def _run(self, group: TrainGroup, rows: Sequence[InputFeature], training: bool) -> tuple[dict, dict]:
         self._activate(group)
-        self.model.train(training)
+        if self.model.training != training:
+            self.model.train(training)
         pad = self._template_for(group).pad_token_id
         batch = {k: v.to(self.device, non_blocking=True) for k, v in group.processor(rows, pad).items()}
         model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
