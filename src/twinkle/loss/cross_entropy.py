@@ -41,5 +41,8 @@ class CrossEntropyLoss(Loss):
             ignore_index=self.ignore_index,
             reduction='sum',
         )
-        count = (labels != self.ignore_index).sum() if self.reduction == 'mean' else torch.ones((), dtype=torch.long)
+        if self.reduction == 'mean':
+            count = (labels != self.ignore_index).sum()
+        else:
+            count = torch.ones((), dtype=torch.long, device=labels.device)
         return LossOutput(loss=loss, num_items=count)
