@@ -294,3 +294,15 @@ def test_bad_inputs_fail_before_any_compute(tiny_model_dir, rows):
     with pytest.raises(CheckpointError, match='does not exist'):
         model.load('/nonexistent/ckpt')
     assert model.groups['default'].micro_step == 0
+
+
+def test_packed_batches_give_the_padded_loss_and_count_their_rows(tiny_model_dir, rows):
+    padded = new_model(tiny_model_dir, 'default')
+    expected = padded.forward_backward(inputs=rows[:3]).loss
+    packed = new_model(tiny_model_dir, 'default')
+    packed.set_processor('InputProcessor', padding_free=True)
+    packed.forward(inputs=rows[:3])
+    assert packed.calculate_loss() == pytest.approx(expected, rel=1e-5)
+    packed.backward()
+    # Three sequences in one packed tensor row still count as three consumed samples.
+    assert packed.groups['default'].consumed_train_samples == 3

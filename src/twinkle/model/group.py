@@ -25,6 +25,7 @@ class Pending:
     batch: dict[str, torch.Tensor]
     outputs: dict[str, Any]
     training: bool
+    rows: int  # sequences in the batch (a packed batch holds them all in one tensor row)
     loss: LossOutput | None = None
 
 

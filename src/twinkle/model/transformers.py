@@ -186,8 +186,9 @@ class TransformersModel(TwinkleModel):
     def forward(self, *, inputs: Inputs, adapter_name: str | None = None) -> ModelOutput:
         """A training-mode forward pass; ``calculate_loss`` and ``backward`` continue it."""
         group = self._group(adapter_name)
-        batch, outputs = self._run(group, self._features(group, inputs), training=True)
-        group.pending = Pending(batch, outputs, training=True)
+        features = self._features(group, inputs)
+        batch, outputs = self._run(group, features, training=True)
+        group.pending = Pending(batch, outputs, training=True, rows=len(features))
         return _with_logps(outputs['logits'], batch)
 
     def forward_only(
@@ -197,9 +198,10 @@ class TransformersModel(TwinkleModel):
         model alone). ``calculate_loss`` afterwards feeds the evaluation metrics."""
         group = self._group(adapter_name)
         lora_off = self.model.disable_adapter() if disable_lora and self.adapter_names else contextlib.nullcontext()
+        features = self._features(group, inputs)
         with torch.no_grad(), lora_off:
-            batch, outputs = self._run(group, self._features(group, inputs), training=False)
-        group.pending = Pending(batch, outputs, training=False)
+            batch, outputs = self._run(group, features, training=False)
+        group.pending = Pending(batch, outputs, training=False, rows=len(features))
         return _with_logps(outputs['logits'], batch)
 
     def calculate_loss(self, *, adapter_name: str | None = None, **loss_inputs: Any) -> float:
@@ -218,7 +220,7 @@ class TransformersModel(TwinkleModel):
             raise StateError(f'backward() needs forward() then calculate_loss() first (adapter {group.name!r})')
         self._backward(group, pending.loss)
         group.micro_step += 1
-        group.consumed_train_samples += len(pending.batch['input_ids'])
+        group.consumed_train_samples += pending.rows
         group.pending = None
 
     def forward_backward(
@@ -505,13 +507,13 @@ def _chunks(
     features: list[InputFeature], size: int | None, loss_inputs: dict[str, Any]
 ) -> Iterator[tuple[list[InputFeature], dict[str, Any]]]:
     """Split rows, and the per-row loss inputs beside them, into micro-batches of ``size``."""
+    for key, value in loss_inputs.items():
+        if isinstance(value, Sequence) and len(value) != len(features):
+            raise DataError(f'loss input {key!r} has {len(value)} entries for {len(features)} rows')
     if size is None or size >= len(features):
         yield features, loss_inputs
         return
     _check_positive('micro_batch_size', size)
-    for key, value in loss_inputs.items():
-        if isinstance(value, Sequence) and len(value) != len(features):
-            raise DataError(f'loss input {key!r} has {len(value)} entries for {len(features)} rows')
     for start in range(0, len(features), size):
         part = {k: v[start : start + size] if isinstance(v, Sequence) else v for k, v in loss_inputs.items()}
         yield features[start : start + size], part
