@@ -11,7 +11,7 @@ right).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,12 +25,21 @@ class LossOutput:
     loss: torch.Tensor
     #: The count the sum is divided by at the optimizer step (tokens, sequences, or 1).
     num_items: torch.Tensor
+    #: Detached statistics for metrics (``GRPOMetric`` reads these): sums and counts as 0-d
+    #: tensors, so that metrics stay exact across micro-batches and never sync the device.
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Loss:
     """Base class. ``inputs`` is the collated batch (``input_ids``, ``labels``, ... as tensors),
     ``outputs`` holds ``logits`` ``[batch, seq, vocab]``; extra keyword arguments are the
-    per-call loss inputs a caller passed to ``forward_backward``."""
+    per-call loss inputs a caller passed to ``forward_backward``.
+
+    A loss that sets ``needs_reference`` gets ``outputs['ref_logps']`` from the model: the
+    log-probability ``[batch, seq]`` of each label token under the base model with the adapter
+    switched off (0 where the label is ignored), unless the caller passed ``ref_logps=``."""
+
+    needs_reference: bool = False
 
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **kwargs: Any) -> LossOutput:
         raise NotImplementedError

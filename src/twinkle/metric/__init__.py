@@ -1,7 +1,9 @@
 """Metrics: loss, token accuracy, learning rate, gradient norm, throughput."""
 
 from twinkle.metric.base import METRICS, Metric
+from twinkle.metric.completion import CompletionRewardMetric
+from twinkle.metric.grpo import GRPOMetric
 from twinkle.metric.loss import Accuracy, LossMetric
 from twinkle.metric.train import TrainMetric
 
-__all__ = ['METRICS', 'Accuracy', 'LossMetric', 'Metric', 'TrainMetric']
+__all__ = ['METRICS', 'Accuracy', 'CompletionRewardMetric', 'GRPOMetric', 'LossMetric', 'Metric', 'TrainMetric']

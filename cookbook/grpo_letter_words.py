@@ -1,0 +1,160 @@
+"""GRPO from scratch on the embedded tiny model, on two CPU cores in a couple of minutes.
+
+The task: "Write words that start with the letter s." (or c, or p). The reward is the number of
+words in the completion that start with the asked letter, divided by ``--target-words`` (capped
+at 1): a completion of 16 tokens must spend about half of them on such words to score 1.
+
+Why a random model can learn it: the embedded tokenizer has whole-word tokens with a leading
+space for each letter (209 of 4096 start a word with "s", 137 with "c", 119 with "p"), so even
+the untrained policy writes about one such word per completion. Every group of samples
+therefore has rewards that differ, GRPO's group-relative advantages are non-zero from the first
+step, and each step raises the probability of the rewarded tokens. To score on all three
+letters the policy has to read the letter in the prompt, which the LoRA adapter on the
+attention and MLP layers learns within a few hundred steps.
+
+Each step: sync the adapter to the sampler, sample ``--num-generations`` completions per
+prompt, score them, compute group-normalised advantages, and take one GRPO step on them. The
+log line shows the mean reward, the KL to the base model, the policy entropy and the mean
+completion length::
+
+    python cookbook/grpo_letter_words.py                    # about 2 minutes on 2 cores
+    python cookbook/grpo_letter_words.py --steps 60 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig
+
+from twinkle import assets, get_logger
+from twinkle.advantage import GRPOAdvantage
+from twinkle.checkpoint_engine import CheckpointEngineManager
+from twinkle.data_format import SamplingParams
+from twinkle.metric import CompletionRewardMetric
+from twinkle.model import TransformersModel
+from twinkle.reward import Reward
+from twinkle.reward.base import completion_of
+from twinkle.sampler import TorchSampler
+
+logger = get_logger()
+ADAPTER = 'default'
+
+
+@dataclass
+class Config:
+    steps: int = 120
+    prompts_per_step: int = 6
+    num_generations: int = 8
+    max_tokens: int = 16
+    target_words: int = 8
+    lr: float = 2e-3
+    lora_rank: int = 16
+    beta: float = 0.01
+    temperature: float = 1.0
+    seed: int = 0
+    letters: str = 'scp'  # the letters prompts ask for
+    model: str = 'tiny-qwen3'
+    output: str = ''  # a JSON file for the per-step log, if given
+
+
+class LetterWordsReward(Reward):
+    """The share of ``target_words`` words in the completion that start with the letter the
+    prompt asks for (``user_data['letter']``), capped at 1."""
+
+    def __init__(self, target_words: int = 8):
+        self.target_words = target_words
+
+    def __call__(self, trajectories: Sequence[dict[str, Any]]) -> list[float]:
+        scores = []
+        for index, row in enumerate(trajectories):
+            letter = row['user_data']['letter']
+            words = re.findall(r'\S+', completion_of(row, index))
+            hits = sum(word[0].lower() == letter for word in words)
+            scores.append(min(1.0, hits / self.target_words))
+        return scores
+
+
+def prompt(letter: str) -> dict[str, Any]:
+    return {
+        'messages': [{'role': 'user', 'content': f'Write words that start with the letter {letter}.'}],
+        'user_data': {'letter': letter},
+    }
+
+
+def build(config: Config) -> tuple[TransformersModel, TorchSampler, CheckpointEngineManager]:
+    model_dir = assets.tiny_model(config.model)
+    model = TransformersModel(model_dir, device='cpu')
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules='all-linear')
+    model.add_adapter_to_model(ADAPTER, lora)
+    model.set_optimizer('AdamW', lr=config.lr)
+    model.set_loss('GRPOLoss', epsilon=0.2, beta=config.beta)
+    model.add_metric('GRPOMetric')
+    sampler = TorchSampler(model_dir, device='cpu')
+    return model, sampler, CheckpointEngineManager(model, sampler)
+
+
+def train(config: Config) -> list[dict[str, float]]:
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    model, sampler, manager = build(config)
+    reward_fn, advantage_fn = LetterWordsReward(config.target_words), GRPOAdvantage()
+    metrics = CompletionRewardMetric()
+    history = []
+    for step in range(1, config.steps + 1):
+        manager.sync_weights(merge_and_sync=False)
+        prompts = [prompt(random.choice(config.letters)) for _ in range(config.prompts_per_step)]
+        params = SamplingParams(
+            max_tokens=config.max_tokens,
+            num_samples=config.num_generations,
+            temperature=config.temperature,
+            seed=config.seed * 100_003 + step,
+        )
+        sequences = [seq for response in sampler.sample(prompts, params) for seq in response.sequences]
+        features = [seq.new_input_feature for seq in sequences]
+        rewards = reward_fn(features)
+        metrics.accumulate(rewards={'total': rewards}, completion_lengths=[len(s.tokens) for s in sequences])
+        advantages = advantage_fn(rewards, num_generations=config.num_generations, scale='group').tolist()
+        model.forward_backward(
+            inputs=features,
+            old_logps=[seq.token_logprobs for seq in sequences],
+            advantages=advantages,
+        )
+        model.clip_grad_and_step()
+        record = {'step': step, **metrics.calculate(), **model.calculate_metric(is_training=True)}
+        metrics.reset()
+        history.append(record)
+        logger.info(
+            f'step {step:4d}  reward {record["total_reward"]:.3f}  kl {record.get("kl", 0.0):.4f}  '
+            f'entropy {record.get("entropy", 0.0):.2f}  completion length {record["completion_length"]:.1f}'
+        )
+    return history
+
+
+def parse_args() -> Config:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    for name, default in asdict(Config()).items():
+        parser.add_argument(f'--{name.replace("_", "-")}', type=type(default), default=default)
+    return Config(**vars(parser.parse_args()))
+
+
+def main() -> None:
+    config = parse_args()
+    history = train(config)
+    first = sum(r['total_reward'] for r in history[:10]) / min(10, len(history))
+    last = sum(r['total_reward'] for r in history[-10:]) / min(10, len(history))
+    logger.info(f'mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}')
+    if config.output:
+        Path(config.output).write_text(json.dumps({'config': asdict(config), 'history': history}, indent=1))
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,5 @@
+"""Weight sync from a trainer to a sampler."""
+
+from twinkle.checkpoint_engine.manager import CheckpointEngineManager, SyncResult
+
+__all__ = ['CheckpointEngineManager', 'SyncResult']

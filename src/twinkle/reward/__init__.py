@@ -1,0 +1,7 @@
+"""Rewards (rows to one float each), looked up by name with ``REWARDS.get('GSM8KAccuracyReward')``."""
+
+from twinkle.reward.base import REWARDS, Reward
+from twinkle.reward.format import FormatReward
+from twinkle.reward.gsm8k import GSM8KAccuracyReward, GSM8KFormatReward
+
+__all__ = ['REWARDS', 'FormatReward', 'GSM8KAccuracyReward', 'GSM8KFormatReward', 'Reward']

@@ -1,0 +1,151 @@
+"""The sampler interface, and the parts every sampler shares: turning inputs into prompts and
+a finished completion into a ``SampledSequence`` ready to train on."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from twinkle.data_format import (
+    IGNORE_INDEX,
+    InputFeature,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+    StopReason,
+    TokenLogprob,
+)
+from twinkle.errors import DataError, StateError
+from twinkle.registry import Registry
+from twinkle.template import TEMPLATES, Template
+
+#: What ``sample`` takes: one row or a list of rows. A row is an encoded prompt (``input_ids``,
+#: e.g. from ``dataset.encode(add_generation_prompt=True)``) or a trajectory (``messages``).
+SampleInputs = Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
+@dataclass
+class Prompt:
+    """One prompt to complete, and what its sequences carry back to the caller."""
+
+    input_ids: list[int]
+    messages: list[dict[str, Any]] | None = None
+    user_data: Any = None
+
+
+@dataclass
+class Completion:
+    """What a generation loop produced for one sequence."""
+
+    tokens: list[int]
+    logprobs: list[list[TokenLogprob]]
+    stop_reason: StopReason
+    text_end: int | None = None  # where a matched stop string starts in the decoded text
+
+
+class Sampler(ABC):
+    """Generates completions. ``weight_version`` counts the weight syncs received (see
+    ``CheckpointEngineManager``); every sampled sequence records it."""
+
+    weight_version: int = 0
+    _template: Template | None = None
+    model_id: str | None = None
+
+    @abstractmethod
+    def sample(
+        self,
+        inputs: SampleInputs,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        adapter_name: str | None = None,
+    ) -> list[SampleResponse]:
+        """One ``SampleResponse`` per input row, in order, each with ``num_samples`` sequences."""
+
+    def set_template(self, template_cls: str | type[Template] | Template = 'Template', **kwargs: Any) -> None:
+        """The template that turns ``messages`` inputs into prompts; ``model_id`` defaults to
+        the sampler's own."""
+        if not isinstance(template_cls, Template):
+            kwargs.setdefault('model_id', self.model_id)
+        self._template = TEMPLATES.build(template_cls, Template, **kwargs)
+
+    @property
+    def template(self) -> Template:
+        if self._template is None:
+            if self.model_id is None:
+                raise StateError('this sampler has no model_id to take a tokenizer from: call set_template(...)')
+            self._template = Template(self.model_id)
+        return self._template
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prompt prefixes (after a weight sync they are stale). Kept for vLLM
+        parity; a sampler without a prefix cache has nothing to drop."""
+        return None
+
+    # ---- shared steps ---------------------------------------------------------------------------
+    def _prompts(self, inputs: SampleInputs) -> list[Prompt]:
+        rows = [inputs] if isinstance(inputs, Mapping) else list(inputs)
+        if not rows:
+            raise DataError('inputs is empty: pass at least one prompt')
+        return [self._prompt(index, row) for index, row in enumerate(rows)]
+
+    def _prompt(self, index: int, row: Mapping[str, Any]) -> Prompt:
+        if not isinstance(row, Mapping):
+            raise DataError(f'prompt {index} must be a dict with input_ids or messages; got {type(row).__name__}')
+        messages = row.get('messages')
+        if 'input_ids' in row:
+            ids = list(row['input_ids'])
+        elif messages is not None:
+            feature = self.template.encode(row, add_generation_prompt=True)
+            if feature is None:
+                raise DataError(f'prompt {index} is over max_length and the template drops it')
+            ids = feature['input_ids']
+        else:
+            raise DataError(f"prompt {index} needs 'input_ids' or 'messages'; it has fields {sorted(row)}")
+        if not ids:
+            raise DataError(f'prompt {index} has no tokens')
+        return Prompt(input_ids=ids, messages=list(messages) if messages else None, user_data=row.get('user_data'))
+
+    def _sequence(self, prompt: Prompt, completion: Completion, params: SamplingParams) -> SampledSequence:
+        decoded = self._decode(completion, params)
+        return SampledSequence(
+            stop_reason=completion.stop_reason,
+            tokens=completion.tokens,
+            logprobs=completion.logprobs,
+            decoded=decoded,
+            new_input_feature=training_feature(prompt, completion.tokens, decoded),
+            weight_version=self.weight_version,
+        )
+
+    def _decode(self, completion: Completion, params: SamplingParams) -> str:
+        tokens = completion.tokens
+        if completion.stop_reason == 'stop' and completion.text_end is None and tokens:
+            tokens = tokens[:-1]  # the stop token itself
+        text = self.template.decode(tokens, skip_special_tokens=True)
+        if completion.text_end is not None:
+            text = text[: completion.text_end]
+        return text
+
+
+def training_feature(prompt: Prompt, tokens: list[int], decoded: str) -> InputFeature:
+    """The prompt plus the completion ``tokens`` as an ``InputFeature`` whose labels are the
+    completion (pre-shifted), with the conversation extended by the assistant's ``decoded``."""
+    ids = prompt.input_ids + tokens
+    labels = [IGNORE_INDEX] * (len(prompt.input_ids) - 1) + tokens + [IGNORE_INDEX]
+    feature: dict[str, Any] = {
+        'input_ids': ids,
+        'attention_mask': [1] * len(ids),
+        'position_ids': list(range(len(ids))),
+        'labels': labels,
+        'completion_mask': [int(label != IGNORE_INDEX) for label in labels],
+        'length': len(ids),
+    }
+    if prompt.messages is not None:
+        feature['messages'] = [*prompt.messages, {'role': 'assistant', 'content': decoded}]
+    if prompt.user_data is not None:
+        feature['user_data'] = prompt.user_data
+    return feature  # type: ignore[return-value]
+
+
+SAMPLERS: Registry[Sampler] = Registry('sampler')

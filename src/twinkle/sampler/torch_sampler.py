@@ -1,0 +1,389 @@
+"""``TorchSampler``: batched generation with a KV cache in plain PyTorch, on any device.
+
+The loop is the one ``transformers.generate`` runs, written out so that it can return what RL
+needs and ``generate`` does not give cheaply: the log-probability of every sampled token under
+the raw logits (what the trainer's ``forward`` computes for the same tokens), per-sequence seeds
+that do not depend on the batch, stop strings, and rows that leave the batch (and the cache) as
+soon as they finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
+
+from twinkle.data_format import SampledSequence, SampleResponse, SamplingParams, TokenLogprob
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, UnknownNameError
+from twinkle.hub import resolve_model
+from twinkle.sampler.base import SAMPLERS, Completion, Prompt, SampleInputs, Sampler
+from twinkle.sampler.logits import choose, processed_scores
+from twinkle.utils.weights import canonical_name
+
+
+@SAMPLERS.register
+class TorchSampler(Sampler):
+    """Samples from ``model_id`` (``ms://``, ``hf://`` or a local directory), or a model built
+    from ``config``, with its own copy of the weights.
+
+    Example::
+
+        sampler = TorchSampler(assets.tiny_model())
+        responses = sampler.sample([{'messages': [{'role': 'user', 'content': 'hi'}]}],
+                                   SamplingParams(max_tokens=16, temperature=0.7, num_samples=4))
+        completion = responses[0].sequences[0].decoded
+
+    ``adapter_name`` picks a LoRA adapter added with ``add_adapter`` or received by a weight
+    sync; without it the sampler uses the adapter the last sync installed, else the base model.
+    ``max_batch_size`` caps the sequences decoded together (all of a call by default).
+    """
+
+    def __init__(
+        self,
+        model_id: str | None = None,
+        model_cls: type[PreTrainedModel] | None = None,
+        config: PretrainedConfig | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        attn_implementation: str = 'sdpa',
+        max_batch_size: int | None = None,
+        **from_pretrained_kwargs: Any,
+    ):
+        if model_id is None and config is None:
+            raise ConfigurationError('TorchSampler needs a model_id or a config')
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
+            raise ConfigurationError(f'max_batch_size must be a positive integer or None; got {max_batch_size!r}')
+        self.model_id = model_id
+        self.device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+        dtype = dtype or (torch.bfloat16 if self.device.type == 'cuda' else torch.float32)
+        cls = model_cls or AutoModelForCausalLM
+        kwargs = {'dtype': dtype, 'attn_implementation': attn_implementation}
+        if model_id is not None:
+            model = cls.from_pretrained(resolve_model(model_id), **kwargs, **from_pretrained_kwargs)
+        else:
+            model = cls.from_config(config, **kwargs)
+        self.model: PreTrainedModel | PeftModel = model.to(self.device).eval().requires_grad_(False)
+        self.max_batch_size = max_batch_size
+        self.default_adapter: str | None = None
+        self.weight_version = 0
+
+    # ---- adapters and weights -------------------------------------------------------------------
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.model.peft_config) if isinstance(self.model, PeftModel) else []
+
+    def add_adapter(self, adapter_name: str, config_or_dir: PeftConfig | str) -> None:
+        """Add a LoRA adapter: a ``peft`` config (weights as initialised) or a saved adapter
+        directory, such as one ``TransformersModel.save`` wrote."""
+        weights = None
+        if isinstance(config_or_dir, str):
+            path = resolve_model(config_or_dir)
+            config_or_dir = PeftConfig.from_pretrained(path)
+            weights = _read_adapter(path)
+        self._ensure_adapter(adapter_name, config_or_dir)
+        if weights is not None:
+            self.load_adapter_weights(adapter_name, weights)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> int:
+        """Copy base-model tensors in, by name (``TransformersModel`` or PEFT names both work:
+        ``base_model.model.`` and ``.base_layer`` are ignored). Returns how many were copied."""
+        params = {canonical_name(name): p for name, p in self.model.named_parameters() if '.lora_' not in name}
+        unknown = sorted(set(map(canonical_name, weights)) - set(params))
+        if unknown:
+            raise ConfigurationError(f'the sampler model has no parameters {unknown[:5]} (of {len(unknown)} unknown)')
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                target = params[canonical_name(name)]
+                if target.shape != tensor.shape:
+                    raise ConfigurationError(
+                        f'weight {name!r} has shape {tuple(tensor.shape)}; expected {target.shape}'
+                    )
+                target.copy_(tensor)
+        return len(weights)
+
+    def load_adapter_weights(
+        self, adapter_name: str, weights: Mapping[str, torch.Tensor], config: PeftConfig | None = None
+    ) -> None:
+        """Set an adapter's tensors (PEFT state-dict names, as ``get_peft_model_state_dict``
+        gives them); with ``config`` the adapter is created first if missing."""
+        if config is not None:
+            self._ensure_adapter(adapter_name, config)
+        if adapter_name not in self.adapter_names:
+            raise UnknownNameError('adapter', adapter_name, self.adapter_names)
+        result = set_peft_model_state_dict(self.model, dict(weights), adapter_name=adapter_name)
+        missing = [k for k in result.missing_keys if '.lora_' in k and f'.{adapter_name}.' in k]
+        if missing:
+            raise ConfigurationError(f'adapter {adapter_name!r} weights lack {missing[:3]} ({len(missing)} missing)')
+
+    def _ensure_adapter(self, adapter_name: str, config: PeftConfig) -> None:
+        if adapter_name in self.adapter_names:
+            return
+        if isinstance(self.model, PeftModel):
+            self.model.add_adapter(adapter_name, config)
+        else:
+            self.model = get_peft_model(self.model, config, adapter_name=adapter_name)
+        self.model.requires_grad_(False).eval()
+
+    # ---- sampling -------------------------------------------------------------------------------
+    def sample(
+        self,
+        inputs: SampleInputs,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        adapter_name: str | None = None,
+    ) -> list[SampleResponse]:
+        params = SamplingParams.from_dict(sampling_params)
+        adapter = self._resolve_adapter(adapter_name)
+        prompts = self._prompts(inputs)
+        self._check(prompts, params)
+        rows = [prompt.input_ids for prompt in prompts for _ in range(params.num_samples)]
+        seeds = [_row_seed(params.seed, p.input_ids, j) for p in prompts for j in range(params.num_samples)]
+        want_prompt = params.prompt_logprobs or params.topk_prompt_logprobs > 0
+        completions: list[Completion] = []
+        prompt_info: list[PromptLogprobs] = []
+        size = self.max_batch_size or len(rows)
+        with self._adapter(adapter):
+            for start in range(0, len(rows), size):
+                batch = _Generation(self, rows[start : start + size], seeds[start : start + size], params, want_prompt)
+                completions += batch.run()
+                prompt_info += batch.prompt_logprobs
+        return self._responses(prompts, completions, prompt_info, params)
+
+    def _responses(
+        self,
+        prompts: list[Prompt],
+        completions: list[Completion],
+        prompt_info: list[PromptLogprobs],
+        params: SamplingParams,
+    ) -> list[SampleResponse]:
+        responses = []
+        for index, prompt in enumerate(prompts):
+            first = index * params.num_samples
+            group = completions[first : first + params.num_samples]
+            sequences: list[SampledSequence] = [self._sequence(prompt, c, params) for c in group]
+            response = SampleResponse(sequences=sequences, prompt_token_ids=prompt.input_ids)
+            if prompt_info:
+                response.prompt_logprobs = prompt_info[first].logprobs if params.prompt_logprobs else None
+                response.topk_prompt_logprobs = prompt_info[first].topk if params.topk_prompt_logprobs else None
+            responses.append(response)
+        return responses
+
+    def _resolve_adapter(self, adapter_name: str | None) -> str | None:
+        if adapter_name is None:
+            return self.default_adapter
+        if adapter_name not in self.adapter_names:
+            raise UnknownNameError('adapter', adapter_name, self.adapter_names or ['(none: no adapter was added)'])
+        return adapter_name
+
+    def _adapter(self, adapter: str | None) -> Any:
+        if not isinstance(self.model, PeftModel):
+            return contextlib.nullcontext()
+        if adapter is None:
+            return self.model.disable_adapter()
+        self.model.set_adapter(adapter)
+        self.model.requires_grad_(False)
+        return contextlib.nullcontext()
+
+    def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        vocab = self.model.get_input_embeddings().num_embeddings
+        context = getattr(self.model.config, 'max_position_embeddings', None)
+        for token in params.stop_token_ids:
+            if token >= vocab:
+                raise ConfigurationError(f'stop token id {token} is outside the vocabulary [0, {vocab})')
+        for index, prompt in enumerate(prompts):
+            low, high = min(prompt.input_ids), max(prompt.input_ids)
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise DataError(f'prompt {index} has token id {bad}, outside the vocabulary [0, {vocab})')
+            if context is not None and len(prompt.input_ids) + params.max_tokens > context:
+                raise SequenceTooLongError(
+                    f'prompt {index} has {len(prompt.input_ids)} tokens; with max_tokens={params.max_tokens} it '
+                    f'would exceed the model context of {context} tokens'
+                )
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= _eos_ids(self.model, self.template)
+        return stop
+
+
+@dataclass
+class PromptLogprobs:
+    logprobs: list[float | None]
+    topk: list[list[TokenLogprob] | None]
+
+
+@dataclass
+class _Generation:
+    """One batch of rows decoded together."""
+
+    sampler: TorchSampler
+    rows: list[list[int]]
+    seeds: list[int | None]
+    params: SamplingParams
+    want_prompt: bool
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+    @torch.no_grad()
+    def run(self) -> list[Completion]:
+        sampler, params = self.sampler, self.params
+        model, device = sampler.model, sampler.device
+        ids, mask = _left_pad(self.rows, sampler.template.pad_token_id, device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if self.want_prompt else 1,
+        ).logits
+        if self.want_prompt:
+            self.prompt_logprobs = _prompt_logprobs(logits, ids, mask, self.params.topk_prompt_logprobs)
+        logits = logits[:, -1]
+        seen = _seen(ids, mask, logits.shape[-1]) if params.repetition_penalty != 1.0 else None
+        generators = _generators(self.seeds, device)
+        stop_ids, stop_strings = sampler._stop_ids(params), params.stop_strings
+        window = 4 * max((len(s) for s in stop_strings), default=0) + 4
+        out = [Completion(tokens=[], logprobs=[], stop_reason='length') for _ in self.rows]
+        active = list(range(len(self.rows)))
+        next_pos = positions[:, -1] + 1
+        for step in range(params.max_tokens):
+            tokens = choose(processed_scores(logits, params, seen), params, generators)
+            self._record(out, active, logits, tokens)
+            finished = {row for row in active if self._finished(out[row], stop_ids, stop_strings, window)}
+            if step == params.max_tokens - 1 or len(finished) == len(active):
+                break
+            keep = [j for j, row in enumerate(active) if row not in finished]
+            if finished:
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                tokens, mask, next_pos = tokens[index], mask[index], next_pos[index]
+                seen = seen[index] if seen is not None else None
+                generators = [generators[j] for j in keep] if generators is not None else None
+                active = [active[j] for j in keep]
+            if seen is not None:
+                seen[torch.arange(len(active), device=device), tokens] = True
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)
+            logits = model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+            next_pos = next_pos + 1
+        return out
+
+    def _record(self, out: list[Completion], active: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Append each active row's token with its raw-logit logprob (one device sync)."""
+        logps = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logps.gather(-1, tokens[:, None]).squeeze(-1)
+        k = self.params.logprobs or 0
+        top_values, top_ids = torch.topk(logps, k, dim=-1) if k else (None, None)
+        tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
+        top_ids_l = top_ids.tolist() if k else None
+        top_values_l = top_values.tolist() if k else None
+        for j, row in enumerate(active):
+            entry = [(tokens_l[j], chosen_l[j])]
+            if k:
+                entry += list(zip(top_ids_l[j], top_values_l[j], strict=True))
+            out[row].tokens.append(tokens_l[j])
+            out[row].logprobs.append(entry)
+
+    def _finished(self, completion: Completion, stop_ids: set[int], stop_strings: list[str], window: int) -> bool:
+        if completion.tokens[-1] in stop_ids:
+            completion.stop_reason = 'stop'
+            return True
+        if not stop_strings:
+            return False
+        tail = self.sampler.template.decode(completion.tokens[-window:])
+        if not any(s in tail for s in stop_strings):
+            return False
+        text = self.sampler.template.decode(completion.tokens, skip_special_tokens=True)
+        found = [text.find(s) for s in stop_strings if s in text]
+        completion.stop_reason = 'stop'
+        completion.text_end = min(found) if found else len(text)
+        return True
+
+
+def _left_pad(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _seen(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    seen = torch.zeros((ids.shape[0], vocab), dtype=torch.bool, device=ids.device)
+    seen.scatter_(1, ids, mask.bool())
+    return seen
+
+
+def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, k: int) -> list[PromptLogprobs]:
+    """Each prompt token's logprob given the tokens before it (``None`` for the first)."""
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    own = logps.gather(-1, ids[:, 1:, None]).squeeze(-1).tolist()
+    top_values, top_ids = torch.topk(logps, k, dim=-1) if k else (None, None)
+    result = []
+    for i, length in enumerate(mask.sum(-1).tolist()):
+        start = ids.shape[1] - length  # the first real token; it has no logprob
+        values = [None, *own[i][start:]]
+        topk: list[list[TokenLogprob] | None] = [None]
+        if k:
+            topk += [
+                list(zip(t, v, strict=True))
+                for t, v in zip(top_ids[i, start:].tolist(), top_values[i, start:].tolist(), strict=True)
+            ]
+        result.append(PromptLogprobs(logprobs=values, topk=topk))
+    return result
+
+
+def _generators(seeds: list[int | None], device: torch.device) -> list[torch.Generator] | None:
+    if all(seed is None for seed in seeds):
+        return None
+    generators = []
+    for seed in seeds:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        generators.append(generator)
+    return generators
+
+
+def _row_seed(seed: int | None, prompt: list[int], sample_index: int) -> int | None:
+    """The generator seed of sample ``j`` of ``prompt``: a hash of the three, so each of the
+    ``num_samples`` sequences differs, different prompts draw different noise, and the same
+    seed, prompt and weights give the same sequence in any batch."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(repr((seed, sample_index, prompt)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, 'little') >> 1
+
+
+def _eos_ids(model: PreTrainedModel, template: Any) -> set[int]:
+    ids = set()
+    eos = getattr(getattr(model, 'generation_config', None), 'eos_token_id', None)
+    for value in eos if isinstance(eos, list) else [eos]:
+        if value is not None:
+            ids.add(int(value))
+    if template.tokenizer.eos_token_id is not None:
+        ids.add(int(template.tokenizer.eos_token_id))
+    return ids
+
+
+def _read_adapter(path: str) -> dict[str, torch.Tensor]:
+    from peft.utils import load_peft_weights
+
+    return load_peft_weights(path, device='cpu')

@@ -1,0 +1,277 @@
+"""TorchSampler on the embedded tiny model: determinism, logprobs against teacher forcing, stop
+conditions, seeds, training features, bad input; and weight sync from a trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM
+
+from twinkle.checkpoint_engine import CheckpointEngineManager
+from twinkle.data_format import IGNORE_INDEX, SamplingParams
+from twinkle.dataset import Dataset, DatasetMeta
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, UnknownNameError
+from twinkle.model import TransformersModel
+from twinkle.preprocessor import GSM8KProcessor
+from twinkle.sampler import TorchSampler
+from twinkle.sampler.logits import processed_scores
+
+PROMPTS = [
+    {'messages': [{'role': 'user', 'content': 'What is your name?'}], 'user_data': {'ground_truth': '7'}},
+    {'messages': [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Name three fruits'}]},
+    {'messages': [{'role': 'user', 'content': 'hi'}]},
+]
+
+
+@pytest.fixture(scope='module')
+def sampler(tiny_model_dir: str) -> TorchSampler:
+    return TorchSampler(tiny_model_dir, device='cpu')
+
+
+@pytest.fixture(scope='module')
+def trainer(tiny_model_dir: str) -> TransformersModel:
+    return TransformersModel(tiny_model_dir, device='cpu')
+
+
+def completion_logps(model: TransformersModel, features: list[dict], adapter_name: str | None = None) -> list[list]:
+    """The trainer's teacher-forced logprobs of each feature's completion tokens."""
+    logps = model.forward_only(inputs=features, adapter_name=adapter_name).logps
+    return [
+        logps[i, : len(f['labels'])][torch.tensor(f['completion_mask']).bool()].tolist() for i, f in enumerate(features)
+    ]
+
+
+def sequences(responses) -> list:
+    return [seq for response in responses for seq in response.sequences]
+
+
+def test_greedy_is_deterministic_and_matches_transformers_generate(sampler, tiny_model_dir):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    first = [s.tokens for s in sequences(sampler.sample(PROMPTS, params))]
+    assert first == [s.tokens for s in sequences(sampler.sample(PROMPTS, params))]
+    # Alone or in a batch (left padding), the greedy path is the one transformers.generate takes.
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for prompt, tokens in zip(PROMPTS, first, strict=True):
+        ids = torch.tensor([sampler.template.encode(prompt, add_generation_prompt=True)['input_ids']])
+        out = reference.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, ids.shape[1] :].tolist() == tokens
+
+
+@pytest.mark.parametrize(
+    'params',
+    [
+        SamplingParams(max_tokens=12, temperature=1.0, seed=3, num_samples=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.6, top_k=20, top_p=0.9, seed=4, repetition_penalty=1.3),
+    ],
+)
+def test_sampled_token_logprobs_equal_teacher_forced_forward(sampler, trainer, params):
+    seqs = sequences(sampler.sample(PROMPTS, params))
+    expected = completion_logps(trainer, [s.new_input_feature for s in seqs])
+    for seq, logps in zip(seqs, expected, strict=True):
+        assert len(seq.token_logprobs) == len(seq.tokens) == len(logps)
+        assert seq.token_logprobs == pytest.approx(logps, abs=1e-5)
+
+
+def test_prompt_logprobs_and_top_k_logprobs(sampler, trainer):
+    params = SamplingParams(max_tokens=3, logprobs=4, prompt_logprobs=True, topk_prompt_logprobs=2, seed=0)
+    response = sampler.sample(PROMPTS[0], params)[0]
+    ids = response.prompt_token_ids
+    feature = {'input_ids': ids, 'labels': [*ids[1:], IGNORE_INDEX], 'completion_mask': [1] * (len(ids) - 1) + [0]}
+    assert response.prompt_logprobs[0] is None
+    assert response.prompt_logprobs[1:] == pytest.approx(completion_logps(trainer, [feature])[0], abs=1e-5)
+    assert response.topk_prompt_logprobs[0] is None and all(len(t) == 2 for t in response.topk_prompt_logprobs[1:])
+    for entry in response.sequences[0].logprobs:
+        assert len(entry) == 5  # the sampled token, then the 4 most likely in order
+        top = [value for _, value in entry[1:]]
+        assert top == sorted(top, reverse=True) and entry[0][1] <= top[0] + 1e-6
+
+
+def test_stop_string_and_stop_token_end_with_stop_and_max_tokens_with_length(sampler):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    free = sampler.sample(PROMPTS[0], greedy)[0].sequences[0]
+    assert free.stop_reason == 'length' and len(free.tokens) == 12
+
+    stop_id = free.tokens[4]
+    by_id = sampler.sample(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, stop=[stop_id]))
+    seq = by_id[0].sequences[0]
+    assert seq.stop_reason == 'stop' and seq.tokens == free.tokens[: free.tokens.index(stop_id) + 1]
+    assert seq.decoded == sampler.template.decode(seq.tokens[:-1], skip_special_tokens=True)
+
+    text = free.decoded
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    by_text = sampler.sample(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, stop=stop, ignore_eos=True))
+    seq = by_text[0].sequences[0]
+    assert seq.stop_reason == 'stop' and len(seq.tokens) < 12
+    assert seq.decoded == text[: text.index(stop)]
+
+    never = sampler.sample(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, stop='@@never@@', ignore_eos=True))
+    assert never[0].sequences[0].stop_reason == 'length'
+
+
+def test_eos_stops_unless_ignored(sampler):
+    # Force the end-of-turn token by allowing nothing else: top_k=1 over a penalised vocabulary
+    # is hard to arrange, so stop on the id the tokenizer calls eos through stop=[eos].
+    eos = sampler.template.tokenizer.eos_token_id
+    seq = sampler.sample(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0, stop=[eos]))[0].sequences[0]
+    assert eos not in seq.tokens[:-1]
+    assert seq.stop_reason == ('stop' if seq.tokens[-1] == eos else 'length')
+
+
+def test_a_seed_reproduces_a_sample_in_any_batch(sampler):
+    params = SamplingParams(max_tokens=10, seed=123, num_samples=3, ignore_eos=True)
+    alone = [s.tokens for s in sampler.sample(PROMPTS[1], params)[0].sequences]
+    in_batch = [s.tokens for s in sampler.sample(PROMPTS, params)[1].sequences]
+    assert alone == in_batch
+    assert len({tuple(t) for t in alone}) == 3  # the samples of one prompt differ
+    other = [s.tokens for s in sampler.sample(PROMPTS[1], SamplingParams(**{**vars(params), 'seed': 124}))[0].sequences]
+    assert other != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(sampler):
+    greedy = [s.tokens for s in sequences(sampler.sample(PROMPTS, SamplingParams(max_tokens=8, temperature=0)))]
+    top_k = sampler.sample(PROMPTS, SamplingParams(max_tokens=8, top_k=1, seed=1))
+    top_p = sampler.sample(PROMPTS, SamplingParams(max_tokens=8, top_p=1e-6, seed=2))
+    assert [s.tokens for s in sequences(top_k)] == greedy == [s.tokens for s in sequences(top_p)]
+
+
+def test_logit_processing_by_hand():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    # softmax ~ [0.64, 0.24, 0.09, 0.03]: top_p=0.7 keeps the two most likely.
+    kept = processed_scores(logits, SamplingParams(top_p=0.7), None).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = processed_scores(logits, SamplingParams(top_k=3), None).isfinite()
+    assert kept.tolist() == [[True, True, True, False]]
+    seen = torch.tensor([[True, False, False, True]])
+    penalised = processed_scores(logits, SamplingParams(repetition_penalty=2.0, temperature=0.5), seen)
+    assert penalised.tolist() == [[2.0, 2.0, 0.0, -4.0]]  # 2/2/0.5, 1/0.5, 0/0.5, -1*2/0.5
+
+
+def test_new_input_feature_trains_on_the_completion(sampler):
+    response = sampler.sample(PROMPTS[0], SamplingParams(max_tokens=6, seed=0, ignore_eos=True))[0]
+    seq = response.sequences[0]
+    feature = seq.new_input_feature
+    prompt = response.prompt_token_ids
+    assert feature['input_ids'] == prompt + seq.tokens and feature['length'] == len(prompt) + 6
+    assert [label for label in feature['labels'] if label != IGNORE_INDEX] == seq.tokens
+    assert feature['labels'][len(prompt) - 1] == seq.tokens[0]  # pre-shifted
+    assert sum(feature['completion_mask']) == 6
+    assert feature['messages'][-1] == {'role': 'assistant', 'content': seq.decoded}
+    assert feature['messages'][:-1] == PROMPTS[0]['messages']
+    assert feature['user_data'] == {'ground_truth': '7'} and seq.weight_version == 0
+
+
+def test_encoded_dataset_prompts(sampler, tiny_model_dir):
+    from twinkle import assets
+
+    dataset = Dataset(DatasetMeta(assets.dataset('gsm8k'), data_slice=range(4)))
+    dataset.set_template('Template', model_id=tiny_model_dir, max_length=512)
+    dataset.map(GSM8KProcessor())
+    dataset.encode(add_generation_prompt=True)
+    rows = [dataset[i] for i in range(len(dataset))]
+    responses = sampler.sample(rows, SamplingParams(max_tokens=4, num_samples=2, seed=0))
+    assert [r.prompt_token_ids for r in responses] == [row['input_ids'] for row in rows]
+    assert all(s.new_input_feature['user_data']['ground_truth'] for s in sequences(responses))
+
+
+@pytest.mark.parametrize(
+    ('params', 'error', 'match'),
+    [
+        ({'max_tokens': 0}, ConfigurationError, 'max_tokens must be a positive integer; got 0'),
+        ({'num_samples': 0}, ConfigurationError, 'num_samples must be a positive integer; got 0'),
+        ({'temperature': -1.0}, ConfigurationError, 'temperature'),
+        ({'top_p': 0.0}, ConfigurationError, 'top_p must be in'),
+        ({'top_k': 0}, ConfigurationError, 'top_k must be a positive integer or -1'),
+        ({'stop': ''}, ConfigurationError, 'empty stop string'),
+        ({'stop': [1.5]}, ConfigurationError, '1.5'),
+        ({'logprobs': -1}, ConfigurationError, 'logprobs'),
+        ({'max_token': 3}, ConfigurationError, r"unknown sampling parameters \['max_token'\]"),
+    ],
+)
+def test_bad_sampling_params(sampler, params, error, match):
+    with pytest.raises(error, match=match):
+        sampler.sample(PROMPTS[0], params)
+
+
+def test_bad_inputs_fail_before_any_compute(sampler, monkeypatch):
+    def forward(*args, **kwargs):
+        raise AssertionError('the model ran')
+
+    monkeypatch.setattr(sampler.model, 'forward', forward)
+    context = sampler.model.config.max_position_embeddings
+    with pytest.raises(SequenceTooLongError, match=f'max_tokens={context}.*context of {context}'):
+        sampler.sample(PROMPTS[0], SamplingParams(max_tokens=context))
+    with pytest.raises(ConfigurationError, match='stop token id 99999 is outside the vocabulary'):
+        sampler.sample(PROMPTS[0], SamplingParams(stop=[99999]))
+    with pytest.raises(DataError, match='token id 5000, outside the vocabulary'):
+        sampler.sample({'input_ids': [1, 5000]})
+    with pytest.raises(DataError, match="needs 'input_ids' or 'messages'"):
+        sampler.sample({'prompt': 'hi'})
+    with pytest.raises(DataError, match='inputs is empty'):
+        sampler.sample([])
+    with pytest.raises(UnknownNameError, match="adapter 'nope'"):
+        sampler.sample(PROMPTS[0], adapter_name='nope')
+
+
+def lora() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weights=False)
+
+
+@pytest.mark.parametrize('merge_and_sync', [True, False])
+def test_after_sync_the_sampler_logprobs_equal_the_trainers(tiny_model_dir, merge_and_sync):
+    torch.manual_seed(0)
+    model = TransformersModel(tiny_model_dir, device='cpu')
+    model.add_adapter_to_model('policy', lora())
+    model.set_optimizer('AdamW', lr=1e-2)
+    sampler = TorchSampler(tiny_model_dir, device='cpu')
+    manager = CheckpointEngineManager(model, sampler)
+    params = SamplingParams(max_tokens=8, seed=0, num_samples=2, ignore_eos=True)
+    for version in (1, 2):
+        result = manager.sync_weights(merge_and_sync=merge_and_sync)
+        assert result.weight_version == version
+        seqs = sequences(sampler.sample(PROMPTS, params))
+        assert {s.weight_version for s in seqs} == {version}
+        features = [s.new_input_feature for s in seqs]
+        expected = completion_logps(model, features)
+        for seq, logps in zip(seqs, expected, strict=True):
+            assert seq.token_logprobs == pytest.approx(logps, abs=1e-5)
+        # Train a step, so the next sync has something new to move.
+        model.forward_backward(inputs=features)
+        model.clip_grad_and_step()
+    # Before the sync the sampler still holds the old policy: its logprobs differ.
+    stale = sequences(sampler.sample(PROMPTS, params))
+    fresh = completion_logps(model, [s.new_input_feature for s in stale])
+    assert (
+        max(abs(a - b) for s, f in zip(stale, fresh, strict=True) for a, b in zip(s.token_logprobs, f, strict=True))
+        > 1e-3
+    )
+
+
+def test_adapter_sync_moves_only_the_adapter_after_the_first(tiny_model_dir):
+    model = TransformersModel(tiny_model_dir, device='cpu')
+    model.add_adapter_to_model('policy', lora())
+    sampler = TorchSampler(tiny_model_dir, device='cpu')
+    manager = CheckpointEngineManager(model, sampler)
+    first = manager.sync_weights(merge_and_sync=False)
+    second = manager.sync_weights(merge_and_sync=False)
+    adapter_bytes = sum(p.numel() * 4 for p in model.groups['policy'].params)
+    assert second.bytes == adapter_bytes < first.bytes
+    assert sampler.adapter_names == ['policy'] and sampler.default_adapter == 'policy'
+    # Switching to merged syncs restores the base first, then the sampler samples without adapter.
+    merged = manager.sync_weights(merge_and_sync=True)
+    assert merged.mode == 'merged' and sampler.default_adapter is None
+
+
+def test_sampler_adapter_from_a_saved_checkpoint(tiny_model_dir, tmp_path):
+    model = TransformersModel(tiny_model_dir, device='cpu')
+    model.add_adapter_to_model('policy', lora())
+    path = model.save('ckpt', output_dir=str(tmp_path))
+    sampler = TorchSampler(tiny_model_dir, device='cpu')
+    sampler.add_adapter('saved', path)
+    params = SamplingParams(max_tokens=6, seed=0, ignore_eos=True)
+    seqs = sequences(sampler.sample(PROMPTS, params, adapter_name='saved'))
+    expected = completion_logps(model, [s.new_input_feature for s in seqs])
+    for seq, logps in zip(seqs, expected, strict=True):
+        assert seq.token_logprobs == pytest.approx(logps, abs=1e-5)
+    base = sequences(sampler.sample(PROMPTS, params))  # no adapter named, none synced: the base model
+    assert [s.tokens for s in base] != [s.tokens for s in seqs]
