@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch is pinned first so pip takes the CPU wheel instead of pulling CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train grpo test lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -18,13 +18,18 @@ $(VENV)/.installed: pyproject.toml
 train: setup  ## LoRA SFT of the embedded tiny model, with a progress bar
 	$(PY) cookbook/sft_self_cognition.py
 
+grpo: setup  ## GRPO from scratch on the embedded tiny model: watch the reward rise
+	$(PY) cookbook/grpo_letter_words.py
+
 test: setup  ## lint, then the whole test suite (CPU only, offline)
 	$(VENV)/bin/ruff check src tests cookbook benchmarks
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
 	$(PY) -m pytest -q
 
-bench: setup  ## framework overhead against a raw PyTorch + PEFT loop
+bench: setup  ## overhead against raw PyTorch + PEFT, sampler against generate, GRPO reward curve
 	$(PY) benchmarks/lora_overhead.py
+	$(PY) benchmarks/sampler_throughput.py
+	$(PY) benchmarks/grpo_reward_curve.py
 
 clean:
 	rm -rf output .twinkle_home .pytest_cache

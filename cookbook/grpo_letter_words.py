@@ -1,24 +1,26 @@
-"""GRPO from scratch on the embedded tiny model, on two CPU cores in a couple of minutes.
+"""GRPO from scratch on the embedded tiny model, on two CPU cores in under a minute.
 
-The task: "Write words that start with the letter s." (or c, or p). The reward is the number of
-words in the completion that start with the asked letter, divided by ``--target-words`` (capped
-at 1): a completion of 16 tokens must spend about half of them on such words to score 1.
+The task: "Write words that start with the letter s." The reward is the number of words in the
+completion that start with that letter, divided by ``--target-words`` (4) and capped at 1: a
+completion of 8 tokens must spend half of them on such words to score 1.
 
 Why a random model can learn it: the embedded tokenizer has whole-word tokens with a leading
-space for each letter (209 of 4096 start a word with "s", 137 with "c", 119 with "p"), so even
-the untrained policy writes about one such word per completion. Every group of samples
-therefore has rewards that differ, GRPO's group-relative advantages are non-zero from the first
-step, and each step raises the probability of the rewarded tokens. To score on all three
-letters the policy has to read the letter in the prompt, which the LoRA adapter on the
-attention and MLP layers learns within a few hundred steps.
+space for each letter (209 of its 4096 tokens start a word with "s"), so even the untrained
+policy writes one such word per three completions or so (mean reward about 0.08). Every group
+of samples therefore holds rewards that differ, GRPO's group-relative advantages are non-zero
+from the first step, and each step raises the probability of the rewarded tokens relative to
+the rest. The reward reaches about 1.0 within 80 steps (seeds 0-2; see the README's table).
+
+``--letters scp`` asks for one of three letters per prompt, so the policy must also read the
+prompt: the reward rises more slowly (0.3 to 0.7 after 100 steps in our runs) and less steadily.
 
 Each step: sync the adapter to the sampler, sample ``--num-generations`` completions per
-prompt, score them, compute group-normalised advantages, and take one GRPO step on them. The
-log line shows the mean reward, the KL to the base model, the policy entropy and the mean
-completion length::
+prompt, score them, compute group-normalised advantages, and take one GRPO step (with a small
+KL penalty to the base model, ``--beta``). The log line shows the mean reward, the KL to the
+base model, the policy entropy and the mean completion length::
 
-    python cookbook/grpo_letter_words.py                    # about 2 minutes on 2 cores
-    python cookbook/grpo_letter_words.py --steps 60 --seed 1
+    python cookbook/grpo_letter_words.py                    # 80 steps, about 30 s on 2 cores
+    python cookbook/grpo_letter_words.py --steps 150 --letters scp --seed 1
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import argparse
 import json
 import random
 import re
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from twinkle.data_format import SamplingParams
 from twinkle.metric import CompletionRewardMetric
 from twinkle.model import TransformersModel
 from twinkle.reward import Reward
-from twinkle.reward.base import completion_of
+from twinkle.reward.base import completion_of, user_data_of
 from twinkle.sampler import TorchSampler
 
 logger = get_logger()
@@ -51,17 +52,17 @@ ADAPTER = 'default'
 
 @dataclass
 class Config:
-    steps: int = 120
+    steps: int = 80
     prompts_per_step: int = 6
     num_generations: int = 8
-    max_tokens: int = 16
-    target_words: int = 8
-    lr: float = 2e-3
+    max_tokens: int = 8
+    target_words: int = 4
+    lr: float = 3e-3
     lora_rank: int = 16
     beta: float = 0.01
     temperature: float = 1.0
     seed: int = 0
-    letters: str = 'scp'  # the letters prompts ask for
+    letters: str = 's'  # the letters prompts ask for ('scp': the policy must read the prompt)
     model: str = 'tiny-qwen3'
     output: str = ''  # a JSON file for the per-step log, if given
 
@@ -70,17 +71,14 @@ class LetterWordsReward(Reward):
     """The share of ``target_words`` words in the completion that start with the letter the
     prompt asks for (``user_data['letter']``), capped at 1."""
 
-    def __init__(self, target_words: int = 8):
+    def __init__(self, target_words: int = 4):
         self.target_words = target_words
 
-    def __call__(self, trajectories: Sequence[dict[str, Any]]) -> list[float]:
-        scores = []
-        for index, row in enumerate(trajectories):
-            letter = row['user_data']['letter']
-            words = re.findall(r'\S+', completion_of(row, index))
-            hits = sum(word[0].lower() == letter for word in words)
-            scores.append(min(1.0, hits / self.target_words))
-        return scores
+    def score(self, row: dict[str, Any], index: int) -> float:
+        letter = user_data_of(row, index)['letter']
+        words = re.findall(r'\S+', completion_of(row, index))
+        hits = sum(word[0].lower() == letter for word in words)
+        return min(1.0, hits / self.target_words)
 
 
 def prompt(letter: str) -> dict[str, Any]:

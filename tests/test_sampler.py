@@ -15,7 +15,7 @@ from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, 
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import GSM8KProcessor
 from twinkle.sampler import TorchSampler
-from twinkle.sampler.logits import processed_scores
+from twinkle.sampler.logits import choose, processed_scores
 
 PROMPTS = [
     {'messages': [{'role': 'user', 'content': 'What is your name?'}], 'user_data': {'ground_truth': '7'}},
@@ -275,3 +275,14 @@ def test_sampler_adapter_from_a_saved_checkpoint(tiny_model_dir, tmp_path):
         assert seq.token_logprobs == pytest.approx(logps, abs=1e-5)
     base = sequences(sampler.sample(PROMPTS, params))  # no adapter named, none synced: the base model
     assert [s.tokens for s in base] != [s.tokens for s in seqs]
+
+
+@pytest.mark.parametrize('seeded', [False, True])
+def test_sampling_draws_from_the_softmax(seeded):
+    torch.manual_seed(0)
+    rows = 20_000
+    scores = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).repeat(rows, 1)
+    generators = [torch.Generator().manual_seed(i) for i in range(rows)] if seeded else None
+    tokens = choose(scores, SamplingParams(), generators)
+    frequencies = torch.bincount(tokens, minlength=4) / rows
+    assert frequencies.tolist() == pytest.approx([0.5, 0.3, 0.2, 0.0], abs=0.015)
