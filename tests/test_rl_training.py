@@ -103,3 +103,28 @@ def test_bad_rl_inputs_fail_before_backward(tiny_model_dir, rollout):
     with pytest.raises(DataError, match="loss input 'advantages' has 5 entries for 6 rows"):
         model.forward_backward(inputs=features, old_logps=old_logps, advantages=advantages[:5])
     assert all(p.grad is None for p in model.groups['policy'].params)
+
+
+def test_dpo_through_the_model_prefers_the_chosen_answers(tiny_model_dir):
+    from twinkle.template import Template
+
+    template = Template(tiny_model_dir)
+    pairs = [('What is your name?', 'I am twinkle.', 'I do not know.'), ('Say hi', 'hi there', 'go away')]
+    rows = []
+    for question, chosen, rejected in pairs:
+        for answer in (chosen, rejected):  # interleaved: chosen_0, rejected_0, chosen_1, ...
+            messages = [{'role': 'user', 'content': question}, {'role': 'assistant', 'content': answer}]
+            rows.append(template.encode({'messages': messages}))
+    model = TransformersModel(tiny_model_dir, device='cpu')
+    model.add_adapter_to_model('policy', LoraConfig(r=4, target_modules='all-linear'))
+    model.set_optimizer('AdamW', lr=1e-2)
+    model.set_loss('DPOLoss', beta=0.1)
+    model.add_metric('GRPOMetric')
+    first = model.forward_backward(inputs=rows).loss
+    model.clip_grad_and_step()
+    for _ in range(10):
+        last = model.forward_backward(inputs=rows).loss
+        model.clip_grad_and_step()
+    # At the start the policy is the reference (LoRA B = 0): every margin is 0 and the loss ln 2.
+    assert first == pytest.approx(0.6931, abs=1e-4)
+    assert last < 0.5 and model.calculate_metric()['reward_accuracy'] > 0.5
