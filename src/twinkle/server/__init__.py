@@ -1,0 +1,1 @@
+"""The training service: one base model, many tenants' LoRA adapters, over HTTP."""

@@ -1,0 +1,302 @@
+"""The HTTP API: FastAPI routes over the store (SQLite), the scheduler (one worker thread) and
+the model host.
+
+Every compute request is answered at once with a future id (202); ``GET /twinkle/v1/futures/{id}``
+returns its state, waiting up to ``wait`` seconds for it to finish without holding the event
+loop. A tenant sees only its own runs, checkpoints and futures: anything else is a 404, as if it
+did not exist.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from twinkle.errors import StateError, TwinkleError, UnknownNameError
+from twinkle.server.auth import key_from_headers
+from twinkle.server.config import ServerConfig
+from twinkle.server.host import CapacityError, ModelHost
+from twinkle.server.scheduler import Job, QueueFullError, Scheduler, wait_job
+from twinkle.server.store import Store, Tenant, check_name, parse_twinkle_path
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
+PREFIX = '/twinkle/v1'
+
+
+class CreateRun(BaseModel):
+    model_config = ConfigDict(extra='forbid')
+
+    adapter_name: str = 'default'
+    lora: dict[str, Any] = Field(default_factory=dict)
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    base_model: str | None = None
+    #: Draw the adapter's initial weights from this seed (reproducible runs).
+    seed: int | None = None
+
+
+class SaveRequest(BaseModel):
+    model_config = ConfigDict(extra='forbid')
+
+    name: str
+    save_optimizer: bool = False
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra='forbid')
+
+    path: str
+    load_optimizer: bool = False
+
+
+class Service:
+    """What the routes share: config, store, scheduler, model host and metrics."""
+
+    def __init__(self, config: ServerConfig, host: ModelHost | None = None):
+        self.config = config
+        Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        self.store = Store(config.db_path)
+        failed = self.store.fail_unfinished_futures('the server restarted before this request finished')
+        if failed:
+            logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
+        self.host = host or ModelHost(config)
+        self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
+        self.registry = CollectorRegistry()
+        self.requests = Counter('twinkle_requests', 'Compute requests', ['operation', 'status'], registry=self.registry)
+        self.seconds = Histogram('twinkle_request_seconds', 'Compute time', ['operation'], registry=self.registry)
+        self.queued = Gauge('twinkle_queued_requests', 'Requests waiting', registry=self.registry)
+        self.scheduler = Scheduler(
+            max_queued_per_tenant=config.limits.max_queued_per_tenant,
+            on_start=self._on_start,
+            on_finish=self._on_finish,
+        )
+
+    # ---- jobs -----------------------------------------------------------------------------------
+    def submit(self, tenant: Tenant, run_id: str | None, operation: str, fn: Any) -> Job:
+        record = self.store.create_future(tenant.id, run_id, operation)
+        try:
+            job = self.scheduler.submit(tenant.id, fn, job_id=record.id)
+        except QueueFullError as e:
+            self.store.fail_future(record.id, str(e), 'user')
+            raise
+        job.operation = operation  # type: ignore[attr-defined]
+        self.queued.set(self.scheduler.queued())
+        return job
+
+    def _on_start(self, job: Job) -> None:
+        self.store.set_future_running(job.id)
+
+    def _on_finish(self, job: Job) -> None:
+        operation = getattr(job, 'operation', 'unknown')
+        if job.error is None:
+            self.store.finish_future(job.id, job.result)
+        else:
+            category = 'user' if isinstance(job.error, TwinkleError) else 'server'
+            if category == 'server':
+                logger.error(f'request {job.id} ({operation}) failed: {job.error!r}')
+            self.store.fail_future(job.id, f'{type(job.error).__name__}: {job.error}', category)
+        self.requests.labels(operation, job.status).inc()
+        if job.started_at and job.finished_at:
+            self.seconds.labels(operation).observe(job.finished_at - job.started_at)
+        self.queued.set(self.scheduler.queued())
+
+    # ---- runs -----------------------------------------------------------------------------------
+    def adapter_of(self, tenant: Tenant, run_id: str) -> str:
+        run = self.store.get_run(tenant.id, run_id)
+        if run is None or run.status == 'deleted':
+            raise HTTPException(404, f'training run {run_id!r} not found')
+        adapter = self.adapters.get(run_id)
+        if adapter is None:
+            raise StateError(f'training run {run_id!r} is not loaded on the model (status {run.status!r})')
+        self.store.touch_run(run_id)
+        return adapter
+
+    def checkpoint_dir(self, tenant: Tenant, run_id: str) -> Path:
+        return self.config.checkpoint_dir / tenant.id / run_id
+
+
+async def _tenant(request: Request) -> Tenant:
+    """The tenant whose API key the request carries; 401 without a known one."""
+    key = key_from_headers(request.headers)
+    if not key:
+        raise HTTPException(401, 'missing API key: send "Authorization: Bearer <key>"')
+    found = request.app.state.service.store.tenant_for_key(key)
+    if found is None:
+        raise HTTPException(401, 'unknown API key')
+    return found
+
+
+Who = Annotated[Tenant, Depends(_tenant)]
+
+
+def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
+    """The FastAPI application; ``uvicorn.run(create_app(config))`` serves it."""
+    service = Service(config, host)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.scheduler.start()
+        yield
+        for job in service.scheduler.stop(wait=True):
+            service.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
+        service.store.close()
+
+    app = FastAPI(title='twinkle training service', version='1', lifespan=lifespan)
+    app.state.service = service
+    _error_handlers(app)
+
+    @app.get('/healthz')
+    async def healthz() -> dict[str, str]:
+        return {'status': 'ok'}
+
+    @app.get('/metrics')
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(f'{PREFIX}/server')
+    async def server_info(who: Who) -> dict[str, Any]:
+        return {'base_model': config.base_model, 'limits': config.limits.model_dump(), 'tenant': who.name}
+
+    @app.post(f'{PREFIX}/runs', status_code=201)
+    async def create_run(body: CreateRun, who: Who) -> dict[str, Any]:
+        check_name('adapter name', body.adapter_name)
+        service.host.check_adapter(body.lora)
+        if body.base_model is not None and body.base_model != config.base_model:
+            raise HTTPException(400, f'this server hosts {config.base_model!r}; got base_model {body.base_model!r}')
+        run = service.store.create_run(who.id, config.base_model, body.adapter_name, body.model_dump())
+        adapter = f'{who.id}--{run.id}'
+
+        def add() -> None:
+            service.host.add_adapter(adapter, body.lora, body.gradient_accumulation_steps, body.seed)
+            service.adapters[run.id] = adapter
+
+        job = service.submit(who, run.id, 'create_run', add)
+        await wait_job(job, None)
+        if job.error is not None:
+            service.store.set_run_status(run.id, 'deleted')
+            raise job.error
+        return _run_json(service.store.get_run(who.id, run.id))
+
+    @app.get(f'{PREFIX}/runs')
+    async def list_runs(who: Who, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        runs, total = service.store.list_runs(who.id, limit=limit, offset=offset)
+        return {'runs': [_run_json(r) for r in runs], 'total': total}
+
+    @app.get(f'{PREFIX}/runs/{{run_id}}')
+    async def get_run(run_id: str, who: Who) -> dict[str, Any]:
+        run = service.store.get_run(who.id, run_id)
+        if run is None:
+            raise HTTPException(404, f'training run {run_id!r} not found')
+        return _run_json(run)
+
+    @app.post(f'{PREFIX}/runs/{{run_id}}/ops/{{operation}}', status_code=202)
+    async def operation(run_id: str, operation: str, kwargs: dict[str, Any], who: Who) -> dict[str, str]:
+        adapter = service.adapter_of(who, run_id)
+        service.host.validate(operation, kwargs)  # bad names, token ids, sizes: a 4xx now, not a failed future
+        job = service.submit(who, run_id, operation, lambda: service.host.run(adapter, operation, kwargs))
+        return {'future_id': job.id}
+
+    @app.post(f'{PREFIX}/runs/{{run_id}}/save', status_code=202)
+    async def save(run_id: str, body: SaveRequest, who: Who) -> dict[str, str]:
+        adapter = service.adapter_of(who, run_id)
+        check_name('checkpoint name', body.name)
+        directory = service.checkpoint_dir(who, run_id)
+
+        def write() -> str:
+            path = Path(service.host.save(adapter, directory, body.name, body.save_optimizer))
+            size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
+            checkpoint = service.store.add_checkpoint(who.id, run_id, body.name, str(path), 'training', size)
+            return checkpoint.twinkle_path
+
+        return {'future_id': service.submit(who, run_id, 'save', write).id}
+
+    @app.post(f'{PREFIX}/runs/{{run_id}}/load', status_code=202)
+    async def load(run_id: str, body: LoadRequest, who: Who) -> dict[str, str]:
+        adapter = service.adapter_of(who, run_id)
+        source_run, name = parse_twinkle_path(body.path)
+        checkpoint = service.store.get_checkpoint(who.id, source_run, name)
+        if checkpoint is None:
+            raise HTTPException(404, f'checkpoint {body.path!r} not found')
+
+        def read() -> str:
+            service.host.load(adapter, Path(checkpoint.path), body.load_optimizer)
+            return checkpoint.twinkle_path
+
+        return {'future_id': service.submit(who, run_id, 'load', read).id}
+
+    @app.get(f'{PREFIX}/runs/{{run_id}}/checkpoints')
+    async def list_checkpoints(run_id: str, who: Who) -> dict[str, Any]:
+        if service.store.get_run(who.id, run_id) is None:
+            raise HTTPException(404, f'training run {run_id!r} not found')
+        return {'checkpoints': [_checkpoint_json(c) for c in service.store.list_checkpoints(who.id, run_id)]}
+
+    @app.delete(f'{PREFIX}/runs/{{run_id}}/checkpoints/{{name}}')
+    async def delete_checkpoint(run_id: str, name: str, who: Who) -> dict[str, bool]:
+        checkpoint = service.store.get_checkpoint(who.id, run_id, name)
+        if checkpoint is None:
+            raise HTTPException(404, f'checkpoint {name!r} of run {run_id!r} not found')
+        service.store.delete_checkpoint(who.id, run_id, name)
+        _remove_tree(Path(checkpoint.path))
+        return {'deleted': True}
+
+    @app.get(f'{PREFIX}/futures/{{future_id}}')
+    async def get_future(future_id: str, who: Who, wait: float = 0.0) -> dict[str, Any]:
+        record = service.store.get_future(who.id, future_id)
+        if record is None:
+            raise HTTPException(404, f'request {future_id!r} not found')
+        job = service.scheduler.get(future_id)
+        if job is not None and wait > 0:
+            await wait_job(job, min(wait, 60.0))
+            record = service.store.get_future(who.id, future_id)
+        return asdict(record)
+
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    statuses: list[tuple[type[BaseException], int]] = [
+        (QueueFullError, 429),
+        (CapacityError, 429),
+        (UnknownNameError, 400),
+        (StateError, 409),
+        (TwinkleError, 400),
+    ]
+
+    async def handle(request: Request, error: Exception) -> JSONResponse:
+        status = next(code for kind, code in statuses if isinstance(error, kind))
+        headers = {}
+        if status == 429:
+            retry = getattr(error, 'retry_after_s', 5.0)
+            headers['Retry-After'] = str(max(1, round(retry)))
+        return JSONResponse({'detail': str(error), 'error': type(error).__name__}, status_code=status, headers=headers)
+
+    app.add_exception_handler(TwinkleError, handle)
+
+
+def _run_json(run: Any) -> dict[str, Any]:
+    data = asdict(run)
+    data['training_run_id'] = run.id
+    return data
+
+
+def _checkpoint_json(checkpoint: Any) -> dict[str, Any]:
+    data = asdict(checkpoint)
+    data.pop('path', None)  # server paths stay on the server
+    data['twinkle_path'] = checkpoint.twinkle_path
+    return data
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ = ['Service', 'create_app']

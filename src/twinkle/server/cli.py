@@ -1,0 +1,101 @@
+"""``twinkle-server``: serve a base model to many tenants, and manage their API keys.
+
+twinkle-server serve --config server.yaml            # or: --base-model tiny-qwen3 --port 8000
+twinkle-server keys add alice --config server.yaml   # prints alice's new key, once
+twinkle-server keys list --config server.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from typing import Any
+
+from twinkle.server.config import ServerConfig
+
+
+def load_config(args: argparse.Namespace) -> ServerConfig:
+    overrides = {'base_model': args.base_model, 'host': args.host, 'port': args.port, 'data_dir': args.data_dir}
+    if args.config:
+        return ServerConfig.load(args.config, **overrides)
+    return ServerConfig.build(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def serve(config: ServerConfig) -> None:
+    import uvicorn
+
+    from twinkle.server.app import create_app
+
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level='info')
+
+
+class BackgroundServer:
+    """A server on a thread of this process (tests, notebooks): ``with BackgroundServer(config)
+    as url: ...``. Port 0 picks a free port."""
+
+    def __init__(self, config: ServerConfig, **app_kwargs: Any):
+        import uvicorn
+
+        from twinkle.server.app import create_app
+
+        self.app = create_app(config, **app_kwargs)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port, log_level='warning'))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError('the server did not start; see the log above')
+            self.thread.join(0.05)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        return f'http://{host}:{port}'
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog='twinkle-server', description=__doc__.split('\n\n')[0])
+    parser.add_argument('--config', help='a .yaml or .json server config')
+    parser.add_argument('--base-model')
+    parser.add_argument('--host')
+    parser.add_argument('--port', type=int)
+    parser.add_argument('--data-dir')
+    commands = parser.add_subparsers(dest='command', required=True)
+    commands.add_parser('serve', help='serve the base model')
+    keys = commands.add_parser('keys', help='API keys (one per tenant, stored hashed)')
+    keys.add_argument('action', choices=['add', 'list', 'remove'])
+    keys.add_argument('tenant', nargs='?')
+    args = parser.parse_args(argv)
+    config = load_config(args)
+    if args.command == 'serve':
+        serve(config)
+        return
+    manage_keys(config, args.action, args.tenant)
+
+
+def manage_keys(config: ServerConfig, action: str, tenant: str | None) -> None:
+    from twinkle.server.store import Store
+
+    config.db_path.parent.mkdir(parents=True, exist_ok=True)
+    store = Store(config.db_path)
+    try:
+        if action == 'list':
+            for row in store.list_tenants():
+                print(row.name)
+        elif tenant is None:
+            sys.exit(f'keys {action} needs a tenant name')
+        elif action == 'add':
+            _, key = store.add_tenant(tenant)
+            print(key)
+        else:
+            store.remove_tenant(tenant)
+    finally:
+        store.close()
+
+
+if __name__ == '__main__':
+    main()

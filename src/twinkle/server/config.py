@@ -1,0 +1,86 @@
+"""Server configuration: a YAML or JSON file, or keyword arguments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from twinkle.errors import ConfigurationError
+
+
+class Limits(BaseModel):
+    """What one tenant may ask for."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    #: Adapters (training runs) held on the base model at once, over all tenants.
+    max_adapters: int = Field(32, gt=0)
+    #: Largest LoRA rank an adapter may have.
+    max_lora_rank: int = Field(64, gt=0)
+    #: Tokens (summed over rows) in one forward/backward or sampling request.
+    max_tokens_per_request: int = Field(65_536, gt=0)
+    #: Compute requests one tenant may have queued; past it, 429 with Retry-After.
+    max_queued_per_tenant: int = Field(64, gt=0)
+
+
+class ServerConfig(BaseModel):
+    """Example ``server.yaml``::
+
+        base_model: ms://Qwen/Qwen3.5-4B       # or hf://..., a local directory, or tiny-qwen3
+        host: 0.0.0.0
+        port: 8000
+        data_dir: /var/lib/twinkle
+        limits: {max_adapters: 16, max_lora_rank: 64}
+        idle_release_s: 3600
+
+    API keys live hashed in ``data_dir/twinkle.db``; add one with
+    ``twinkle-server keys add <tenant> --config server.yaml``.
+    """
+
+    model_config = ConfigDict(extra='forbid')
+
+    base_model: str
+    host: str = '127.0.0.1'
+    port: int = Field(8000, ge=0, lt=65536)
+    data_dir: str = 'twinkle-server-data'
+    device: str | None = None
+    limits: Limits = Field(default_factory=Limits)
+    #: Adapters idle this long are saved and released from the model (None: never).
+    idle_release_s: float | None = Field(None, gt=0)
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> ServerConfig:
+        """Read a ``.yaml``/``.yml`` or ``.json`` file; ``overrides`` win over its values."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigurationError(f'server config {str(path)!r} does not exist')
+        text = path.read_text()
+        if path.suffix in ('.yaml', '.yml'):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == '.json':
+            data = json.loads(text)
+        else:
+            raise ConfigurationError(f'server config {str(path)!r} must end in .yaml, .yml or .json')
+        return cls.build(**{**data, **{k: v for k, v in overrides.items() if v is not None}})
+
+    @classmethod
+    def build(cls, **values: Any) -> ServerConfig:
+        """Validate ``values``; errors name the field and what it accepts."""
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            problems = '; '.join(f'{".".join(map(str, err["loc"]))}: {err["msg"]}' for err in e.errors())
+            raise ConfigurationError(f'invalid server config: {problems}') from None
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.data_dir) / 'twinkle.db'
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.data_dir) / 'checkpoints'

@@ -1,0 +1,236 @@
+"""``ModelHost``: one base model, many tenants' adapters, and the operations a tenant may run.
+
+Every operation runs on the scheduler's worker thread (one step at a time on the device). A
+tenant's run maps to an adapter whose name the tenant never sees (``<tenant>--<run id>``), so one
+tenant cannot name another's adapter. Arguments arrive as JSON and are checked before they
+reach the model: names must be registered, classes cannot be passed, token ids must be in the
+vocabulary and a request may not exceed the token limit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig
+
+from twinkle.errors import ConfigurationError, DataError, UnknownNameError
+from twinkle.loss import LOSSES
+from twinkle.metric import METRICS
+from twinkle.model import TransformersModel
+from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
+from twinkle.processor import PROCESSORS
+from twinkle.server.config import ServerConfig
+from twinkle.template import TEMPLATES
+
+#: InputFeature fields a client may send; anything else in a row is dropped before the model.
+FEATURE_FIELDS = ('input_ids', 'attention_mask', 'position_ids', 'labels', 'completion_mask')
+LORA_FIELDS = {'r', 'lora_alpha', 'lora_dropout', 'target_modules', 'bias', 'use_rslora', 'init_lora_weights'}
+
+
+class ModelHost:
+    """The base model and the adapters on it."""
+
+    def __init__(self, config: ServerConfig):
+        from twinkle import assets
+
+        self.config = config
+        model_id = config.base_model
+        if model_id in assets.MODELS:
+            model_id = assets.tiny_model(model_id)
+        self.model_id = model_id
+        self.model = TransformersModel(model_id, device=config.device)
+        self.vocab_size = self.model.model.get_input_embeddings().num_embeddings
+        self.operations: dict[str, Callable[..., Any]] = {
+            'set_optimizer': self._set_optimizer,
+            'set_lr_scheduler': self._set_lr_scheduler,
+            'set_loss': self._set_loss,
+            'set_template': self._set_template,
+            'set_processor': self._set_processor,
+            'add_metric': self._add_metric,
+            'forward_backward': self._forward_backward,
+            'forward_only': self._forward_only,
+            'clip_grad_norm': self._simple('clip_grad_norm'),
+            'step': self._simple('step'),
+            'zero_grad': self._simple('zero_grad'),
+            'lr_step': self._simple('lr_step'),
+            'clip_grad_and_step': self._simple('clip_grad_and_step'),
+            'calculate_metric': self._simple('calculate_metric'),
+            'get_train_configs': self._simple('get_train_configs'),
+        }
+
+    # ---- adapters -------------------------------------------------------------------------------
+    def add_adapter(
+        self, adapter: str, lora: Mapping[str, Any], gradient_accumulation_steps: int = 1, seed: int | None = None
+    ) -> None:
+        """Add an adapter; with ``seed`` its initial weights are drawn from that seed (the same
+        adapter a local ``torch.manual_seed(seed)`` then ``add_adapter_to_model`` gives), without
+        touching the server's own random state."""
+        self.check_adapter(lora)
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            self.model.add_adapter_to_model(
+                adapter, LoraConfig(**lora), gradient_accumulation_steps=gradient_accumulation_steps
+            )
+
+    def check_adapter(self, lora: Mapping[str, Any]) -> None:
+        """Room for one more adapter, known LoRA fields, and a rank within the limit."""
+        limits = self.config.limits
+        if len(self.model.adapter_names) >= limits.max_adapters:
+            raise CapacityError(f'the server holds its limit of {limits.max_adapters} adapters; try again later')
+        unknown = sorted(set(lora) - LORA_FIELDS)
+        if unknown:
+            raise ConfigurationError(f'unknown LoRA fields {unknown}; accepted: {sorted(LORA_FIELDS)}')
+        rank = lora.get('r', 8)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limits.max_lora_rank:
+            raise ConfigurationError(f'LoRA rank r={rank!r} must be an integer in [1, {limits.max_lora_rank}]')
+
+    def remove_adapter(self, adapter: str) -> None:
+        if adapter in self.model.adapter_names:
+            self.model.model.delete_adapter(adapter)
+            del self.model.groups[adapter]
+
+    def save(self, adapter: str, directory: Path, name: str, save_optimizer: bool) -> str:
+        return self.model.save(name, str(directory), adapter_name=adapter, save_optimizer=save_optimizer)
+
+    def load(self, adapter: str, path: Path, load_optimizer: bool) -> None:
+        self.model.load(str(path), adapter_name=adapter, load_optimizer=load_optimizer)
+
+    # ---- operations -----------------------------------------------------------------------------
+    def run(self, adapter: str, operation: str, kwargs: dict[str, Any]) -> Any:
+        """Run a tenant's ``operation`` on its adapter; the result is JSON-ready."""
+        if operation not in self.operations:
+            raise ConfigurationError(f'unknown operation {operation!r}; accepted: {sorted(self.operations)}')
+        if not isinstance(kwargs, dict):
+            raise DataError(f'arguments of {operation} must be an object; got {type(kwargs).__name__}')
+        return self.operations[operation](adapter, **kwargs)
+
+    def validate(self, operation: str, kwargs: Any) -> None:
+        """The checks that need no model: the operation, argument types, registered names, and
+        the rows of ``inputs``. The server runs them before queueing, so bad input is a 4xx."""
+        if operation not in self.operations:
+            raise UnknownNameError('operation', operation, self.operations)
+        if not isinstance(kwargs, dict):
+            raise DataError(f'arguments of {operation} must be an object; got {type(kwargs).__name__}')
+        for key, registry in _NAMED_ARGUMENTS.get(operation, {}).items():
+            if key in kwargs:
+                _check_name(registry.kind, kwargs[key], registry.names())
+        if 'inputs' in kwargs:
+            self.features(kwargs['inputs'])
+        _check_scalars(operation, {k: v for k, v in kwargs.items() if k != 'inputs'})
+
+    def _simple(self, method: str) -> Callable[..., Any]:
+        def call(adapter: str, **kwargs: Any) -> Any:
+            _check_scalars(method, kwargs)
+            return getattr(self.model, method)(adapter_name=adapter, **kwargs)
+
+        return call
+
+    def _set_optimizer(self, adapter: str, optimizer_cls: str = 'AdamW', **kwargs: Any) -> None:
+        _check_name('optimizer', optimizer_cls, OPTIMIZERS.names())
+        _check_scalars('set_optimizer', kwargs)
+        self.model.set_optimizer(optimizer_cls, adapter_name=adapter, **kwargs)
+
+    def _set_lr_scheduler(self, adapter: str, scheduler_cls: str, **kwargs: Any) -> None:
+        _check_name('lr scheduler', scheduler_cls, SCHEDULERS.names())
+        _check_scalars('set_lr_scheduler', kwargs)
+        self.model.set_lr_scheduler(scheduler_cls, adapter_name=adapter, **kwargs)
+
+    def _set_loss(self, adapter: str, loss_cls: str, **kwargs: Any) -> None:
+        _check_name('loss', loss_cls, LOSSES.names())
+        _check_scalars('set_loss', kwargs)
+        self.model.set_loss(loss_cls, adapter_name=adapter, **kwargs)
+
+    def _set_template(self, adapter: str, template_cls: str = 'Template', **kwargs: Any) -> None:
+        _check_name('template', template_cls, TEMPLATES.names())
+        kwargs.pop('model_id', None)  # the tokenizer is the base model's, whatever the client names
+        _check_scalars('set_template', kwargs)
+        self.model.set_template(template_cls, adapter_name=adapter, model_id=self.model_id, **kwargs)
+
+    def _set_processor(self, adapter: str, processor_cls: str = 'InputProcessor', **kwargs: Any) -> None:
+        _check_name('processor', processor_cls, PROCESSORS.names())
+        _check_scalars('set_processor', kwargs)
+        self.model.set_processor(processor_cls, adapter_name=adapter, **kwargs)
+
+    def _add_metric(self, adapter: str, metric: str, is_training: bool = True, **kwargs: Any) -> None:
+        _check_name('metric', metric, METRICS.names())
+        _check_scalars('add_metric', kwargs)
+        self.model.add_metric(metric, is_training=is_training, adapter_name=adapter, **kwargs)
+
+    def _forward_backward(self, adapter: str, inputs: Any, **kwargs: Any) -> dict[str, Any]:
+        features = self.features(inputs)
+        output = self.model.forward_backward(inputs=features, adapter_name=adapter, **kwargs)
+        return {'loss': output.loss, 'num_tokens': output.num_tokens}
+
+    def _forward_only(self, adapter: str, inputs: Any, disable_lora: bool = False) -> dict[str, Any]:
+        features = self.features(inputs)
+        output = self.model.forward_only(inputs=features, adapter_name=adapter, disable_lora=disable_lora)
+        logps = [output.logps[i, : len(f['input_ids'])].tolist() for i, f in enumerate(features)]
+        return {'loss': output.loss, 'num_tokens': output.num_tokens, 'logps': logps}
+
+    def features(self, inputs: Any) -> list[dict[str, Any]]:
+        """Encoded rows from JSON, checked: fields, integer token ids in the vocabulary, equal
+        lengths, and the request's token total within the limit."""
+        rows = [inputs] if isinstance(inputs, Mapping) else inputs
+        if not isinstance(rows, list) or not rows:
+            raise DataError('inputs must be a non-empty list of encoded rows (input_ids, labels, ...)')
+        features, total = [], 0
+        for index, row in enumerate(rows):
+            feature = _feature(index, row, self.vocab_size)
+            total += len(feature['input_ids'])
+            features.append(feature)
+        limit = self.config.limits.max_tokens_per_request
+        if total > limit:
+            raise DataError(f'the request holds {total} tokens, over the limit of {limit} per request')
+        return features
+
+
+_NAMED_ARGUMENTS = {
+    'set_optimizer': {'optimizer_cls': OPTIMIZERS},
+    'set_lr_scheduler': {'scheduler_cls': SCHEDULERS},
+    'set_loss': {'loss_cls': LOSSES},
+    'set_template': {'template_cls': TEMPLATES},
+    'set_processor': {'processor_cls': PROCESSORS},
+    'add_metric': {'metric': METRICS},
+}
+
+
+class CapacityError(ConfigurationError):
+    """The server is at a limit that frees up with time (adapters held); the client may retry."""
+
+
+def _feature(index: int, row: Any, vocab: int) -> dict[str, Any]:
+    if not isinstance(row, Mapping) or 'input_ids' not in row:
+        raise DataError(f'input row {index} must be an object with input_ids (and labels); got {str(row)[:80]}')
+    feature = {key: row[key] for key in FEATURE_FIELDS if key in row}
+    length = len(feature['input_ids']) if isinstance(feature['input_ids'], list) else -1
+    for key, values in feature.items():
+        if not isinstance(values, list) or len(values) != length:
+            raise DataError(f'input row {index}: {key} must be a list as long as input_ids ({length})')
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise DataError(f'input row {index}: {key} must hold integers')
+    if length == 0:
+        raise DataError(f'input row {index} has no tokens')
+    bad = next((t for t in feature['input_ids'] if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise DataError(f'input row {index} has token id {bad}, outside the vocabulary [0, {vocab})')
+    if 'labels' not in feature:
+        raise DataError(f'input row {index} has no labels: encode it with a template first')
+    return feature
+
+
+def _check_name(kind: str, name: Any, valid: list[str]) -> None:
+    if not isinstance(name, str) or name not in valid:
+        raise UnknownNameError(kind, name, valid)
+
+
+def _check_scalars(operation: str, kwargs: Mapping[str, Any]) -> None:
+    """Plain JSON values only, and no NaN or infinity."""
+    for key, value in kwargs.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise DataError(f'{operation} argument {key!r} is {item}; it must be a finite number')

@@ -1,0 +1,325 @@
+"""The execution layer of the training service: one worker thread, fair across tenants.
+
+One model on one device serves many tenants, and the device runs one step at a time. Every
+compute request is accepted at once as a :class:`Job` and runs later on the single worker
+thread, off the asyncio event loop, so health checks and other requests are answered meanwhile.
+
+Fairness: jobs are queued per tenant and the worker takes them round-robin across the tenants
+that have work. A tenant whose job is running re-enters the rotation only when that job ends,
+so a tenant with 100 queued jobs delays another tenant's single job by at most the job already
+running. Within a tenant, jobs run in submission order (a training loop's calls never reorder).
+A failing job fails alone: its exception is recorded and the worker goes on.
+
+>>> scheduler = Scheduler()
+>>> scheduler.start()
+>>> job = scheduler.submit('alice', lambda: 1 + 1)
+>>> job.wait(5), job.status, job.result
+(True, 'done', 2)
+>>> scheduler.stop()
+[]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from twinkle.errors import ConfigurationError, StateError, TwinkleError
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
+
+JobStatus = Literal['pending', 'running', 'done', 'failed']
+JobCallback = Callable[['Job'], None]
+
+# How many recent job durations the mean (and so ``retry_after_s``) is taken over.
+_DURATION_WINDOW = 100
+
+
+class QueueFullError(TwinkleError, RuntimeError):
+    """A tenant already has ``max_queued_per_tenant`` jobs waiting; ``retry_after_s`` says when to try again."""
+
+    def __init__(self, tenant: str, limit: int, retry_after_s: float):
+        self.tenant, self.limit, self.retry_after_s = tenant, limit, retry_after_s
+        super().__init__(
+            f'Tenant {tenant!r} already has {limit} queued jobs, the most max_queued_per_tenant={limit} allows; '
+            f'retry in about {retry_after_s:.1f} s'
+        )
+
+
+@dataclass(eq=False)
+class Job:
+    """One unit of compute for one tenant; times are ``time.time()`` seconds."""
+
+    id: str
+    tenant: str
+    fn: Callable[[], Any] = field(repr=False)
+    submitted_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    result: Any = field(default=None, repr=False)
+    error: BaseException | None = None
+    status: JobStatus = 'pending'
+    # Set once the job is settled (done or failed), after ``on_finish`` ran.
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _callbacks: list[JobCallback] = field(default_factory=list, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds the job ran, once it finished."""
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job is settled; False if ``timeout`` seconds passed first."""
+        return self.done.wait(timeout)
+
+    def add_done_callback(self, fn: JobCallback) -> None:
+        """Call ``fn(job)`` once the job is settled, on the settling thread (at once if it already is)."""
+        with self._lock:
+            if not self.done.is_set():
+                self._callbacks.append(fn)
+                return
+        _call_guarded(fn, self, 'done callback')
+
+    def remove_done_callback(self, fn: JobCallback) -> None:
+        """Forget ``fn`` if it has not been called yet."""
+        with self._lock:
+            if fn in self._callbacks:
+                self._callbacks.remove(fn)
+
+    def fail(self, error: BaseException) -> None:
+        """Settle a job that will not run (e.g. one :meth:`Scheduler.stop` returned) as failed."""
+        self.error, self.status = error, 'failed'
+        self.finished_at = time.time()
+        self._settle()
+
+    def _settle(self) -> None:
+        with self._lock:
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _call_guarded(fn, self, 'done callback')
+
+
+def _call_guarded(fn: JobCallback, job: Job, what: str) -> None:
+    """Run a callback on the worker's behalf: its exception is logged, never raised."""
+    try:
+        fn(job)
+    except Exception:
+        logger.exception(f'{what} {fn!r} raised for job {job.id!r} of tenant {job.tenant!r}')
+
+
+class Scheduler:
+    """Runs submitted jobs on one worker thread, round-robin across tenants, in order within one.
+
+    ``on_start(job)`` and ``on_finish(job)`` are called on the worker thread right before a job
+    runs and right after it ends (before ``job.done`` is set, so whoever waits on the job sees
+    what ``on_finish`` recorded). Their exceptions are logged and never stop the worker.
+    """
+
+    def __init__(
+        self,
+        max_queued_per_tenant: int = 64,
+        on_start: JobCallback | None = None,
+        on_finish: JobCallback | None = None,
+        keep_finished: int = 10_000,
+    ):
+        if max_queued_per_tenant < 1:
+            raise ConfigurationError(f'max_queued_per_tenant must be at least 1, got {max_queued_per_tenant}')
+        if keep_finished < 0:
+            raise ConfigurationError(f'keep_finished must be 0 or more, got {keep_finished}')
+        # Jobs one tenant may have waiting (not counting its running one) before submit refuses.
+        self.max_queued_per_tenant = max_queued_per_tenant
+        self.on_start, self.on_finish = on_start, on_finish
+        # Finished jobs kept for get(); older ones are forgotten first.
+        self.keep_finished = keep_finished
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque[Job]] = {}
+        # Tenants with queued work, in serving order; the running job's tenant is not in it.
+        self._ring: deque[str] = deque()
+        self._running: Job | None = None
+        self._jobs: dict[str, Job] = {}
+        self._finished_ids: deque[str] = deque()
+        self._durations: deque[float] = deque(maxlen=_DURATION_WINDOW)
+        self._completed = self._failed = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread; jobs submitted before this wait for it."""
+        with self._cond:
+            if self._stopping:
+                raise StateError('This Scheduler was stopped; create a new one instead of restarting it')
+            if self._thread is not None:
+                raise StateError('This Scheduler is already started')
+            self._thread = threading.Thread(target=self._work, name='twinkle-scheduler', daemon=True)
+            self._thread.start()
+
+    def stop(self, wait: bool = True) -> list[Job]:
+        """Let the running job finish, then end the worker; return the queued jobs, still 'pending'.
+
+        The returned jobs are removed from the queues and will never run: the caller fails them
+        (``job.fail(...)``) and tells their tenants. ``wait`` joins the worker thread first.
+        """
+        with self._cond:
+            self._stopping = True
+            left = [job for queue in self._queues.values() for job in queue]
+            left.sort(key=lambda job: job.submitted_at)
+            self._queues.clear()
+            self._ring.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+        return left
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or running; False if ``timeout`` seconds passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._ring and self._running is None, timeout)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(self, tenant: str, fn: Callable[[], Any], job_id: str | None = None) -> Job:
+        """Queue ``fn`` for ``tenant`` and return its pending Job at once (thread-safe).
+
+        Raises QueueFullError when the tenant already has ``max_queued_per_tenant`` jobs waiting.
+        """
+        job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, fn=fn)
+        with self._cond:
+            if self._stopping:
+                raise StateError(f'The scheduler is stopped; job for tenant {tenant!r} was not accepted')
+            if job.id in self._jobs:
+                raise ConfigurationError(f'Job id {job.id!r} is already in use; pass a new id or none')
+            queue = self._queues.setdefault(tenant, deque())
+            if len(queue) >= self.max_queued_per_tenant:
+                raise QueueFullError(tenant, self.max_queued_per_tenant, self._retry_after(len(queue)))
+            queue.append(job)
+            self._jobs[job.id] = job
+            running_tenant = self._running.tenant if self._running is not None else None
+            if tenant != running_tenant and tenant not in self._ring:
+                self._ring.append(tenant)
+            self._cond.notify_all()
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        """The job with this id: queued, running, or among the last ``keep_finished`` finished."""
+        with self._cond:
+            return self._jobs.get(job_id)
+
+    def queued(self, tenant: str | None = None) -> int:
+        """Jobs waiting (not running) for ``tenant``, or for all tenants."""
+        with self._cond:
+            if tenant is not None:
+                return len(self._queues.get(tenant, ()))
+            return sum(len(queue) for queue in self._queues.values())
+
+    def stats(self) -> dict[str, Any]:
+        """Queued jobs per tenant, the running job id, finished counts and the recent mean duration."""
+        with self._cond:
+            return {
+                'queued': {tenant: len(queue) for tenant, queue in self._queues.items() if queue},
+                'running': self._running.id if self._running is not None else None,
+                'completed': self._completed,
+                'failed': self._failed,
+                'mean_duration_s': self._mean_duration(),
+                'alive': self._thread is not None and self._thread.is_alive(),
+            }
+
+    # -- worker ------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while (job := self._next_job()) is not None:
+            self._run(job)
+            self._retire(job)
+
+    def _next_job(self) -> Job | None:
+        """Block for the next job, taking the tenant at the head of the rotation; None once stopping."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopping or self._ring)
+            if self._stopping:
+                return None
+            tenant = self._ring.popleft()
+            job = self._queues[tenant].popleft()
+            job.status, job.started_at = 'running', time.time()
+            self._running = job
+            return job
+
+    def _run(self, job: Job) -> None:
+        """Run one job and its callbacks; nothing it raises escapes."""
+        if self.on_start is not None:
+            _call_guarded(self.on_start, job, 'on_start')
+        try:
+            job.result, job.status = job.fn(), 'done'
+        except BaseException as error:  # the worker must outlive any job, SystemExit included
+            job.error, job.status = error, 'failed'
+            logger.warning(f'Job {job.id!r} of tenant {job.tenant!r} failed: {error!r}')
+        job.finished_at = time.time()
+        if self.on_finish is not None:
+            _call_guarded(self.on_finish, job, 'on_finish')
+        job._settle()
+
+    def _retire(self, job: Job) -> None:
+        """Book the finished job and put its tenant back at the end of the rotation if it has more."""
+        with self._cond:
+            self._running = None
+            self._completed += 1
+            self._failed += job.status == 'failed'
+            self._durations.append(job.duration_s or 0.0)
+            if self._queues.get(job.tenant):
+                self._ring.append(job.tenant)
+            else:
+                self._queues.pop(job.tenant, None)
+            self._forget_old(job.id)
+            self._cond.notify_all()
+
+    def _forget_old(self, finished_id: str) -> None:
+        self._finished_ids.append(finished_id)
+        while len(self._finished_ids) > self.keep_finished:
+            self._jobs.pop(self._finished_ids.popleft(), None)
+
+    def _mean_duration(self) -> float | None:
+        return sum(self._durations) / len(self._durations) if self._durations else None
+
+    def _retry_after(self, queued: int) -> float:
+        """Seconds until a queue slot likely frees: queued jobs times the recent mean duration, at least 1."""
+        return max(1.0, queued * (self._mean_duration() or 0.0))
+
+
+async def wait_job(job: Job, timeout: float | None = None) -> bool:
+    """Wait for ``job`` to settle without blocking the event loop; False if ``timeout`` passed first.
+
+    The worker wakes the loop through a done callback, so a waiting request holds no thread
+    (``asyncio.to_thread(job.done.wait)`` would hold one of the default executor's few).
+    """
+    if job.done.is_set():
+        return True
+    loop = asyncio.get_running_loop()
+    settled: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: Job) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_resolve, settled)
+
+    job.add_done_callback(wake)
+    try:
+        await asyncio.wait([settled], timeout=timeout)
+    finally:
+        job.remove_done_callback(wake)
+    return job.done.is_set()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,478 @@
+"""The service's durable state: tenants, runs, checkpoints and futures in one SQLite file.
+
+Every write is its own transaction, committed with ``synchronous=FULL`` in WAL mode before the method
+returns, so a row the server has acknowledged survives a ``kill -9`` (and a power cut). Every read is
+scoped by tenant: another tenant's run, checkpoint or future reads as None, exactly like one that does
+not exist, so the server answers 404 for both and leaks nothing.
+
+>>> import tempfile, os
+>>> store = Store(os.path.join(tempfile.mkdtemp(), 'twinkle.db'))
+>>> tenant, key = store.add_tenant('alice')
+>>> store.tenant_for_key(key) == tenant
+True
+>>> run = store.create_run(tenant.id, 'Qwen/Qwen3-0.6B', 'default', {'r': 8})
+>>> store.get_run(tenant.id, run.id).config
+{'r': 8}
+>>> store.close()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from twinkle.errors import ConfigurationError, DataError, StateError, one_of
+from twinkle.server.auth import hash_key, new_api_key
+
+SCHEMA_VERSION = 1
+RUN_STATUSES = ('active', 'released', 'deleted')
+CHECKPOINT_KINDS = ('training', 'sampler')
+FUTURE_STATUSES = ('pending', 'running', 'done', 'failed')
+ERROR_CATEGORIES = ('user', 'server')
+# Keys a caller brings must be as unguessable as ours, since they are only hashed with SHA-256.
+MIN_KEY_LENGTH = 32
+
+_NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]{0,63}')
+_PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._-]*')
+TWINKLE_SCHEME = 'twinkle://'
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tenants (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    key_hash TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    base_model TEXT NOT NULL,
+    adapter_name TEXT NOT NULL,
+    config_json TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_request_at REAL NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('active', 'released', 'deleted')),
+    UNIQUE (id, tenant_id)
+);
+CREATE INDEX IF NOT EXISTS runs_by_tenant ON runs (tenant_id, created_at);
+CREATE INDEX IF NOT EXISTS runs_by_activity ON runs (status, last_request_at);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    id TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    tenant_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    path TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('training', 'sampler')),
+    size_bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE (run_id, name),
+    FOREIGN KEY (run_id, tenant_id) REFERENCES runs (id, tenant_id) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS futures (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    run_id TEXT,
+    op TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('pending', 'running', 'done', 'failed')),
+    result_json TEXT,
+    error TEXT,
+    category TEXT CHECK (category IN ('user', 'server')),
+    created_at REAL NOT NULL,
+    finished_at REAL,
+    FOREIGN KEY (run_id, tenant_id) REFERENCES runs (id, tenant_id) ON DELETE CASCADE
+);
+CREATE INDEX IF NOT EXISTS futures_by_status ON futures (status);
+"""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    name: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class Run:
+    id: str
+    tenant_id: str
+    base_model: str
+    adapter_name: str
+    # The LoRA / optimizer configuration the run was created with, as the client sent it.
+    config: dict[str, Any]
+    created_at: float
+    last_request_at: float
+    status: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    id: str
+    run_id: str
+    tenant_id: str
+    name: str
+    # Where the files are on the server's disk; never shown to clients, who use ``twinkle_path``.
+    path: str
+    kind: str
+    size_bytes: int
+    created_at: float
+
+    @property
+    def twinkle_path(self) -> str:
+        return f'{TWINKLE_SCHEME}{self.run_id}/checkpoints/{self.name}'
+
+
+@dataclass(frozen=True)
+class FutureRecord:
+    id: str
+    tenant_id: str
+    run_id: str | None
+    op: str
+    status: str
+    # The JSON-decoded result of a 'done' future; None otherwise.
+    result: Any
+    # What went wrong, and whose fault it was ('user' or 'server'), for a 'failed' future.
+    error: str | None
+    category: str | None
+    created_at: float
+    finished_at: float | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ('done', 'failed')
+
+
+def check_name(kind: str, name: object) -> str:
+    """Return ``name`` if it is a safe adapter / checkpoint / tenant name, else raise DataError.
+
+    Safe means 1 to 64 of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit: no separators, no
+    ``..``, no hidden files, so a name can never reach outside the directory it is joined to.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise DataError(
+            f'Invalid {kind} name {name!r}: use 1 to 64 characters from A-Z, a-z, 0-9, ".", "_", "-", '
+            'starting with a letter or digit'
+        )
+    return name
+
+
+def parse_twinkle_path(path: str) -> tuple[str, str]:
+    """Split ``twinkle://<run_id>/checkpoints/<name>`` into ``(run_id, name)``.
+
+    >>> parse_twinkle_path('twinkle://run-1a2b3c/checkpoints/step-10')
+    ('run-1a2b3c', 'step-10')
+    """
+    parts = path[len(TWINKLE_SCHEME) :].split('/') if isinstance(path, str) else []
+    valid = (
+        isinstance(path, str)
+        and path.startswith(TWINKLE_SCHEME)
+        and len(parts) == 3
+        and parts[1] == 'checkpoints'
+        and all(_PATH_PART.fullmatch(part) and '..' not in part for part in (parts[0], parts[2]))
+    )
+    if not valid:
+        raise DataError(
+            f'Invalid checkpoint path {path!r}: expected twinkle://<run_id>/checkpoints/<name>, where run_id '
+            'and name use A-Z, a-z, 0-9, ".", "_", "-" and do not start with "."'
+        )
+    return parts[0], parts[2]
+
+
+def _new_id(prefix: str) -> str:
+    return f'{prefix}-{secrets.token_hex(6)}'
+
+
+class Store:
+    """Tenants, runs, checkpoints and futures in the SQLite file at ``path``; safe to share across threads.
+
+    One connection serves every thread, one statement at a time behind a lock: SQLite writes one
+    transaction at a time anyway, and the service's rows are few and small. ``clock`` gives the time
+    stamps (unix seconds); tests pass a fake one.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, clock: Callable[[], float] = time.time):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self._lock = threading.Lock()
+        # Autocommit mode: transactions are opened explicitly in _write, never implicitly by the driver.
+        self._conn: sqlite3.Connection | None = sqlite3.connect(
+            self.path, timeout=30.0, isolation_level=None, check_same_thread=False
+        )
+        try:
+            self._conn.row_factory = sqlite3.Row
+            self._conn.execute('PRAGMA journal_mode=WAL')
+            # FULL: every commit is fsynced before it returns, so an acknowledged row survives a crash.
+            self._conn.execute('PRAGMA synchronous=FULL')
+            self._conn.execute('PRAGMA foreign_keys=ON')
+            self._migrate()
+        except BaseException:
+            self.close()
+            raise
+
+    def _migrate(self) -> None:
+        with self._write() as conn:
+            version = conn.execute('PRAGMA user_version').fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StateError(
+                    f'{self.path} has schema version {version}, newer than the {SCHEMA_VERSION} this twinkle '
+                    'understands: upgrade twinkle or point the server at another database'
+                )
+            for statement in _SCHEMA.split(';'):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(f'PRAGMA user_version = {SCHEMA_VERSION}')
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StateError(f'the store on {self.path} is closed')
+        return self._conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, holding the lock; committed (and fsynced) when the block ends."""
+        with self._lock:
+            conn = self._connection()
+            conn.execute('BEGIN IMMEDIATE')
+            try:
+                yield conn
+            except BaseException:
+                conn.execute('ROLLBACK')
+                raise
+            conn.execute('COMMIT')
+
+    def _query(self, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._connection().execute(sql, params).fetchall()
+
+    def _execute(self, sql: str, params: tuple = ()) -> int:
+        """Run one writing statement; return how many rows it changed."""
+        with self._write() as conn:
+            return conn.execute(sql, params).rowcount
+
+    def close(self) -> None:
+        """Close the connection (checkpointing the WAL into the main file); later calls raise StateError."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- tenants ----------------------------------------------------------------------------------------
+
+    def add_tenant(self, name: str, key: str | None = None) -> tuple[Tenant, str]:
+        """Create a tenant; return it with its API key, the only time the plaintext key is available."""
+        check_name('tenant', name)
+        if key is None:
+            key = new_api_key()
+        elif len(key) < MIN_KEY_LENGTH or key != key.strip():
+            raise ConfigurationError(
+                f'An API key for tenant {name!r} must be at least {MIN_KEY_LENGTH} random characters without '
+                'surrounding whitespace; leave key=None to have one generated'
+            )
+        tenant = Tenant(id=_new_id('tn'), name=name, created_at=self._clock())
+        try:
+            self._execute(
+                'INSERT INTO tenants (id, name, key_hash, created_at) VALUES (?, ?, ?, ?)',
+                (tenant.id, name, hash_key(key), tenant.created_at),
+            )
+        except sqlite3.IntegrityError as exc:
+            what = f'a tenant named {name!r}' if 'tenants.name' in str(exc) else 'a tenant with that API key'
+            raise ConfigurationError(f'There is already {what}; choose another') from exc
+        return tenant, key
+
+    def tenant_for_key(self, key: str) -> Tenant | None:
+        rows = self._query('SELECT id, name, created_at FROM tenants WHERE key_hash = ?', (hash_key(key),))
+        return Tenant(**rows[0]) if rows else None
+
+    def list_tenants(self) -> list[Tenant]:
+        return [Tenant(**row) for row in self._query('SELECT id, name, created_at FROM tenants ORDER BY name')]
+
+    def remove_tenant(self, name: str) -> bool:
+        """Delete a tenant with its runs, checkpoint rows and futures; False if there was none.
+
+        Files on disk are the caller's to remove.
+        """
+        return self._execute('DELETE FROM tenants WHERE name = ?', (name,)) > 0
+
+    # -- runs -------------------------------------------------------------------------------------------
+
+    def create_run(self, tenant_id: str, base_model: str, adapter_name: str, config: dict[str, Any]) -> Run:
+        check_name('adapter', adapter_name)
+        now = self._clock()
+        run = Run(_new_id('run'), tenant_id, base_model, adapter_name, dict(config), now, now, 'active')
+        try:
+            self._execute(
+                'INSERT INTO runs (id, tenant_id, base_model, adapter_name, config_json, created_at, '
+                'last_request_at, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?)',
+                (run.id, tenant_id, base_model, adapter_name, _dumps('run config', config), now, now, run.status),
+            )
+        except sqlite3.IntegrityError as exc:
+            raise StateError(f'No tenant {tenant_id!r} to create a run for') from exc
+        return run
+
+    def get_run(self, tenant_id: str, run_id: str) -> Run | None:
+        """The run if it exists and belongs to ``tenant_id`` (whatever its status), else None."""
+        rows = self._query('SELECT * FROM runs WHERE id = ? AND tenant_id = ?', (run_id, tenant_id))
+        return _run(rows[0]) if rows else None
+
+    def list_runs(self, tenant_id: str, limit: int = 100, offset: int = 0) -> tuple[list[Run], int]:
+        """One page of the tenant's runs that are not deleted, newest first, and how many there are in all."""
+        where = "FROM runs WHERE tenant_id = ? AND status != 'deleted'"
+        rows = self._query(
+            f'SELECT * {where} ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?', (tenant_id, limit, offset)
+        )
+        total = self._query(f'SELECT COUNT(*) {where}', (tenant_id,))[0][0]
+        return [_run(row) for row in rows], total
+
+    def touch_run(self, run_id: str) -> None:
+        """Record a request to the run now, so that it does not count as idle."""
+        self._execute('UPDATE runs SET last_request_at = ? WHERE id = ?', (self._clock(), run_id))
+
+    def set_run_status(self, run_id: str, status: str) -> None:
+        if status not in RUN_STATUSES:
+            raise one_of('run status', status, RUN_STATUSES)
+        self._execute('UPDATE runs SET status = ? WHERE id = ?', (status, run_id))
+
+    def idle_runs(self, older_than_s: float) -> list[Run]:
+        """Active runs with no request in the last ``older_than_s`` seconds, longest idle first."""
+        rows = self._query(
+            "SELECT * FROM runs WHERE status = 'active' AND last_request_at < ? ORDER BY last_request_at",
+            (self._clock() - older_than_s,),
+        )
+        return [_run(row) for row in rows]
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+
+    def add_checkpoint(
+        self, tenant_id: str, run_id: str, name: str, path: str, kind: str, size_bytes: int
+    ) -> Checkpoint:
+        """Record a saved checkpoint, replacing the run's earlier one of the same name."""
+        check_name('checkpoint', name)
+        if kind not in CHECKPOINT_KINDS:
+            raise one_of('checkpoint kind', kind, CHECKPOINT_KINDS)
+        checkpoint = Checkpoint(_new_id('ckpt'), run_id, tenant_id, name, str(path), kind, size_bytes, self._clock())
+        try:
+            with self._write() as conn:
+                conn.execute('DELETE FROM checkpoints WHERE run_id = ? AND name = ?', (run_id, name))
+                conn.execute(
+                    'INSERT INTO checkpoints (id, run_id, tenant_id, name, path, kind, size_bytes, created_at) '
+                    'VALUES (?, ?, ?, ?, ?, ?, ?, ?)',
+                    tuple(vars(checkpoint).values()),
+                )
+        except sqlite3.IntegrityError as exc:
+            raise StateError(f'Tenant {tenant_id!r} has no run {run_id!r} to add checkpoint {name!r} to') from exc
+        return checkpoint
+
+    def list_checkpoints(self, tenant_id: str, run_id: str) -> list[Checkpoint]:
+        rows = self._query(
+            'SELECT * FROM checkpoints WHERE tenant_id = ? AND run_id = ? ORDER BY created_at, rowid',
+            (tenant_id, run_id),
+        )
+        return [Checkpoint(**row) for row in rows]
+
+    def get_checkpoint(self, tenant_id: str, run_id: str, name: str) -> Checkpoint | None:
+        rows = self._query(
+            'SELECT * FROM checkpoints WHERE tenant_id = ? AND run_id = ? AND name = ?', (tenant_id, run_id, name)
+        )
+        return Checkpoint(**rows[0]) if rows else None
+
+    def delete_checkpoint(self, tenant_id: str, run_id: str, name: str) -> bool:
+        """Forget the checkpoint row (the caller deletes its files); False if the tenant had no such one."""
+        sql = 'DELETE FROM checkpoints WHERE tenant_id = ? AND run_id = ? AND name = ?'
+        return self._execute(sql, (tenant_id, run_id, name)) > 0
+
+    # -- futures ----------------------------------------------------------------------------------------
+
+    def create_future(self, tenant_id: str, run_id: str | None, op: str) -> FutureRecord:
+        future = FutureRecord(_new_id('fut'), tenant_id, run_id, op, 'pending', None, None, None, self._clock(), None)
+        try:
+            self._execute(
+                "INSERT INTO futures (id, tenant_id, run_id, op, status, created_at) VALUES (?, ?, ?, ?, 'pending', ?)",
+                (future.id, tenant_id, run_id, op, future.created_at),
+            )
+        except sqlite3.IntegrityError as exc:
+            raise StateError(f'Tenant {tenant_id!r} has no run {run_id!r} to start {op!r} on') from exc
+        return future
+
+    def set_future_running(self, future_id: str) -> bool:
+        """Move a pending future to running; False if it was not pending."""
+        sql = "UPDATE futures SET status = 'running' WHERE id = ? AND status = 'pending'"
+        return self._execute(sql, (future_id,)) > 0
+
+    def finish_future(self, future_id: str, result: Any) -> bool:
+        """Store the JSON-encoded ``result`` of an unfinished future; False if it had already finished.
+
+        A finished future never changes again, so a worker that completes after the future was failed
+        (say by ``fail_unfinished_futures``) cannot overwrite what the client was told.
+        """
+        return self._finish(future_id, 'done', _dumps('future result', result), None, None)
+
+    def fail_future(self, future_id: str, error: str, category: str) -> bool:
+        """Mark an unfinished future failed, blaming ``category`` ('user' or 'server'); False if finished."""
+        if category not in ERROR_CATEGORIES:
+            raise one_of('error category', category, ERROR_CATEGORIES)
+        return self._finish(future_id, 'failed', None, error, category)
+
+    def _finish(
+        self, future_id: str, status: str, result_json: str | None, error: str | None, category: str | None
+    ) -> bool:
+        sql = (
+            'UPDATE futures SET status = ?, result_json = ?, error = ?, category = ?, finished_at = ? '
+            "WHERE id = ? AND status IN ('pending', 'running')"
+        )
+        return self._execute(sql, (status, result_json, error, category, self._clock(), future_id)) > 0
+
+    def get_future(self, tenant_id: str, future_id: str) -> FutureRecord | None:
+        rows = self._query('SELECT * FROM futures WHERE id = ? AND tenant_id = ?', (future_id, tenant_id))
+        return _future(rows[0]) if rows else None
+
+    def fail_unfinished_futures(self, reason: str) -> int:
+        """At server start: fail every pending or running future as the server's fault; return how many.
+
+        Their work died with the previous process, so their clients would otherwise wait for ever.
+        """
+        sql = (
+            "UPDATE futures SET status = 'failed', error = ?, category = 'server', finished_at = ? "
+            "WHERE status IN ('pending', 'running')"
+        )
+        return self._execute(sql, (reason, self._clock()))
+
+
+def _dumps(what: str, value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise DataError(
+            f'The {what} must be JSON-serializable (dicts, lists, str, numbers, bool, None): {exc}'
+        ) from exc
+
+
+def _run(row: sqlite3.Row) -> Run:
+    fields = dict(row)
+    fields['config'] = json.loads(fields.pop('config_json'))
+    return Run(**fields)
+
+
+def _future(row: sqlite3.Row) -> FutureRecord:
+    fields = dict(row)
+    result_json = fields.pop('result_json')
+    fields['result'] = None if result_json is None else json.loads(result_json)
+    return FutureRecord(**fields)

@@ -1,0 +1,25 @@
+"""The twinkle client: train on a twinkle server with the local API's names and results.
+
+Example::
+
+    from twinkle_client import init_twinkle_client
+    from twinkle_client.model import MultiLoraTransformersModel
+
+    client = init_twinkle_client(base_url='http://127.0.0.1:8000', api_key='tk-...')
+    model = MultiLoraTransformersModel(model_id='ms://Qwen/Qwen3.5-4B')   # uses the client above
+    model.add_adapter_to_model('default', LoraConfig(r=8, target_modules='all-linear'))
+
+State lives in the ``TwinkleClient`` object. ``init_twinkle_client`` also makes it the default
+that components use when built without ``client=``; pass ``client=`` to talk to two servers.
+"""
+
+from twinkle_client.client import (
+    Checkpoint,
+    RemoteError,
+    TrainingRun,
+    TwinkleClient,
+    default_client,
+    init_twinkle_client,
+)
+
+__all__ = ['Checkpoint', 'RemoteError', 'TrainingRun', 'TwinkleClient', 'default_client', 'init_twinkle_client']

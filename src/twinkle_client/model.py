@@ -1,0 +1,150 @@
+"""``MultiLoraTransformersModel``: the local ``TransformersModel`` API, run on a server.
+
+Each adapter added is a training run on the server, holding its own optimizer, scheduler, loss
+and step counters beside other tenants' adapters on the one base model. Calls block until the
+server has run them and return what the local method returns (``forward_backward`` a
+``ModelOutput``, ``calculate_metric`` a dict of floats, ``save`` a ``twinkle://`` path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from peft import LoraConfig
+
+from twinkle.data_format import ModelOutput
+from twinkle.errors import ConfigurationError, UnknownNameError
+from twinkle.server.host import FEATURE_FIELDS, LORA_FIELDS
+from twinkle_client.client import PREFIX, TwinkleClient, default_client
+
+
+class MultiLoraTransformersModel:
+    def __init__(self, model_id: str | None = None, *, client: TwinkleClient | None = None):
+        self.model_id = model_id
+        self.client = client or default_client()
+        self.runs: dict[str, str] = {}  # adapter name -> training run id
+
+    # ---- adapters -------------------------------------------------------------------------------
+    def add_adapter_to_model(
+        self, adapter_name: str, config: LoraConfig, *, gradient_accumulation_steps: int = 1, seed: int | None = None
+    ) -> str:
+        """Create a training run for this adapter; returns its run id. ``seed`` fixes the
+        adapter's initial weights."""
+        if adapter_name in self.runs:
+            raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {list(self.runs)}')
+        body = {
+            'adapter_name': adapter_name,
+            'lora': _lora_fields(config),
+            'gradient_accumulation_steps': gradient_accumulation_steps,
+            'seed': seed,
+        }
+        run = self.client.request('POST', f'{PREFIX}/runs', json=body)
+        self.runs[adapter_name] = run['training_run_id']
+        return run['training_run_id']
+
+    def attach(self, run_id: str, adapter_name: str = 'default') -> None:
+        """Continue an existing training run of this tenant under ``adapter_name``."""
+        self.client.get_training_run(run_id)
+        self.runs[adapter_name] = run_id
+
+    # ---- the local API --------------------------------------------------------------------------
+    def set_optimizer(self, optimizer_cls: str = 'AdamW', *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        self._op('set_optimizer', adapter_name, optimizer_cls=_name(optimizer_cls), **kwargs)
+
+    def set_lr_scheduler(self, scheduler_cls: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        self._op('set_lr_scheduler', adapter_name, scheduler_cls=_name(scheduler_cls), **kwargs)
+
+    def set_loss(self, loss_cls: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        self._op('set_loss', adapter_name, loss_cls=_name(loss_cls), **kwargs)
+
+    def set_template(self, template_cls: str = 'Template', *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        self._op('set_template', adapter_name, template_cls=_name(template_cls), **kwargs)
+
+    def set_processor(
+        self, processor_cls: str = 'InputProcessor', *, adapter_name: str | None = None, **kwargs: Any
+    ) -> None:
+        self._op('set_processor', adapter_name, processor_cls=_name(processor_cls), **kwargs)
+
+    def add_metric(
+        self, metric: str, *, is_training: bool = True, adapter_name: str | None = None, **kwargs: Any
+    ) -> None:
+        self._op('add_metric', adapter_name, metric=_name(metric), is_training=is_training, **kwargs)
+
+    def forward_backward(self, *, inputs: Any, adapter_name: str | None = None, **kwargs: Any) -> ModelOutput:
+        result = self._op('forward_backward', adapter_name, inputs=_rows(inputs), **kwargs)
+        return ModelOutput(loss=result['loss'], num_tokens=result['num_tokens'])
+
+    def forward_only(self, *, inputs: Any, adapter_name: str | None = None, disable_lora: bool = False) -> ModelOutput:
+        result = self._op('forward_only', adapter_name, inputs=_rows(inputs), disable_lora=disable_lora)
+        return ModelOutput(loss=result['loss'], num_tokens=result['num_tokens'], logps=result['logps'])
+
+    def clip_grad_norm(self, max_grad_norm: float = 1.0, *, adapter_name: str | None = None) -> float | None:
+        return self._op('clip_grad_norm', adapter_name, max_grad_norm=max_grad_norm)
+
+    def step(self, *, adapter_name: str | None = None) -> bool:
+        return self._op('step', adapter_name)
+
+    def zero_grad(self, *, adapter_name: str | None = None) -> None:
+        self._op('zero_grad', adapter_name)
+
+    def lr_step(self, *, adapter_name: str | None = None) -> None:
+        self._op('lr_step', adapter_name)
+
+    def clip_grad_and_step(self, max_grad_norm: float = 1.0, *, adapter_name: str | None = None) -> float | None:
+        return self._op('clip_grad_and_step', adapter_name, max_grad_norm=max_grad_norm)
+
+    def calculate_metric(self, is_training: bool = True, *, adapter_name: str | None = None) -> dict[str, float]:
+        return self._op('calculate_metric', adapter_name, is_training=is_training)
+
+    def get_train_configs(self, *, adapter_name: str | None = None) -> str:
+        return self._op('get_train_configs', adapter_name)
+
+    def save(self, name: str, *, adapter_name: str | None = None, save_optimizer: bool = False) -> str:
+        """Save on the server; returns ``twinkle://<run id>/checkpoints/<name>``."""
+        run_id = self._run(adapter_name)
+        body = {'name': name, 'save_optimizer': save_optimizer}
+        return self.client.call(f'{PREFIX}/runs/{run_id}/save', body)
+
+    def load(self, path: str, *, adapter_name: str | None = None, load_optimizer: bool = False) -> str:
+        """Load a ``twinkle://`` checkpoint of this tenant into the adapter."""
+        run_id = self._run(adapter_name)
+        return self.client.call(f'{PREFIX}/runs/{run_id}/load', {'path': path, 'load_optimizer': load_optimizer})
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _run(self, adapter_name: str | None) -> str:
+        if adapter_name is None:
+            if len(self.runs) == 1:
+                return next(iter(self.runs.values()))
+            if not self.runs:
+                raise ConfigurationError('add_adapter_to_model(...) first: a server model trains adapters')
+            raise ConfigurationError(f'this model has several adapters; pass adapter_name= one of {list(self.runs)}')
+        if adapter_name not in self.runs:
+            raise UnknownNameError('adapter', adapter_name, list(self.runs))
+        return self.runs[adapter_name]
+
+    def _op(self, operation: str, adapter_name: str | None, **kwargs: Any) -> Any:
+        run_id = self._run(adapter_name)
+        return self.client.call(f'{PREFIX}/runs/{run_id}/ops/{operation}', kwargs)
+
+
+def _lora_fields(config: LoraConfig) -> dict[str, Any]:
+    fields = {}
+    for key in sorted(LORA_FIELDS):
+        value = getattr(config, key, None)
+        if value is not None:
+            fields[key] = sorted(value) if isinstance(value, (set, frozenset)) else value
+    return fields
+
+
+def _name(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, type):
+        return spec.__name__  # a class travels by its registered name
+    raise ConfigurationError(f'a server component is named by a string; got {spec!r}')
+
+
+def _rows(inputs: Any) -> list[dict[str, Any]]:
+    rows = [inputs] if isinstance(inputs, Mapping) else list(inputs) if isinstance(inputs, Sequence) else inputs
+    return [{key: list(row[key]) for key in FEATURE_FIELDS if key in row} for row in rows]
