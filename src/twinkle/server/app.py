@@ -66,6 +66,8 @@ class Service:
         failed = self.store.fail_unfinished_futures('the server restarted before this request finished')
         if failed:
             logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
+        for run in self.store.idle_runs(older_than_s=0.0):  # their adapters died with the last process
+            self.store.set_run_status(run.id, 'released')
         self.host = host or ModelHost(config)
         self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
         self.registry = CollectorRegistry()
@@ -114,7 +116,10 @@ class Service:
             raise HTTPException(404, f'training run {run_id!r} not found')
         adapter = self.adapters.get(run_id)
         if adapter is None:
-            raise StateError(f'training run {run_id!r} is not loaded on the model (status {run.status!r})')
+            raise StateError(
+                f'training run {run_id!r} is not loaded on the model (status {run.status!r}): create a run and '
+                'load one of its checkpoints with load(twinkle_path, load_optimizer=True)'
+            )
         self.store.touch_run(run_id)
         return adapter
 

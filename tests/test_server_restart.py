@@ -1,0 +1,119 @@
+"""A server process killed with SIGKILL mid-request: after a restart the runs and every
+acknowledged checkpoint are there, nothing half-written is, and a resumed run continues with the
+losses the uninterrupted run had."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from peft import LoraConfig
+
+from twinkle.dataloader import DataLoader
+from twinkle.dataset import Dataset, DatasetMeta
+from twinkle.preprocessor import SelfCognitionProcessor
+from twinkle_client import RemoteError, TwinkleClient
+from twinkle_client.model import MultiLoraTransformersModel
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def server_command(model_dir: str, data_dir: Path, port: int, *args: str) -> list[str]:
+    return [
+        sys.executable, '-m', 'twinkle.server.cli', '--base-model', model_dir, '--port', str(port),
+        '--data-dir', str(data_dir), *args,
+    ]  # fmt: skip
+
+
+def start(model_dir: str, data_dir: Path, port: int) -> subprocess.Popen:
+    process = subprocess.Popen(
+        server_command(model_dir, data_dir, port, 'serve'), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f'http://127.0.0.1:{port}/healthz', timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        if process.poll() is not None:
+            raise AssertionError(process.stderr.read().decode()[-3000:])
+    process.kill()
+    raise AssertionError('the server did not come up in 60 s')
+
+
+@pytest.fixture(scope='module')
+def batches(tiny_model_dir, self_cognition_path) -> list[list[dict]]:
+    dataset = Dataset(DatasetMeta(self_cognition_path, data_slice=range(20)))
+    dataset.set_template('Template', model_id=tiny_model_dir, max_length=128)
+    dataset.map(SelfCognitionProcessor('twinkle model', 'ModelScope'))
+    dataset.encode()
+    return list(DataLoader(dataset=dataset, batch_size=4))
+
+
+def lora() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weights=False)
+
+
+def test_kill_9_mid_step_then_restart_keeps_runs_and_checkpoints_and_resumes_exactly(tmp_path, tiny_model_dir, batches):
+    data_dir, port = tmp_path / 'data', free_port()
+    add_key = server_command(tiny_model_dir, data_dir, port, 'keys', 'add', 'alice')
+    key = subprocess.run(add_key, capture_output=True, text=True, check=True).stdout.strip()
+    server = start(tiny_model_dir, data_dir, port)
+    try:
+        client = TwinkleClient(f'http://127.0.0.1:{port}', key)
+        model = MultiLoraTransformersModel(client=client)
+        run_id = model.add_adapter_to_model('default', lora(), seed=3)
+        model.set_optimizer('AdamW', lr=1e-2)
+        losses = []
+        for step, batch in enumerate(batches[:4]):
+            if step == 2:
+                saved = model.save('after-two', save_optimizer=True)
+            losses.append(model.forward_backward(inputs=batch).loss)
+            model.clip_grad_and_step()
+        # Kill while a step and then a save are queued or running.
+        pending = client.submit(f'/twinkle/v1/runs/{run_id}/ops/forward_backward', {'inputs': batches[4]})
+        client.submit(f'/twinkle/v1/runs/{run_id}/save', {'name': 'maybe', 'save_optimizer': True})
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+
+    server = start(tiny_model_dir, data_dir, port)
+    try:
+        client = TwinkleClient(f'http://127.0.0.1:{port}', key)
+        assert [(r.training_run_id, r.status) for r in client.list_training_runs()] == [(run_id, 'released')]
+        checkpoints = {c.name: c for c in client.list_checkpoints(run_id)}
+        assert 'after-two' in checkpoints and checkpoints['after-two'].twinkle_path == saved
+        future = client.request('GET', f'/twinkle/v1/futures/{pending}')
+        assert future['status'] in ('done', 'failed')  # never left 'running' after a restart
+        # Every listed checkpoint is whole and loads; resuming from it continues the old losses.
+        resumed = MultiLoraTransformersModel(client=client)
+        resumed.add_adapter_to_model('default', lora())
+        resumed.set_optimizer('AdamW', lr=1e-2)
+        for name, checkpoint in checkpoints.items():
+            assert resumed.load(checkpoint.twinkle_path, load_optimizer=True) == checkpoint.twinkle_path, name
+        resumed.load(saved, load_optimizer=True)
+        again = []
+        for batch in batches[2:4]:
+            again.append(resumed.forward_backward(inputs=batch).loss)
+            resumed.clip_grad_and_step()
+        assert again == pytest.approx(losses[2:4], abs=1e-6)
+        with pytest.raises(RemoteError) as error:  # the old run's adapter did not survive the kill
+            MultiLoraTransformersModel(client=client).attach(run_id) or client.call(
+                f'/twinkle/v1/runs/{run_id}/ops/calculate_metric', {}
+            )
+        assert error.value.status == 409 and 'not loaded' in str(error.value)
+    finally:
+        server.terminate()
+        server.wait(30)
