@@ -53,3 +53,12 @@ def test_seed_gsm8k_grpo_recipe_runs_and_saves(tmp_path, tiny_model_dir):
     log = run('grpo_gsm8k.py', '--max-steps', '2', '--output-dir', 'out', cwd=tmp_path)
     assert 'Training completed. optim_steps=2' in log and 'total_reward' in log and 'clip_frac' in log, log[-2000:]
     assert (tmp_path / 'out' / 'grpo-gsm8k-checkpoint' / 'adapter_model.safetensors').is_file()
+
+
+def test_two_tenant_server_recipe_trains_both(tmp_path, tiny_model_dir):
+    log = run('server_two_tenants.py', '--steps', '6', cwd=tmp_path)
+    losses = {name: re.search(rf'{name}: loss ([\d.]+) -> ([\d.]+)', log) for name in ('alice', 'bob')}
+    assert all(losses.values()), log[-2000:]
+    first, last = map(float, losses['alice'].groups())
+    assert last < first - 1.0, log[-2000:]
+    assert 'alice saved twinkle://' in log and 'bob saved twinkle://' in log
