@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -31,7 +32,6 @@ from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig
-from twinkle.server.host import FEATURE_FIELDS
 from twinkle.server.store import Store
 from twinkle.template import TEMPLATES
 from twinkle_client import TwinkleClient
@@ -39,21 +39,15 @@ from twinkle_client.model import MultiLoraTransformersModel
 
 PREFIX = '/twinkle/v1'
 OPS_ROUTE = f'{PREFIX}/runs/{{run_id}}/ops/{{operation}}'
-EXAMPLES_PER_ROUTE = 8
-OPS_EXAMPLES = 70
+EXAMPLES_PER_ROUTE = 10
+OPS_EXAMPLES = 80
 FUZZ = settings(
     deadline=None,
     database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 # Path parameters sent as they are, not percent-encoded: traversal, encoded traversal, control and unicode.
 RAW_PATH_VALUES = ['..', '%2e%2e', '..%2F..%2Fetc%2Fpasswd', '.', '%2F', '%00', '%', '%zz', 'é中', '\u202e', '~']
-# The arguments the real operations take, and a few they do not.
-ARGUMENT_NAMES = [
-    'inputs', 'lr', 'max_grad_norm', 'is_training', 'disable_lora', 'reduction', 'weight_decay', 'betas',
-    'padding_side', 'max_length', 'T_max', 'model_id', 'adapter_name', 'loss_cls', 'optimizer_cls',
-    'scheduler_cls', 'template_cls', 'processor_cls', 'metric',
-]  # fmt: skip
 REGISTRIES = {
     'loss_cls': LOSSES,
     'optimizer_cls': OPTIMIZERS,
@@ -76,7 +70,7 @@ class Route:
     body_schema: dict[str, Any] | None  # $refs resolved
 
 
-@dataclass
+@dataclass(repr=False)  # a failing test prints the report, not this
 class Target:
     url: str
     keys: dict[str, str]  # tenant name -> API key; 'alice' is the fuzzing tenant
@@ -87,7 +81,9 @@ class Target:
     spare: MultiLoraTransformersModel  # alice's run whose id the fuzz never learns
     http: httpx.Client
     requests: int = 0
-    futures: int = 0
+    # Status codes of the fuzzed requests, and how the accepted ones ended ('done', 'failed/user'...).
+    statuses: Counter = field(default_factory=Counter)
+    outcomes: Counter = field(default_factory=Counter)
     # What went wrong, a few example requests each; keyed by route and kind of failure.
     problems: dict[str, list[str]] = field(default_factory=dict)
 
@@ -188,6 +184,7 @@ def check(target: Target, method: str, template: str, path: str, kwargs: dict[st
     response = target.send(method, path, **kwargs)
     if response is None:
         return
+    target.statuses[response.status_code] += 1
     example = f'{_describe(method, path, kwargs)} -> {response.status_code} {response.text[:160]}'
     if response.status_code >= 500:
         target.problem(f'{method} {template}: HTTP {response.status_code}', example)
@@ -199,18 +196,17 @@ def check(target: Target, method: str, template: str, path: str, kwargs: dict[st
 
 def settle(target: Target, future_id: str, example: str) -> None:
     """Wait for an accepted request; it must end 'done', or 'failed' blamed on the user."""
-    target.futures += 1
     record: dict[str, Any] = {}
     for _ in range(3):
         response = target.send('GET', f'{PREFIX}/futures/{future_id}', params={'wait': 10}, headers=_auth(target))
         record = response.json() if response is not None and response.status_code == 200 else {}
         if record.get('status') in ('done', 'failed'):
             break
+    target.outcomes['/'.join(filter(None, [record.get('status'), record.get('category')]))] += 1
     if record.get('status') == 'failed' and record.get('category') != 'user':
         error = str(record.get('error'))
-        kind = error.split(':', 1)[0]
-        target.problem(f'{record.get("op")} future failed as category {record.get("category")!r}: {kind}', example)
-        target.problems[next(reversed(target.problems))][-1] += f'\n      future error: {error[:200]}'
+        key = f'{record.get("op")} future failed as category {record.get("category")!r}: {error.split(":")[0]}'
+        target.problem(key, f'{example}\n      future error: {error[:200]}')
     elif record.get('status') not in ('done', 'failed'):
         target.problem('future never finished', f'{example}; last record {record}')
 
@@ -225,7 +221,7 @@ def _has_detail(response: httpx.Response) -> bool:
 
 def _describe(method: str, path: str, kwargs: dict[str, Any]) -> str:
     content = kwargs.get('content')
-    headers = {k: (v[:24] + '...' if len(v) > 24 else v) for k, v in kwargs.get('headers', {}).items()}
+    headers = {name: str(value)[:32] for name, value in kwargs.get('headers', {}).items()}
     body = '' if content is None else f' body={content[:200]!r}'
     return f'{method} {path[:120]} params={kwargs.get("params")} headers={headers}{body}'
 
@@ -251,6 +247,11 @@ JSON_VALUES = st.recursive(
 )
 
 
+def mostly(common: st.SearchStrategy[Any], rare: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """``common`` four times in five, else ``rare`` (``a | b`` alone would pick each half the time)."""
+    return st.integers(0, 4).flatmap(lambda pick: rare if pick == 0 else common)
+
+
 def path_values(real: list[str]) -> st.SearchStrategy[str]:
     """A path segment, already encoded: a real id, a raw hostile one, random text or a long one."""
     random_text = st.text(min_size=1, max_size=30).map(lambda text: quote(text, safe=''))
@@ -272,12 +273,12 @@ def auth_headers(target: Target) -> st.SearchStrategy[dict[str, Any]]:
         {'Authorization': 'Bearer tk-wrong'},
         _auth(target, 'bob'),
         {'Authorization': 'Basic YWxpY2U6c2VjcmV0'},
-        {'Authorization': 'Bearer '},
+        {'Authorization': 'Bearer'},
         {'Authorization': 'Bearer ' + 'x' * 4000},
         {'Authorization': b'Bearer \xe9\xff'},
         {'X-Api-Key': target.keys['alice'][:-1]},
     ]
-    return st.one_of(st.just(good), st.just(good), st.just(good), st.sampled_from(bad))
+    return mostly(st.just(good), st.sampled_from(bad))
 
 
 @st.composite
@@ -320,52 +321,128 @@ def requests_for(draw: st.DrawFn, route: Route, target: Target) -> tuple[str, di
     path = route.template
     for name in route.path_params:
         path = path.replace(f'{{{name}}}', draw(path_values(target.real.get(name, []))))
-    names = route.query_params + [draw(st.text(min_size=1, max_size=6))]
+    names = [*route.query_params, draw(st.text(min_size=1, max_size=6))]
     params = {name: draw(query_values()) for name in names if draw(st.booleans())}
     kwargs = draw(bodies(route))
     kwargs['headers'] = {**kwargs.get('headers', {}), **draw(auth_headers(target))}
     return path, {**kwargs, 'params': params}
 
 
-def token_values(vocab: int) -> st.SearchStrategy[Any]:
-    """Mostly valid token ids (or -100, the ignored label); else negative, huge, float, bool, text, null."""
-    valid = st.integers(0, vocab - 1) | st.just(-100)
-    invalid = st.one_of(
-        st.integers(max_value=-1), st.integers(min_value=vocab), st.floats(), st.booleans(), st.text(max_size=2)
-    )
-    return st.one_of(valid, valid, valid, invalid, st.none())
+def bad_tokens(vocab: int) -> st.SearchStrategy[Any]:
+    """A token id or label no row may hold: negative, past the vocabulary, float, bool, text or null."""
+    too_small, too_big = st.integers(max_value=-1), st.integers(min_value=vocab)
+    return st.one_of(too_small, too_big, st.floats(), st.booleans(), st.text(max_size=2), st.none())
 
 
 @st.composite
 def rows(draw: st.DrawFn, vocab: int) -> dict[str, Any]:
-    """An encoded row whose columns may be missing, of mismatched lengths, empty or out of range."""
-    length = draw(st.integers(0, 6))
-    columns = draw(st.sets(st.sampled_from(FEATURE_FIELDS))) | ({'input_ids'} if draw(st.booleans()) else set())
-    row = {}
-    for column in sorted(columns):
-        size = draw(st.sampled_from([length, length, length, length + 1, max(length - 1, 0)]))
-        tokens = st.integers(0, vocab - 1) if draw(st.booleans()) else token_values(vocab)
-        row[column] = draw(st.lists(tokens, min_size=size, max_size=size))
+    """A valid encoded row, then up to two edits: a column dropped, emptied, made longer or shorter,
+    one token made invalid, or a column replaced by random JSON."""
+    length = draw(st.integers(1, 6))
+    token = st.integers(0, vocab - 1)
+    row = {
+        'input_ids': draw(st.lists(token, min_size=length, max_size=length)),
+        'labels': draw(st.lists(token | st.just(-100), min_size=length, max_size=length)),
+    }
+    for column in draw(st.sets(st.sampled_from(['attention_mask', 'position_ids', 'completion_mask']), max_size=2)):
+        row[column] = draw(
+            st.lists(st.integers(0, 1 if column != 'position_ids' else 64), min_size=length, max_size=length)
+        )
+    for _ in range(draw(st.integers(0, 2))):
+        if row:
+            edit_row(draw, row, draw(st.sampled_from(sorted(row))), vocab)
     return row
+
+
+def edit_row(draw: st.DrawFn, row: dict[str, Any], column: str, vocab: int) -> None:
+    values = row[column] if isinstance(row[column], list) else []
+    edit = draw(st.sampled_from(['drop', 'empty', 'longer', 'shorter', 'token', 'token', 'json']))
+    if edit == 'token' and values:
+        values[draw(st.integers(0, len(values) - 1))] = draw(bad_tokens(vocab))
+    elif edit == 'json':
+        row[column] = draw(JSON_VALUES)
+    elif edit == 'drop':
+        del row[column]
+    else:
+        row[column] = {'longer': [*values, 0], 'shorter': values[:-1]}.get(edit, [])
+
+
+# Values an operation's own arguments might plausibly take (some of them still wrong).
+PLAUSIBLE = {
+    'lr': st.floats(1e-6, 1.0),
+    'max_grad_norm': st.floats(0.0, 10.0),
+    'is_training': st.booleans(),
+    'disable_lora': st.booleans(),
+    'reduction': st.sampled_from(['mean', 'sum', 'none']),
+    'weight_decay': st.floats(0.0, 1.0),
+    'betas': st.lists(st.floats(0.0, 1.0), min_size=1, max_size=3),
+    'padding_side': st.sampled_from(['left', 'right', 'middle']),
+    'max_length': st.integers(-2, 64),
+    'truncation_strategy': st.sampled_from(['raise', 'left', 'right', 'delete', 'sideways']),
+    'num_warmup_steps': st.integers(-2, 10),
+    'num_training_steps': st.integers(-2, 100),
+    'model_id': st.text(max_size=10),
+    **{name: st.sampled_from(registry.names()) for name, registry in REGISTRIES.items()},
+}
+# The arguments each operation takes (besides a few it does not).
+OPERATION_ARGUMENTS = {
+    'set_optimizer': ['optimizer_cls', 'lr', 'weight_decay', 'betas'],
+    'set_lr_scheduler': ['scheduler_cls', 'num_warmup_steps', 'num_training_steps'],
+    'set_loss': ['loss_cls', 'reduction'],
+    'set_template': ['template_cls', 'max_length', 'truncation_strategy', 'model_id'],
+    'set_processor': ['processor_cls', 'padding_side'],
+    'add_metric': ['metric', 'is_training'],
+    'forward_backward': ['inputs'],
+    'forward_only': ['inputs', 'disable_lora'],
+    'clip_grad_norm': ['max_grad_norm'],
+    'clip_grad_and_step': ['max_grad_norm'],
+    'calculate_metric': ['is_training'],
+}
 
 
 def argument_values(name: str, vocab: int) -> st.SearchStrategy[Any]:
     if name == 'inputs':
-        return st.one_of(st.lists(rows(vocab), max_size=3), rows(vocab), JSON_VALUES)
-    if name in REGISTRIES:
-        return st.sampled_from(REGISTRIES[name].names()) | JSON_SCALARS
-    return JSON_VALUES
+        return mostly(st.lists(rows(vocab), min_size=1, max_size=3), st.one_of(rows(vocab), st.just([]), JSON_VALUES))
+    return mostly(PLAUSIBLE.get(name, JSON_VALUES), JSON_VALUES)
 
 
 @st.composite
 def operation_requests(draw: st.DrawFn, target: Target) -> tuple[str, dict[str, Any]]:
-    """A call of a real (or random) operation on the real (or a random) run, with random arguments."""
-    run_id = draw(st.sampled_from(target.real['run_id'][:1] * 4) | path_values([]))
-    operation = draw(st.sampled_from(target.operations) | path_values([]))
-    names = draw(st.lists(st.sampled_from(ARGUMENT_NAMES) | st.text(max_size=8), max_size=4, unique=True))
+    """A call of a real (or random) operation on the real (or a random) run: some of its own
+    arguments with plausible or random values, and now and then one it does not take."""
+    run_id = draw(mostly(st.just(target.real['run_id'][0]), path_values([])))
+    operation = draw(mostly(st.sampled_from(target.operations), path_values([])))
+    own = OPERATION_ARGUMENTS.get(operation, [])
+    names = sorted(draw(st.sets(st.sampled_from(own)))) if own else []
+    if operation in ('forward_backward', 'forward_only') and draw(st.integers(0, 3)):
+        names = sorted({'inputs', *names})
+    if not draw(st.integers(0, 3)):
+        names.append(draw(st.sampled_from(sorted(PLAUSIBLE)) | st.text(max_size=8)))
     kwargs = {name: draw(argument_values(name, target.vocab_size)) for name in names}
     headers = {'Content-Type': 'application/json', **draw(auth_headers(target))}
     return f'{PREFIX}/runs/{run_id}/ops/{operation}', {'content': json.dumps(kwargs).encode(), 'headers': headers}
+
+
+# Requests that once got a 5xx, checked on every run before the random ones ({run_id}: the real one).
+HOSTILE_REQUESTS = [
+    ('GET', f'{PREFIX}/runs', {'params': {'limit': str(2**63)}}),
+    ('GET', f'{PREFIX}/runs', {'params': {'offset': str(-(2**70))}}),
+    ('POST', f'{PREFIX}/runs', {'content': b'{"seed": NaN}'}),
+    ('POST', f'{PREFIX}/runs', {'content': b'{"seed": 100000000000000000000000}'}),
+    ('POST', f'{PREFIX}/runs', {'content': b'{"lora": {"target_modules": 5}}'}),
+    ('POST', f'{PREFIX}/runs', {'content': b'{"lora": {"lora_alpha": "x"}}'}),
+    ('POST', f'{PREFIX}/runs', {'content': b'{"lora": {"lora_dropout": 2.0}}'}),
+    ('POST', f'{PREFIX}/runs/{{run_id}}/save', {'content': b'{"name": [Infinity]}'}),
+    ('POST', f'{PREFIX}/runs', {'content': b'\xff\xfe', 'headers': {'Content-Type': 'text/plain'}}),
+]
+# Operation calls this fuzz found failing as the server's fault: an argument the operation does not
+# take, a missing one, a wrong-typed optimizer value, a label outside the vocabulary.
+HOSTILE_OPERATIONS = [
+    ('step', {'surprise': 1}),
+    ('add_metric', {}),
+    ('set_optimizer', {'optimizer_cls': 'AdamW', 'lr': {'a': 1}}),
+    ('forward_backward', {'inputs': [{'input_ids': [1, 2, 3], 'labels': [-5, 9999, 2]}]}),
+]
 
 
 # ---- the tests -----------------------------------------------------------------------------------
@@ -373,22 +450,33 @@ def operation_requests(draw: st.DrawFn, target: Target) -> tuple[str, dict[str, 
 
 def test_every_route_answers_malformed_requests_with_a_4xx(target):
     assert {route.template for route in target.routes} >= {f'{PREFIX}/runs/{{run_id}}', OPS_ROUTE}
+    json_headers = {'Content-Type': 'application/json', **_auth(target)}
+    for method, template, kwargs in HOSTILE_REQUESTS:
+        path = template.replace('{run_id}', target.real['run_id'][0])
+        check(target, method, template, path, {**kwargs, 'headers': {**json_headers, **kwargs.get('headers', {})}})
     for route in target.routes:
-
-        @FUZZ
-        @settings(max_examples=EXAMPLES_PER_ROUTE)
-        @given(request=requests_for(route, target))
-        def fuzz_route(request: tuple[str, dict[str, Any]]) -> None:
-            path, kwargs = request
-            check(target, route.method, route.template, path, kwargs)
-
-        fuzz_route()
+        fuzz_route(target, route)
     assert not target.problems, target.report()
 
 
+def fuzz_route(target: Target, route: Route) -> None:
+    @settings(FUZZ, max_examples=EXAMPLES_PER_ROUTE)
+    @given(request=requests_for(route, target))
+    def one_request(request: tuple[str, dict[str, Any]]) -> None:
+        path, kwargs = request
+        check(target, route.method, route.template, path, kwargs)
+
+    one_request()
+
+
 def test_operations_with_random_arguments_are_refused_or_fail_as_the_users_fault(target):
-    @FUZZ
-    @settings(max_examples=OPS_EXAMPLES)
+    target.problems.clear()  # the route fuzz reports its own
+    json_headers = {'Content-Type': 'application/json', **_auth(target)}
+    for operation, kwargs in HOSTILE_OPERATIONS:
+        path = f'{PREFIX}/runs/{target.real["run_id"][0]}/ops/{operation}'
+        check(target, 'POST', OPS_ROUTE, path, {'content': json.dumps(kwargs).encode(), 'headers': json_headers})
+
+    @settings(FUZZ, max_examples=OPS_EXAMPLES)
     @given(request=operation_requests(target))
     def fuzz_operation(request: tuple[str, dict[str, Any]]) -> None:
         path, kwargs = request
@@ -399,13 +487,15 @@ def test_operations_with_random_arguments_are_refused_or_fail_as_the_users_fault
 
 
 def test_after_the_fuzz_the_server_answers_and_still_trains(target):
-    print(f'\nfuzz: {target.requests} requests sent, {target.futures} accepted futures followed')
+    print(f'\nfuzz: {target.requests} requests; statuses {dict(target.statuses)}; accepted: {dict(target.outcomes)}')
     assert target.http.get(f'{target.url}/healthz').json() == {'status': 'ok'}
     # Five tokens; the first label is ignored (-100), so the loss is over the 4 shifted targets.
     row = {'input_ids': [11, 12, 13, 14, 15], 'labels': [-100, 12, 13, 14, 15]}
-    before = target.spare.forward_only(inputs=[row]).loss
-    output = target.spare.forward_backward(inputs=[row])
-    assert output.loss == pytest.approx(before) and math.isfinite(output.loss)
-    assert target.spare.clip_grad_and_step() > 0
-    # One AdamW step (lr 1e-2) on the very row it was computed from must lower that row's loss.
-    assert target.spare.forward_only(inputs=[row]).loss < before
+    losses = []
+    for _ in range(2):
+        output = target.spare.forward_backward(inputs=[row])
+        assert math.isfinite(output.loss) and output.num_tokens == 4, output
+        assert target.spare.clip_grad_and_step() > 0
+        losses.append(output.loss)
+    # One AdamW step (lr 1e-2) on the very row the loss is computed from must lower that loss.
+    assert losses[1] < losses[0], losses

@@ -20,7 +20,7 @@ from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNameError, one_of
 from twinkle.hub import resolve_model
 from twinkle.loss import LOSSES, Loss, LossOutput
-from twinkle.metric import METRICS, Metric
+from twinkle.metric import METRICS, Metric, TrainMetric
 from twinkle.model import checkpoint as ckpt
 from twinkle.model.base import Inputs, TwinkleModel
 from twinkle.model.group import FULL, Pending, TrainGroup
@@ -180,7 +180,10 @@ class TransformersModel(TwinkleModel):
     ) -> None:
         """Add a metric fed ``accumulate(inputs=, outputs=, loss=)`` after every loss."""
         group = self._group(adapter_name)
-        (group.train_metrics if is_training else group.eval_metrics).append(METRICS.build(metric, Metric, **kwargs))
+        built = METRICS.build(metric, Metric, **kwargs)
+        if isinstance(built, TrainMetric):
+            raise ConfigurationError('TrainMetric is always on: calculate_metric() reports lr, grad_norm, tokens_per_s')
+        (group.train_metrics if is_training else group.eval_metrics).append(built)
 
     # ---- forward and backward -------------------------------------------------------------------
     def forward(self, *, inputs: Inputs, adapter_name: str | None = None) -> ModelOutput:

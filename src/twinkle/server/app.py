@@ -9,12 +9,15 @@ did not exist.
 
 from __future__ import annotations
 
+import math
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,6 +32,8 @@ from twinkle.utils.logger import get_logger
 
 logger = get_logger()
 PREFIX = '/twinkle/v1'
+#: SQLite integers are 64-bit; a larger page size or offset must be a 422, not an overflow.
+SQLITE_INT_LIMIT = 2**63
 
 
 class CreateRun(BaseModel):
@@ -38,8 +43,8 @@ class CreateRun(BaseModel):
     lora: dict[str, Any] = Field(default_factory=dict)
     gradient_accumulation_steps: int = Field(1, gt=0)
     base_model: str | None = None
-    #: Draw the adapter's initial weights from this seed (reproducible runs).
-    seed: int | None = None
+    #: Draw the adapter's initial weights from this seed (reproducible runs); torch takes 64 bits.
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
 
 
 class SaveRequest(BaseModel):
@@ -190,7 +195,11 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
         return _run_json(service.store.get_run(who.id, run.id))
 
     @app.get(f'{PREFIX}/runs')
-    async def list_runs(who: Who, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    async def list_runs(
+        who: Who,
+        limit: Annotated[int, Query(ge=0, lt=SQLITE_INT_LIMIT)] = 100,
+        offset: Annotated[int, Query(ge=0, lt=SQLITE_INT_LIMIT)] = 0,
+    ) -> dict[str, Any]:
         runs, total = service.store.list_runs(who.id, limit=limit, offset=offset)
         return {'runs': [_run_json(r) for r in runs], 'total': total}
 
@@ -282,7 +291,25 @@ def _error_handlers(app: FastAPI) -> None:
             headers['Retry-After'] = str(max(1, round(retry)))
         return JSONResponse({'detail': str(error), 'error': type(error).__name__}, status_code=status, headers=headers)
 
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the bad input, and fails (500) on NaN, infinity or non-UTF-8 bytes.
+        return JSONResponse({'detail': jsonable_encoder(_jsonable(error.errors()))}, status_code=422)
+
     app.add_exception_handler(TwinkleError, handle)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON can carry it: NaN and infinities as strings, bytes decoded leniently."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, bytes):
+        return value.decode('utf-8', errors='replace')
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    return value
 
 
 def _run_json(run: Any) -> dict[str, Any]:

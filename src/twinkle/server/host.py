@@ -9,6 +9,7 @@ vocabulary and a request may not exceed the token limit.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 from peft import LoraConfig
 
-from twinkle.errors import ConfigurationError, DataError, UnknownNameError
+from twinkle.data_format import IGNORE_INDEX
+from twinkle.errors import ConfigurationError, DataError, TwinkleError, UnknownNameError
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model import TransformersModel
@@ -53,13 +55,7 @@ class ModelHost:
             'add_metric': self._add_metric,
             'forward_backward': self._forward_backward,
             'forward_only': self._forward_only,
-            'clip_grad_norm': self._simple('clip_grad_norm'),
-            'step': self._simple('step'),
-            'zero_grad': self._simple('zero_grad'),
-            'lr_step': self._simple('lr_step'),
-            'clip_grad_and_step': self._simple('clip_grad_and_step'),
-            'calculate_metric': self._simple('calculate_metric'),
-            'get_train_configs': self._simple('get_train_configs'),
+            **{name: self._simple(name) for name in _SIMPLE_OPERATIONS},
         }
 
     # ---- adapters -------------------------------------------------------------------------------
@@ -70,12 +66,17 @@ class ModelHost:
         adapter a local ``torch.manual_seed(seed)`` then ``add_adapter_to_model`` gives), without
         touching the server's own random state."""
         self.check_adapter(lora)
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
-            self.model.add_adapter_to_model(
-                adapter, LoraConfig(**lora), gradient_accumulation_steps=gradient_accumulation_steps
-            )
+        try:
+            with torch.random.fork_rng(devices=[]):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                self.model.add_adapter_to_model(
+                    adapter, LoraConfig(**lora), gradient_accumulation_steps=gradient_accumulation_steps
+                )
+        except TwinkleError:
+            raise
+        except (TypeError, ValueError) as e:  # peft / torch refusing a LoRA field's type or value
+            raise ConfigurationError(f'cannot add a LoRA adapter with {dict(lora)}: {type(e).__name__}: {e}') from e
 
     def check_adapter(self, lora: Mapping[str, Any]) -> None:
         """Room for one more adapter, known LoRA fields, and a rank within the limit."""
@@ -107,7 +108,14 @@ class ModelHost:
             raise ConfigurationError(f'unknown operation {operation!r}; accepted: {sorted(self.operations)}')
         if not isinstance(kwargs, dict):
             raise DataError(f'arguments of {operation} must be an object; got {type(kwargs).__name__}')
-        return self.operations[operation](adapter, **kwargs)
+        if operation not in _NAMED_ARGUMENTS:
+            return self.operations[operation](adapter, **kwargs)
+        try:
+            return self.operations[operation](adapter, **kwargs)
+        except TwinkleError:
+            raise
+        except (TypeError, ValueError, IndexError, KeyError) as e:  # a component refusing a value's type
+            raise ConfigurationError(f'{operation}({_brief(kwargs)}) failed: {type(e).__name__}: {e}') from e
 
     def validate(self, operation: str, kwargs: Any) -> None:
         """The checks that need no model: the operation, argument types, registered names, and
@@ -116,12 +124,22 @@ class ModelHost:
             raise UnknownNameError('operation', operation, self.operations)
         if not isinstance(kwargs, dict):
             raise DataError(f'arguments of {operation} must be an object; got {type(kwargs).__name__}')
+        self._bind(operation, kwargs)
         for key, registry in _NAMED_ARGUMENTS.get(operation, {}).items():
-            if key in kwargs:
-                _check_name(registry.kind, kwargs[key], registry.names())
+            _check_name(registry.kind, kwargs.get(key, _DEFAULT_NAMES.get(key)), registry.names())
+            component = registry.get(kwargs.get(key, _DEFAULT_NAMES.get(key)))
+            options = {k: v for k, v in kwargs.items() if k not in (key, 'is_training', 'model_id')}
+            _bind(f'{registry.kind} {component.__name__}', component, options, _COMPONENT_SLOTS.get(operation, {}))
         if 'inputs' in kwargs:
             self.features(kwargs['inputs'])
         _check_scalars(operation, {k: v for k, v in kwargs.items() if k != 'inputs'})
+
+    def _bind(self, operation: str, kwargs: dict[str, Any]) -> None:
+        """The arguments fit the operation: no unknown ones, none missing."""
+        if operation in _SIMPLE_OPERATIONS:
+            _bind(operation, getattr(self.model, operation), kwargs, {'adapter_name': 'x'})
+        else:
+            _bind(operation, self.operations[operation], kwargs, {'adapter': 'x'})
 
     def _simple(self, method: str) -> Callable[..., Any]:
         def call(adapter: str, **kwargs: Any) -> Any:
@@ -199,6 +217,38 @@ _NAMED_ARGUMENTS = {
 }
 
 
+_SIMPLE_OPERATIONS = (
+    'clip_grad_norm',
+    'step',
+    'zero_grad',
+    'lr_step',
+    'clip_grad_and_step',
+    'calculate_metric',
+    'get_train_configs',
+)
+_DEFAULT_NAMES = {'optimizer_cls': 'AdamW', 'template_cls': 'Template', 'processor_cls': 'InputProcessor'}
+#: Constructor parameters the model fills in itself (the parameters, the optimizer, the model id).
+_COMPONENT_SLOTS = {
+    'set_optimizer': {'params': None},
+    'set_lr_scheduler': {'optimizer': None},
+    'set_template': {'model_id': 'x'},
+}
+
+
+def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Any], filled: Mapping[str, Any]) -> None:
+    """``DataError`` unless ``target`` accepts ``kwargs`` (besides what the server fills in)."""
+    signature = inspect.signature(target)
+    try:
+        signature.bind(**filled, **kwargs)
+    except TypeError as e:
+        accepted = [n for n, p in signature.parameters.items() if n not in filled and p.kind not in (p.VAR_POSITIONAL,)]
+        raise DataError(f'{what}: {e}; it accepts {accepted}') from None
+
+
+def _brief(kwargs: Mapping[str, Any]) -> str:
+    return ', '.join(f'{k}={str(v)[:40]}' for k, v in kwargs.items())
+
+
 class CapacityError(ConfigurationError):
     """The server is at a limit that frees up with time (adapters held); the client may retry."""
 
@@ -220,6 +270,9 @@ def _feature(index: int, row: Any, vocab: int) -> dict[str, Any]:
         raise DataError(f'input row {index} has token id {bad}, outside the vocabulary [0, {vocab})')
     if 'labels' not in feature:
         raise DataError(f'input row {index} has no labels: encode it with a template first')
+    bad = next((t for t in feature['labels'] if t != IGNORE_INDEX and not 0 <= t < vocab), None)
+    if bad is not None:
+        raise DataError(f'input row {index} has label {bad}: labels are {IGNORE_INDEX} or token ids in [0, {vocab})')
     return feature
 
 
