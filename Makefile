@@ -26,10 +26,11 @@ test: setup  ## lint, then the whole test suite (CPU only, offline)
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
 	$(PY) -m pytest -q
 
-bench: setup  ## overhead against raw PyTorch + PEFT, sampler against generate, GRPO reward curve
+bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP vs local
 	$(PY) benchmarks/lora_overhead.py
 	$(PY) benchmarks/sampler_throughput.py
 	$(PY) benchmarks/grpo_reward_curve.py
+	$(PY) benchmarks/server_overhead.py
 
 clean:
 	rm -rf output .twinkle_home .pytest_cache

@@ -20,8 +20,9 @@ Three measurements, in one run:
    (the HTTP floor) and the client's two legs of a compute request (``submit``, ``result``).
 3. **Concurrent tenants.** Each of 1, 4 and 8 tenants (its own key, client and adapter) runs
    ``--tenant-steps`` training steps in its own thread, all started together; the total steps
-   and tokens over the wall time. The server runs one step at a time on one worker, so the
-   ideal is flat throughput: more tenants share it, none gets more.
+   and tokens over the wall time, median over ``--tenant-rounds`` rounds (1, 4, 8, then 8, 4,
+   1, ...). The server runs one step at a time on one worker, so the ideal is flat
+   throughput: more tenants share it, none gets more.
 
 Figures (``overhead_pct`` is the headline):
 
@@ -29,11 +30,12 @@ Figures (``overhead_pct`` is the headline):
 * ``overhead_pct`` = (median over steps of remote_step_time / local_step_time - 1) * 100, each
   step compared with the local step on the same batch. Target: under 10%.
 * ``added_ms`` = median remote round trip - median local call, for the small request.
-* ``throughput_ratio`` of N tenants = their steps/s over one tenant's steps/s.
+* ``throughput_ratio`` of N tenants = their tokens/s over one tenant's tokens/s (the first
+  ``--tenants`` count; tokens, not steps, because batches differ in length).
 
 Usage::
 
-    .venv/bin/python benchmarks/server_overhead.py        # writes benchmarks/results/server_overhead.json
+    .venv/bin/python benchmarks/server_overhead.py    # ~1.5 min on 2 idle cores; writes results/server_overhead.json
     ... --repeats 40 --tenant-steps 10 --output /tmp/server_overhead.json
 """
 
@@ -42,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -59,12 +60,12 @@ from typing import Any
 import datasets
 import fastapi
 import httpx
-import peft
 import torch
 import transformers
 import uvicorn
-from lora_overhead import Batch, Trace, TwinkleLoop, benchmark, encode_batches, loop_figures, lora_config
+from lora_overhead import DISTURBED, Batch, Trace, TwinkleLoop, benchmark, encode_batches, loop_figures, lora_config
 from lora_overhead import Settings as TrainingSettings
+from lora_overhead import environment as training_environment
 
 from twinkle import assets
 from twinkle_client import TwinkleClient
@@ -88,9 +89,10 @@ class Settings:
     # Small request: calls per block and blocks per kind.
     calls: int
     call_repeats: int
-    # Concurrent tenants: how many at once (each count in turn), and the steps each runs.
+    # Concurrent tenants: how many at once (each count in turn), the steps each runs, and rounds over the counts.
     tenants: list[int]
     tenant_steps: int
+    tenant_rounds: int
     # Rows per batch, and the longest encoded row.
     batch_size: int = 8
     max_length: int = 256
@@ -206,6 +208,8 @@ def summarize_training(traces: dict[str, Trace]) -> dict[str, Any]:
     overhead = (statistics.median(ratios) - 1) * 100
     loss_diffs = [abs(a - b) for a, b in zip(local.losses, remote.losses, strict=True)]
     loops = {name: loop_figures(trace) for name, trace in traces.items()}
+    slow_local, slow_remote = (DISTURBED * loops[name]['median_step_s'] for name in ('local', 'remote'))
+    disturbed = sum(r > slow_remote or loc > slow_local for r, loc in zip(remote.step_s, local.step_s, strict=True))
     return {
         'loops': loops,
         'added_ms_per_step': 1000 * (loops['remote']['median_step_s'] - loops['local']['median_step_s']),
@@ -213,6 +217,8 @@ def summarize_training(traces: dict[str, Trace]) -> dict[str, Any]:
         'overhead_pct': overhead,
         # The middle half of the per-step ratios: a wide range means a noisy machine.
         'overhead_pct_iqr': [(quartiles[0] - 1) * 100, (quartiles[2] - 1) * 100],
+        # Step pairs where either step took over DISTURBED x its side's median.
+        'disturbed_pairs': disturbed,
         'first_loss_abs_diff': loss_diffs[0],
         'max_loss_abs_diff': max(loss_diffs),
         'losses_match': loss_diffs[0] <= LOSS_TOLERANCE,
@@ -234,22 +240,23 @@ def small_request_latency(local: TwinkleLoop, remote: RemoteLoop, settings: Sett
     route = f'/twinkle/v1/runs/{remote.model.runs["default"]}/ops/get_train_configs'
     times: dict[str, list[float]] = {'local': [], 'remote': [], 'healthz': [], 'submit': [], 'result': []}
 
-    def split_call() -> None:  # what remote.model.get_train_configs() does, each leg timed apart
-        began = time.perf_counter()
-        future_id = client.submit(route, {})
-        submitted = time.perf_counter()
-        client.result(future_id)
-        times['submit'].append(submitted - began)
-        times['result'].append(time.perf_counter() - submitted)
+    def split_calls() -> None:  # what remote.model.get_train_configs() does, each leg timed apart
+        for _ in range(settings.calls):
+            began = time.perf_counter()
+            future_id = client.submit(route, {})
+            submitted = time.perf_counter()
+            client.result(future_id)
+            times['submit'].append(submitted - began)
+            times['result'].append(time.perf_counter() - submitted)
 
     blocks = {
         'local': lambda: time_calls(local.model.get_train_configs, settings.calls, times['local']),
         'remote': lambda: time_calls(remote.model.get_train_configs, settings.calls, times['remote']),
         'healthz': lambda: time_calls(lambda: client.http.get('/healthz'), settings.calls, times['healthz']),
-        'split': lambda: [split_call() for _ in range(settings.calls)],
+        'split': split_calls,
     }
     names = list(blocks)
-    for _ in range(2):  # one untimed round: connections opened, code paths warm
+    for _ in range(2):  # two untimed rounds: connections opened, code paths warm
         for name in names:
             blocks[name]()
     for values in times.values():
@@ -318,49 +325,48 @@ def run_tenants(loops: list[RemoteLoop], batches: list[Batch], steps: int, offse
     return run
 
 
-def concurrency(loops: list[RemoteLoop], batches: list[Batch], settings: Settings) -> list[TenantRun]:
+def concurrency(loops: list[RemoteLoop], batches: list[Batch], settings: Settings) -> dict[int, list[TenantRun]]:
+    """The runs of each tenant count, one per round; the counts take turns, in reverse every other round."""
     for i, loop in enumerate(loops):  # untimed: each adapter's first step builds its optimizer state
         loop.step(batches[i % len(batches)])
-    runs, offset = [], 0
-    for count in settings.tenants:
-        runs.append(run_tenants(loops[:count], batches, settings.tenant_steps, offset))
-        offset += count * settings.tenant_steps
+    runs: dict[int, list[TenantRun]] = {count: [] for count in settings.tenants}
+    offset = 0
+    for round_ in range(settings.tenant_rounds):
+        for count in settings.tenants if round_ % 2 == 0 else settings.tenants[::-1]:
+            runs[count].append(run_tenants(loops[:count], batches, settings.tenant_steps, offset))
+            offset += count * settings.tenant_steps
     return runs
 
 
-def summarize_concurrency(runs: list[TenantRun]) -> list[dict[str, float]]:
-    base = runs[0].steps / runs[0].wall_s
-    return [
-        {
-            'tenants': run.tenants,
-            'steps': run.steps,
-            'wall_s': run.wall_s,
-            'steps_per_s': run.steps / run.wall_s,
-            'tokens_per_s': run.tokens / run.wall_s,
-            'throughput_ratio': run.steps / run.wall_s / base,
-            # What one tenant waits for a step while the others share the worker.
-            'median_step_s': statistics.median(run.step_s),
-        }
-        for run in runs
-    ]
+def summarize_concurrency(runs: dict[int, list[TenantRun]]) -> list[dict[str, Any]]:
+    rows = []
+    for count, rounds in runs.items():
+        tokens_per_s = [run.tokens / run.wall_s for run in rounds]
+        rows.append(
+            {
+                'tenants': count,
+                'steps_per_s': statistics.median(run.steps / run.wall_s for run in rounds),
+                'tokens_per_s': statistics.median(tokens_per_s),
+                'tokens_per_s_rounds': tokens_per_s,
+                # What one tenant waits for a step while the others share the worker.
+                'median_step_s': statistics.median(t for run in rounds for t in run.step_s),
+            }
+        )
+    base = rows[0]['tokens_per_s']  # the first count given: 1 by default
+    for row in rows:
+        row['throughput_ratio'] = row['tokens_per_s'] / base
+    return rows
 
 
 # ---- report ---------------------------------------------------------------------------------------
-def environment(settings: Settings) -> dict[str, Any]:
-    device = torch.device(settings.device)
+def environment(settings: Settings, load_before: float) -> dict[str, Any]:
     return {
-        'torch': torch.__version__,
-        'transformers': transformers.__version__,
-        'peft': peft.__version__,
+        **training_environment(settings.training()),
         'fastapi': fastapi.__version__,
         'uvicorn': uvicorn.__version__,
         'httpx': httpx.__version__,
-        'python': platform.python_version(),
-        'cpu_count': os.cpu_count(),
-        # The benchmark and the server each use about torch_threads, one at a time; more means other load.
-        'load_average_1min': os.getloadavg()[0],
-        'torch_threads': torch.get_num_threads(),
-        'device': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu',
+        # The benchmark and the server take turns using about torch_threads each: more means other load.
+        'load_average_1min_before': load_before,
     }
 
 
@@ -381,6 +387,12 @@ def print_summary(result: dict[str, Any]) -> None:
         f' {TARGET_OVERHEAD_PCT:.0f}% target; middle half of steps {low:+.1f}% .. {high:+.1f}%),'
         f' {train["added_ms_per_step"]:+.1f} ms per step'
     )
+    if train['disturbed_pairs'] > len(result['step_s']['local']) // 10:
+        print(
+            f'  warning: {train["disturbed_pairs"]} of {len(result["step_s"]["local"])} step pairs ran over'
+            f' {DISTURBED}x the median (load average {env["load_average_1min_before"]:.1f} before,'
+            f' {env["load_average_1min"]:.1f} after, on {env["cpu_count"]} CPUs): a busy machine'
+        )
     match = 'match' if train['losses_match'] else 'DIFFER'
     print(
         f'  first-step loss local {train["loops"]["local"]["first_loss"]:.6f} remote'
@@ -393,11 +405,15 @@ def print_summary(result: dict[str, Any]) -> None:
         f' (submit {small["submit_ms"]:.2f} + result {small["result_ms"]:.2f} ms;'
         f' bare GET /healthz {small["healthz_ms"]:.2f} ms)'
     )
-    print(f'3. concurrent tenants, {s["tenant_steps"]} steps each, one server worker:')
+    print(
+        f'3. concurrent tenants, {s["tenant_steps"]} steps each, median of {s["tenant_rounds"]} rounds,'
+        ' one server worker:'
+    )
+    first = fig['concurrency'][0]['tenants']
     for row in fig['concurrency']:
         print(
             f'  {row["tenants"]} tenant(s): {row["steps_per_s"]:5.2f} steps/s {row["tokens_per_s"]:8.0f} tokens/s'
-            f'  x{row["throughput_ratio"]:.2f} of 1 tenant; median step seen by a tenant'
+            f'  x{row["throughput_ratio"]:.2f} of {first} (tokens/s); median step seen by a tenant'
             f' {1000 * row["median_step_s"]:7.0f} ms'
         )
 
@@ -408,46 +424,47 @@ def parse_args() -> tuple[Settings, Path]:
     parser.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
     parser.add_argument('--steps', type=int, default=2, help='timed training steps per block')
     parser.add_argument('--warmup', type=int, default=2, help='untimed training steps per side before timing')
-    parser.add_argument('--repeats', type=int, default=16, help='timed training blocks per side')
-    parser.add_argument('--calls', type=int, default=10, help='small-request calls per block')
+    parser.add_argument('--repeats', type=int, default=20, help='timed training blocks per side')
+    parser.add_argument('--calls', type=int, default=20, help='small-request calls per block')
     parser.add_argument('--call-repeats', type=int, default=6, help='small-request blocks per kind')
     parser.add_argument('--tenants', type=int, nargs='+', default=[1, 4, 8], help='concurrent tenant counts')
-    parser.add_argument('--tenant-steps', type=int, default=4, help='training steps per tenant per count')
+    parser.add_argument('--tenant-steps', type=int, default=2, help='training steps per tenant per count')
+    parser.add_argument('--tenant-rounds', type=int, default=3, help='rounds over the tenant counts')
     parser.add_argument('--batch-size', type=int, default=8)
     parser.add_argument('--max-length', type=int, default=256)
     parser.add_argument('--output', default='benchmarks/results/server_overhead.json')
     args = parser.parse_args()
     if args.device == 'cuda' and not torch.cuda.is_available():
         parser.error('--device cuda: no CUDA device is available')
-    counts = [args.steps, args.warmup, args.repeats, args.calls, args.call_repeats, args.tenant_steps, *args.tenants]
-    if min(counts) < 1:
-        parser.error('--steps, --warmup, --repeats, --calls, --call-repeats, --tenant-steps, --tenants: at least 1')
-    settings = Settings(
-        args.model,
-        args.device,
-        args.steps,
-        args.warmup,
-        args.repeats,
-        args.calls,
-        args.call_repeats,
-        args.tenants,
-        args.tenant_steps,
-        args.batch_size,
-        args.max_length,
-    )
+    fields = ['steps', 'warmup', 'repeats', 'calls', 'call_repeats', 'tenants', 'tenant_steps', 'tenant_rounds']
+    values = [getattr(args, name) for name in fields if name != 'tenants'] + args.tenants
+    if min(values) < 1:
+        parser.error('--steps, --warmup, --repeats, --calls, --call-repeats and every --tenant* value: at least 1')
+    names = ['model', 'device', *fields, 'batch_size', 'max_length']
+    settings = Settings(**{name: getattr(args, name) for name in names})
     return settings, Path(args.output)
 
 
 def measure(settings: Settings, batches: list[Batch], model_dir: str, workdir: Path) -> dict[str, Any]:
+    phase_s, began = {}, time.perf_counter()
     server = ServerProcess(settings, workdir)
     bench_key = server.add_key('bench')
     tenant_keys = [server.add_key(f'tenant-{i}') for i in range(max(settings.tenants))]
+
+    def phase(name: str) -> None:
+        nonlocal began
+        phase_s[name], began = time.perf_counter() - began, time.perf_counter()
+
     with server as url:
         local = TwinkleLoop(model_dir, settings.training())
         remote = RemoteLoop(TwinkleClient(url, bench_key), settings, seed=settings.seed)
+        phase('start')
         traces = benchmark({'local': local, 'remote': remote}, batches, settings.training())
+        phase('training')
         latency = small_request_latency(local, remote, settings)
+        phase('small_request')
         runs = concurrency(make_tenants(url, tenant_keys, settings), batches, settings)
+        phase('concurrency')
     return {
         'figures': {
             'training': summarize_training(traces),
@@ -457,12 +474,15 @@ def measure(settings: Settings, batches: list[Batch], model_dir: str, workdir: P
         'losses': {name: trace.losses for name, trace in traces.items()},
         'step_s': {name: trace.step_s for name, trace in traces.items()},
         'small_request_s': latency,
-        'tenant_step_s': {str(run.tenants): run.step_s for run in runs},
+        'tenant_step_s': {str(count): [run.step_s for run in rounds] for count, rounds in runs.items()},
+        # Wall time of each part (start: keys, server start, both models built).
+        'phase_s': phase_s,
     }
 
 
 def main() -> None:
     settings, output = parse_args()
+    load_before = os.getloadavg()[0]
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings('ignore', category=FutureWarning)  # deprecations inside peft/transformers
@@ -473,7 +493,7 @@ def main() -> None:
     result = {
         'benchmark': 'server_overhead',
         'settings': asdict(settings),
-        'environment': environment(settings),
+        'environment': environment(settings, load_before),
         **measured,
     }
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,8 @@ class TwinkleClient:
     compute request as long as it runs."""
 
     def __init__(self, base_url: str, api_key: str, *, timeout: float = 120.0, max_retries: int = 20):
+        if not isinstance(max_retries, int) or max_retries < 1:
+            raise TwinkleError(f'max_retries must be a positive integer (tries per request); got {max_retries!r}')
         self.base_url = base_url.rstrip('/')
         self.http = httpx.Client(
             base_url=self.base_url, headers={'Authorization': f'Bearer {api_key}'}, timeout=timeout

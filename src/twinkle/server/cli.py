@@ -16,18 +16,26 @@ from twinkle.server.config import ServerConfig
 
 
 def load_config(args: argparse.Namespace) -> ServerConfig:
-    overrides = {'base_model': args.base_model, 'host': args.host, 'port': args.port, 'data_dir': args.data_dir}
+    overrides = {
+        'base_model': args.base_model,
+        'host': args.host,
+        'port': args.port,
+        'data_dir': args.data_dir,
+        'device': args.device,
+    }
+    if args.command == 'keys' and not args.config and args.base_model is None:
+        overrides['base_model'] = '(managing keys only)'  # keys need only the data directory
     if args.config:
         return ServerConfig.load(args.config, **overrides)
     return ServerConfig.build(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def serve(config: ServerConfig) -> None:
+def serve(config: ServerConfig, log_level: str = 'info') -> None:
     import uvicorn
 
     from twinkle.server.app import create_app
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level='info')
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level)
 
 
 class BackgroundServer:
@@ -64,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument('--host')
     parser.add_argument('--port', type=int)
     parser.add_argument('--data-dir')
+    parser.add_argument('--device', help='cpu, cuda, cuda:1, ... (default: cuda if available)')
+    parser.add_argument('--log-level', default='info', choices=['debug', 'info', 'warning', 'error'])
     commands = parser.add_subparsers(dest='command', required=True)
     commands.add_parser('serve', help='serve the base model')
     keys = commands.add_parser('keys', help='API keys (one per tenant, stored hashed)')
@@ -72,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = load_config(args)
     if args.command == 'serve':
-        serve(config)
+        serve(config, args.log_level)
         return
     manage_keys(config, args.action, args.tenant)
 
