@@ -124,7 +124,9 @@ class TransformersModel(TwinkleModel):
         )
         if weights_dir is not None:
             ckpt.load_adapter(self.model, adapter_name, weights_dir)
-        self._activate(self.groups[adapter_name])
+        # Not _activate: after delete_adapter, peft may still name a removed adapter of this name
+        # as active, and only set_adapter makes the new one's weights trainable.
+        self.model.set_adapter(adapter_name)
 
     @property
     def adapter_names(self) -> list[str]:

@@ -9,6 +9,7 @@ did not exist.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 
 from twinkle.errors import StateError, TwinkleError, UnknownNameError
+from twinkle.model import checkpoint as ckpt
 from twinkle.server.auth import key_from_headers
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import CapacityError, ModelHost
@@ -32,6 +34,10 @@ from twinkle.utils.logger import get_logger
 
 logger = get_logger()
 PREFIX = '/twinkle/v1'
+#: Configuration operations: recorded per run and replayed when a released adapter comes back.
+SETUP_OPERATIONS = ('set_optimizer', 'set_lr_scheduler', 'set_loss', 'set_template', 'set_processor', 'add_metric')
+#: Where a released adapter's state is kept, beside the run's checkpoints.
+RELEASE_STATE = 'released-state'
 #: SQLite integers are 64-bit; a larger page size or offset must be a 422, not an overflow.
 SQLITE_INT_LIMIT = 2**63
 
@@ -115,18 +121,85 @@ class Service:
         self.queued.set(self.scheduler.queued())
 
     # ---- runs -----------------------------------------------------------------------------------
-    def adapter_of(self, tenant: Tenant, run_id: str) -> str:
+    async def adapter_of(self, tenant: Tenant, run_id: str) -> str:
+        """The adapter of a run of this tenant, brought back first if it was released."""
         run = self.store.get_run(tenant.id, run_id)
         if run is None or run.status == 'deleted':
             raise HTTPException(404, f'training run {run_id!r} not found')
-        adapter = self.adapters.get(run_id)
-        if adapter is None:
-            raise StateError(
-                f'training run {run_id!r} is not loaded on the model (status {run.status!r}): create a run and '
-                'load one of its checkpoints with load(twinkle_path, load_optimizer=True)'
-            )
+        if run_id not in self.adapters:
+            if not self.release_state(run).is_dir():
+                raise StateError(
+                    f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '
+                    'to restore: create a run and load one of its checkpoints with load(path, load_optimizer=True)'
+                )
+            job = self.submit(tenant, run_id, 'restore', lambda: self.restore(run))
+            await wait_job(job, None)
+            if job.error is not None:
+                raise job.error
         self.store.touch_run(run_id)
-        return adapter
+        return self.adapters[run_id]
+
+    # ---- releasing idle adapters ----------------------------------------------------------------
+    def remember_setup(self, run_id: str, operation: str, kwargs: dict[str, Any]) -> None:
+        """Record a configuration call, to replay when the adapter is brought back."""
+        run = self.store.get_run_by_id(run_id)
+        config = dict(run.config)
+        config['setup'] = [*config.get('setup', []), {'operation': operation, 'kwargs': kwargs}]
+        self.store.set_run_config(run_id, config)
+
+    def release_state(self, run: Any) -> Path:
+        return self.config.checkpoint_dir / run.tenant_id / run.id / RELEASE_STATE
+
+    def release(self, run: Any) -> bool:
+        """Save a run's adapter with its optimizer and counters, then take it off the model.
+        Runs on the worker thread. Skipped in the middle of a gradient accumulation."""
+        adapter = self.adapters.get(run.id)
+        if adapter is None:
+            return False
+        group = self.host.model.groups[adapter]
+        if group.micro_step % group.gradient_accumulation_steps or group.pending is not None:
+            return False
+        path = self.release_state(run)
+        self.host.save(adapter, path.parent, path.name, save_optimizer=True)
+        self.host.remove_adapter(adapter)
+        del self.adapters[run.id]
+        self.store.set_run_status(run.id, 'released')
+        return True
+
+    def restore(self, run: Any) -> None:
+        """Bring a released run back: its adapter, its setup calls replayed, then its saved
+        weights, optimizer, scheduler and step counters."""
+        adapter = f'{run.tenant_id}--{run.id}'
+        config = run.config
+        self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
+        for call in config.get('setup', []):
+            self.host.run(adapter, call['operation'], dict(call['kwargs']))
+        path = self.release_state(run)
+        group = self.host.model.groups[adapter]
+        self.host.load(adapter, path, load_optimizer=group.optimizer is not None)
+        state = ckpt.read_trainer_state(path)
+        group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
+        group.consumed_train_samples = state['consumed_train_samples']
+        self.adapters[run.id] = adapter
+        self.store.set_run_status(run.id, 'active')
+
+    def release_all(self, timeout: float = 600.0) -> None:
+        for run_id in list(self.adapters):
+            run = self.store.get_run_by_id(run_id)
+            tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
+            self.submit(tenant, run_id, 'release', lambda r=run: self.release(r))
+        self.scheduler.drain(timeout)
+
+    def release_idle(self) -> list[Job]:
+        """Queue the release of every run idle longer than ``idle_release_s``."""
+        if self.config.idle_release_s is None:
+            return []
+        jobs = []
+        for run in self.store.idle_runs(self.config.idle_release_s):
+            if run.id in self.adapters:
+                tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
+                jobs.append(self.submit(tenant, run.id, 'release', lambda r=run: self.release(r)))
+        return jobs
 
     def checkpoint_dir(self, tenant: Tenant, run_id: str) -> Path:
         return self.config.checkpoint_dir / tenant.id / run_id
@@ -153,7 +226,10 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.scheduler.start()
+        releaser = asyncio.create_task(_release_periodically(service))
         yield
+        releaser.cancel()
+        service.release_all()  # a graceful stop keeps every adapter's state; a restart brings them back
         for job in service.scheduler.stop(wait=True):
             service.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
         service.store.close()
@@ -212,14 +288,20 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/ops/{{operation}}', status_code=202)
     async def operation(run_id: str, operation: str, kwargs: dict[str, Any], who: Who) -> dict[str, str]:
-        adapter = service.adapter_of(who, run_id)
+        adapter = await service.adapter_of(who, run_id)
         service.host.validate(operation, kwargs)  # bad names, token ids, sizes: a 4xx now, not a failed future
-        job = service.submit(who, run_id, operation, lambda: service.host.run(adapter, operation, kwargs))
-        return {'future_id': job.id}
+
+        def compute() -> Any:
+            result = service.host.run(adapter, operation, kwargs)
+            if operation in SETUP_OPERATIONS:
+                service.remember_setup(run_id, operation, kwargs)
+            return result
+
+        return {'future_id': service.submit(who, run_id, operation, compute).id}
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/save', status_code=202)
     async def save(run_id: str, body: SaveRequest, who: Who) -> dict[str, str]:
-        adapter = service.adapter_of(who, run_id)
+        adapter = await service.adapter_of(who, run_id)
         check_name('checkpoint name', body.name)
         directory = service.checkpoint_dir(who, run_id)
 
@@ -233,7 +315,7 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/load', status_code=202)
     async def load(run_id: str, body: LoadRequest, who: Who) -> dict[str, str]:
-        adapter = service.adapter_of(who, run_id)
+        adapter = await service.adapter_of(who, run_id)
         source_run, name = parse_twinkle_path(body.path)
         checkpoint = service.store.get_checkpoint(who.id, source_run, name)
         if checkpoint is None:
@@ -272,6 +354,15 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
         return asdict(record)
 
     return app
+
+
+async def _release_periodically(service: Service) -> None:
+    idle = service.config.idle_release_s
+    if idle is None:
+        return
+    while True:
+        await asyncio.sleep(min(max(idle / 4, 0.05), 30.0))
+        service.release_idle()
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -328,6 +328,11 @@ class Store:
             raise StateError(f'No tenant {tenant_id!r} to create a run for') from exc
         return run
 
+    def get_run_by_id(self, run_id: str) -> Run | None:
+        """A run whatever its tenant: for the server's own bookkeeping, never for a request."""
+        rows = self._query('SELECT * FROM runs WHERE id = ?', (run_id,))
+        return _run(rows[0]) if rows else None
+
     def get_run(self, tenant_id: str, run_id: str) -> Run | None:
         """The run if it exists and belongs to ``tenant_id`` (whatever its status), else None."""
         rows = self._query('SELECT * FROM runs WHERE id = ? AND tenant_id = ?', (run_id, tenant_id))
@@ -350,6 +355,11 @@ class Store:
         if status not in RUN_STATUSES:
             raise one_of('run status', status, RUN_STATUSES)
         self._execute('UPDATE runs SET status = ? WHERE id = ?', (status, run_id))
+
+    def set_run_config(self, run_id: str, config: dict[str, Any]) -> None:
+        """Replace a run's configuration (the server appends the setup calls it must replay to
+        bring a released adapter back)."""
+        self._execute('UPDATE runs SET config_json = ? WHERE id = ?', (json.dumps(config), run_id))
 
     def idle_runs(self, older_than_s: float) -> list[Run]:
         """Active runs with no request in the last ``older_than_s`` seconds, longest idle first."""
