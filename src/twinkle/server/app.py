@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -36,6 +37,8 @@ logger = get_logger()
 PREFIX = '/twinkle/v1'
 #: Configuration operations: recorded per run and replayed when a released adapter comes back.
 SETUP_OPERATIONS = ('set_optimizer', 'set_lr_scheduler', 'set_loss', 'set_template', 'set_processor', 'add_metric')
+#: Seconds between two recordings of a run's last request time.
+TOUCH_INTERVAL_S = 1.0
 #: Where a released adapter's state is kept, beside the run's checkpoints.
 RELEASE_STATE = 'released-state'
 #: SQLite integers are 64-bit; a larger page size or offset must be a 422, not an overflow.
@@ -81,6 +84,7 @@ class Service:
             self.store.set_run_status(run.id, 'released')
         self.host = host or ModelHost(config)
         self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
+        self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
         self.registry = CollectorRegistry()
         self.requests = Counter('twinkle_requests', 'Compute requests', ['operation', 'status'], registry=self.registry)
         self.seconds = Histogram('twinkle_request_seconds', 'Compute time', ['operation'], registry=self.registry)
@@ -121,23 +125,32 @@ class Service:
         self.queued.set(self.scheduler.queued())
 
     # ---- runs -----------------------------------------------------------------------------------
-    async def adapter_of(self, tenant: Tenant, run_id: str) -> str:
-        """The adapter of a run of this tenant, brought back first if it was released."""
+    async def adapter_of(self, tenant: Tenant, run_id: str) -> Any:
+        """A run of this tenant that is on the model or can be brought back; 404 otherwise.
+        Jobs then call ``loaded`` on the worker thread, where no release can slip in between."""
         run = self.store.get_run(tenant.id, run_id)
         if run is None or run.status == 'deleted':
             raise HTTPException(404, f'training run {run_id!r} not found')
-        if run_id not in self.adapters:
-            if not self.release_state(run).is_dir():
-                raise StateError(
-                    f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '
-                    'to restore: create a run and load one of its checkpoints with load(path, load_optimizer=True)'
-                )
-            job = self.submit(tenant, run_id, 'restore', lambda: self.restore(run))
-            await wait_job(job, None)
-            if job.error is not None:
-                raise job.error
-        self.store.touch_run(run_id)
-        return self.adapters[run_id]
+        if run_id not in self.adapters and not self.release_state(run).is_dir():
+            raise StateError(
+                f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '
+                'to restore: create a run and load one of its checkpoints with load(path, load_optimizer=True)'
+            )
+        self._touch(run_id)
+        return run
+
+    def loaded(self, run: Any) -> str:
+        """The run's adapter on the model, restored first if it was released (worker thread)."""
+        if run.id not in self.adapters:
+            self.restore(self.store.get_run_by_id(run.id))
+        return self.adapters[run.id]
+
+    def _touch(self, run_id: str) -> None:
+        """Record the run's last request; at most once a second, as each write syncs the disk."""
+        now = time.monotonic()
+        if now - self._touched.get(run_id, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S:
+            self._touched[run_id] = now
+            self.store.touch_run(run_id)
 
     # ---- releasing idle adapters ----------------------------------------------------------------
     def remember_setup(self, run_id: str, operation: str, kwargs: dict[str, Any]) -> None:
@@ -152,13 +165,13 @@ class Service:
 
     def release(self, run: Any) -> bool:
         """Save a run's adapter with its optimizer and counters, then take it off the model.
-        Runs on the worker thread. Skipped in the middle of a gradient accumulation."""
+        Runs on the worker thread. Skipped while gradients wait for an optimizer step."""
         adapter = self.adapters.get(run.id)
         if adapter is None:
             return False
         group = self.host.model.groups[adapter]
-        if group.micro_step % group.gradient_accumulation_steps or group.pending is not None:
-            return False
+        if group.pending is not None or any(param.grad is not None for param in group.params):
+            return False  # gradients are waiting for a step: releasing now would lose them
         path = self.release_state(run)
         self.host.save(adapter, path.parent, path.name, save_optimizer=True)
         self.host.remove_adapter(adapter)
@@ -288,11 +301,11 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/ops/{{operation}}', status_code=202)
     async def operation(run_id: str, operation: str, kwargs: dict[str, Any], who: Who) -> dict[str, str]:
-        adapter = await service.adapter_of(who, run_id)
+        run = await service.adapter_of(who, run_id)
         service.host.validate(operation, kwargs)  # bad names, token ids, sizes: a 4xx now, not a failed future
 
         def compute() -> Any:
-            result = service.host.run(adapter, operation, kwargs)
+            result = service.host.run(service.loaded(run), operation, kwargs)
             if operation in SETUP_OPERATIONS:
                 service.remember_setup(run_id, operation, kwargs)
             return result
@@ -301,12 +314,12 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/save', status_code=202)
     async def save(run_id: str, body: SaveRequest, who: Who) -> dict[str, str]:
-        adapter = await service.adapter_of(who, run_id)
+        run = await service.adapter_of(who, run_id)
         check_name('checkpoint name', body.name)
         directory = service.checkpoint_dir(who, run_id)
 
         def write() -> str:
-            path = Path(service.host.save(adapter, directory, body.name, body.save_optimizer))
+            path = Path(service.host.save(service.loaded(run), directory, body.name, body.save_optimizer))
             size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
             checkpoint = service.store.add_checkpoint(who.id, run_id, body.name, str(path), 'training', size)
             return checkpoint.twinkle_path
@@ -315,14 +328,14 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/load', status_code=202)
     async def load(run_id: str, body: LoadRequest, who: Who) -> dict[str, str]:
-        adapter = await service.adapter_of(who, run_id)
+        run = await service.adapter_of(who, run_id)
         source_run, name = parse_twinkle_path(body.path)
         checkpoint = service.store.get_checkpoint(who.id, source_run, name)
         if checkpoint is None:
             raise HTTPException(404, f'checkpoint {body.path!r} not found')
 
         def read() -> str:
-            service.host.load(adapter, Path(checkpoint.path), body.load_optimizer)
+            service.host.load(service.loaded(run), Path(checkpoint.path), body.load_optimizer)
             return checkpoint.twinkle_path
 
         return {'future_id': service.submit(who, run_id, 'load', read).id}
