@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
 from twinkle.dataset import Dataset, DatasetMeta
-from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, UnknownNameError
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, UnknownNameError
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import GSM8KProcessor
 from twinkle.sampler import TorchSampler
@@ -286,3 +286,58 @@ def test_sampling_draws_from_the_softmax(seeded):
     tokens = choose(scores, SamplingParams(), generators)
     frequencies = torch.bincount(tokens, minlength=4) / rows
     assert frequencies.tolist() == pytest.approx([0.5, 0.3, 0.2, 0.0], abs=0.015)
+
+
+def test_a_sampler_sharing_the_trainers_model_samples_like_a_synced_copy_and_leaves_training_alone(
+    sampler, tiny_model_dir
+):
+    def trainer() -> TransformersModel:
+        torch.manual_seed(0)
+        model = TransformersModel(tiny_model_dir, device='cpu')
+        model.add_adapter_to_model('policy', lora())
+        model.add_adapter_to_model('other', lora())
+        model.set_optimizer('AdamW', lr=1e-2, adapter_name='policy')
+        return model
+
+    batch = [s.new_input_feature for s in sequences(sampler.sample(PROMPTS, SamplingParams(max_tokens=6, seed=0)))]
+    shared_model, alone = trainer(), trainer()  # equal seeds: equal weights
+    for model in (shared_model, alone):
+        model.forward_backward(inputs=batch, adapter_name='policy')
+        model.clip_grad_and_step(adapter_name='policy')
+    peft_model = shared_model.model
+    modes = [m.training for m in peft_model.modules()]
+    grads = [p.requires_grad for p in peft_model.parameters()]
+    assert any(modes) and any(grads) and peft_model.active_adapter == 'policy'  # sampling sets eval
+
+    shared = TorchSampler.from_model(peft_model)
+    assert shared.model is peft_model and shared.model_id == tiny_model_dir
+    copy = TorchSampler(tiny_model_dir, device='cpu')
+    CheckpointEngineManager(shared_model, copy).sync_weights(merge_and_sync=False, adapter_name='policy')
+    params = SamplingParams(max_tokens=8, seed=0, num_samples=2, logprobs=2, ignore_eos=True)
+    got = sequences(shared.sample(PROMPTS, params, adapter_name='policy'))
+    want = sequences(copy.sample(PROMPTS, params))
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    for a, b in zip(got, want, strict=True):  # the sampled token and its top 2, with their logprobs
+        assert [[t for t, _ in entry] for entry in a.logprobs] == [[t for t, _ in entry] for entry in b.logprobs]
+        assert [lp for entry in a.logprobs for _, lp in entry] == pytest.approx(
+            [lp for entry in b.logprobs for _, lp in entry], abs=1e-6
+        )
+        assert a.new_input_feature == b.new_input_feature
+    # No adapter named: the base model, every adapter off (the module's sampler holds the base weights).
+    base = sequences(shared.sample(PROMPTS, params))
+    assert [s.tokens for s in base] == [s.tokens for s in sequences(sampler.sample(PROMPTS, params))]
+    shared.sample(PROMPTS, params, adapter_name='other')  # switches peft's active adapter and its grads
+
+    # The model is as it was: modes, active adapter, requires_grad; training continues unchanged.
+    assert [m.training for m in peft_model.modules()] == modes
+    assert [p.requires_grad for p in peft_model.parameters()] == grads
+    assert peft_model.active_adapter == 'policy'
+    losses = [m.forward_backward(inputs=batch, adapter_name='policy').loss for m in (shared_model, alone)]
+    assert losses[0] == losses[1]
+    for model in (shared_model, alone):
+        model.clip_grad_and_step(adapter_name='policy')
+    for a, b in zip(shared_model.groups['policy'].params, alone.groups['policy'].params, strict=True):
+        assert torch.equal(a, b)
+    # Shared weights are never loaded into: a sync into this sampler is refused.
+    with pytest.raises(StateError, match='shares its model'):
+        CheckpointEngineManager(shared_model, shared).sync_weights(adapter_name='policy')

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +20,11 @@ from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from twinkle.data_format import SampledSequence, SampleResponse, SamplingParams, TokenLogprob
-from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, UnknownNameError
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, UnknownNameError
 from twinkle.hub import resolve_model
 from twinkle.sampler.base import SAMPLERS, Completion, Prompt, SampleInputs, Sampler
 from twinkle.sampler.logits import choose, processed_scores
+from twinkle.template import Template
 from twinkle.utils.weights import canonical_name
 
 
@@ -58,21 +59,72 @@ class TorchSampler(Sampler):
     ):
         if model_id is None and config is None:
             raise ConfigurationError('TorchSampler needs a model_id or a config')
-        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
-            raise ConfigurationError(f'max_batch_size must be a positive integer or None; got {max_batch_size!r}')
-        self.model_id = model_id
-        self.device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
-        dtype = dtype or (torch.bfloat16 if self.device.type == 'cuda' else torch.float32)
+        device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+        dtype = dtype or (torch.bfloat16 if device.type == 'cuda' else torch.float32)
         cls = model_cls or AutoModelForCausalLM
         kwargs = {'dtype': dtype, 'attn_implementation': attn_implementation}
         if model_id is not None:
             model = cls.from_pretrained(resolve_model(model_id), **kwargs, **from_pretrained_kwargs)
         else:
             model = cls.from_config(config, **kwargs)
-        self.model: PreTrainedModel | PeftModel = model.to(self.device).eval().requires_grad_(False)
+        self._attach(model.to(device).eval().requires_grad_(False), model_id, device, max_batch_size, shared=False)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: PreTrainedModel | PeftModel,
+        model_id: str | None = None,
+        template: str | Template | None = None,
+    ) -> TorchSampler:
+        """A sampler over ``model``'s own weights, shared, not copied: every ``sample`` call
+        sees them as they are then, so there is nothing to sync (``load_weights`` and adding
+        adapters are refused). Made for a trainer and a sampler that take turns on one device,
+        as the server's worker thread does with ``TransformersModel.model``.
+
+        ``adapter_name`` picks one of the model's adapters; without it the base model samples,
+        every adapter switched off. Each call leaves the model as it found it: each module's
+        train/eval mode, the active adapter and which parameters require grad (peft's
+        ``set_adapter`` changes the last two). Build it after adding adapters to a
+        ``TransformersModel``: the first one wraps the model in a new ``PeftModel``. ``model_id``
+        (for the tokenizer) defaults to the directory the model was loaded from.
+
+        Example::
+
+            trainer = TransformersModel(assets.tiny_model())
+            trainer.add_adapter_to_model('policy', LoraConfig(r=8, target_modules='all-linear'))
+            sampler = TorchSampler.from_model(trainer.model)
+            responses = sampler.sample(prompts, SamplingParams(max_tokens=16), adapter_name='policy')
+        """
+        if not isinstance(model, (PreTrainedModel, PeftModel)):
+            raise ConfigurationError(
+                f'from_model takes a transformers PreTrainedModel or a peft PeftModel (TransformersModel.model); '
+                f'got {type(model).__name__}'
+            )
+        sampler = cls.__new__(cls)
+        model_id = model_id or getattr(model.config, 'name_or_path', None) or None
+        sampler._attach(model, model_id, next(model.parameters()).device, None, shared=True)
+        if template is not None:
+            sampler.set_template(template)
+        return sampler
+
+    def _attach(
+        self,
+        model: PreTrainedModel | PeftModel,
+        model_id: str | None,
+        device: torch.device,
+        max_batch_size: int | None,
+        shared: bool,
+    ) -> None:
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
+            raise ConfigurationError(f'max_batch_size must be a positive integer or None; got {max_batch_size!r}')
+        self.model: PreTrainedModel | PeftModel = model
+        self.model_id = model_id
+        self.device = device
         self.max_batch_size = max_batch_size
         self.default_adapter: str | None = None
         self.weight_version = 0
+        #: Whether the weights are another component's (``from_model``): never loaded into.
+        self.shared = shared
 
     # ---- adapters and weights -------------------------------------------------------------------
     @property
@@ -82,6 +134,7 @@ class TorchSampler(Sampler):
     def add_adapter(self, adapter_name: str, config_or_dir: PeftConfig | str) -> None:
         """Add a LoRA adapter: a ``peft`` config (weights as initialised) or a saved adapter
         directory, such as one ``TransformersModel.save`` wrote."""
+        self._own_weights('add an adapter')
         weights = None
         if isinstance(config_or_dir, str):
             path = resolve_model(config_or_dir)
@@ -94,6 +147,7 @@ class TorchSampler(Sampler):
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> int:
         """Copy base-model tensors in, by name (``TransformersModel`` or PEFT names both work:
         ``base_model.model.`` and ``.base_layer`` are ignored). Returns how many were copied."""
+        self._own_weights('load weights')
         params = {canonical_name(name): p for name, p in self.model.named_parameters() if '.lora_' not in name}
         unknown = sorted(set(map(canonical_name, weights)) - set(params))
         if unknown:
@@ -113,6 +167,7 @@ class TorchSampler(Sampler):
     ) -> None:
         """Set an adapter's tensors (PEFT state-dict names, as ``get_peft_model_state_dict``
         gives them); with ``config`` the adapter is created first if missing."""
+        self._own_weights('load adapter weights')
         if config is not None:
             self._ensure_adapter(adapter_name, config)
         if adapter_name not in self.adapter_names:
@@ -121,6 +176,13 @@ class TorchSampler(Sampler):
         missing = [k for k in result.missing_keys if '.lora_' in k and f'.{adapter_name}.' in k]
         if missing:
             raise ConfigurationError(f'adapter {adapter_name!r} weights lack {missing[:3]} ({len(missing)} missing)')
+
+    def _own_weights(self, action: str) -> None:
+        if self.shared:
+            raise StateError(
+                f"cannot {action}: this sampler shares its model's weights (TorchSampler.from_model) and samples "
+                'them as they are; change the model itself, or sync into a TorchSampler with its own copy'
+            )
 
     def _ensure_adapter(self, adapter_name: str, config: PeftConfig) -> None:
         if adapter_name in self.adapter_names:
@@ -149,7 +211,7 @@ class TorchSampler(Sampler):
         completions: list[Completion] = []
         prompt_info: list[PromptLogprobs] = []
         size = self.max_batch_size or len(rows)
-        with self._adapter(adapter):
+        with self._sampling_with(adapter):
             for start in range(0, len(rows), size):
                 batch = _Generation(self, rows[start : start + size], seeds[start : start + size], params, want_prompt)
                 completions += batch.run()
@@ -182,13 +244,33 @@ class TorchSampler(Sampler):
             raise UnknownNameError('adapter', adapter_name, self.adapter_names or ['(none: no adapter was added)'])
         return adapter_name
 
+    @contextlib.contextmanager
+    def _sampling_with(self, adapter: str | None) -> Iterator[None]:
+        """The model in eval mode with ``adapter`` on (``None``: every adapter off); afterwards
+        each module's mode, the active adapter and the ``requires_grad`` flags are put back, so
+        a model shared with a trainer (``from_model``) trains on as if nothing had happened."""
+        model = self.model
+        modes = [(module, module.training) for module in model.modules()]
+        grads = [(param, param.requires_grad) for param in model.parameters()]
+        active = model.active_adapter if isinstance(model, PeftModel) else None
+        model.eval()
+        try:
+            with self._adapter(adapter):
+                yield
+        finally:
+            if isinstance(model, PeftModel) and model.active_adapter != active:
+                model.set_adapter(active)
+            for param, flag in grads:
+                param.requires_grad_(flag)
+            for module, mode in modes:
+                module.training = mode
+
     def _adapter(self, adapter: str | None) -> Any:
         if not isinstance(self.model, PeftModel):
             return contextlib.nullcontext()
         if adapter is None:
             return self.model.disable_adapter()
         self.model.set_adapter(adapter)
-        self.model.requires_grad_(False)
         return contextlib.nullcontext()
 
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:

@@ -4,7 +4,9 @@ Every operation runs on the scheduler's worker thread (one step at a time on the
 tenant's run maps to an adapter whose name the tenant never sees (``<tenant>--<run id>``), so one
 tenant cannot name another's adapter. Arguments arrive as JSON and are checked before they
 reach the model: names must be registered, classes cannot be passed, token ids must be in the
-vocabulary and a request may not exceed the token limit.
+vocabulary and a request may not exceed the token limit. ``sample`` runs a ``TorchSampler`` over
+the model's own weights (``TorchSampler.from_model``): a run samples its adapter as it is after
+its last step, with nothing to sync.
 """
 
 from __future__ import annotations
@@ -12,25 +14,31 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig
 
-from twinkle.data_format import IGNORE_INDEX
-from twinkle.errors import ConfigurationError, DataError, TwinkleError, UnknownNameError
+from twinkle.data_format import IGNORE_INDEX, SamplingParams
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, TwinkleError, UnknownNameError
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model import TransformersModel
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
+from twinkle.sampler import TorchSampler
 from twinkle.server.config import ServerConfig
-from twinkle.template import TEMPLATES
+from twinkle.template import TEMPLATES, Template
 
 #: InputFeature fields a client may send; anything else in a row is dropped before the model.
 FEATURE_FIELDS = ('input_ids', 'attention_mask', 'position_ids', 'labels', 'completion_mask')
 LORA_FIELDS = {'r', 'lora_alpha', 'lora_dropout', 'target_modules', 'bias', 'use_rslora', 'init_lora_weights'}
+#: Fields of a prompt to sample from; anything else (``user_data`` included) is dropped.
+PROMPT_FIELDS = ('input_ids', 'messages', 'tools')
+#: Most top-k logprobs per token a sampling request may ask for (vLLM's default ``max_logprobs``).
+MAX_TOP_LOGPROBS = 20
 
 
 class ModelHost:
@@ -46,6 +54,8 @@ class ModelHost:
         self.model_id = model_id
         self.model = TransformersModel(model_id, device=config.device)
         self.vocab_size = self.model.model.get_input_embeddings().num_embeddings
+        self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
+        self._sampler: TorchSampler | None = None
         self.operations: dict[str, Callable[..., Any]] = {
             'set_optimizer': self._set_optimizer,
             'set_lr_scheduler': self._set_lr_scheduler,
@@ -55,6 +65,7 @@ class ModelHost:
             'add_metric': self._add_metric,
             'forward_backward': self._forward_backward,
             'forward_only': self._forward_only,
+            'sample': self._sample,
             **{name: self._simple(name) for name in _SIMPLE_OPERATIONS},
         }
 
@@ -130,7 +141,9 @@ class ModelHost:
             component = registry.get(kwargs.get(key, _DEFAULT_NAMES.get(key)))
             options = {k: v for k, v in kwargs.items() if k not in (key, 'is_training', 'model_id')}
             _bind(f'{registry.kind} {component.__name__}', component, options, _COMPONENT_SLOTS.get(operation, {}))
-        if 'inputs' in kwargs:
+        if operation == 'sample':
+            self.sample_request(kwargs['inputs'], kwargs.get('sampling_params'), kwargs.get('base_model', False))
+        elif 'inputs' in kwargs:
             self.features(kwargs['inputs'])
         _check_scalars(operation, {k: v for k, v in kwargs.items() if k != 'inputs'})
 
@@ -189,6 +202,79 @@ class ModelHost:
         output = self.model.forward_only(inputs=features, adapter_name=adapter, disable_lora=disable_lora)
         logps = [output.logps[i, : len(f['input_ids'])].tolist() for i, f in enumerate(features)]
         return {'loss': output.loss, 'num_tokens': output.num_tokens, 'logps': logps}
+
+    def _sample(
+        self, adapter: str, inputs: Any, sampling_params: dict[str, Any] | None = None, base_model: bool = False
+    ) -> list[dict[str, Any]]:
+        """Sample the run's adapter as it is now (``base_model=True``: the base model, every
+        adapter off); one ``SampleResponse`` per prompt, as a dict. ``messages`` prompts are
+        encoded with the run's template (``set_template``), else the base model's. A sequence's
+        ``weight_version`` is the adapter's optimizer step count (0 for the base model)."""
+        prompts, params = self.sample_request(inputs, sampling_params, base_model)
+        sampler = self.sampler()
+        group = self.model.groups[adapter]
+        template = group.template or sampler.template
+        prompts = [_encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
+        self._check_prompt_lengths(list(enumerate(p['input_ids'] for p in prompts)), params)
+        sampler.weight_version = 0 if base_model else group.optim_step
+        responses = sampler.sample(prompts, params, adapter_name=None if base_model else adapter)
+        return [asdict(response) for response in responses]
+
+    def sampler(self) -> TorchSampler:
+        """The sampler over the model's own weights; rebuilt when the model object changed (the
+        first adapter wraps it in a ``PeftModel``)."""
+        if self._sampler is None or self._sampler.model is not self.model.model:
+            template = self._sampler.template if self._sampler is not None else None
+            self._sampler = TorchSampler.from_model(self.model.model, self.model_id, template=template)
+        return self._sampler
+
+    def sample_request(
+        self, inputs: Any, sampling_params: Any, base_model: Any = False
+    ) -> tuple[list[dict[str, Any]], SamplingParams]:
+        """The prompts and parameters of a ``sample`` request, checked: known parameters with
+        valid values, prompt token ids in the vocabulary, and (for prompts given as token ids;
+        ``messages`` are counted once encoded, on the worker) each prompt plus ``max_tokens``
+        within the model context and the request within the token limit."""
+        if not isinstance(base_model, bool):
+            raise DataError(f'base_model must be true or false; got {base_model!r}')
+        params = SamplingParams.from_dict(sampling_params)
+        self._check_sampling_params(params)
+        rows = [inputs] if isinstance(inputs, Mapping) else inputs
+        if not isinstance(rows, list) or not rows:
+            raise DataError("inputs must be a non-empty list of prompts: {'input_ids': [...]} or {'messages': [...]}")
+        prompts = [_prompt(index, row, self.vocab_size) for index, row in enumerate(rows)]
+        self._check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
+        return prompts, params
+
+    def _check_sampling_params(self, params: SamplingParams) -> None:
+        for token in params.stop_token_ids:
+            if token >= self.vocab_size:
+                raise ConfigurationError(f'stop token id {token} is outside the vocabulary [0, {self.vocab_size})')
+        if not isinstance(params.topk_prompt_logprobs, int):  # SamplingParams lets null through; the sampler cannot
+            raise ConfigurationError(
+                f'topk_prompt_logprobs must be an integer >= 0; got {params.topk_prompt_logprobs!r}'
+            )
+        for name in ('logprobs', 'topk_prompt_logprobs'):
+            value = getattr(params, name) or 0
+            if value > MAX_TOP_LOGPROBS:
+                raise ConfigurationError(f'{name}={value} is over the limit of {MAX_TOP_LOGPROBS} top logprobs')
+
+    def _check_prompt_lengths(self, prompts: list[tuple[int, list[int]]], params: SamplingParams) -> None:
+        """Each prompt plus ``max_tokens`` fits the context; the request's sequences (prompt
+        plus ``max_tokens``, ``num_samples`` times per prompt) fit the token limit."""
+        for index, ids in prompts:
+            if self.context is not None and len(ids) + params.max_tokens > self.context:
+                raise SequenceTooLongError(
+                    f'prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} it would exceed '
+                    f'the model context of {self.context} tokens'
+                )
+        total = params.num_samples * sum(len(ids) + params.max_tokens for _, ids in prompts)
+        limit = self.config.limits.max_tokens_per_request
+        if total > limit:
+            raise DataError(
+                f'sampling would hold up to {total} tokens (num_samples={params.num_samples} sequences per prompt, '
+                f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
+            )
 
     def features(self, inputs: Any) -> list[dict[str, Any]]:
         """Encoded rows from JSON, checked: fields, integer token ids in the vocabulary, equal
@@ -274,6 +360,50 @@ def _feature(index: int, row: Any, vocab: int) -> dict[str, Any]:
     if bad is not None:
         raise DataError(f'input row {index} has label {bad}: labels are {IGNORE_INDEX} or token ids in [0, {vocab})')
     return feature
+
+
+def _prompt(index: int, row: Any, vocab: int) -> dict[str, Any]:
+    """A prompt row from JSON: integer ``input_ids`` in the vocabulary, or ``messages``."""
+    if not isinstance(row, Mapping) or not ('input_ids' in row or 'messages' in row):
+        raise DataError(f"prompt {index} must be an object with 'input_ids' or 'messages'; got {str(row)[:80]}")
+    prompt = {key: row[key] for key in PROMPT_FIELDS if key in row}
+    if 'input_ids' in prompt:
+        ids = prompt['input_ids']
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise DataError(f'prompt {index}: input_ids must be a non-empty list of integers')
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise DataError(f'prompt {index} has token id {bad}, outside the vocabulary [0, {vocab})')
+    if 'messages' in prompt:
+        _check_messages(index, prompt['messages'])
+    return prompt
+
+
+def _check_messages(index: int, messages: Any) -> None:
+    """A list of turns with a string role and a string (or null) content; the template checks
+    the roles when it encodes them."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"prompt {index}: messages must be a non-empty list of {{'role', 'content'}} objects")
+    for turn, message in enumerate(messages):
+        fields = message if isinstance(message, Mapping) else {}
+        content_ok = 'content' in fields and (fields['content'] is None or isinstance(fields['content'], str))
+        if not isinstance(fields.get('role'), str) or not content_ok:
+            raise DataError(f'prompt {index}: message {turn} needs a string role and content; got {str(message)[:80]}')
+
+
+def _encoded_prompt(template: Template, index: int, prompt: dict[str, Any]) -> dict[str, Any]:
+    """``prompt`` with ``input_ids``: its own, or its ``messages`` encoded for generation."""
+    if 'input_ids' in prompt:
+        return prompt
+    try:
+        feature = template.encode(prompt, add_generation_prompt=True)
+    except TwinkleError:
+        raise
+    except Exception as e:  # the chat template refusing the tenant's messages (a jinja error, a bad type)
+        raise DataError(f'prompt {index}: its messages cannot be encoded: {type(e).__name__}: {e}') from e
+    if feature is None:
+        raise DataError(f"prompt {index} is over the template's max_length and its truncation_strategy drops it")
+    return {**prompt, 'input_ids': feature['input_ids']}
 
 
 def _check_name(kind: str, name: Any, valid: list[str]) -> None:

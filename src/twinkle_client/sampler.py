@@ -1,0 +1,151 @@
+"""``TorchSampler``: the local sampler's ``sample``, run on a server through a training run.
+
+The server samples the run's adapter with the weights it has after its last step (the sampler
+shares the trainer's model, so there is nothing to sync), or the base model with
+``base_model=True``, and returns what the local ``twinkle.sampler.TorchSampler`` returns:
+``SampleResponse`` s of ``SampledSequence`` s, whose ``new_input_feature`` goes back to
+``forward_backward`` with ``old_logps`` (``token_logprobs``) and advantages.
+
+Example::
+
+    model = MultiLoraTransformersModel(client=client)
+    model.add_adapter_to_model('policy', LoraConfig(r=8, target_modules='all-linear'))
+    model.set_loss('GRPOLoss')
+    sampler = TorchSampler(model=model)
+    responses = sampler.sample(prompts, SamplingParams(max_tokens=64, num_samples=4, seed=0))
+    sequences = [s for r in responses for s in r.sequences]
+    model.forward_backward(inputs=[s.new_input_feature for s in sequences],
+                           old_logps=[s.token_logprobs for s in sequences], advantages=advantages)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from twinkle.data_format import SampledSequence, SampleResponse, SamplingParams, TokenLogprob
+from twinkle.errors import ConfigurationError, DataError, StateError
+from twinkle.server.host import PROMPT_FIELDS
+from twinkle.template import Template
+from twinkle_client.client import PREFIX, TwinkleClient, default_client
+from twinkle_client.model import MultiLoraTransformersModel
+
+
+class TorchSampler:
+    """Samples through a training run of ``model`` (``adapter_name`` picks among its adapters;
+    the one adapter by default). The server decides how it samples (today a ``TorchSampler``
+    over the trainer's own weights); ``vLLMSampler`` is this class under the name the local
+    scripts use.
+
+    ``model_id`` is kept for parity with the local sampler: the server samples its own base
+    model. Without ``model=`` there is no run to sample through and ``sample`` says so.
+    """
+
+    def __init__(
+        self,
+        model_id: str | None = None,
+        *,
+        client: TwinkleClient | None = None,
+        model: MultiLoraTransformersModel | None = None,
+        adapter_name: str | None = None,
+    ):
+        if model is not None and not isinstance(model, MultiLoraTransformersModel):
+            raise ConfigurationError(f'model must be a twinkle_client MultiLoraTransformersModel; got {model!r}')
+        if model is not None and client is not None and client is not model.client:
+            raise ConfigurationError("the sampler talks to its model's server: pass model= alone, or the same client")
+        self.model_id = model_id
+        self.model = model
+        self.client = model.client if model is not None else client or default_client()
+        self.adapter_name = adapter_name
+        self.requested_template: tuple[Any, dict[str, Any]] | None = None  # see set_template
+
+    def set_template(self, template_cls: str | type[Template] | Template = 'Template', **kwargs: Any) -> None:
+        """Kept for parity with the local sampler and otherwise ignored: the server encodes
+        ``messages`` prompts with the run's template (``model.set_template``), else the base
+        model's, and always with the base model's tokenizer."""
+        self.requested_template = (template_cls, kwargs)
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to drop: the server samples the run's current weights. Kept for parity."""
+        return None
+
+    def sample(
+        self,
+        inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        adapter_name: str | None = None,
+        base_model: bool = False,
+    ) -> list[SampleResponse]:
+        """One ``SampleResponse`` per prompt, as the local sampler gives: each prompt an encoded
+        ``{'input_ids': [...]}`` or a ``{'messages': [...]}`` trajectory. A prompt's
+        ``user_data`` stays here and is put back into its sequences' ``new_input_feature``.
+        ``base_model=True`` samples the base model without the adapter. Bad parameters are a
+        ``RemoteError`` (status 400) naming the field."""
+        if self.model is None:
+            raise StateError(
+                'this sampler has no training run to sample through: build it as TorchSampler(model=<a '
+                'MultiLoraTransformersModel with an adapter>); the server samples that run (or, with '
+                'base_model=True, its base model)'
+            )
+        run_id = self.model._run(adapter_name or self.adapter_name)  # the model's errors name its adapters
+        rows = [inputs] if isinstance(inputs, Mapping) else list(inputs)
+        body: dict[str, Any] = {'inputs': [_prompt_json(index, row) for index, row in enumerate(rows)]}
+        if isinstance(sampling_params, SamplingParams):
+            body['sampling_params'] = asdict(sampling_params)
+        elif sampling_params is not None:
+            body['sampling_params'] = sampling_params  # checked by the server, whose 400 names a bad field
+        if base_model:
+            body['base_model'] = True
+        result = self.client.call(f'{PREFIX}/runs/{run_id}/ops/sample', body)
+        return [_response(data, row.get('user_data')) for data, row in zip(result, rows, strict=True)]
+
+
+#: The name local scripts use; the server, not the client, decides how it samples.
+vLLMSampler = TorchSampler
+
+
+def _prompt_json(index: int, row: Any) -> dict[str, Any]:
+    if not isinstance(row, Mapping):
+        raise DataError(f'prompt {index} must be a dict with input_ids or messages; got {type(row).__name__}')
+    prompt = {key: row[key] for key in PROMPT_FIELDS if key in row}
+    if 'input_ids' in prompt:
+        prompt['input_ids'] = [int(token) for token in prompt['input_ids']]
+    if 'messages' in prompt:
+        prompt['messages'] = [dict(message) for message in prompt['messages']]
+    return prompt
+
+
+def _response(data: Mapping[str, Any], user_data: Any) -> SampleResponse:
+    """A ``SampleResponse`` rebuilt from its JSON (lists back to ``(token, logprob)`` tuples)."""
+    sequences = []
+    for seq in data['sequences']:
+        feature = dict(seq['new_input_feature'])
+        if user_data is not None:
+            feature['user_data'] = user_data
+        sequences.append(
+            SampledSequence(
+                stop_reason=seq['stop_reason'],
+                tokens=list(seq['tokens']),
+                logprobs=[_pairs(entry) for entry in seq['logprobs']],
+                decoded=seq['decoded'],
+                new_input_feature=feature,  # type: ignore[arg-type]
+                weight_version=seq.get('weight_version', 0),
+            )
+        )
+    topk = data.get('topk_prompt_logprobs')
+    return SampleResponse(
+        sequences=sequences,
+        prompt_token_ids=list(data['prompt_token_ids']),
+        prompt_logprobs=data.get('prompt_logprobs'),
+        topk_prompt_logprobs=None if topk is None else [None if e is None else _pairs(e) for e in topk],
+        extra=dict(data.get('extra') or {}),
+    )
+
+
+def _pairs(entry: Sequence[Sequence[Any]]) -> list[TokenLogprob]:
+    return [(int(token), float(logprob)) for token, logprob in entry]
+
+
+__all__ = ['TorchSampler', 'vLLMSampler']
