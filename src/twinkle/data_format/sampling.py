@@ -63,6 +63,8 @@ class SamplingParams:
             raise ConfigurationError(f'top_p must be in (0, 1]; got {self.top_p!r}')
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ConfigurationError(f'repetition_penalty must be a positive number; got {self.repetition_penalty!r}')
+        if self.topk_prompt_logprobs is None:
+            self.topk_prompt_logprobs = 0
         for name in ('logprobs', 'topk_prompt_logprobs'):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):

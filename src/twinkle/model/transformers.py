@@ -84,6 +84,7 @@ class TransformersModel(TwinkleModel):
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.groups: dict[str, TrainGroup] = {FULL: TrainGroup(name=FULL, params=params)}
         self._template: Template | None = None
+        self._mode: bool | None = None  # the train/eval mode _run last set on every module
 
     # ---- adapters and components ---------------------------------------------------------------
     def add_adapter_to_model(
@@ -127,6 +128,7 @@ class TransformersModel(TwinkleModel):
         # Not _activate: after delete_adapter, peft may still name a removed adapter of this name
         # as active, and only set_adapter makes the new one's weights trainable.
         self.model.set_adapter(adapter_name)
+        self._mode = None  # the new LoRA modules start in train mode whatever the rest is in
 
     @property
     def adapter_names(self) -> list[str]:
@@ -455,8 +457,11 @@ class TransformersModel(TwinkleModel):
 
     def _run(self, group: TrainGroup, rows: Sequence[InputFeature], training: bool) -> tuple[dict, dict]:
         self._activate(group)
-        if self.model.training != training:
+        if self._mode is not training:
+            # Every module, not the top one alone: a fresh PeftModel wrapper says 'training' while
+            # the model inside it is still in from_pretrained's eval mode (no dropout).
             self.model.train(training)
+            self._mode = training
         pad = self._template_for(group).pad_token_id
         batch = {k: v.to(self.device, non_blocking=True) for k, v in group.processor(rows, pad).items()}
         model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}

@@ -119,7 +119,7 @@ class ModelHost:
             raise ConfigurationError(f'unknown operation {operation!r}; accepted: {sorted(self.operations)}')
         if not isinstance(kwargs, dict):
             raise DataError(f'arguments of {operation} must be an object; got {type(kwargs).__name__}')
-        if operation not in _NAMED_ARGUMENTS:
+        if operation not in _NAMED_ARGUMENTS and operation not in _SIMPLE_OPERATIONS:
             return self.operations[operation](adapter, **kwargs)
         try:
             return self.operations[operation](adapter, **kwargs)
