@@ -63,7 +63,7 @@ import httpx
 import torch
 import transformers
 import uvicorn
-from lora_overhead import DISTURBED, Batch, Trace, TwinkleLoop, benchmark, encode_batches, loop_figures, lora_config
+from lora_overhead import DISTURBED, Batch, Trace, TwinkleLoop, benchmark, encode_batches, lora_config, summarize
 from lora_overhead import Settings as TrainingSettings
 from lora_overhead import environment as training_environment
 
@@ -71,7 +71,6 @@ from twinkle import assets
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
-LOSS_TOLERANCE = 1e-4
 TARGET_OVERHEAD_PCT = 10.0
 SERVER_ENV = {'TWINKLE_OFFLINE': '1', 'HF_HUB_OFFLINE': '1'}
 
@@ -202,28 +201,12 @@ class RemoteLoop:
 
 
 def summarize_training(traces: dict[str, Trace]) -> dict[str, Any]:
-    local, remote = traces['local'], traces['remote']
-    ratios = [r / loc for r, loc in zip(remote.step_s, local.step_s, strict=True)]
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    overhead = (statistics.median(ratios) - 1) * 100
-    loss_diffs = [abs(a - b) for a, b in zip(local.losses, remote.losses, strict=True)]
-    loops = {name: loop_figures(trace) for name, trace in traces.items()}
-    slow_local, slow_remote = (DISTURBED * loops[name]['median_step_s'] for name in ('local', 'remote'))
-    disturbed = sum(r > slow_remote or loc > slow_local for r, loc in zip(remote.step_s, local.step_s, strict=True))
-    return {
-        'loops': loops,
-        'added_ms_per_step': 1000 * (loops['remote']['median_step_s'] - loops['local']['median_step_s']),
-        'throughput_ratio': loops['remote']['tokens_per_s'] / loops['local']['tokens_per_s'],
-        'overhead_pct': overhead,
-        # The middle half of the per-step ratios: a wide range means a noisy machine.
-        'overhead_pct_iqr': [(quartiles[0] - 1) * 100, (quartiles[2] - 1) * 100],
-        # Step pairs where either step took over DISTURBED x its side's median.
-        'disturbed_pairs': disturbed,
-        'first_loss_abs_diff': loss_diffs[0],
-        'max_loss_abs_diff': max(loss_diffs),
-        'losses_match': loss_diffs[0] <= LOSS_TOLERANCE,
-        'within_target': overhead <= TARGET_OVERHEAD_PCT,
-    }
+    """``lora_overhead.summarize`` of the remote loop against the local one, plus the
+    milliseconds the server adds per step."""
+    figures = summarize(traces, baseline='local', candidate='remote', target_pct=TARGET_OVERHEAD_PCT)
+    loops = figures['loops']
+    added = 1000 * (loops['remote']['median_step_s'] - loops['local']['median_step_s'])
+    return {'loops': loops, 'added_ms_per_step': added, **{k: v for k, v in figures.items() if k != 'loops'}}
 
 
 # ---- 2. small request -----------------------------------------------------------------------------

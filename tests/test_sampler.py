@@ -109,13 +109,17 @@ def test_stop_string_and_stop_token_end_with_stop_and_max_tokens_with_length(sam
     assert never[0].sequences[0].stop_reason == 'length'
 
 
-def test_eos_stops_unless_ignored(sampler):
-    # Force the end-of-turn token by allowing nothing else: top_k=1 over a penalised vocabulary
-    # is hard to arrange, so stop on the id the tokenizer calls eos through stop=[eos].
-    eos = sampler.template.tokenizer.eos_token_id
-    seq = sampler.sample(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0, stop=[eos]))[0].sequences[0]
-    assert eos not in seq.tokens[:-1]
-    assert seq.stop_reason == ('stop' if seq.tokens[-1] == eos else 'length')
+def test_the_models_end_of_sequence_token_stops_unless_ignored(tiny_model_dir):
+    sampler = TorchSampler(tiny_model_dir, device='cpu')
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    free = sampler.sample(PROMPTS[0], greedy)[0].sequences[0]
+    # Make the 5th greedy token the model's end-of-sequence token: no stop= is given.
+    eos = free.tokens[4]
+    sampler.model.generation_config.eos_token_id = eos
+    stopped = sampler.sample(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))[0].sequences[0]
+    assert stopped.stop_reason == 'stop' and stopped.tokens == free.tokens[: free.tokens.index(eos) + 1]
+    ignored = sampler.sample(PROMPTS[0], greedy)[0].sequences[0]
+    assert ignored.stop_reason == 'length' and ignored.tokens == free.tokens
 
 
 def test_a_seed_reproduces_a_sample_in_any_batch(sampler):

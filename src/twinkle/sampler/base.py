@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from twinkle.data_format import (
-    IGNORE_INDEX,
     InputFeature,
     SampledSequence,
     SampleResponse,
@@ -20,6 +19,7 @@ from twinkle.data_format import (
 from twinkle.errors import DataError, StateError
 from twinkle.registry import Registry
 from twinkle.template import TEMPLATES, Template
+from twinkle.template.base import encoded_feature
 
 #: What ``sample`` takes: one row or a list of rows. A row is an encoded prompt (``input_ids``,
 #: e.g. from ``dataset.encode(add_generation_prompt=True)``) or a trajectory (``messages``).
@@ -131,16 +131,8 @@ class Sampler(ABC):
 def training_feature(prompt: Prompt, tokens: list[int], decoded: str) -> InputFeature:
     """The prompt plus the completion ``tokens`` as an ``InputFeature`` whose labels are the
     completion (pre-shifted), with the conversation extended by the assistant's ``decoded``."""
-    ids = prompt.input_ids + tokens
-    labels = [IGNORE_INDEX] * (len(prompt.input_ids) - 1) + tokens + [IGNORE_INDEX]
-    feature: dict[str, Any] = {
-        'input_ids': ids,
-        'attention_mask': [1] * len(ids),
-        'position_ids': list(range(len(ids))),
-        'labels': labels,
-        'completion_mask': [int(label != IGNORE_INDEX) for label in labels],
-        'length': len(ids),
-    }
+    trained = [False] * len(prompt.input_ids) + [True] * len(tokens)
+    feature: dict[str, Any] = encoded_feature(prompt.input_ids + tokens, trained)
     if prompt.messages is not None:
         feature['messages'] = [*prompt.messages, {'role': 'assistant', 'content': decoded}]
     if prompt.user_data is not None:

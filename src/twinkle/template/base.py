@@ -89,7 +89,7 @@ class Template:
         truncated = self._truncate(ids, trained)
         if truncated is None:
             return None
-        feature = _feature(*truncated)
+        feature = encoded_feature(*truncated)
         if 'user_data' in row:
             feature['user_data'] = row['user_data']
         return feature
@@ -225,8 +225,9 @@ def _tools(row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _feature(ids: list[int], trained: list[bool]) -> InputFeature:
-    """Pre-shift the labels: position i predicts token i + 1 when that token is trained."""
+def encoded_feature(ids: list[int], trained: list[bool]) -> InputFeature:
+    """The ``InputFeature`` of token ``ids`` of which those flagged ``trained`` are learned. The
+    labels are pre-shifted: position i predicts token i + 1 when that token is trained."""
     labels = [ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)] + [IGNORE_INDEX]
     return {
         'input_ids': ids,
