@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from twinkle.errors import ConfigurationError, DataError, StateError
-from twinkle.server.auth import hash_key, key_from_headers, new_api_key
-from twinkle.server.store import Store, check_name, parse_twinkle_path
+from twinkle.server.auth import hash_key, key_from_headers, new_api_key, read_keys_file
+from twinkle.server.store import SCHEMA_VERSION, Store, check_name, parse_twinkle_path
 
 SRC = str(Path(__file__).resolve().parent.parent / 'src')
 
@@ -46,7 +46,7 @@ def test_new_keys_are_long_random_and_prefixed():
     keys = {new_api_key() for _ in range(100)}
     assert len(keys) == 100
     # 32 random bytes in URL-safe base64 are 43 characters, after the 3-character prefix.
-    assert all(key.startswith('tk-') and len(key) == 46 for key in keys)
+    assert all(key.startswith('tml-') and len(key) == 47 for key in keys)
 
 
 def test_hash_key_is_hex_sha256():
@@ -334,9 +334,60 @@ def test_rows_persist_across_reopen(db):
         assert reopened.get_checkpoint(tenant.id, run.id, 'step-1').size_bytes == 10
         assert reopened.get_future(tenant.id, future.id).result == {'path': 'twinkle://x'}
     connection = sqlite3.connect(db)
-    assert connection.execute('PRAGMA user_version').fetchone()[0] == 1
+    assert connection.execute('PRAGMA user_version').fetchone()[0] == SCHEMA_VERSION
     assert connection.execute('PRAGMA journal_mode').fetchone()[0] == 'wal'
     connection.close()
+
+
+def test_a_version_1_database_is_migrated_and_keeps_its_tenants(db):
+    connection = sqlite3.connect(db)
+    connection.executescript(
+        'CREATE TABLE tenants (id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, key_hash TEXT NOT NULL UNIQUE, '
+        'created_at REAL NOT NULL); PRAGMA user_version = 1;'
+    )
+    connection.execute("INSERT INTO tenants VALUES ('tn-1', 'alice', ?, 1.0)", (hash_key('k' * 40),))
+    connection.commit()
+    connection.close()
+    with Store(db) as store:
+        assert store.tenant_for_key('k' * 40).name == 'alice'
+        store.sync_keys_file({'bob': hash_key('b' * 40)})
+        assert store.tenant_for_key('b' * 40).name == 'bob'
+    connection = sqlite3.connect(db)
+    assert connection.execute('PRAGMA user_version').fetchone()[0] == SCHEMA_VERSION
+    connection.close()
+
+
+def test_the_keys_file_decides_its_own_tenants_only(store, tmp_path):
+    carol, carol_key = store.add_tenant('carol')  # added by hand: the file never touches her
+    keys = tmp_path / 'keys.yaml'
+    keys.write_text(f'alice: {"a" * 40}\nbob: sha256:{hash_key("b" * 40)}\n')
+    store.sync_keys_file(read_keys_file(keys))
+    alice = store.tenant_for_key('a' * 40)
+    assert alice.name == 'alice' and store.tenant_for_key('b' * 40).name == 'bob'
+    keys.write_text(f'alice: {"z" * 40}\n')  # alice's key rotated, bob removed
+    store.sync_keys_file(read_keys_file(keys))
+    assert store.tenant_for_key('a' * 40) is None and store.tenant_for_key('b' * 40) is None
+    assert store.tenant_for_key('z' * 40) == alice  # the same tenant, so her runs stay hers
+    assert store.tenant_for_key(carol_key) == carol
+    with pytest.raises(ConfigurationError, match="tenant 'carol' a key another tenant has"):
+        store.sync_keys_file({'alice': hash_key('z' * 40), 'carol': hash_key('z' * 40)})
+
+
+@pytest.mark.parametrize(
+    ('text', 'match'),
+    [
+        ('alice: short', "key of tenant 'alice' must be a string of at least 32"),
+        ('alice: sha256:abc', "key of tenant 'alice'"),
+        ('- just\n- a list', 'must map tenant names to keys'),
+    ],
+)
+def test_bad_keys_files_are_refused(tmp_path, text, match):
+    keys = tmp_path / 'keys.yaml'
+    keys.write_text(text)
+    with pytest.raises(ConfigurationError, match=match):
+        read_keys_file(keys)
+    with pytest.raises(ConfigurationError, match='does not exist'):
+        read_keys_file(tmp_path / 'missing.yaml')
 
 
 def test_newer_schema_is_refused(db):

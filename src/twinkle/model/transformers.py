@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
+from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
@@ -109,11 +110,15 @@ class TransformersModel(TwinkleModel):
             # peft would mistake such an adapter's weights for its own module names on loading.
             raise ConfigurationError(f'adapter name {adapter_name!r} is part of the prefix {prefix!r}; choose another')
         before = {name for name, _ in self.model.named_parameters()}
-        if isinstance(self.model, PeftModel):
-            self.model.add_adapter(adapter_name, config_or_dir)
-        else:
-            self.groups.pop(FULL, None)
-            self.model = get_peft_model(self.model, config_or_dir, adapter_name=adapter_name)
+        try:
+            if isinstance(self.model, PeftModel):
+                self.model.add_adapter(adapter_name, config_or_dir)
+            else:
+                self.model = get_peft_model(self.model, config_or_dir, adapter_name=adapter_name)
+                self.groups.pop(FULL, None)
+        except BaseException:
+            self._discard_layers(adapter_name)  # peft may fail after wrapping some layers
+            raise
         params = [
             p for name, p in self.model.named_parameters() if name not in before and adapter_name in name.split('.')
         ]
@@ -129,6 +134,16 @@ class TransformersModel(TwinkleModel):
         # as active, and only set_adapter makes the new one's weights trainable.
         self.model.set_adapter(adapter_name)
         self._mode = None  # the new LoRA modules start in train mode whatever the rest is in
+
+    def _discard_layers(self, adapter_name: str) -> None:
+        """Remove whatever layers of ``adapter_name`` a failed ``add_adapter_to_model`` left behind."""
+        for module in self.model.modules():
+            if isinstance(module, BaseTunerLayer) and any(
+                adapter_name in getattr(module, layer, {}) for layer in module.adapter_layer_names
+            ):
+                module.delete_adapter(adapter_name)
+        if isinstance(self.model, PeftModel):
+            self.model.peft_config.pop(adapter_name, None)
 
     @property
     def adapter_names(self) -> list[str]:

@@ -26,9 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from twinkle.errors import StateError, TwinkleError, UnknownNameError
 from twinkle.model import checkpoint as ckpt
-from twinkle.server.auth import key_from_headers
+from twinkle.server.auth import key_from_headers, read_keys_file
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import CapacityError, ModelHost
+from twinkle.server.limits import RateLimitedError, RateLimiter
 from twinkle.server.scheduler import Job, QueueFullError, Scheduler, wait_job
 from twinkle.server.store import Store, Tenant, check_name, parse_twinkle_path
 from twinkle.utils.logger import get_logger
@@ -77,6 +78,10 @@ class Service:
         self.config = config
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         self.store = Store(config.db_path)
+        if config.api_keys_file is not None:
+            self.store.sync_keys_file(read_keys_file(config.api_keys_file))
+        per_minute = config.limits.max_requests_per_minute
+        self.limiter = RateLimiter(per_minute) if per_minute is not None else None
         failed = self.store.fail_unfinished_futures('the server restarted before this request finished')
         if failed:
             logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
@@ -96,6 +101,10 @@ class Service:
         )
 
     # ---- jobs -----------------------------------------------------------------------------------
+    async def submit_async(self, tenant: Tenant, run_id: str | None, operation: str, fn: Any) -> Job:
+        """``submit`` from a route: the future's row is written (and fsynced) off the event loop."""
+        return await asyncio.to_thread(self.submit, tenant, run_id, operation, fn)
+
     def submit(self, tenant: Tenant, run_id: str | None, operation: str, fn: Any) -> Job:
         record = self.store.create_future(tenant.id, run_id, operation)
         try:
@@ -136,7 +145,7 @@ class Service:
                 f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '
                 'to restore: create a run and load one of its checkpoints with load(path, load_optimizer=True)'
             )
-        self._touch(run_id)
+        await asyncio.to_thread(self._touch, run_id)
         return run
 
     def loaded(self, run: Any) -> str:
@@ -226,6 +235,9 @@ async def _tenant(request: Request) -> Tenant:
     found = request.app.state.service.store.tenant_for_key(key)
     if found is None:
         raise HTTPException(401, 'unknown API key')
+    limiter = request.app.state.service.limiter
+    if limiter is not None:
+        limiter.acquire(found.id, found.name)
     return found
 
 
@@ -276,7 +288,7 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
             service.host.add_adapter(adapter, body.lora, body.gradient_accumulation_steps, body.seed)
             service.adapters[run.id] = adapter
 
-        job = service.submit(who, run.id, 'create_run', add)
+        job = await service.submit_async(who, run.id, 'create_run', add)
         await wait_job(job, None)
         if job.error is not None:
             service.store.set_run_status(run.id, 'deleted')
@@ -310,7 +322,7 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
                 service.remember_setup(run_id, operation, kwargs)
             return result
 
-        return {'future_id': service.submit(who, run_id, operation, compute).id}
+        return {'future_id': (await service.submit_async(who, run_id, operation, compute)).id}
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/save', status_code=202)
     async def save(run_id: str, body: SaveRequest, who: Who) -> dict[str, str]:
@@ -324,7 +336,7 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
             checkpoint = service.store.add_checkpoint(who.id, run_id, body.name, str(path), 'training', size)
             return checkpoint.twinkle_path
 
-        return {'future_id': service.submit(who, run_id, 'save', write).id}
+        return {'future_id': (await service.submit_async(who, run_id, 'save', write)).id}
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/load', status_code=202)
     async def load(run_id: str, body: LoadRequest, who: Who) -> dict[str, str]:
@@ -338,7 +350,7 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
             service.host.load(service.loaded(run), Path(checkpoint.path), body.load_optimizer)
             return checkpoint.twinkle_path
 
-        return {'future_id': service.submit(who, run_id, 'load', read).id}
+        return {'future_id': (await service.submit_async(who, run_id, 'load', read)).id}
 
     @app.get(f'{PREFIX}/runs/{{run_id}}/checkpoints')
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, Any]:
@@ -381,6 +393,7 @@ async def _release_periodically(service: Service) -> None:
 def _error_handlers(app: FastAPI) -> None:
     statuses: list[tuple[type[BaseException], int]] = [
         (QueueFullError, 429),
+        (RateLimitedError, 429),
         (CapacityError, 429),
         (UnknownNameError, 400),
         (StateError, 409),

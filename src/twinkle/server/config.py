@@ -24,6 +24,9 @@ class Limits(BaseModel):
     max_tokens_per_request: int = Field(65_536, gt=0)
     #: Compute requests one tenant may have queued; past it, 429 with Retry-After.
     max_queued_per_tenant: int = Field(64, gt=0)
+    #: Requests (of any kind) one tenant may make per minute, in bursts of up to a tenth of it;
+    #: past it, 429 with Retry-After. None: no rate limit.
+    max_requests_per_minute: int | None = Field(None, gt=0)
 
 
 class ServerConfig(BaseModel):
@@ -35,9 +38,11 @@ class ServerConfig(BaseModel):
         data_dir: /var/lib/twinkle
         limits: {max_adapters: 16, max_lora_rank: 64}
         idle_release_s: 3600
+        api_keys_file: keys.yaml               # tenant: key (or sha256:<hex>), re-read at start
 
     API keys live hashed in ``data_dir/twinkle.db``; add one with
-    ``twinkle-server keys add <tenant> --config server.yaml``.
+    ``twinkle-server keys add <tenant> --config server.yaml``, or list them in ``api_keys_file``
+    (its tenants follow the file: a tenant removed from it loses access at the next start).
     """
 
     model_config = ConfigDict(extra='forbid')
@@ -50,6 +55,7 @@ class ServerConfig(BaseModel):
     limits: Limits = Field(default_factory=Limits)
     #: Adapters idle this long are saved and released from the model (None: never).
     idle_release_s: float | None = Field(None, gt=0)
+    api_keys_file: str | None = None
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> ServerConfig:
@@ -66,6 +72,8 @@ class ServerConfig(BaseModel):
             data = json.loads(text)
         else:
             raise ConfigurationError(f'server config {str(path)!r} must end in .yaml, .yml or .json')
+        if isinstance(data, dict) and isinstance(data.get('api_keys_file'), str):
+            data['api_keys_file'] = str(path.parent / data['api_keys_file'])  # relative to the config file
         return cls.build(**{**data, **{k: v for k, v in overrides.items() if v is not None}})
 
     @classmethod

@@ -32,15 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from twinkle.errors import ConfigurationError, DataError, StateError, one_of
-from twinkle.server.auth import hash_key, new_api_key
+from twinkle.server.auth import MIN_KEY_LENGTH, hash_key, new_api_key
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RUN_STATUSES = ('active', 'released', 'deleted')
 CHECKPOINT_KINDS = ('training', 'sampler')
 FUTURE_STATUSES = ('pending', 'running', 'done', 'failed')
 ERROR_CATEGORIES = ('user', 'server')
-# Keys a caller brings must be as unguessable as ours, since they are only hashed with SHA-256.
-MIN_KEY_LENGTH = 32
 
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]{0,63}')
 _PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._-]*')
@@ -51,7 +49,9 @@ CREATE TABLE IF NOT EXISTS tenants (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL UNIQUE,
     key_hash TEXT NOT NULL UNIQUE,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    -- 1 when the tenant comes from the server's API keys file, which then decides its key.
+    from_keys_file INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS runs (
     id TEXT PRIMARY KEY,
@@ -93,6 +93,10 @@ CREATE TABLE IF NOT EXISTS futures (
 );
 CREATE INDEX IF NOT EXISTS futures_by_status ON futures (status);
 """
+#: Statements that bring a database of version ``n - 1`` to version ``n``.
+_MIGRATIONS = {
+    2: ['ALTER TABLE tenants ADD COLUMN from_keys_file INTEGER NOT NULL DEFAULT 0'],
+}
 
 
 @dataclass(frozen=True)
@@ -228,9 +232,14 @@ class Store:
                     f'{self.path} has schema version {version}, newer than the {SCHEMA_VERSION} this twinkle '
                     'understands: upgrade twinkle or point the server at another database'
                 )
-            for statement in _SCHEMA.split(';'):
-                if statement.strip():
-                    conn.execute(statement)
+            if version == 0:
+                for statement in _SCHEMA.split(';'):
+                    if statement.strip():
+                        conn.execute(statement)
+            else:
+                for target in range(version + 1, SCHEMA_VERSION + 1):
+                    for statement in _MIGRATIONS[target]:
+                        conn.execute(statement)
             conn.execute(f'PRAGMA user_version = {SCHEMA_VERSION}')
 
     # -- plumbing ---------------------------------------------------------------------------------------
@@ -297,6 +306,26 @@ class Store:
             what = f'a tenant named {name!r}' if 'tenants.name' in str(exc) else 'a tenant with that API key'
             raise ConfigurationError(f'There is already {what}; choose another') from exc
         return tenant, key
+
+    def sync_keys_file(self, key_hashes: dict[str, str]) -> None:
+        """Make the tenants of the API keys file (name -> key hash) exactly ``key_hashes``: add the
+        new ones, give changed keys their new hash, and remove the file's former tenants that it
+        no longer lists. Tenants added with ``add_tenant`` are left alone."""
+        with self._write() as conn:
+            listed = {row['name'] for row in conn.execute('SELECT name FROM tenants WHERE from_keys_file = 1')}
+            for name in listed - set(key_hashes):
+                conn.execute('DELETE FROM tenants WHERE name = ?', (name,))
+            for name, key_hash in key_hashes.items():
+                check_name('tenant', name)
+                try:
+                    conn.execute(
+                        'INSERT INTO tenants (id, name, key_hash, created_at, from_keys_file) VALUES (?, ?, ?, ?, 1) '
+                        'ON CONFLICT (name) DO UPDATE SET key_hash = excluded.key_hash, from_keys_file = 1',
+                        (_new_id('tn'), name, key_hash, self._clock()),
+                    )
+                except sqlite3.IntegrityError as exc:
+                    message = f'the API keys file gives tenant {name!r} a key another tenant has'
+                    raise ConfigurationError(message) from exc
 
     def tenant_for_key(self, key: str) -> Tenant | None:
         rows = self._query('SELECT id, name, created_at FROM tenants WHERE key_hash = ?', (hash_key(key),))
