@@ -15,7 +15,7 @@ import pytest
 
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.server.auth import hash_key, key_from_headers, new_api_key, read_keys_file
-from twinkle.server.store import SCHEMA_VERSION, Store, check_name, parse_twinkle_path
+from twinkle.server.store import SCHEMA_VERSION, Store, check_name, parse_checkpoint_path, parse_twinkle_path
 
 SRC = str(Path(__file__).resolve().parent.parent / 'src')
 
@@ -339,17 +339,32 @@ def test_rows_persist_across_reopen(db):
     connection.close()
 
 
-def test_a_version_1_database_is_migrated_and_keeps_its_tenants(db):
+def test_a_version_1_database_is_migrated_and_keeps_its_rows(db):
     connection = sqlite3.connect(db)
-    connection.executescript(
-        'CREATE TABLE tenants (id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, key_hash TEXT NOT NULL UNIQUE, '
-        'created_at REAL NOT NULL); PRAGMA user_version = 1;'
-    )
+    connection.executescript((Path(__file__).parent / 'data' / 'store_schema_v1.sql').read_text())
     connection.execute("INSERT INTO tenants VALUES ('tn-1', 'alice', ?, 1.0)", (hash_key('k' * 40),))
+    connection.execute("INSERT INTO runs VALUES ('run-1', 'tn-1', 'base', 'default', '{}', 1.0, 1.0, 'active')")
+    connection.execute(
+        "INSERT INTO checkpoints VALUES ('ckpt-1', 'run-1', 'tn-1', 'step-1', '/disk/1', 'training', 10, 2.0)"
+    )
     connection.commit()
     connection.close()
     with Store(db) as store:
-        assert store.tenant_for_key('k' * 40).name == 'alice'
+        alice = store.tenant_for_key('k' * 40)
+        assert alice.name == 'alice' and store.get_run(alice.id, 'run-1').session_id is None
+        checkpoint = store.get_checkpoint(alice.id, 'run-1', 'step-1')
+        assert (checkpoint.path, checkpoint.size_bytes, checkpoint.public, checkpoint.expires_at) == (
+            '/disk/1',
+            10,
+            False,
+            None,
+        )
+        # a sampler checkpoint of the same name now fits beside the training one
+        store.add_checkpoint(alice.id, 'run-1', 'step-1', '/disk/2', 'sampler', 5)
+        assert [c.checkpoint_id for c in store.list_checkpoints(alice.id, 'run-1')] == [
+            'weights/step-1',
+            'sampler_weights/step-1',
+        ]
         store.sync_keys_file({'bob': hash_key('b' * 40)})
         assert store.tenant_for_key('b' * 40).name == 'bob'
     connection = sqlite3.connect(db)
@@ -478,3 +493,61 @@ def test_acknowledged_rows_survive_kill_9(db):
     assert connection.execute('PRAGMA integrity_check').fetchall() == [('ok',)]
     assert connection.execute('PRAGMA foreign_key_check').fetchall() == []
     connection.close()
+
+
+def test_tinker_sessions_sampling_sessions_and_their_runs(store):
+    alice, _ = store.add_tenant('alice')
+    bob, _ = store.add_tenant('bob')
+    session = store.create_session(alice.id, {'tags': ['x'], 'sdk_version': '0.38.0'})
+    run = store.create_run(alice.id, 'base', 'default', {}, run_id=f'{session.id}:train:0', session_id=session.id)
+    with pytest.raises(StateError, match='already a run'):
+        store.create_run(alice.id, 'base', 'default', {}, run_id=run.id)
+    sampler = store.create_sampling_session(alice.id, f'{session.id}:sample:0', session.id, 'base', None)
+    assert store.create_sampling_session(alice.id, sampler.id, session.id, 'other', 'x') == sampler  # idempotent
+    assert store.session_runs(alice.id, session.id) == [run.id]
+    assert store.session_samplers(alice.id, session.id) == [sampler.id]
+    assert store.get_session(bob.id, session.id) is None and store.session_runs(bob.id, session.id) == []
+    assert store.get_sampling_session(bob.id, sampler.id) is None
+    store.finish_session(session.id)
+    assert store.get_session(alice.id, session.id).status == 'finished'
+    assert [s.id for s in store.list_sessions(alice.id)] == [session.id] and store.list_sessions(bob.id) == []
+
+
+def test_published_checkpoints_are_readable_by_others_and_expired_ones_go(db):
+    clock = FakeClock()
+    with Store(db, clock=clock) as store:
+        alice, _ = store.add_tenant('alice')
+        bob, _ = store.add_tenant('bob')
+        run = store.create_run(alice.id, 'base', 'default', {})
+        kept = store.add_checkpoint(alice.id, run.id, 'kept', '/disk/k', 'sampler', 1)
+        brief = store.add_checkpoint(alice.id, run.id, 'brief', '/disk/b', 'training', 1, expires_at=clock.now + 60)
+        assert store.get_readable_checkpoint(bob.id, run.id, 'kept', 'sampler') is None
+        store.set_checkpoint_public(kept.id, True)
+        assert store.get_readable_checkpoint(bob.id, run.id, 'kept', 'sampler').path == '/disk/k'
+        assert store.get_readable_checkpoint(bob.id, run.id, 'kept', 'training') is None  # kind matters
+        assert store.get_checkpoint(bob.id, run.id, 'kept', 'sampler') is None  # still alice's alone
+        assert store.pop_expired_checkpoints() == []
+        clock.now += 61
+        assert [c.id for c in store.pop_expired_checkpoints()] == [brief.id]
+        checkpoints, total = store.list_tenant_checkpoints(alice.id)
+        assert [c.tinker_path for c in checkpoints] == [f'tinker://{run.id}/sampler_weights/kept'] and total == 1
+
+
+@pytest.mark.parametrize(
+    ('path', 'parsed'),
+    [
+        ('twinkle://run-1/checkpoints/a', ('run-1', 'training', 'a')),
+        ('tinker://s-1:train:0/weights/a', ('s-1:train:0', 'training', 'a')),
+        ('tinker://s-1:train:0/sampler_weights/a.b', ('s-1:train:0', 'sampler', 'a.b')),
+    ],
+)
+def test_checkpoint_paths_of_both_apis(path, parsed):
+    assert parse_checkpoint_path(path) == parsed
+
+
+@pytest.mark.parametrize(
+    'path', ['tinker://r/external_weights/a', 'tinker://r/weights/a/b', 'http://r/weights/a', 'tinker://../weights/a']
+)
+def test_bad_checkpoint_paths_name_the_accepted_forms(path):
+    with pytest.raises(DataError, match='tinker://<run_id>/sampler_weights/<name>'):
+        parse_checkpoint_path(path)

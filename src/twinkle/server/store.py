@@ -34,15 +34,19 @@ from typing import Any
 from twinkle.errors import ConfigurationError, DataError, StateError, one_of
 from twinkle.server.auth import MIN_KEY_LENGTH, hash_key, new_api_key
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 RUN_STATUSES = ('active', 'released', 'deleted')
 CHECKPOINT_KINDS = ('training', 'sampler')
 FUTURE_STATUSES = ('pending', 'running', 'done', 'failed')
 ERROR_CATEGORIES = ('user', 'server')
 
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]{0,63}')
-_PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._-]*')
+_PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._:-]*')
 TWINKLE_SCHEME = 'twinkle://'
+TINKER_SCHEME = 'tinker://'
+#: The folder of a checkpoint path, and the kind of checkpoint it names.
+PATH_FOLDERS = {'checkpoints': 'training', 'weights': 'training', 'sampler_weights': 'sampler'}
+TINKER_FOLDERS = {'training': 'weights', 'sampler': 'sampler_weights'}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -62,6 +66,8 @@ CREATE TABLE IF NOT EXISTS runs (
     created_at REAL NOT NULL,
     last_request_at REAL NOT NULL,
     status TEXT NOT NULL CHECK (status IN ('active', 'released', 'deleted')),
+    -- The Tinker session that created the run (NULL for runs of the native API).
+    session_id TEXT,
     UNIQUE (id, tenant_id)
 );
 CREATE INDEX IF NOT EXISTS runs_by_tenant ON runs (tenant_id, created_at);
@@ -75,9 +81,15 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     kind TEXT NOT NULL CHECK (kind IN ('training', 'sampler')),
     size_bytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    UNIQUE (run_id, name),
+    -- A published checkpoint may be loaded (never listed, changed or deleted) by other tenants.
+    public INTEGER NOT NULL DEFAULT 0,
+    -- Unix time after which the checkpoint is deleted (NULL: kept until deleted).
+    expires_at REAL,
+    UNIQUE (run_id, kind, name),
     FOREIGN KEY (run_id, tenant_id) REFERENCES runs (id, tenant_id) ON DELETE CASCADE
 );
+CREATE INDEX IF NOT EXISTS checkpoints_by_tenant ON checkpoints (tenant_id, created_at);
+CREATE INDEX IF NOT EXISTS checkpoints_by_expiry ON checkpoints (expires_at);
 CREATE TABLE IF NOT EXISTS futures (
     id TEXT PRIMARY KEY,
     tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
@@ -92,10 +104,44 @@ CREATE TABLE IF NOT EXISTS futures (
     FOREIGN KEY (run_id, tenant_id) REFERENCES runs (id, tenant_id) ON DELETE CASCADE
 );
 CREATE INDEX IF NOT EXISTS futures_by_status ON futures (status);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    info_json TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_heartbeat_at REAL NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('active', 'finished'))
+);
+CREATE INDEX IF NOT EXISTS sessions_by_tenant ON sessions (tenant_id, created_at);
+CREATE TABLE IF NOT EXISTS sampling_sessions (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    base_model TEXT NOT NULL,
+    -- The tinker:// path of the sampler weights (NULL: the base model).
+    model_path TEXT,
+    created_at REAL NOT NULL
+);
 """
+
+
+def _creating(*tables: str) -> list[str]:
+    """The statements of the schema that create ``tables`` and their indexes."""
+    pattern = re.compile(r'(?:TABLE IF NOT EXISTS|ON) (\w+) \(')
+    return [statement for statement in _SCHEMA.split(';') if (m := pattern.search(statement)) and m[1] in tables]
+
+
 #: Statements that bring a database of version ``n - 1`` to version ``n``.
 _MIGRATIONS = {
     2: ['ALTER TABLE tenants ADD COLUMN from_keys_file INTEGER NOT NULL DEFAULT 0'],
+    3: [
+        'ALTER TABLE runs ADD COLUMN session_id TEXT',
+        'ALTER TABLE checkpoints RENAME TO checkpoints_v2',
+        *_creating('checkpoints', 'sessions', 'sampling_sessions'),
+        'INSERT INTO checkpoints (id, run_id, tenant_id, name, path, kind, size_bytes, created_at) '
+        'SELECT id, run_id, tenant_id, name, path, kind, size_bytes, created_at FROM checkpoints_v2',
+        'DROP TABLE checkpoints_v2',
+    ],
 }
 
 
@@ -117,6 +163,7 @@ class Run:
     created_at: float
     last_request_at: float
     status: str
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -130,10 +177,43 @@ class Checkpoint:
     kind: str
     size_bytes: int
     created_at: float
+    public: bool = False
+    expires_at: float | None = None
 
     @property
     def twinkle_path(self) -> str:
-        return f'{TWINKLE_SCHEME}{self.run_id}/checkpoints/{self.name}'
+        folder = 'checkpoints' if self.kind == 'training' else 'sampler_weights'
+        return f'{TWINKLE_SCHEME}{self.run_id}/{folder}/{self.name}'
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The Tinker name: ``weights/<name>`` or ``sampler_weights/<name>``."""
+        return f'{TINKER_FOLDERS[self.kind]}/{self.name}'
+
+    @property
+    def tinker_path(self) -> str:
+        return f'{TINKER_SCHEME}{self.run_id}/{self.checkpoint_id}'
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    tenant_id: str
+    #: What the client sent: tags, user_metadata, sdk_version.
+    info: dict[str, Any]
+    created_at: float
+    last_heartbeat_at: float
+    status: str
+
+
+@dataclass(frozen=True)
+class SamplingSession:
+    id: str
+    tenant_id: str
+    session_id: str
+    base_model: str
+    model_path: str | None
+    created_at: float
 
 
 @dataclass(frozen=True)
@@ -176,20 +256,34 @@ def parse_twinkle_path(path: str) -> tuple[str, str]:
     >>> parse_twinkle_path('twinkle://run-1a2b3c/checkpoints/step-10')
     ('run-1a2b3c', 'step-10')
     """
-    parts = path[len(TWINKLE_SCHEME) :].split('/') if isinstance(path, str) else []
+    run_id, _, name = parse_checkpoint_path(path)
+    if path != f'{TWINKLE_SCHEME}{run_id}/checkpoints/{name}':
+        raise DataError(f'Invalid checkpoint path {path!r}: expected twinkle://<run_id>/checkpoints/<name>')
+    return run_id, name
+
+
+def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
+    """``(run_id, kind, name)`` of a checkpoint path of either API: ``twinkle://<run>/checkpoints/<name>``,
+    ``tinker://<run>/weights/<name>`` (kind 'training') or ``tinker://<run>/sampler_weights/<name>``
+    (kind 'sampler'; ``twinkle://`` works with these folders too).
+
+    >>> parse_checkpoint_path('tinker://s-1:train:0/sampler_weights/step-10')
+    ('s-1:train:0', 'sampler', 'step-10')
+    """
+    scheme = next((s for s in (TWINKLE_SCHEME, TINKER_SCHEME) if isinstance(path, str) and path.startswith(s)), None)
+    parts = path[len(scheme) :].split('/') if scheme else []
     valid = (
-        isinstance(path, str)
-        and path.startswith(TWINKLE_SCHEME)
-        and len(parts) == 3
-        and parts[1] == 'checkpoints'
+        len(parts) == 3
+        and parts[1] in PATH_FOLDERS
         and all(_PATH_PART.fullmatch(part) and '..' not in part for part in (parts[0], parts[2]))
     )
     if not valid:
         raise DataError(
-            f'Invalid checkpoint path {path!r}: expected twinkle://<run_id>/checkpoints/<name>, where run_id '
-            'and name use A-Z, a-z, 0-9, ".", "_", "-" and do not start with "."'
+            f'Invalid checkpoint path {path!r}: expected twinkle://<run_id>/checkpoints/<name>, '
+            'tinker://<run_id>/weights/<name> or tinker://<run_id>/sampler_weights/<name>, where run_id and name '
+            'use A-Z, a-z, 0-9, ".", "_", "-", ":" and do not start with "."'
         )
-    return parts[0], parts[2]
+    return parts[0], PATH_FOLDERS[parts[1]], parts[2]
 
 
 def _new_id(prefix: str) -> str:
@@ -343,17 +437,40 @@ class Store:
 
     # -- runs -------------------------------------------------------------------------------------------
 
-    def create_run(self, tenant_id: str, base_model: str, adapter_name: str, config: dict[str, Any]) -> Run:
+    def create_run(
+        self,
+        tenant_id: str,
+        base_model: str,
+        adapter_name: str,
+        config: dict[str, Any],
+        *,
+        run_id: str | None = None,
+        session_id: str | None = None,
+    ) -> Run:
+        """A new active run; ``run_id`` defaults to a fresh ``run-<hex>`` (Tinker names its own)."""
         check_name('adapter', adapter_name)
         now = self._clock()
-        run = Run(_new_id('run'), tenant_id, base_model, adapter_name, dict(config), now, now, 'active')
+        run = Run(run_id or _new_id('run'), tenant_id, base_model, adapter_name, dict(config), now, now, 'active')
+        run = Run(**{**vars(run), 'session_id': session_id})
         try:
             self._execute(
                 'INSERT INTO runs (id, tenant_id, base_model, adapter_name, config_json, created_at, '
-                'last_request_at, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?)',
-                (run.id, tenant_id, base_model, adapter_name, _dumps('run config', config), now, now, run.status),
+                'last_request_at, status, session_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)',
+                (
+                    run.id,
+                    tenant_id,
+                    base_model,
+                    adapter_name,
+                    _dumps('run config', config),
+                    now,
+                    now,
+                    run.status,
+                    session_id,
+                ),
             )
         except sqlite3.IntegrityError as exc:
+            if 'runs.id' in str(exc):
+                raise StateError(f'There is already a run {run.id!r}') from exc
             raise StateError(f'No tenant {tenant_id!r} to create a run for') from exc
         return run
 
@@ -401,19 +518,29 @@ class Store:
     # -- checkpoints ------------------------------------------------------------------------------------
 
     def add_checkpoint(
-        self, tenant_id: str, run_id: str, name: str, path: str, kind: str, size_bytes: int
+        self,
+        tenant_id: str,
+        run_id: str,
+        name: str,
+        path: str,
+        kind: str,
+        size_bytes: int,
+        *,
+        expires_at: float | None = None,
     ) -> Checkpoint:
-        """Record a saved checkpoint, replacing the run's earlier one of the same name."""
+        """Record a saved checkpoint, replacing the run's earlier one of the same kind and name."""
         check_name('checkpoint', name)
         if kind not in CHECKPOINT_KINDS:
             raise one_of('checkpoint kind', kind, CHECKPOINT_KINDS)
-        checkpoint = Checkpoint(_new_id('ckpt'), run_id, tenant_id, name, str(path), kind, size_bytes, self._clock())
+        checkpoint = Checkpoint(
+            _new_id('ckpt'), run_id, tenant_id, name, str(path), kind, size_bytes, self._clock(), False, expires_at
+        )
         try:
             with self._write() as conn:
-                conn.execute('DELETE FROM checkpoints WHERE run_id = ? AND name = ?', (run_id, name))
+                conn.execute('DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?', (run_id, kind, name))
                 conn.execute(
-                    'INSERT INTO checkpoints (id, run_id, tenant_id, name, path, kind, size_bytes, created_at) '
-                    'VALUES (?, ?, ?, ?, ?, ?, ?, ?)',
+                    'INSERT INTO checkpoints (id, run_id, tenant_id, name, path, kind, size_bytes, created_at, '
+                    'public, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)',
                     tuple(vars(checkpoint).values()),
                 )
         except sqlite3.IntegrityError as exc:
@@ -425,18 +552,117 @@ class Store:
             'SELECT * FROM checkpoints WHERE tenant_id = ? AND run_id = ? ORDER BY created_at, rowid',
             (tenant_id, run_id),
         )
-        return [Checkpoint(**row) for row in rows]
+        return [_checkpoint(row) for row in rows]
 
-    def get_checkpoint(self, tenant_id: str, run_id: str, name: str) -> Checkpoint | None:
+    def list_tenant_checkpoints(
+        self, tenant_id: str, limit: int = 100, offset: int = 0
+    ) -> tuple[list[Checkpoint], int]:
+        """One page of every checkpoint of the tenant, newest first, and how many there are in all."""
         rows = self._query(
-            'SELECT * FROM checkpoints WHERE tenant_id = ? AND run_id = ? AND name = ?', (tenant_id, run_id, name)
+            'SELECT * FROM checkpoints WHERE tenant_id = ? ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?',
+            (tenant_id, limit, offset),
         )
-        return Checkpoint(**rows[0]) if rows else None
+        total = self._query('SELECT COUNT(*) FROM checkpoints WHERE tenant_id = ?', (tenant_id,))[0][0]
+        return [_checkpoint(row) for row in rows], total
 
-    def delete_checkpoint(self, tenant_id: str, run_id: str, name: str) -> bool:
+    def get_checkpoint(self, tenant_id: str, run_id: str, name: str, kind: str = 'training') -> Checkpoint | None:
+        rows = self._query(
+            'SELECT * FROM checkpoints WHERE tenant_id = ? AND run_id = ? AND kind = ? AND name = ?',
+            (tenant_id, run_id, kind, name),
+        )
+        return _checkpoint(rows[0]) if rows else None
+
+    def get_readable_checkpoint(self, tenant_id: str, run_id: str, name: str, kind: str) -> Checkpoint | None:
+        """A checkpoint the tenant may load: its own, or another tenant's published one."""
+        rows = self._query(
+            'SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ? AND (tenant_id = ? OR public = 1)',
+            (run_id, kind, name, tenant_id),
+        )
+        return _checkpoint(rows[0]) if rows else None
+
+    def delete_checkpoint(self, tenant_id: str, run_id: str, name: str, kind: str = 'training') -> bool:
         """Forget the checkpoint row (the caller deletes its files); False if the tenant had no such one."""
-        sql = 'DELETE FROM checkpoints WHERE tenant_id = ? AND run_id = ? AND name = ?'
-        return self._execute(sql, (tenant_id, run_id, name)) > 0
+        sql = 'DELETE FROM checkpoints WHERE tenant_id = ? AND run_id = ? AND kind = ? AND name = ?'
+        return self._execute(sql, (tenant_id, run_id, kind, name)) > 0
+
+    def set_checkpoint_public(self, checkpoint_id: str, public: bool) -> None:
+        self._execute('UPDATE checkpoints SET public = ? WHERE id = ?', (int(public), checkpoint_id))
+
+    def set_checkpoint_expiry(self, checkpoint_id: str, expires_at: float | None) -> None:
+        self._execute('UPDATE checkpoints SET expires_at = ? WHERE id = ?', (expires_at, checkpoint_id))
+
+    def pop_expired_checkpoints(self) -> list[Checkpoint]:
+        """Forget every checkpoint whose time is up and return them (the caller deletes their files)."""
+        with self._write() as conn:
+            now = self._clock()
+            rows = conn.execute('SELECT * FROM checkpoints WHERE expires_at <= ?', (now,)).fetchall()
+            conn.execute('DELETE FROM checkpoints WHERE expires_at <= ?', (now,))
+        return [_checkpoint(row) for row in rows]
+
+    # -- Tinker sessions --------------------------------------------------------------------------------
+
+    def create_session(self, tenant_id: str, info: dict[str, Any]) -> Session:
+        now = self._clock()
+        session = Session(_new_id('sess'), tenant_id, dict(info), now, now, 'active')
+        self._execute(
+            'INSERT INTO sessions (id, tenant_id, info_json, created_at, last_heartbeat_at, status) '
+            "VALUES (?, ?, ?, ?, ?, 'active')",
+            (session.id, tenant_id, _dumps('session info', info), now, now),
+        )
+        return session
+
+    def get_session(self, tenant_id: str, session_id: str) -> Session | None:
+        rows = self._query('SELECT * FROM sessions WHERE id = ? AND tenant_id = ?', (session_id, tenant_id))
+        return _session(rows[0]) if rows else None
+
+    def list_sessions(self, tenant_id: str, limit: int = 100, offset: int = 0) -> list[Session]:
+        rows = self._query(
+            'SELECT * FROM sessions WHERE tenant_id = ? ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?',
+            (tenant_id, limit, offset),
+        )
+        return [_session(row) for row in rows]
+
+    def heartbeat(self, session_id: str) -> None:
+        self._execute('UPDATE sessions SET last_heartbeat_at = ? WHERE id = ?', (self._clock(), session_id))
+
+    def finish_session(self, session_id: str) -> None:
+        self._execute("UPDATE sessions SET status = 'finished' WHERE id = ?", (session_id,))
+
+    def session_runs(self, tenant_id: str, session_id: str) -> list[str]:
+        rows = self._query(
+            'SELECT id FROM runs WHERE tenant_id = ? AND session_id = ? ORDER BY created_at, rowid',
+            (tenant_id, session_id),
+        )
+        return [row['id'] for row in rows]
+
+    def create_sampling_session(
+        self, tenant_id: str, sampling_id: str, session_id: str, base_model: str, model_path: str | None
+    ) -> SamplingSession:
+        """Record a sampling session named ``sampling_id``; the same id again returns the first one."""
+        existing = self.get_sampling_session(tenant_id, sampling_id)
+        if existing is not None:
+            return existing
+        record = SamplingSession(sampling_id, tenant_id, session_id, base_model, model_path, self._clock())
+        try:
+            self._execute(
+                'INSERT INTO sampling_sessions (id, tenant_id, session_id, base_model, model_path, created_at) '
+                'VALUES (?, ?, ?, ?, ?, ?)',
+                tuple(vars(record).values()),
+            )
+        except sqlite3.IntegrityError as exc:
+            raise StateError(f'sampling session {sampling_id!r} cannot be created: {exc}') from exc
+        return record
+
+    def get_sampling_session(self, tenant_id: str, sampling_id: str) -> SamplingSession | None:
+        rows = self._query('SELECT * FROM sampling_sessions WHERE id = ? AND tenant_id = ?', (sampling_id, tenant_id))
+        return SamplingSession(**rows[0]) if rows else None
+
+    def session_samplers(self, tenant_id: str, session_id: str) -> list[str]:
+        rows = self._query(
+            'SELECT id FROM sampling_sessions WHERE tenant_id = ? AND session_id = ? ORDER BY created_at, rowid',
+            (tenant_id, session_id),
+        )
+        return [row['id'] for row in rows]
 
     # -- futures ----------------------------------------------------------------------------------------
 
@@ -508,6 +734,18 @@ def _run(row: sqlite3.Row) -> Run:
     fields = dict(row)
     fields['config'] = json.loads(fields.pop('config_json'))
     return Run(**fields)
+
+
+def _checkpoint(row: sqlite3.Row) -> Checkpoint:
+    fields = dict(row)
+    fields['public'] = bool(fields['public'])
+    return Checkpoint(**fields)
+
+
+def _session(row: sqlite3.Row) -> Session:
+    fields = dict(row)
+    fields['info'] = json.loads(fields.pop('info_json'))
+    return Session(**fields)
 
 
 def _future(row: sqlite3.Row) -> FutureRecord:
