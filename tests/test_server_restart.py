@@ -6,27 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from peft import LoraConfig
+from server_helpers import free_port, wait_until_healthy
 
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def server_command(model_dir: str, data_dir: Path, port: int, *args: str) -> list[str]:
@@ -40,17 +32,8 @@ def start(model_dir: str, data_dir: Path, port: int) -> subprocess.Popen:
     process = subprocess.Popen(
         server_command(model_dir, data_dir, port, 'serve'), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f'http://127.0.0.1:{port}/healthz', timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.2)
-        if process.poll() is not None:
-            raise AssertionError(process.stderr.read().decode()[-3000:])
-    process.kill()
-    raise AssertionError('the server did not come up in 60 s')
+    wait_until_healthy(process, port)
+    return process
 
 
 @pytest.fixture(scope='module')

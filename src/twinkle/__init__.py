@@ -5,7 +5,17 @@
 '0.1.0'
 """
 
+from twinkle.infra import DeviceGroup, DeviceMesh, get_device_placement
+from twinkle.infra.runtime import get_runtime, initialize
 from twinkle.utils.logger import get_logger
 
 __version__ = '0.1.0'
-__all__ = ['__version__', 'get_logger']
+__all__ = [
+    'DeviceGroup',
+    'DeviceMesh',
+    '__version__',
+    'get_device_placement',
+    'get_logger',
+    'get_runtime',
+    'initialize',
+]

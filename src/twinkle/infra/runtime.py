@@ -1,0 +1,177 @@
+"""``twinkle.initialize``: the one line that picks where a script runs.
+
+>>> import twinkle
+>>> runtime = twinkle.initialize(mode='local', seed=7)
+>>> runtime.mode, twinkle.get_runtime() is runtime
+('local', True)
+
+Modes:
+
+- ``'local'``: this process (one device, or one rank of ``torchrun`` with ``global_device_mesh``);
+- ``'http'``: serve the training service (``twinkle-server`` from Python). ``groups`` says where
+  the model lives: the group named ``'model'`` (or the only group) gives the device;
+- ``'ray'``: components built with ``remote_group=`` become actors on those groups.
+
+The runtime is one object, returned and also kept as the process's current runtime
+(``get_runtime()``), which components built later consult.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from twinkle.errors import ConfigurationError, one_of
+from twinkle.infra.mesh import DeviceGroup, DeviceMesh
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
+Mode = Literal['local', 'ray', 'http']
+MODES = ('local', 'ray', 'http')
+
+
+@dataclass
+class Runtime:
+    mode: Mode = 'local'
+    seed: int | None = None
+    groups: list[DeviceGroup] = field(default_factory=list)
+    global_device_mesh: DeviceMesh | None = None
+    nproc_per_node: int | None = None
+    lazy_collect: bool = True
+    #: In 'http' mode with ``block=False``: the running server (``.url``, ``.stop()``).
+    server: Any = None
+
+    def group(self, name: str) -> DeviceGroup:
+        for group in self.groups:
+            if group.name == name:
+                return group
+        raise one_of('device group', name, [g.name for g in self.groups])
+
+
+_current = Runtime()
+
+
+def get_runtime() -> Runtime:
+    """The runtime the last ``initialize`` set up (single-process 'local' before any)."""
+    return _current
+
+
+def initialize(
+    mode: Mode = 'local',
+    *,
+    nproc_per_node: int | None = None,
+    seed: int | None = 42,
+    groups: DeviceGroup | Sequence[DeviceGroup] | None = None,
+    global_device_mesh: DeviceMesh | None = None,
+    lazy_collect: bool = True,
+    config: str | None = None,
+    block: bool = True,
+    **server_options: Any,
+) -> Runtime:
+    """Set up the runtime for ``mode`` and make it current.
+
+    ``seed`` seeds Python, NumPy and torch (None: leave them). In 'http' mode, ``config`` is a
+    server config file and ``server_options`` are its fields (``base_model``, ``port``,
+    ``data_dir``, ``limits``, ...; they win over the file's); ``block=True`` serves until
+    interrupted, ``block=False`` returns at once with ``runtime.server`` running in a thread.
+    """
+    global _current
+    if mode not in MODES:
+        raise one_of('mode', mode, MODES)
+    if server_options and mode != 'http':
+        raise ConfigurationError(f'{sorted(server_options)} are server settings; they apply only to mode="http"')
+    group_list = _group_list(groups)
+    runtime = Runtime(mode, seed, group_list, global_device_mesh, nproc_per_node, lazy_collect)
+    if seed is not None:
+        _seed_everything(seed)
+    if mode == 'local':
+        _check_local(global_device_mesh)
+    elif mode == 'ray':
+        raise ConfigurationError(
+            "mode='ray' is not available in this version yet: run under torchrun with mode='local', or "
+            "serve with mode='http'"
+        )
+    server_config = _server_config(group_list, config, server_options) if mode == 'http' else None
+    _current = runtime
+    if server_config is not None:
+        runtime.server = _serve(server_config, block)
+    return runtime
+
+
+def _group_list(groups: DeviceGroup | Sequence[DeviceGroup] | None) -> list[DeviceGroup]:
+    group_list = [groups] if isinstance(groups, DeviceGroup) else list(groups or [])
+    for group in group_list:
+        if not isinstance(group, DeviceGroup):
+            raise ConfigurationError(f'groups must be DeviceGroup objects; got {group!r}')
+    names = [g.name for g in group_list]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigurationError(f'device group names must be unique; repeated: {duplicates}')
+    return group_list
+
+
+def _seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _check_local(mesh: DeviceMesh | None) -> None:
+    """A mesh must match the processes torchrun started (``WORLD_SIZE``; 1 without torchrun)."""
+    world = int(os.environ.get('WORLD_SIZE', '1'))
+    if mesh is not None and mesh.world_size != world:
+        raise ConfigurationError(
+            f'global_device_mesh has world_size {mesh.world_size} but {world} process(es) run this script; '
+            f'launch it with torchrun --nproc_per_node={mesh.world_size} (WORLD_SIZE={world})'
+        )
+
+
+def _server_config(groups: list[DeviceGroup], config: str | None, options: dict[str, Any]) -> Any:
+    from twinkle.server.config import ServerConfig
+
+    device = _server_device(groups)
+    if device is not None:
+        options.setdefault('device', device)
+    return ServerConfig.load(config, **options) if config else ServerConfig.build(**options)
+
+
+def _serve(server_config: Any, block: bool) -> Any:
+    from twinkle.server.cli import BackgroundServer, serve
+
+    if block:
+        serve(server_config)
+        return None
+    server = BackgroundServer(server_config)
+    server.url = server.__enter__()
+    server.stop = lambda: server.__exit__(None, None, None)
+    return server
+
+
+def _server_device(groups: list[DeviceGroup]) -> str | None:
+    """The device of the service's model: the group named 'model', or the only group."""
+    if not groups:
+        return None
+    model = next((g for g in groups if g.name == 'model'), groups[0] if len(groups) == 1 else None)
+    if model is None:
+        raise ConfigurationError(
+            f"the service places its model on the group named 'model'; groups: {[g.name for g in groups]}"
+        )
+    if model.num_devices > 1 or model.gpus_per_worker > 1:
+        raise ConfigurationError(
+            f'the service runs its model on one device; group {model.name!r} has ranks {model.ranks}: '
+            f'give it one rank (e.g. ranks=[{model.ranks[0]}])'
+        )
+    if model.device_type == 'cpu':
+        return 'cpu'
+    if len(groups) > 1:
+        logger.info('the service samples with the model\'s own weights; groups other than "model" stay unused')
+    return f'{model.device_type}:{model.ranks[0]}'
+
+
+__all__ = ['MODES', 'Runtime', 'get_runtime', 'initialize']
