@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -26,12 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from twinkle.errors import StateError, TwinkleError, UnknownNameError
 from twinkle.model import checkpoint as ckpt
-from twinkle.server.auth import key_from_headers, read_keys_file
+from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
+from twinkle.server.deps import Who
 from twinkle.server.host import CapacityError, ModelHost
 from twinkle.server.limits import RateLimitedError, RateLimiter
 from twinkle.server.scheduler import Job, QueueFullError, Scheduler, wait_job
 from twinkle.server.store import Store, Tenant, check_name, parse_twinkle_path
+from twinkle.server.tinker.routes import tinker_router
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -107,14 +109,22 @@ class Service:
 
     def submit(self, tenant: Tenant, run_id: str | None, operation: str, fn: Any) -> Job:
         record = self.store.create_future(tenant.id, run_id, operation)
+        return self.enqueue(tenant, record.id, operation, fn)
+
+    def enqueue(self, tenant: Tenant, future_id: str, operation: str, fn: Any) -> Job:
+        """Queue ``fn`` as the job of the future ``future_id`` (already recorded)."""
         try:
-            job = self.scheduler.submit(tenant.id, fn, job_id=record.id)
+            job = self.scheduler.submit(tenant.id, fn, job_id=future_id)
         except QueueFullError as e:
-            self.store.fail_future(record.id, str(e), 'user')
+            self.store.fail_future(future_id, str(e), 'user')
             raise
         job.operation = operation  # type: ignore[attr-defined]
         self.queued.set(self.scheduler.queued())
         return job
+
+    def adapter_name(self, run: Any) -> str:
+        """The name of a run's adapter on the model: never shown to tenants, unique per run."""
+        return f'{run.tenant_id}--{run.id}'.replace(':', '-')
 
     def _on_start(self, job: Job) -> None:
         self.store.set_future_running(job.id)
@@ -191,7 +201,7 @@ class Service:
     def restore(self, run: Any) -> None:
         """Bring a released run back: its adapter, its setup calls replayed, then its saved
         weights, optimizer, scheduler and step counters."""
-        adapter = f'{run.tenant_id}--{run.id}'
+        adapter = self.adapter_name(run)
         config = run.config
         self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
         for call in config.get('setup', []):
@@ -227,23 +237,6 @@ class Service:
         return self.config.checkpoint_dir / tenant.id / run_id
 
 
-async def _tenant(request: Request) -> Tenant:
-    """The tenant whose API key the request carries; 401 without a known one."""
-    key = key_from_headers(request.headers)
-    if not key:
-        raise HTTPException(401, 'missing API key: send "Authorization: Bearer <key>"')
-    found = request.app.state.service.store.tenant_for_key(key)
-    if found is None:
-        raise HTTPException(401, 'unknown API key')
-    limiter = request.app.state.service.limiter
-    if limiter is not None:
-        limiter.acquire(found.id, found.name)
-    return found
-
-
-Who = Annotated[Tenant, Depends(_tenant)]
-
-
 def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
     """The FastAPI application; ``uvicorn.run(create_app(config))`` serves it."""
     service = Service(config, host)
@@ -251,9 +244,10 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.scheduler.start()
-        releaser = asyncio.create_task(_release_periodically(service))
+        chores = [asyncio.create_task(_release_periodically(service)), asyncio.create_task(_expire_gaps(service))]
         yield
-        releaser.cancel()
+        for chore in chores:
+            chore.cancel()
         service.release_all()  # a graceful stop keeps every adapter's state; a restart brings them back
         for job in service.scheduler.stop(wait=True):
             service.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
@@ -262,6 +256,7 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
     app = FastAPI(title='twinkle training service', version='1', lifespan=lifespan)
     app.state.service = service
     _error_handlers(app)
+    app.include_router(tinker_router(service))
 
     @app.get('/healthz')
     async def healthz() -> dict[str, str]:
@@ -282,7 +277,7 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
         if body.base_model is not None and body.base_model != config.base_model:
             raise HTTPException(400, f'this server hosts {config.base_model!r}; got base_model {body.base_model!r}')
         run = service.store.create_run(who.id, config.base_model, body.adapter_name, body.model_dump())
-        adapter = f'{who.id}--{run.id}'
+        adapter = service.adapter_name(run)
 
         def add() -> None:
             service.host.add_adapter(adapter, body.lora, body.gradient_accumulation_steps, body.seed)
@@ -388,6 +383,13 @@ async def _release_periodically(service: Service) -> None:
     while True:
         await asyncio.sleep(min(max(idle / 4, 0.05), 30.0))
         service.release_idle()
+
+
+async def _expire_gaps(service: Service) -> None:
+    """Fail Tinker requests that wait for a seq_id that never came."""
+    while True:
+        await asyncio.sleep(min(service.config.tinker.seq_gap_timeout_s / 4, 5.0))
+        service.tinker.sequencer.expire()
 
 
 def _error_handlers(app: FastAPI) -> None:

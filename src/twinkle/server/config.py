@@ -29,6 +29,23 @@ class Limits(BaseModel):
     max_requests_per_minute: int | None = Field(None, gt=0)
 
 
+class TinkerSettings(BaseModel):
+    """How the server speaks the Tinker API."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    #: Datums per forward_backward request the client sends (it splits bigger batches in chunks).
+    fwdbwd_max_chunk_len: int = Field(1024, gt=0)
+    #: Seconds a request may wait for a lower seq_id of its model that never arrives.
+    seq_gap_timeout_s: float = Field(120.0, gt=0)
+    #: Seconds retrieve_future holds a request for an unfinished future (the client waits 45 s).
+    retrieve_wait_s: float = Field(25.0, gt=0, le=40)
+    #: LoRA alpha of adapters made through the Tinker API (its LoraConfig has only the rank).
+    lora_alpha: float = Field(32.0, gt=0)
+    #: Tokens to sample when a request gives no max_tokens.
+    default_max_tokens: int = Field(64, gt=0)
+
+
 class ServerConfig(BaseModel):
     """Example ``server.yaml``::
 
@@ -56,6 +73,7 @@ class ServerConfig(BaseModel):
     #: Adapters idle this long are saved and released from the model (None: never).
     idle_release_s: float | None = Field(None, gt=0)
     api_keys_file: str | None = None
+    tinker: TinkerSettings = Field(default_factory=TinkerSettings)
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> ServerConfig:

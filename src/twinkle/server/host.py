@@ -12,7 +12,9 @@ its last step, with nothing to sync.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -39,6 +41,9 @@ LORA_FIELDS = {'r', 'lora_alpha', 'lora_dropout', 'target_modules', 'bias', 'use
 PROMPT_FIELDS = ('input_ids', 'messages', 'tools')
 #: Most top-k logprobs per token a sampling request may ask for (vLLM's default ``max_logprobs``).
 MAX_TOP_LOGPROBS = 20
+#: Saved sampler weights kept loaded as adapters at once; the least recently used one goes first.
+MAX_SAMPLER_ADAPTERS = 4
+SAMPLER_PREFIX = 'sampler--'
 
 
 class ModelHost:
@@ -56,6 +61,8 @@ class ModelHost:
         self.vocab_size = self.model.model.get_input_embeddings().num_embeddings
         self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
         self._sampler: TorchSampler | None = None
+        self._sampler_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint directory -> adapter
+        self._sampler_ids = itertools.count()
         self.operations: dict[str, Callable[..., Any]] = {
             'set_optimizer': self._set_optimizer,
             'set_lr_scheduler': self._set_lr_scheduler,
@@ -92,7 +99,8 @@ class ModelHost:
     def check_adapter(self, lora: Mapping[str, Any]) -> None:
         """Room for one more adapter, known LoRA fields, and a rank within the limit."""
         limits = self.config.limits
-        if len(self.model.adapter_names) >= limits.max_adapters:
+        trained = [name for name in self.model.adapter_names if not name.startswith(SAMPLER_PREFIX)]
+        if len(trained) >= limits.max_adapters:
             raise CapacityError(f'the server holds its limit of {limits.max_adapters} adapters; try again later')
         unknown = sorted(set(lora) - LORA_FIELDS)
         if unknown:
@@ -220,6 +228,38 @@ class ModelHost:
         responses = sampler.sample(prompts, params, adapter_name=None if base_model else adapter)
         return [asdict(response) for response in responses]
 
+    def generate(
+        self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
+    ) -> list[Any]:
+        """Sample encoded ``prompts`` (``input_ids`` checked) from ``adapter`` (None: the base
+        model); one ``SampleResponse`` per prompt."""
+        self.check_sampling_params(params)
+        self._check_prompt_lengths(list(enumerate(p['input_ids'] for p in prompts)), params)
+        sampler = self.sampler()
+        sampler.weight_version = weight_version
+        return sampler.sample(prompts, params, adapter_name=adapter)
+
+    def sampler_adapter(self, directory: Path) -> str:
+        """The adapter holding the saved weights in ``directory`` (a ``save`` of any adapter),
+        loaded on first use; at most ``MAX_SAMPLER_ADAPTERS`` stay loaded."""
+        key = str(directory)
+        if key in self._sampler_adapters:
+            self._sampler_adapters.move_to_end(key)
+            return self._sampler_adapters[key]
+        if len(self._sampler_adapters) >= MAX_SAMPLER_ADAPTERS:
+            _, oldest = self._sampler_adapters.popitem(last=False)
+            self.remove_adapter(oldest)
+        adapter = f'{SAMPLER_PREFIX}{next(self._sampler_ids)}'
+        self.model.add_adapter_to_model(adapter, key)
+        self._sampler_adapters[key] = adapter
+        return adapter
+
+    def forget_sampler_weights(self, directory: Path) -> None:
+        """Unload the adapter of ``directory``'s weights, if loaded (its checkpoint was deleted)."""
+        adapter = self._sampler_adapters.pop(str(directory), None)
+        if adapter is not None:
+            self.remove_adapter(adapter)
+
     def sampler(self) -> TorchSampler:
         """The sampler over the model's own weights; rebuilt when the model object changed (the
         first adapter wraps it in a ``PeftModel``)."""
@@ -238,7 +278,7 @@ class ModelHost:
         if not isinstance(base_model, bool):
             raise DataError(f'base_model must be true or false; got {base_model!r}')
         params = SamplingParams.from_dict(sampling_params)
-        self._check_sampling_params(params)
+        self.check_sampling_params(params)
         rows = [inputs] if isinstance(inputs, Mapping) else inputs
         if not isinstance(rows, list) or not rows:
             raise DataError("inputs must be a non-empty list of prompts: {'input_ids': [...]} or {'messages': [...]}")
@@ -246,7 +286,7 @@ class ModelHost:
         self._check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
         return prompts, params
 
-    def _check_sampling_params(self, params: SamplingParams) -> None:
+    def check_sampling_params(self, params: SamplingParams) -> None:
         for token in params.stop_token_ids:
             if token >= self.vocab_size:
                 raise ConfigurationError(f'stop token id {token} is outside the vocabulary [0, {self.vocab_size})')

@@ -1,0 +1,28 @@
+"""What every route of every API depends on: the tenant a request's API key names."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+
+from twinkle.server.auth import key_from_headers
+from twinkle.server.store import Tenant
+
+
+async def tenant_of(request: Request) -> Tenant:
+    """The tenant whose API key the request carries (``Authorization: Bearer <key>`` or
+    ``X-API-Key: <key>``); 401 without a known one; 429 over the tenant's request rate."""
+    key = key_from_headers(request.headers)
+    if not key:
+        raise HTTPException(401, 'missing API key: send "Authorization: Bearer <key>" or "X-API-Key: <key>"')
+    service = request.app.state.service
+    found = service.store.tenant_for_key(key)
+    if found is None:
+        raise HTTPException(401, 'unknown API key')
+    if service.limiter is not None:
+        service.limiter.acquire(found.id, found.name)
+    return found
+
+
+Who = Annotated[Tenant, Depends(tenant_of)]

@@ -1,0 +1,155 @@
+"""What a Tinker training client's requests do to the model, on the scheduler's worker thread.
+
+A datum is ``model_input`` tokens (N) with loss inputs of shape (N,): position i predicts
+``target_tokens[i]``. That is twinkle's own layout (labels shifted in advance), so a datum
+becomes the row ``{'input_ids': tokens, 'labels': target_tokens}`` and its other loss inputs go
+to :class:`~twinkle.loss.tinker.TinkerLoss` one entry per row. Gradients add up over every
+``forward_backward`` until ``optim_step``, which is AdamW with decoupled weight decay.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tinker import types
+
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError
+from twinkle.loss.tinker import TinkerLoss
+from twinkle.server.host import ModelHost
+from twinkle.server.tinker.codec import ForwardBackwardCall, forward_backward_output
+
+#: Module names LoRA attaches to for each of Tinker's switches, by the parent module's name.
+ATTENTION_PARENTS = ('self_attn', 'attn', 'attention', 'linear_attn')
+MLP_PARENTS = ('mlp', 'feed_forward', 'experts', 'shared_expert')
+
+
+def lora_config(host: ModelHost, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:
+    """The peft ``LoraConfig`` fields of a Tinker ``LoraConfig``: rank, no dropout, and the
+    linear layers its ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches name."""
+    targets = lora_targets(host.model.model, lora.train_attn, lora.train_mlp, lora.train_unembed)
+    if not targets:
+        raise ConfigurationError(
+            'the LoRA config trains nothing: set at least one of train_attn, train_mlp, train_unembed'
+        )
+    return {'r': lora.rank, 'lora_alpha': alpha, 'lora_dropout': 0.0, 'target_modules': targets}
+
+
+def lora_targets(model: torch.nn.Module, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+    """Leaf names of the linear layers under attention blocks, MLP blocks, and the output head."""
+    head = model.get_output_embeddings()
+    names: set[str] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or 'lora_' in name:
+            continue
+        *parents, leaf = name.split('.')
+        in_attention = any(p in ATTENTION_PARENTS for p in parents)
+        in_mlp = any(p in MLP_PARENTS for p in parents)
+        if unembed if module is head else (attn and in_attention) or (mlp and in_mlp):
+            names.add(leaf)
+    return sorted(names)
+
+
+def run_forward_backward(host: ModelHost, adapter: str, call: ForwardBackwardCall) -> bytes:
+    """Forward (and, unless ``forward_only``, backward) over the call's datums with its loss;
+    the ``ForwardBackwardOutput`` protobuf with each datum's target logprobs and the metrics."""
+    loss = TinkerLoss(call.loss_fn, _numbers(call.loss_fn_config))
+    rows, loss_inputs = datum_rows(host, call)
+    model = host.model
+    model.set_loss(loss, adapter_name=adapter)
+    if call.forward_only:
+        output = model.forward_only(inputs=rows, adapter_name=adapter)
+        model.calculate_loss(adapter_name=adapter, **loss_inputs)
+        logps = output.logps
+    else:
+        model.forward_backward(inputs=rows, adapter_name=adapter, **loss_inputs)
+        logps = loss.last_logps
+    outputs = [{'logprobs': logps[i, : len(row['input_ids'])].float().cpu()} for i, row in enumerate(rows)]
+    metrics = {name: float(value) for name, value in loss.last_metrics.items()}
+    if not all(math.isfinite(v) for v in metrics.values()):
+        raise DataError(f'the loss is not finite ({metrics}): check the loss inputs for NaN or extreme values')
+    return forward_backward_output(outputs, metrics)
+
+
+def datum_rows(host: ModelHost, call: ForwardBackwardCall) -> tuple[list[dict[str, Any]], dict[str, list]]:
+    """Rows for the model and per-row loss inputs, checked: tokens in the vocabulary, inputs as
+    long as the datum, lengths within the context and the request within the token limit."""
+    if not call.data:
+        raise DataError('forward_backward needs at least one datum')
+    rows, inputs, total = [], {}, 0
+    for index, datum in enumerate(call.data):
+        rows.append(_row(host, index, datum.tokens, datum.loss_fn_inputs))
+        total += len(datum.tokens)
+        for name, value in datum.loss_fn_inputs.items():
+            if name != 'target_tokens':
+                inputs.setdefault(name, []).append(value.reshape(-1).float())
+    limit = host.config.limits.max_tokens_per_request
+    if total > limit:
+        raise DataError(f'the request holds {total} tokens, over the limit of {limit} per request')
+    missing = [name for name, values in inputs.items() if len(values) != len(rows)]
+    if missing:
+        raise DataError(f'loss inputs {missing} are given for some datums but not all')
+    return rows, inputs
+
+
+def _row(host: ModelHost, index: int, tokens: list[int], inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    length = len(tokens)
+    if length == 0:
+        raise DataError(f'datum {index} has no tokens')
+    if host.context is not None and length > host.context:
+        raise SequenceTooLongError(f'datum {index} has {length} tokens, over the model context of {host.context}')
+    if 'target_tokens' not in inputs:
+        raise DataError(f'datum {index} has no target_tokens among its loss_fn_inputs {sorted(inputs)}')
+    for name, value in inputs.items():
+        if value.numel() != length:
+            raise DataError(f'datum {index}: loss input {name!r} has {value.numel()} values for {length} tokens')
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise DataError(f'datum {index}: loss input {name!r} holds NaN or infinite values')
+    targets = inputs['target_tokens'].reshape(-1).long().tolist()
+    for what, ids in (('token id', tokens), ('target token', targets)):
+        bad = next((t for t in ids if not 0 <= t < host.vocab_size), None)
+        if bad is not None:
+            raise DataError(f'datum {index} has {what} {bad}, outside the vocabulary [0, {host.vocab_size})')
+    return {'input_ids': list(tokens), 'labels': targets}
+
+
+def optim_step(host: ModelHost, adapter: str, params: types.AdamParams) -> dict[str, Any]:
+    """One AdamW step with the request's hyperparameters on the gradients accumulated since the
+    last step, clipped to ``grad_clip_norm`` first (0: no clipping); then the gradients are zeroed."""
+    _check_adam(params)
+    model = host.model
+    group = model.groups[adapter]
+    for param_group in group.optimizer.param_groups:
+        param_group.update(
+            lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+            weight_decay=params.weight_decay,
+        )  # fmt: skip
+    norm = model.clip_grad_norm(params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf, adapter_name=adapter)
+    stepped = model.step(adapter_name=adapter)
+    model.zero_grad(adapter_name=adapter)
+    metrics = {'grad_norm:mean': norm} if norm is not None and math.isfinite(norm) else {}
+    if not stepped:
+        metrics['skipped_steps:sum'] = 1.0
+    return {'metrics': metrics}
+
+
+def _check_adam(params: types.AdamParams) -> None:
+    values = params.model_dump()
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        raise DataError(f'optim_step: {bad} must be finite numbers')
+    if params.learning_rate < 0 or params.eps <= 0 or params.weight_decay < 0 or params.grad_clip_norm < 0:
+        raise DataError(
+            f'optim_step: learning_rate, weight_decay and grad_clip_norm must be >= 0 and eps > 0; got {values}'
+        )
+    if not (0 <= params.beta1 < 1 and 0 <= params.beta2 < 1):
+        raise DataError(f'optim_step: beta1 and beta2 must be in [0, 1); got {params.beta1}, {params.beta2}')
+
+
+def _numbers(config: Mapping[str, float | str]) -> dict[str, float]:
+    text = {k: v for k, v in config.items() if isinstance(v, str)}
+    if text:
+        raise ConfigurationError(f'loss_fn_config values must be numbers; got text for {sorted(text)}')
+    return dict(config)
