@@ -201,14 +201,21 @@ class Service:
     def restore(self, run: Any) -> None:
         """Bring a released run back: its adapter, its setup calls replayed, then its saved
         weights, optimizer, scheduler and step counters."""
-        adapter = self.adapter_name(run)
-        config = run.config
+        adapter, config, path = self.adapter_name(run), run.config, self.release_state(run)
+        if not path.is_dir():
+            raise StateError(
+                f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
+                'without saving it): load one of its checkpoints into a new run'
+            )
         self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
-        for call in config.get('setup', []):
-            self.host.run(adapter, call['operation'], dict(call['kwargs']))
-        path = self.release_state(run)
-        group = self.host.model.groups[adapter]
-        self.host.load(adapter, path, load_optimizer=group.optimizer is not None)
+        try:
+            for call in config.get('setup', []):
+                self.host.run(adapter, call['operation'], dict(call['kwargs']))
+            group = self.host.model.groups[adapter]
+            self.host.load(adapter, path, load_optimizer=group.optimizer is not None)
+        except BaseException:
+            self.host.remove_adapter(adapter)
+            raise
         state = ckpt.read_trainer_state(path)
         group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
         group.consumed_train_samples = state['consumed_train_samples']

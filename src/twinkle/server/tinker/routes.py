@@ -246,10 +246,11 @@ async def _create_run(
     config: dict[str, Any],
     session_id: str,
     metadata: dict[str, Any] | None,
-    then: Callable[[str], None] | None = None,
+    then: Callable[[str], dict[str, Any]] | None = None,
 ) -> str:
     """Create the run ``model_id`` (seq 0 of its model) with a LoRA adapter and AdamW; ``then``
-    runs on the new adapter (loading a checkpoint). A retry gets the first request's id."""
+    runs on the new adapter (loading a checkpoint) and gives the result. A retry gets the first
+    request's id."""
     service = api.service
     if (who.id, model_id, 0) in api.requests:
         return api.requests[(who.id, model_id, 0)]
@@ -267,14 +268,13 @@ async def _create_run(
         try:
             service.host.add_adapter(adapter, config['lora'], 1, config['tinker_lora'].get('seed'))
             service.host.run(adapter, 'set_optimizer', dict(optimizer['kwargs']))
-            if then is not None:
-                then(adapter)
+            result = then(adapter) if then is not None else {'model_id': model_id, 'type': 'create_model'}
         except BaseException:
             service.host.remove_adapter(adapter)
             service.store.set_run_status(run.id, 'deleted')
             raise
         service.adapters[run.id] = adapter
-        return {'model_id': model_id, 'type': 'create_model'}
+        return result
 
     return await api.accept(who, model_id, 0, 'create_model', create)
 
@@ -357,8 +357,9 @@ async def _create_from_checkpoint(api: TinkerAPI, who: Tenant, body: Any, checkp
     config = {key: source.config[key] for key in ('api', 'lora', 'tinker_lora') if key in source.config}
     config.setdefault('tinker_lora', {'rank': config['lora'].get('r')})
 
-    def load(adapter: str) -> None:
+    def load(adapter: str) -> dict[str, Any]:
         api.service.host.load(adapter, Path(checkpoint.path), body.optimizer)
+        return {'path': body.path, 'model_id': model_id, 'type': 'load_weights'}
 
     request_id = await _create_run(api, who, model_id, base, config, body.session_id, body.user_metadata, load)
     return {'request_id': request_id, 'model_id': model_id}

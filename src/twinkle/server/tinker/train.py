@@ -38,16 +38,20 @@ def lora_config(host: ModelHost, lora: types.LoraConfig, alpha: float) -> dict[s
 
 
 def lora_targets(model: torch.nn.Module, attn: bool, mlp: bool, unembed: bool) -> list[str]:
-    """Leaf names of the linear layers under attention blocks, MLP blocks, and the output head."""
+    """Leaf names of the linear layers under attention blocks, MLP blocks, and the output head
+    (a layer another adapter already wraps counts by the wrapper's name)."""
     head = model.get_output_embeddings()
+    head_leaf = next(name for name, module in model.named_modules() if module is head).split('.')[-1]
     names: set[str] = set()
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or 'lora_' in name:
             continue
         *parents, leaf = name.split('.')
+        if leaf == 'base_layer':
+            *parents, leaf = parents
         in_attention = any(p in ATTENTION_PARENTS for p in parents)
         in_mlp = any(p in MLP_PARENTS for p in parents)
-        if unembed if module is head else (attn and in_attention) or (mlp and in_mlp):
+        if unembed if leaf == head_leaf else (attn and in_attention) or (mlp and in_mlp):
             names.add(leaf)
     return sorted(names)
 
