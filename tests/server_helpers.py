@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -28,3 +30,24 @@ def wait_until_healthy(process: subprocess.Popen, port: int, timeout_s: float = 
             raise AssertionError(process.stderr.read().decode()[-3000:])
     process.kill()
     raise AssertionError(f'the server did not come up in {timeout_s:.0f} s')
+
+
+def server_command(model_dir: str, data_dir: Path, port: int, *args: str) -> list[str]:
+    return [
+        sys.executable, '-m', 'twinkle.server.cli', '--base-model', model_dir, '--port', str(port),
+        '--data-dir', str(data_dir), *args,
+    ]  # fmt: skip
+
+
+def start_server(model_dir: str, data_dir: Path, port: int) -> subprocess.Popen:
+    """``twinkle-server serve`` in a process of its own, once it answers."""
+    process = subprocess.Popen(
+        server_command(model_dir, data_dir, port, 'serve'), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    wait_until_healthy(process, port)
+    return process
+
+
+def add_key(model_dir: str, data_dir: Path, tenant: str) -> str:
+    command = server_command(model_dir, data_dir, 0, 'keys', 'add', tenant)
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()

@@ -6,34 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from peft import LoraConfig
-from server_helpers import free_port, wait_until_healthy
+from server_helpers import add_key, free_port, start_server
 
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
-
-
-def server_command(model_dir: str, data_dir: Path, port: int, *args: str) -> list[str]:
-    return [
-        sys.executable, '-m', 'twinkle.server.cli', '--base-model', model_dir, '--port', str(port),
-        '--data-dir', str(data_dir), *args,
-    ]  # fmt: skip
-
-
-def start(model_dir: str, data_dir: Path, port: int) -> subprocess.Popen:
-    process = subprocess.Popen(
-        server_command(model_dir, data_dir, port, 'serve'), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    wait_until_healthy(process, port)
-    return process
 
 
 @pytest.fixture(scope='module')
@@ -51,9 +33,8 @@ def lora() -> LoraConfig:
 
 def test_kill_9_mid_step_then_restart_keeps_runs_and_checkpoints_and_resumes_exactly(tmp_path, tiny_model_dir, batches):
     data_dir, port = tmp_path / 'data', free_port()
-    add_key = server_command(tiny_model_dir, data_dir, port, 'keys', 'add', 'alice')
-    key = subprocess.run(add_key, capture_output=True, text=True, check=True).stdout.strip()
-    server = start(tiny_model_dir, data_dir, port)
+    key = add_key(tiny_model_dir, data_dir, 'alice')
+    server = start_server(tiny_model_dir, data_dir, port)
     try:
         client = TwinkleClient(f'http://127.0.0.1:{port}', key)
         model = MultiLoraTransformersModel(client=client)
@@ -72,7 +53,7 @@ def test_kill_9_mid_step_then_restart_keeps_runs_and_checkpoints_and_resumes_exa
         os.kill(server.pid, signal.SIGKILL)
         server.wait()
 
-    server = start(tiny_model_dir, data_dir, port)
+    server = start_server(tiny_model_dir, data_dir, port)
     try:
         client = TwinkleClient(f'http://127.0.0.1:{port}', key)
         assert [(r.training_run_id, r.status) for r in client.list_training_runs()] == [(run_id, 'released')]
