@@ -281,3 +281,32 @@ def test_a_gap_in_seq_ids_fails_the_waiting_requests(server, alice, tiny_model_d
         if answer.get('type') != 'try_again':
             break
     assert answer['category'] == 'user' and 'seq_id=1' in answer['error'] and 'never arrived' in answer['error']
+
+
+def test_a_retried_request_gets_its_first_request_id_and_runs_once(server, alice, tiny_model_dir):
+    url, keys = server
+    client = training_client(alice, tiny_model_dir)
+    headers = {'X-API-Key': keys['alice']}
+    steps_before = client.optim_step(types.AdamParams()).result()  # seq 1; the client's next would be 2
+    assert steps_before.metrics is not None
+    body = {'model_id': client.model_id, 'seq_id': 2, 'adam_params': {'learning_rate': 0.1}, 'type': 'optim_step'}
+    first, retry = (httpx.post(f'{url}/api/v1/optim_step', json=body, headers=headers).json() for _ in range(2))
+    assert first['request_id'] == retry['request_id']
+    answer = httpx.post(f'{url}/api/v1/retrieve_future', json={'request_id': first['request_id']}, headers=headers)
+    assert answer.status_code == 200 and 'metrics' in answer.json()
+
+
+def test_sessions_heartbeat_until_finished(server):
+    url, keys = server
+    headers = {'X-API-Key': keys['alice']}
+    body = {'tags': [], 'user_metadata': None, 'sdk_version': '0.38.0', 'type': 'create_session'}
+    session_id = httpx.post(f'{url}/api/v1/create_session', json=body, headers=headers).json()['session_id']
+    beat = {'session_id': session_id, 'type': 'session_heartbeat'}
+    assert httpx.post(f'{url}/api/v1/session_heartbeat', json=beat, headers=headers).status_code == 200
+    bob = {'X-API-Key': keys['bob']}
+    assert httpx.post(f'{url}/api/v1/session_heartbeat', json=beat, headers=bob).status_code == 404
+    finish = {'reason': {'type': 'success'}, 'detail': None}
+    assert httpx.post(f'{url}/api/v1/sessions/{session_id}/finish', json=finish, headers=headers).status_code == 200
+    assert httpx.post(f'{url}/api/v1/session_heartbeat', json=beat, headers=headers).status_code == 410
+    unknown = httpx.post(f'{url}/api/v1/create_session', json={**body, 'colour': 'red'}, headers=headers)
+    assert unknown.status_code == 422 and 'colour' in unknown.json()['detail']
