@@ -33,18 +33,18 @@ def server(tmp_path_factory, tiny_model_dir):
     keys = {name: store.add_tenant(name)[1] for name in ('alice', 'bob')}
     store.close()
     with BackgroundServer(config) as url:
-        yield url, keys
+        yield url, keys, config
 
 
 @pytest.fixture(scope='module')
 def alice(server) -> tinker.ServiceClient:
-    url, keys = server
+    url, keys, _ = server
     return tinker.ServiceClient(base_url=url, api_key=keys['alice'])
 
 
 @pytest.fixture(scope='module')
 def bob(server) -> tinker.ServiceClient:
-    url, keys = server
+    url, keys, _ = server
     return tinker.ServiceClient(base_url=url, api_key=keys['bob'])
 
 
@@ -225,7 +225,7 @@ def test_sampling_from_the_base_model_and_by_name(alice, tiny_model_dir):
 
 
 def test_another_tenants_models_paths_and_futures_do_not_exist(server, alice, bob, tiny_model_dir):
-    url, keys = server
+    url, keys, _ = server
     client = training_client(alice, tiny_model_dir)
     path = client.save_state('private').result().path
     sampler_path = client.save_weights_for_sampler('private').result().path
@@ -249,7 +249,7 @@ def test_another_tenants_models_paths_and_futures_do_not_exist(server, alice, bo
 
 
 def test_failures_are_errors_not_hangs(server, alice, tiny_model_dir):
-    url, keys = server
+    url, keys, _ = server
     client = training_client(alice, tiny_model_dir)
     with pytest.raises(tinker.RequestFailedError, match='stable_reinforce'):
         client.forward_backward(sft_data(1), 'stable_reinforce').result()
@@ -270,7 +270,7 @@ def test_failures_are_errors_not_hangs(server, alice, tiny_model_dir):
 
 
 def test_a_gap_in_seq_ids_fails_the_waiting_requests(server, alice, tiny_model_dir):
-    url, keys = server
+    url, keys, _ = server
     client = training_client(alice, tiny_model_dir)
     headers = {'X-API-Key': keys['alice']}
     body = {'model_id': client.model_id, 'seq_id': 50, 'adam_params': {}, 'type': 'optim_step'}  # 1..49 never come
@@ -284,7 +284,7 @@ def test_a_gap_in_seq_ids_fails_the_waiting_requests(server, alice, tiny_model_d
 
 
 def test_a_retried_request_gets_its_first_request_id_and_runs_once(server, alice, tiny_model_dir):
-    url, keys = server
+    url, keys, _ = server
     client = training_client(alice, tiny_model_dir)
     headers = {'X-API-Key': keys['alice']}
     steps_before = client.optim_step(types.AdamParams()).result()  # seq 1; the client's next would be 2
@@ -297,7 +297,7 @@ def test_a_retried_request_gets_its_first_request_id_and_runs_once(server, alice
 
 
 def test_sessions_heartbeat_until_finished(server):
-    url, keys = server
+    url, keys, _ = server
     headers = {'X-API-Key': keys['alice']}
     body = {'tags': [], 'user_metadata': None, 'sdk_version': '0.38.0', 'type': 'create_session'}
     session_id = httpx.post(f'{url}/api/v1/create_session', json=body, headers=headers).json()['session_id']
@@ -310,3 +310,23 @@ def test_sessions_heartbeat_until_finished(server):
     assert httpx.post(f'{url}/api/v1/session_heartbeat', json=beat, headers=headers).status_code == 410
     unknown = httpx.post(f'{url}/api/v1/create_session', json={**body, 'colour': 'red'}, headers=headers)
     assert unknown.status_code == 422 and 'colour' in unknown.json()['detail']
+
+
+def test_lora_switches_rank_and_seed_are_honoured(server, alice, tiny_model_dir):
+    _, _, config = server
+    attention_only = alice.create_lora_training_client(
+        base_model=tiny_model_dir, rank=3, seed=1, train_mlp=False, train_unembed=False
+    ).result()
+    with Store(config.db_path) as store:
+        lora = store.get_run_by_id(attention_only.model_id).config['lora']
+    assert lora['r'] == 3 and sorted(lora['target_modules']) == ['k_proj', 'o_proj', 'q_proj', 'v_proj']
+    assert attention_only.get_info().lora_rank == 3
+    data, adam = sft_data(2), types.AdamParams(learning_rate=1e-2)
+    after = []
+    for seed in (7, 7, 8):
+        client = training_client(alice, tiny_model_dir, seed=seed)
+        client.forward_backward(data, 'cross_entropy')
+        client.optim_step(adam).result()
+        after.append(torch.cat(logprobs_of(client.forward(data, 'cross_entropy').result())))
+    torch.testing.assert_close(after[0], after[1], atol=0, rtol=0)  # the same seed: the same LoRA A
+    assert not torch.allclose(after[0], after[2])
