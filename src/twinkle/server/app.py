@@ -31,8 +31,10 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.deps import Who
 from twinkle.server.host import CapacityError, ModelHost
 from twinkle.server.limits import RateLimitedError, RateLimiter
+from twinkle.server.openai_api import openai_router
 from twinkle.server.scheduler import Job, QueueFullError, Scheduler, wait_job
-from twinkle.server.store import Store, Tenant, check_name, parse_twinkle_path
+from twinkle.server.store import Store, Tenant, check_checkpoint_name, check_name, parse_twinkle_path
+from twinkle.server.tinker.rest import expire_checkpoints_periodically, rest_router
 from twinkle.server.tinker.routes import tinker_router
 from twinkle.utils.logger import get_logger
 
@@ -155,7 +157,7 @@ class Service:
                 f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '
                 'to restore: create a run and load one of its checkpoints with load(path, load_optimizer=True)'
             )
-        await asyncio.to_thread(self._touch, run_id)
+        await asyncio.to_thread(self.touch, run_id)
         return run
 
     def loaded(self, run: Any) -> str:
@@ -164,7 +166,7 @@ class Service:
             self.restore(self.store.get_run_by_id(run.id))
         return self.adapters[run.id]
 
-    def _touch(self, run_id: str) -> None:
+    def touch(self, run_id: str) -> None:
         """Record the run's last request; at most once a second, as each write syncs the disk."""
         now = time.monotonic()
         if now - self._touched.get(run_id, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S:
@@ -251,7 +253,11 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.scheduler.start()
-        chores = [asyncio.create_task(_release_periodically(service)), asyncio.create_task(_expire_gaps(service))]
+        chores = [
+            asyncio.create_task(_release_periodically(service)),
+            asyncio.create_task(_expire_gaps(service)),
+            asyncio.create_task(expire_checkpoints_periodically(service)),
+        ]
         yield
         for chore in chores:
             chore.cancel()
@@ -264,6 +270,8 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
     app.state.service = service
     _error_handlers(app)
     app.include_router(tinker_router(service))
+    app.include_router(openai_router(service))
+    app.include_router(rest_router(service))
 
     @app.get('/healthz')
     async def healthz() -> dict[str, str]:
@@ -329,7 +337,7 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
     @app.post(f'{PREFIX}/runs/{{run_id}}/save', status_code=202)
     async def save(run_id: str, body: SaveRequest, who: Who) -> dict[str, str]:
         run = await service.adapter_of(who, run_id)
-        check_name('checkpoint name', body.name)
+        check_checkpoint_name(body.name)
         directory = service.checkpoint_dir(who, run_id)
 
         def write() -> str:

@@ -44,6 +44,8 @@ class TinkerSettings(BaseModel):
     lora_alpha: float = Field(32.0, gt=0)
     #: Tokens to sample when a request gives no max_tokens.
     default_max_tokens: int = Field(64, gt=0)
+    #: Seconds between two sweeps that delete checkpoints past their TTL, files included.
+    checkpoint_expiry_interval_s: float = Field(5.0, gt=0)
 
 
 class ServerConfig(BaseModel):

@@ -115,7 +115,9 @@ class ModelHost:
             del self.model.groups[adapter]
 
     def save(self, adapter: str, directory: Path, name: str, save_optimizer: bool) -> str:
-        return self.model.save(name, str(directory), adapter_name=adapter, save_optimizer=save_optimizer)
+        path = self.model.save(name, str(directory), adapter_name=adapter, save_optimizer=save_optimizer)
+        self.forget_sampler_weights(Path(path))  # weights saved there before may be loaded for sampling
+        return path
 
     def load(self, adapter: str, path: Path, load_optimizer: bool) -> None:
         self.model.load(str(path), adapter_name=adapter, load_optimizer=load_optimizer)

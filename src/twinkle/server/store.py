@@ -250,6 +250,18 @@ def check_name(kind: str, name: object) -> str:
     return name
 
 
+#: Folders of a run's directory that hold something else than a checkpoint of that name.
+RESERVED_CHECKPOINT_NAMES = ('released-state', 'sampler_weights')
+
+
+def check_checkpoint_name(name: object) -> str:
+    """A safe checkpoint name (``check_name``) that is not one of the run directory's own folders."""
+    check_name('checkpoint', name)
+    if name in RESERVED_CHECKPOINT_NAMES:
+        raise DataError(f'checkpoint name {name!r} is reserved; use another than {list(RESERVED_CHECKPOINT_NAMES)}')
+    return name
+
+
 def parse_twinkle_path(path: str) -> tuple[str, str]:
     """Split ``twinkle://<run_id>/checkpoints/<name>`` into ``(run_id, name)``.
 

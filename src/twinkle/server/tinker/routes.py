@@ -29,7 +29,7 @@ from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, DataError
 from twinkle.server.deps import Who
 from twinkle.server.scheduler import QueueFullError, wait_job
-from twinkle.server.store import Tenant, check_name, parse_checkpoint_path
+from twinkle.server.store import Tenant, check_checkpoint_name, parse_checkpoint_path
 from twinkle.server.tinker import codec
 from twinkle.server.tinker.sequencer import Sequencer
 from twinkle.server.tinker.train import lora_config, optim_step, run_forward_backward
@@ -62,6 +62,8 @@ class TinkerAPI:
         limit = service.config.limits.max_queued_per_tenant
         if service.scheduler.queued(who.id) >= limit:
             raise QueueFullError(who.name, limit, retry_after_s=2.0)
+        if run_id is not None:
+            await asyncio.to_thread(service.touch, run_id)  # an active run is not idle
         record = await asyncio.to_thread(service.store.create_future, who.id, run_id, operation)
         if key is not None:
             self.requests[key] = record.id
@@ -378,7 +380,7 @@ def _save(service: Any, who: Tenant, run: Any, name: str, kind: str, expires_at:
 def _checkpoint_name(path: str | None, seq_id: int | None) -> str:
     name = path if path is not None else f'step-{seq_id if seq_id is not None else int(time.time())}'
     try:
-        return check_name('checkpoint', name)
+        return check_checkpoint_name(name)
     except DataError as e:
         raise HTTPException(400, str(e)) from None
 

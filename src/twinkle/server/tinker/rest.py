@@ -1,0 +1,373 @@
+"""The Tinker REST API under ``/api/v1``: what the SDK's ``RestClient`` calls to list and manage
+training runs, checkpoints and sessions.
+
+A tenant sees its own runs (of both APIs: a native run ``run-...`` is listed beside the Tinker
+models ``<session>:train:<n>``), checkpoints and sessions; another tenant's are a 404, exactly like
+ones that do not exist. A published checkpoint may be loaded by any tenant through its tinker path
+(``weights_info`` answers for it too), but only its owner lists, changes or deletes it. Checkpoints
+past their TTL are deleted with their files by :func:`expire_checkpoints_periodically`, within
+``tinker.checkpoint_expiry_interval_s`` of their expiry.
+
+What the SDK can call but this server has no notion of (projects, weight copies, external weights,
+trace exports, session search) is refused with a 4xx that says so: never a 5xx or an empty 400,
+which the SDK retries for minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from twinkle.errors import DataError, StateError
+from twinkle.server.deps import Who
+from twinkle.server.scheduler import QueueFullError
+from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Store, Tenant, check_name
+from twinkle.server.tinker.routes import PREFIX, _bare
+from twinkle.server.tinker.train import lora_targets
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
+#: A page size or offset: SQLite integers are 64-bit.
+Page = Annotated[int, Query(ge=0, lt=2**63)]
+#: The SDK asks for its own things ('owned') or everything it may read ('accessible'); other
+#: tenants' runs and sessions are never listed, so both mean the tenant's own.
+Scope = Annotated[Literal['owned', 'accessible'], Query()]
+#: The longest TTL a checkpoint may get (Tinker's own limit for copies): ten years.
+MAX_TTL_S = 10 * 365 * 24 * 3600
+#: The kind of checkpoint each folder of a checkpoint id names: 'weights' -> 'training'.
+KINDS = {folder: kind for kind, folder in TINKER_FOLDERS.items()}
+#: Tinker's LoRA switches, as ``weights_info`` reports them.
+SWITCHES = ('train_attn', 'train_mlp', 'train_unembed')
+#: The scheduler queue of the server's own chores (unloading deleted sampler weights).
+HOUSEKEEPING = 'server-housekeeping'
+
+
+class TTLRequest(BaseModel):
+    model_config = ConfigDict(extra='forbid')
+
+    #: Seconds from now until the checkpoint is deleted; None keeps it until it is deleted.
+    ttl_seconds: int | None = Field(None, gt=0, le=MAX_TTL_S)
+
+
+class WeightsInfoRequest(BaseModel):
+    model_config = ConfigDict(extra='forbid')
+
+    #: ``tinker://<run_id>/weights/<name>`` or ``tinker://<run_id>/sampler_weights/<name>``.
+    tinker_path: str
+
+
+def rest_router(service: Any) -> APIRouter:
+    """The REST routes of the Tinker API, over ``service`` (see ``twinkle.server.app``)."""
+    router = APIRouter(prefix=PREFIX)
+    _run_routes(router, service)
+    _checkpoint_routes(router, service)  # before the catch-all of a checkpoint id that holds a '/'
+    _delete_route(router, service)
+    _session_routes(router, service)
+    _refused_routes(router, service.store)
+    return router
+
+
+# ---- training runs --------------------------------------------------------------------------------
+def _run_routes(router: APIRouter, service: Any) -> None:
+    store: Store = service.store
+    targets = _module_targets(service.host.model.model)
+
+    @router.get('/training_runs')
+    async def list_training_runs(
+        who: Who, limit: Page = 20, offset: Page = 0, access_scope: Scope = 'owned', project_id: str | None = None
+    ) -> dict[str, Any]:
+        if project_id is None:
+            runs, total = store.list_runs(who.id, limit=limit, offset=offset)
+        else:
+            matching = _project_runs(store, who, project_id)
+            runs, total = matching[offset : offset + limit], len(matching)
+        cursor = {'offset': offset, 'limit': limit, 'total_count': total}
+        return {'training_runs': [_run_json(store, run, who.name) for run in runs], 'cursor': cursor}
+
+    @router.get('/training_runs/{run_id}')
+    async def get_training_run(run_id: str, who: Who, access_scope: Scope = 'owned') -> dict[str, Any]:
+        return _run_json(store, _own_run(store, who, run_id), who.name)
+
+    @router.post('/weights_info')
+    async def weights_info(body: WeightsInfoRequest, who: Who) -> dict[str, Any]:
+        """What loading a checkpoint needs; answered for published checkpoints of others too."""
+        checkpoint = service.tinker.checkpoint(who, body.tinker_path, kinds=('training', 'sampler'))
+        run = store.get_run_by_id(checkpoint.run_id)
+        tinker = run.config.get('tinker_lora') or {}
+        derived = _switches(run.config.get('lora') or {}, targets)
+        info = {'base_model': _bare(run.base_model), 'is_lora': True, 'lora_rank': _lora_rank(run)}
+        return {**info, **{name: tinker.get(name, derived.get(name)) for name in SWITCHES}}
+
+
+def _own_run(store: Store, who: Tenant, run_id: str) -> Run:
+    run = store.get_run(who.id, run_id)
+    if run is None or run.status == 'deleted':
+        raise HTTPException(404, f'training run {run_id!r} not found')
+    return run
+
+
+def _project_runs(store: Store, who: Tenant, project_id: str) -> list[Run]:
+    """The tenant's runs made in sessions of ``project_id``, newest first."""
+    sessions = {s.id for s in store.list_sessions(who.id, limit=2**62) if s.info.get('project_id') == project_id}
+    runs, _ = store.list_runs(who.id, limit=2**62)
+    return [run for run in runs if run.session_id in sessions]
+
+
+def _run_json(store: Store, run: Run, owner: str) -> dict[str, Any]:
+    """A ``tinker.types.TrainingRun``: its LoRA rank, last request and latest checkpoints."""
+    latest = {c.kind: c for c in store.list_checkpoints(run.tenant_id, run.id)}  # oldest first
+    return {
+        'training_run_id': run.id,
+        'base_model': _bare(run.base_model),
+        'model_owner': owner,
+        'is_lora': True,
+        'lora_rank': _lora_rank(run),
+        'corrupted': False,
+        'last_request_time': _iso(run.last_request_at),
+        'last_checkpoint': _checkpoint_json(latest['training']) if 'training' in latest else None,
+        'last_sampler_checkpoint': _checkpoint_json(latest['sampler']) if 'sampler' in latest else None,
+        'user_metadata': _strings(run.config.get('user_metadata')),
+    }
+
+
+def _lora_rank(run: Run) -> int:
+    tinker = run.config.get('tinker_lora') or {}
+    return tinker.get('rank') or (run.config.get('lora') or {}).get('r', 8)  # peft's default rank is 8
+
+
+def _module_targets(model: Any) -> dict[str, set[str]]:
+    """The linear layers each of Tinker's switches trains, by leaf name."""
+    flags = {
+        'train_attn': (True, False, False),
+        'train_mlp': (False, True, False),
+        'train_unembed': (False, False, True),
+    }
+    return {name: set(lora_targets(model, *flag)) for name, flag in flags.items()}
+
+
+def _switches(lora: dict[str, Any], targets: dict[str, set[str]]) -> dict[str, bool]:
+    """Tinker's switches of a native run's peft config, where its ``target_modules`` tell them
+    (a list of layer names, or 'all-linear', which leaves out the output head); {} otherwise."""
+    modules = lora.get('target_modules')
+    if modules == 'all-linear':
+        return {'train_attn': True, 'train_mlp': True, 'train_unembed': False}
+    if isinstance(modules, list):
+        names = {module for module in modules if isinstance(module, str)}
+        return {name: bool(names & layers) for name, layers in targets.items()}
+    return {}
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+def _checkpoint_routes(router: APIRouter, service: Any) -> None:
+    store: Store = service.store
+
+    @router.get('/training_runs/{run_id}/checkpoints')
+    async def list_checkpoints(run_id: str, who: Who) -> dict[str, Any]:
+        _own_run(store, who, run_id)
+        return {'checkpoints': [_checkpoint_json(c) for c in store.list_checkpoints(who.id, run_id)]}
+
+    @router.get('/checkpoints')
+    async def list_user_checkpoints(who: Who, limit: Page = 100, offset: Page = 0) -> dict[str, Any]:
+        checkpoints, total = store.list_tenant_checkpoints(who.id, limit=limit, offset=offset)
+        cursor = {'offset': offset, 'limit': limit, 'total_count': total}
+        return {'checkpoints': [_checkpoint_json(c) for c in checkpoints], 'cursor': cursor}
+
+    @router.post('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish')
+    async def publish(run_id: str, checkpoint_id: str, who: Who) -> dict[str, Any]:
+        checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
+        await asyncio.to_thread(store.set_checkpoint_public, checkpoint.id, True)
+        return {'tinker_path': checkpoint.tinker_path, 'public': True}
+
+    @router.delete('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish')
+    async def unpublish(run_id: str, checkpoint_id: str, who: Who) -> dict[str, Any]:
+        if '/' not in checkpoint_id:  # DELETE .../weights/publish: the checkpoint named 'publish'
+            return await delete_checkpoint(service, who, run_id, f'{checkpoint_id}/publish')
+        checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
+        await asyncio.to_thread(store.set_checkpoint_public, checkpoint.id, False)
+        return {'tinker_path': checkpoint.tinker_path, 'public': False}
+
+    @router.put('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl')
+    async def set_ttl(run_id: str, checkpoint_id: str, body: TTLRequest, who: Who) -> dict[str, Any]:
+        checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
+        expires_at = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
+        await asyncio.to_thread(store.set_checkpoint_expiry, checkpoint.id, expires_at)
+        return {'tinker_path': checkpoint.tinker_path, 'expires_at': _iso(expires_at)}
+
+    @router.get('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls')
+    async def external_weights_urls(run_id: str, checkpoint_id: str, who: Who) -> None:
+        _own_run(store, who, run_id)
+        raise HTTPException(404, f'checkpoint {checkpoint_id!r} not found: this server keeps no external weights')
+
+
+def _delete_route(router: APIRouter, service: Any) -> None:
+    @router.delete('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}')
+    async def delete(run_id: str, checkpoint_id: str, who: Who) -> dict[str, Any]:
+        return await delete_checkpoint(service, who, run_id, checkpoint_id)
+
+
+async def delete_checkpoint(service: Any, who: Tenant, run_id: str, checkpoint_id: str) -> dict[str, Any]:
+    """Forget the tenant's checkpoint and remove its files."""
+    checkpoint = _own_checkpoint(service.store, who, run_id, checkpoint_id)
+    await asyncio.to_thread(service.store.delete_checkpoint, who.id, run_id, checkpoint.name, checkpoint.kind)
+    await asyncio.to_thread(discard_files, service, [checkpoint])
+    return {'tinker_path': checkpoint.tinker_path, 'deleted': True}
+
+
+def _own_checkpoint(store: Store, who: Tenant, run_id: str, checkpoint_id: str) -> Checkpoint:
+    """The tenant's checkpoint ``weights/<name>`` or ``sampler_weights/<name>`` of its run; 404 if
+    either is not the tenant's, 400 for a malformed id."""
+    _own_run(store, who, run_id)
+    folder, _, name = checkpoint_id.partition('/')
+    try:
+        kind = KINDS[folder]
+        check_name('checkpoint', name)
+    except (KeyError, DataError):
+        raise HTTPException(
+            400,
+            f'Invalid checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>, where '
+            'name is 1 to 64 of A-Z, a-z, 0-9, ".", "_", "-" starting with a letter or digit',
+        ) from None
+    checkpoint = store.get_checkpoint(who.id, run_id, name, kind)
+    if checkpoint is None:
+        raise HTTPException(404, f'checkpoint {checkpoint_id!r} of training run {run_id!r} not found')
+    return checkpoint
+
+
+def _checkpoint_json(checkpoint: Checkpoint) -> dict[str, Any]:
+    """A ``tinker.types.Checkpoint`` (its server path stays on the server)."""
+    return {
+        'checkpoint_id': checkpoint.checkpoint_id,
+        'checkpoint_type': checkpoint.kind,
+        'training_run_id': checkpoint.run_id,
+        'time': _iso(checkpoint.created_at),
+        'tinker_path': checkpoint.tinker_path,
+        'size_bytes': checkpoint.size_bytes,
+        'public': checkpoint.public,
+        'expires_at': _iso(checkpoint.expires_at),
+    }
+
+
+# ---- expiry ---------------------------------------------------------------------------------------
+def discard_files(service: Any, checkpoints: list[Checkpoint]) -> None:
+    """Remove the files of checkpoints already forgotten by the store, and have the worker thread
+    unload their weights where sampling loaded them (no sampling job can be using them there)."""
+    paths = [Path(c.path) for c in checkpoints]
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+    if not paths:
+        return
+
+    def forget() -> None:
+        for path in paths:
+            service.host.forget_sampler_weights(path)
+
+    try:
+        job = service.scheduler.submit(HOUSEKEEPING, forget)
+    except (QueueFullError, StateError) as e:  # stopping, or flooded: saving there again unloads them
+        logger.warning(f'deleted checkpoints stay loaded for sampling until evicted: {e}')
+        return
+    job.operation = 'forget_sampler_weights'  # type: ignore[attr-defined]
+
+
+def expire_checkpoints(service: Any) -> list[Checkpoint]:
+    """Delete every checkpoint past its TTL, files included; the deleted ones."""
+    expired = service.store.pop_expired_checkpoints()
+    discard_files(service, expired)
+    return expired
+
+
+async def expire_checkpoints_periodically(service: Any) -> None:
+    """Enforce checkpoint TTLs every ``tinker.checkpoint_expiry_interval_s`` seconds (and at start,
+    for those that expired while the server was down)."""
+    while True:
+        try:
+            expired = await asyncio.to_thread(expire_checkpoints, service)
+        except Exception:  # a failed sweep must not end TTL enforcement
+            logger.exception('deleting expired checkpoints failed; trying again at the next sweep')
+        else:
+            if expired:
+                logger.info(f'deleted {len(expired)} expired checkpoints: {[c.tinker_path for c in expired]}')
+        await asyncio.sleep(service.config.tinker.checkpoint_expiry_interval_s)
+
+
+# ---- sessions -------------------------------------------------------------------------------------
+def _session_routes(router: APIRouter, service: Any) -> None:
+    store: Store = service.store
+
+    @router.get('/sessions')
+    async def list_sessions(who: Who, limit: Page = 20, offset: Page = 0, access_scope: Scope = 'owned') -> Any:
+        return {'sessions': [s.id for s in store.list_sessions(who.id, limit=limit, offset=offset)]}
+
+    @router.get('/sessions/{session_id}')
+    async def get_session(session_id: str, who: Who, access_scope: Scope = 'owned') -> dict[str, Any]:
+        session = _own_session(store, who, session_id)
+        runs = [r for r in store.session_runs(who.id, session_id) if _own_run_or_none(store, who, r) is not None]
+        return {
+            'training_run_ids': runs,
+            'sampler_ids': store.session_samplers(who.id, session_id),
+            'user_metadata': _strings(session.info.get('user_metadata')),
+            'display_name': session.info.get('display_name'),
+        }
+
+
+def _own_session(store: Store, who: Tenant, session_id: str) -> Any:
+    session = store.get_session(who.id, session_id)
+    if session is None:
+        raise HTTPException(404, f'session {session_id!r} not found')
+    return session
+
+
+def _own_run_or_none(store: Store, who: Tenant, run_id: str) -> Run | None:
+    with contextlib.suppress(HTTPException):
+        return _own_run(store, who, run_id)
+    return None
+
+
+# ---- what this server has no notion of ------------------------------------------------------------
+def _refused_routes(router: APIRouter, store: Store) -> None:
+    @router.post('/copy_weights')
+    async def copy_weights(who: Who) -> None:
+        raise HTTPException(
+            400,
+            'copy_weights is not supported: this server has no projects. Load the checkpoint into a new '
+            'training run with create_training_client_from_state (another tenant can once it is published)',
+        )
+
+    @router.put('/sessions/{session_id}/project')
+    async def assign_project(session_id: str, who: Who) -> None:
+        _own_session(store, who, session_id)
+        raise HTTPException(400, 'assign_session_project is not supported: this server has no projects')
+
+    @router.get('/sessions/{session_id}/trace_export')
+    async def trace_export(session_id: str, who: Who) -> None:
+        _own_session(store, who, session_id)
+        raise HTTPException(400, 'export_session_trace is not supported by this server; see its /metrics')
+
+    @router.post('/sessions/search')
+    async def search_sessions(who: Who) -> None:
+        raise HTTPException(400, 'search_sessions is not supported by this server: use list_sessions and get_session')
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def _iso(timestamp: float | None) -> str | None:
+    """Unix seconds as an ISO 8601 time in UTC, as the SDK's datetime fields take it."""
+    return None if timestamp is None else datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()
+
+
+def _strings(metadata: dict[str, Any] | None) -> dict[str, str] | None:
+    """User metadata as the SDK's ``dict[str, str]``: other values as JSON."""
+    if not metadata:
+        return None
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+
+
+__all__ = ['discard_files', 'expire_checkpoints', 'expire_checkpoints_periodically', 'rest_router']
