@@ -330,3 +330,17 @@ def test_lora_switches_rank_and_seed_are_honoured(server, alice, tiny_model_dir)
         after.append(torch.cat(logprobs_of(client.forward(data, 'cross_entropy').result())))
     torch.testing.assert_close(after[0], after[1], atol=0, rtol=0)  # the same seed: the same LoRA A
     assert not torch.allclose(after[0], after[2])
+
+
+def test_a_forward_backward_without_seq_id_is_refused(server, alice, tiny_model_dir):
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    url, keys, _ = server
+    client = training_client(alice, tiny_model_dir)
+    request = types.ForwardBackwardRequest(
+        model_id=client.model_id,
+        forward_backward_input=types.ForwardBackwardInput(data=sft_data(1), loss_fn='cross_entropy'),
+    )
+    body = forward_backward_request_to_proto(request).SerializeToString()
+    answer = httpx.post(f'{url}/api/v1/forward_backward', content=body, headers={'X-API-Key': keys['alice']})
+    assert answer.status_code == 400 and 'seq_id >= 1' in answer.json()['detail']
