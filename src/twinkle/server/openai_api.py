@@ -1,0 +1,519 @@
+"""An OpenAI-compatible chat API under ``/v1``: a tenant chats with the base model or with its
+saved weights (``save_weights_for_sampler``, or a training checkpoint) through any OpenAI client.
+
+- ``GET /v1/models``: the base model, then the tenant's checkpoints, newest first; a
+  checkpoint's model id is its ``tinker://`` path. ``GET /v1/models/{id}`` shows one.
+- ``POST /v1/chat/completions``: the messages are encoded with the base model's chat template
+  and sampled on the worker thread, like every compute request. ``stream: true`` answers with
+  ``chat.completion.chunk`` events (sent once sampling has finished, one per token) and
+  ``data: [DONE]``.
+
+Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (with the
+message also as ``detail``, as the server's other routes give it). Unknown
+request fields are ignored, as OpenAI does; options that would change the answer but are not
+implemented here (``tools``, ``response_format`` other than text, ``logit_bias``, penalties...)
+are refused with a 400 naming them, never silently dropped. Another tenant's checkpoint is a
+404, as if it did not exist (unless it was published).
+
+Example::
+
+    from openai import OpenAI
+    client = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='tml-...')
+    reply = client.chat.completions.create(
+        model='tinker://<run>/sampler_weights/step-10',
+        messages=[{'role': 'user', 'content': 'Hello'}],
+        max_tokens=32,
+    )
+    print(reply.choices[0].message.content)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from twinkle.data_format import SampledSequence, SamplingParams
+from twinkle.errors import DataError, SequenceTooLongError, StateError, TwinkleError
+from twinkle.server.deps import Who
+from twinkle.server.host import MAX_TOP_LOGPROBS, CapacityError, ModelHost
+from twinkle.server.limits import RateLimitedError
+from twinkle.server.scheduler import QueueFullError, wait_job
+from twinkle.server.store import Checkpoint, Store, Tenant, parse_checkpoint_path
+from twinkle.template import Template
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
+PREFIX = '/v1'
+#: Most choices (``n``) one request may ask for.
+MAX_CHOICES = 8
+#: Tokens to sample when a request gives no ``max_tokens``, fewer if the context has less room.
+DEFAULT_MAX_TOKENS = 512
+#: What OpenAI reports for a logprob too small for a float (JSON has no infinity).
+MIN_LOGPROB = -9999.0
+#: Roles OpenAI has that the chat templates spell differently.
+ROLE_ALIASES = {'developer': 'system'}
+#: The ``type`` of an error body, by HTTP status (OpenAI's names).
+ERROR_TYPES = {401: 'authentication_error', 409: 'conflict_error', 429: 'rate_limit_error', 500: 'server_error'}
+
+
+# ---- the request ------------------------------------------------------------------------------------
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``text`` parts are served."""
+
+    model_config = ConfigDict(extra='ignore')
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra='ignore')
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    # Tool calls of an earlier assistant turn: refused, as this server has no tool calling.
+    tool_calls: list[Any] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra='ignore')
+
+    # Send a last chunk with the usage counts (and empty choices).
+    include_usage: bool | None = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat completion request. Unknown fields are ignored, as OpenAI does; the fields
+    below the line are accepted only to be refused when used (see ``UNSUPPORTED``)."""
+
+    model_config = ConfigDict(extra='ignore', allow_inf_nan=False)
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    # Tokens to sample per choice; max_completion_tokens (OpenAI's newer name) wins over max_tokens.
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    # 0 is greedy; OpenAI's default is 1.
+    temperature: float | None = Field(None, ge=0, le=2)
+    # 0 keeps only the most likely token (greedy).
+    top_p: float | None = Field(None, ge=0, le=1)
+    n: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    # The same seed, messages and weights give the same reply.
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's extensions: keep the k most likely tokens (0 or -1: all), and CTRL's repetition penalty.
+    top_k: int | None = Field(None, ge=-1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    # ---- accepted only to be refused when used
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+
+#: Options this server does not implement, with how to tell that a request uses them.
+UNSUPPORTED: dict[str, Callable[[ChatCompletionRequest], bool]] = {
+    'tools': lambda body: bool(body.tools),
+    'tool_choice': lambda body: body.tool_choice not in (None, 'none', 'auto'),
+    'functions': lambda body: bool(body.functions),
+    'function_call': lambda body: body.function_call not in (None, 'none', 'auto'),
+    'response_format': lambda body: body.response_format is not None and body.response_format.get('type') != 'text',
+    'logit_bias': lambda body: bool(body.logit_bias),
+    'presence_penalty': lambda body: bool(body.presence_penalty),
+    'frequency_penalty': lambda body: bool(body.frequency_penalty),
+    'modalities': lambda body: body.modalities not in (None, ['text']),
+    'audio': lambda body: body.audio is not None,
+    'prediction': lambda body: body.prediction is not None,
+    'web_search_options': lambda body: body.web_search_options is not None,
+}
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+class OpenAIError(HTTPException):
+    """An error answered as ``{"error": {message, type, param, code}}``; a 429 says in
+    ``retry_after_s`` when to try again."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, retry_after_s: float = 5.0
+    ):
+        super().__init__(status, message)
+        self.param, self.code, self.retry_after_s = param, code, retry_after_s
+
+
+class OpenAIRoute(APIRoute):
+    """A route whose every error (authentication, validation, refusals, the sampling job's)
+    is answered in OpenAI's error shape; the app's own handlers answer the other APIs."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as error:
+                return error_response(error)
+
+        return handle
+
+
+def error_response(error: Exception) -> JSONResponse:
+    """``error`` as OpenAI would answer it: a 4xx for the client's mistakes, 429 to retry later."""
+    error = _as_openai_error(error)
+    body = {
+        'message': error.detail,
+        'type': ERROR_TYPES.get(error.status_code, 'invalid_request_error'),
+        'param': error.param,
+        'code': error.code,
+    }
+    headers = {}
+    if error.status_code == 429:
+        headers['Retry-After'] = str(max(1, round(error.retry_after_s)))
+    # ``detail`` too, as every other route of the server answers an error
+    return JSONResponse({'error': body, 'detail': error.detail}, status_code=error.status_code, headers=headers)
+
+
+def _as_openai_error(error: Exception) -> OpenAIError:
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, RequestValidationError):
+        problems = error.errors()
+        where = [_location(problem['loc']) for problem in problems]
+        message = '; '.join(f'{loc or "body"}: {problem["msg"]}' for loc, problem in zip(where, problems, strict=True))
+        return OpenAIError(422, f'invalid request: {message}', where[0] if where else None)
+    if isinstance(error, StarletteHTTPException):  # FastAPI's own (401, 404) and Starlette's (a body it cannot read)
+        return OpenAIError(error.status_code, str(error.detail))
+    if isinstance(error, (QueueFullError, RateLimitedError, CapacityError)):
+        return OpenAIError(
+            429, str(error), code='rate_limit_exceeded', retry_after_s=getattr(error, 'retry_after_s', 5.0)
+        )
+    if isinstance(error, SequenceTooLongError):
+        return OpenAIError(400, str(error), 'messages', 'context_length_exceeded')
+    if isinstance(error, StateError):
+        return OpenAIError(409, str(error))
+    if isinstance(error, TwinkleError):
+        return OpenAIError(400, str(error))
+    logger.exception('an OpenAI API request failed', exc_info=error)
+    return OpenAIError(500, f'the server failed to answer: {type(error).__name__}')
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as a parameter name: ``('body', 'messages', 0, 'role')`` -> ``messages.0.role``."""
+    return '.'.join(str(part) for part in loc if part != 'body')
+
+
+def _model_not_found(model: str) -> OpenAIError:
+    message = f'model {model!r} does not exist or you do not have access to it; GET /v1/models lists yours'
+    return OpenAIError(404, message, 'model', 'model_not_found')
+
+
+# ---- the routes -------------------------------------------------------------------------------------
+def openai_router(service: Any) -> APIRouter:
+    """The OpenAI-compatible routes, over ``service`` (see ``twinkle.server.app``)."""
+    router = APIRouter(prefix=PREFIX, route_class=OpenAIRoute)
+    _model_routes(router, service)
+    _chat_routes(router, service)
+    return router
+
+
+def _model_routes(router: APIRouter, service: Any) -> None:
+    @router.get('/models')
+    async def list_models(who: Who) -> dict[str, Any]:
+        checkpoints = _tenant_checkpoints(service.store, who)
+        models = [_model_json(service, who, checkpoint) for checkpoint in [None, *checkpoints]]
+        return {'object': 'list', 'data': models}
+
+    @router.get('/models/{model:path}')
+    async def get_model(model: str, who: Who) -> dict[str, Any]:
+        checkpoint = _resolve_model(service, who, model)
+        return _model_json(service, who, checkpoint, model)
+
+
+def _chat_routes(router: APIRouter, service: Any) -> None:
+    @router.post('/chat/completions', response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, who: Who) -> dict[str, Any] | StreamingResponse:
+        checkpoint = _resolve_model(service, who, body.model)
+        _check_options(body)
+        row = {'messages': [_message(index, message) for index, message in enumerate(body.messages)]}
+        directory = Path(checkpoint.path) if checkpoint is not None else None
+        limit = service.config.limits.max_tokens_per_request
+
+        def compute() -> dict[str, Any]:
+            return _sample_chat(service.host, directory, row, body, limit)
+
+        job = await service.submit_async(who, None, 'chat_completion', compute)
+        await wait_job(job, None)
+        if job.error is not None:
+            raise job.error
+        head = {'id': f'chatcmpl-{job.id}', 'created': int(time.time()), 'model': body.model}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = _events(head, job.result, bool(body.logprobs), include_usage)
+            return StreamingResponse(events, media_type='text/event-stream', headers={'Cache-Control': 'no-cache'})
+        return _completion_json(head, job.result, bool(body.logprobs))
+
+
+# ---- models -----------------------------------------------------------------------------------------
+def _base_names(service: Any) -> set[str]:
+    """What names the base model: its configured id, that id without a hub scheme, its local path."""
+    hosted = service.config.base_model
+    return {hosted, _bare(hosted), service.host.model_id}
+
+
+def _resolve_model(service: Any, who: Tenant, model: str) -> Checkpoint | None:
+    """The checkpoint ``model`` names (None for the base model), if this tenant may read it; else 404."""
+    if model in _base_names(service):
+        return None
+    try:
+        run_id, kind, name = parse_checkpoint_path(model)
+    except DataError:
+        raise _model_not_found(model) from None
+    found = service.store.get_readable_checkpoint(who.id, run_id, name, kind)
+    if found is None or not Path(found.path).is_dir():
+        raise _model_not_found(model)
+    return found
+
+
+def _tenant_checkpoints(store: Store, who: Tenant, page: int = 500) -> list[Checkpoint]:
+    """Every checkpoint of the tenant, newest first."""
+    checkpoints, total = store.list_tenant_checkpoints(who.id, limit=page)
+    while len(checkpoints) < total:
+        more, total = store.list_tenant_checkpoints(who.id, limit=page, offset=len(checkpoints))
+        if not more:
+            break
+        checkpoints += more
+    return checkpoints
+
+
+def _model_json(
+    service: Any, who: Tenant, checkpoint: Checkpoint | None = None, model_id: str | None = None
+) -> dict[str, Any]:
+    """The base model (no ``checkpoint``) or a checkpoint as an OpenAI model; ``owned_by`` of a
+    checkpoint names the tenant, or is 'published' for another tenant's."""
+    base = _bare(service.config.base_model)
+    model = {'id': base, 'object': 'model', 'created': 0, 'owned_by': 'twinkle', 'root': base, 'parent': None}
+    model['max_model_len'] = service.host.context
+    if checkpoint is None:
+        return model
+    owner = who.name if checkpoint.tenant_id == who.id else 'published'
+    created = int(checkpoint.created_at)
+    return {**model, 'id': model_id or checkpoint.tinker_path, 'created': created, 'owned_by': owner, 'parent': base}
+
+
+def _bare(model_id: str) -> str:
+    """A model id without its hub scheme: ``ms://Qwen/Qwen3-4B`` -> ``Qwen/Qwen3-4B``."""
+    for scheme in ('ms://', 'hf://'):
+        if model_id.startswith(scheme):
+            return model_id[len(scheme) :]
+    return model_id
+
+
+# ---- checking the request ---------------------------------------------------------------------------
+def _check_options(body: ChatCompletionRequest) -> None:
+    """Refuse what this server would answer wrongly: unimplemented options, too many choices."""
+    used = [name for name, uses in UNSUPPORTED.items() if uses(body)]
+    if used:
+        raise OpenAIError(
+            400,
+            f'{used[0]} is not supported by this server (options it refuses: {sorted(UNSUPPORTED)})',
+            used[0],
+            'unsupported_parameter',
+        )
+    if (body.n or 1) > MAX_CHOICES:
+        raise OpenAIError(400, f'n={body.n} is over the limit of {MAX_CHOICES} choices per request', 'n')
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError(400, 'top_logprobs needs logprobs set to true', 'top_logprobs')
+
+
+def _message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template takes it: text content, the template's role names."""
+    where = f'messages[{index}]'
+    if message.tool_calls:
+        raise OpenAIError(400, f'{where}.tool_calls: tool calls are not supported by this server', where)
+    content = message.content
+    if isinstance(content, list):
+        for part_index, part in enumerate(content):
+            if part.type != 'text' or part.text is None:
+                param = f'{where}.content[{part_index}]'
+                raise OpenAIError(400, f'{param}: content of type {part.type!r} is not supported; send text', param)
+        content = '\n'.join(part.text or '' for part in content)
+    return {'role': ROLE_ALIASES.get(message.role, message.role), 'content': content or ''}
+
+
+# ---- sampling (on the worker thread) ----------------------------------------------------------------
+def _sample_chat(
+    host: ModelHost, directory: Path | None, row: dict[str, Any], body: ChatCompletionRequest, limit: int
+) -> dict[str, Any]:
+    """Encode the messages, sample the choices, and split each reply at its tokens (JSON-ready)."""
+    template = host.sampler().template
+    prompt = _encode(template, row)
+    params = _sampling_params(body, len(prompt), host.context, limit)
+    adapter = host.sampler_adapter(directory) if directory is not None else None
+    response = host.generate([{'input_ids': prompt}], params, adapter)[0]
+    return {'prompt_tokens': len(prompt), 'choices': [_choice(template, seq) for seq in response.sequences]}
+
+
+def _encode(template: Template, row: dict[str, Any]) -> list[int]:
+    try:
+        feature = template.encode(row, add_generation_prompt=True)
+    except TwinkleError:
+        raise
+    except Exception as e:  # the chat template refusing the messages (a jinja error, a bad type)
+        raise DataError(f'the messages cannot be encoded: {type(e).__name__}: {e}') from e
+    if feature is None:
+        raise SequenceTooLongError("the messages are over the template's max_length")
+    return feature['input_ids']
+
+
+def _sampling_params(
+    body: ChatCompletionRequest, prompt_tokens: int, context: int | None, limit: int
+) -> SamplingParams:
+    n = body.n or 1
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:  # as much as fits, up to the default
+        room = min(limit // n, context if context is not None else limit) - prompt_tokens
+        if room < 1:
+            raise SequenceTooLongError(f'the messages take {prompt_tokens} tokens, leaving no room to reply')
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0:  # the smallest set of tokens reaching probability 0: the most likely one
+        temperature, top_p = 0.0, 1.0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=-1 if body.top_k in (None, 0) else body.top_k,
+        stop=body.stop or None,
+        seed=body.seed,
+        num_samples=n,
+        logprobs=body.top_logprobs if body.logprobs and body.top_logprobs else None,
+        repetition_penalty=body.repetition_penalty or 1.0,
+    )
+
+
+def _choice(template: Template, sequence: SampledSequence) -> dict[str, Any]:
+    text = sequence.decoded
+    pieces = _token_pieces(template, sequence.tokens, text)
+    tokens = [
+        {
+            'piece': piece,
+            'token': template.decode([token]),
+            'logprob': _logprob(entries[0][1]),
+            'top': [[template.decode([top]), _logprob(value)] for top, value in entries[1:]],
+        }
+        for piece, token, entries in zip(pieces, sequence.tokens, sequence.logprobs, strict=False)
+    ]
+    return {
+        'text': text,
+        'finish_reason': sequence.stop_reason,
+        'completion_tokens': len(sequence.tokens),
+        'tokens': tokens,
+    }
+
+
+def _token_pieces(template: Template, tokens: list[int], text: str) -> list[str]:
+    """``text`` split at the tokens that produced it: piece ``i`` is what token ``i`` adds ('' while
+    a character's bytes are incomplete). The pieces join to ``text``; tokens past its end (the
+    end-of-sequence token, a stop string's) are left out.
+
+    Decoding is incremental over a short window of tokens (as vLLM detokenizes), so a long reply
+    costs linear time, not quadratic."""
+    pieces: list[str] = []
+    sent = start = read = 0  # chars of text given out; the window is tokens[start:read], decoded already
+    for index in range(len(tokens)):
+        if sent >= len(text):
+            break
+        before = template.decode(tokens[start:read], skip_special_tokens=True)
+        after = template.decode(tokens[start : index + 1], skip_special_tokens=True)
+        added = ''
+        if len(after) > len(before) and not after.endswith('\ufffd'):
+            added, start, read = after[len(before) :], read, index + 1
+        pieces.append(text[sent : sent + len(added)])
+        sent += len(pieces[-1])
+    if pieces:
+        pieces[-1] += text[sent:]  # what an incomplete character or a tokenizer's clean-up left over
+    return pieces
+
+
+def _logprob(value: float) -> float:
+    return max(float(value), MIN_LOGPROB)
+
+
+# ---- the reply --------------------------------------------------------------------------------------
+def _completion_json(head: dict[str, Any], reply: dict[str, Any], logprobs: bool) -> dict[str, Any]:
+    choices = [
+        {
+            'index': index,
+            'message': {'role': 'assistant', 'content': choice['text'], 'refusal': None},
+            'logprobs': _logprobs_json(choice['tokens']) if logprobs else None,
+            'finish_reason': choice['finish_reason'],
+        }
+        for index, choice in enumerate(reply['choices'])
+    ]
+    return {**head, 'object': 'chat.completion', 'system_fingerprint': None, 'choices': choices, 'usage': _usage(reply)}
+
+
+def _logprobs_json(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {'token': token, 'logprob': logprob, 'bytes': list(token.encode('utf-8'))}
+
+    content = [{**entry(t['token'], t['logprob']), 'top_logprobs': [entry(*top) for top in t['top']]} for t in tokens]
+    return {'content': content, 'refusal': None}
+
+
+def _usage(reply: dict[str, Any]) -> dict[str, int]:
+    completion = sum(choice['completion_tokens'] for choice in reply['choices'])
+    prompt = reply['prompt_tokens']
+    return {'prompt_tokens': prompt, 'completion_tokens': completion, 'total_tokens': prompt + completion}
+
+
+async def _events(
+    head: dict[str, Any], reply: dict[str, Any], logprobs: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    """The reply as server-sent events: per choice a role chunk, one chunk per token, and a
+    chunk with the finish reason; then the usage (if asked for) and ``[DONE]``."""
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        data = {**head, 'object': 'chat.completion.chunk', 'system_fingerprint': None, 'choices': choices, **extra}
+        if include_usage:
+            data.setdefault('usage', None)
+        return f'data: {json.dumps(data)}\n\n'
+
+    def delta(index: int, content: dict[str, Any], finish: str | None = None, tokens: Any = None) -> dict[str, Any]:
+        chosen = _logprobs_json(tokens) if logprobs and tokens is not None else None
+        return {'index': index, 'delta': content, 'logprobs': chosen, 'finish_reason': finish}
+
+    for index, choice in enumerate(reply['choices']):
+        yield chunk([delta(index, {'role': 'assistant', 'content': ''})])
+        for token in choice['tokens']:
+            if token['piece'] or logprobs:
+                yield chunk([delta(index, {'content': token['piece']}, tokens=[token])])
+        yield chunk([delta(index, {}, finish=choice['finish_reason'])])
+    if include_usage:
+        yield chunk([], usage=_usage(reply))
+    yield 'data: [DONE]\n\n'
+
+
+__all__ = ['PREFIX', 'ChatCompletionRequest', 'openai_router']
