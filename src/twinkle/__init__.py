@@ -7,6 +7,7 @@
 
 from twinkle.infra import DeviceGroup, DeviceMesh, get_device_placement
 from twinkle.infra.runtime import get_runtime, initialize
+from twinkle.tinker_client import init_tinker_client
 from twinkle.utils.logger import get_logger
 
 __version__ = '0.1.0'
@@ -17,5 +18,6 @@ __all__ = [
     'get_device_placement',
     'get_logger',
     'get_runtime',
+    'init_tinker_client',
     'initialize',
 ]

@@ -9,6 +9,9 @@ Example::
     model = MultiLoraTransformersModel(model_id='ms://Qwen/Qwen3.5-4B')   # uses the client above
     model.add_adapter_to_model('default', LoraConfig(r=8, target_modules='all-linear'))
 
+The official Tinker SDK works against the same server, unpatched:
+``init_tinker_compat_client(base_url, api_key)`` returns a ``tinker.ServiceClient`` for it.
+
 State lives in the ``TwinkleClient`` object. ``init_twinkle_client`` also makes it the default
 that components use when built without ``client=``; pass ``client=`` to talk to two servers.
 """
@@ -21,5 +24,14 @@ from twinkle_client.client import (
     default_client,
     init_twinkle_client,
 )
+from twinkle_client.tinker_compat import init_tinker_compat_client
 
-__all__ = ['Checkpoint', 'RemoteError', 'TrainingRun', 'TwinkleClient', 'default_client', 'init_twinkle_client']
+__all__ = [
+    'Checkpoint',
+    'RemoteError',
+    'TrainingRun',
+    'TwinkleClient',
+    'default_client',
+    'init_tinker_compat_client',
+    'init_twinkle_client',
+]

@@ -109,6 +109,7 @@ class CheckpointEngineManager:
         model = self.model.model
         if not isinstance(model, PeftModel):
             raise ConfigurationError('merge_and_sync=False needs an adapter on the model')
-        state = {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name=adapter_name).items()}
+        adapter = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
+        state = {k: v.detach() for k, v in adapter.items()}
         self.sampler.load_adapter_weights(adapter_name, state, config=config)
         return list(state.values())

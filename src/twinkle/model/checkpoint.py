@@ -111,7 +111,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_adapter(model: PeftModel, group: TrainGroup, base_model_id: str | None, directory: Path) -> None:
     """The adapter as PEFT files at the top of ``directory`` (whatever its name), so that
     ``PeftModel.from_pretrained(base, directory)`` loads it."""
-    state = get_peft_model_state_dict(model, adapter_name=group.name)
+    # The base weights of a wrapped output head stay frozen: never copy them into every checkpoint.
+    state = get_peft_model_state_dict(model, adapter_name=group.name, save_embedding_layers=False)
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS))
     config = copy.copy(group.config)
     config.base_model_name_or_path = base_model_id
