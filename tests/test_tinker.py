@@ -184,6 +184,9 @@ def test_sampling_parameters(alice, tiny_model_dir):
     assert first.sequences[0].tokens == first.sequences[1].tokens and len(first.sequences[0].tokens) == 6
     assert first.sequences[0].stop_reason == 'length'
 
+    for narrow in (types.SamplingParams(max_tokens=6, top_k=1, seed=1), types.SamplingParams(max_tokens=6, top_p=1e-6)):
+        assert sampler.sample(prompt, 1, narrow).result().sequences[0].tokens == first.sequences[0].tokens
+
     seeded = types.SamplingParams(max_tokens=8, temperature=1.0, seed=123)
     a, b = (sampler.sample(prompt, 1, seeded).result().sequences[0] for _ in range(2))
     assert a.tokens == b.tokens
