@@ -25,7 +25,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 
 from twinkle.errors import StateError, TwinkleError, UnknownNameError
-from twinkle.model import checkpoint as ckpt
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
 from twinkle.server.deps import Who
@@ -190,8 +189,7 @@ class Service:
         adapter = self.adapters.get(run.id)
         if adapter is None:
             return False
-        group = self.host.model.groups[adapter]
-        if group.pending is not None or any(param.grad is not None for param in group.params):
+        if self.host.has_pending_gradients(adapter):
             return False  # gradients are waiting for a step: releasing now would lose them
         path = self.release_state(run)
         self.host.save(adapter, path.parent, path.name, save_optimizer=True)
@@ -213,14 +211,10 @@ class Service:
         try:
             for call in config.get('setup', []):
                 self.host.run(adapter, call['operation'], dict(call['kwargs']))
-            group = self.host.model.groups[adapter]
-            self.host.load(adapter, path, load_optimizer=group.optimizer is not None)
+            self.host.restore_state(adapter, path)
         except BaseException:
             self.host.remove_adapter(adapter)
             raise
-        state = ckpt.read_trainer_state(path)
-        group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
-        group.consumed_train_samples = state['consumed_train_samples']
         self.adapters[run.id] = adapter
         self.store.set_run_status(run.id, 'active')
 

@@ -109,6 +109,36 @@ class ModelHost:
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limits.max_lora_rank:
             raise ConfigurationError(f'LoRA rank r={rank!r} must be an integer in [1, {limits.max_lora_rank}]')
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(self, *args)``: an operation written against the host (a Tinker step, say) runs
+        where the model is, here in this process, or in the actor of a ``RemoteHost``."""
+        return fn(self, *args)
+
+    def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+        """Leaf names of the linear layers under attention, MLP blocks and the output head."""
+        from twinkle.server.tinker.train import lora_targets
+
+        return lora_targets(self.model.model, attn, mlp, unembed)
+
+    @property
+    def architecture(self) -> str | None:
+        return (getattr(self.model.model.config, 'architectures', None) or [None])[0]
+
+    def has_pending_gradients(self, adapter: str) -> bool:
+        """Whether the adapter holds gradients (or a forward) waiting for an optimizer step."""
+        group = self.model.groups[adapter]
+        return group.pending is not None or any(param.grad is not None for param in group.params)
+
+    def restore_state(self, adapter: str, path: Path) -> None:
+        """Load a state ``save`` wrote (with the optimizer when the adapter has one) and its step counters."""
+        from twinkle.model import checkpoint as ckpt
+
+        group = self.model.groups[adapter]
+        self.load(adapter, path, load_optimizer=group.optimizer is not None)
+        state = ckpt.read_trainer_state(path)
+        group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
+        group.consumed_train_samples = state['consumed_train_samples']
+
     def remove_adapter(self, adapter: str) -> None:
         if adapter in self.model.adapter_names:
             self.model.model.delete_adapter(adapter)

@@ -260,7 +260,7 @@ def _chat_routes(router: APIRouter, service: Any) -> None:
         limit = service.config.limits.max_tokens_per_request
 
         def compute() -> dict[str, Any]:
-            return _sample_chat(service.host, directory, row, body, limit)
+            return service.host.call(_sample_chat, directory, row, body, limit)
 
         job = await service.submit_async(who, None, 'chat_completion', compute)
         await wait_job(job, None)

@@ -32,7 +32,6 @@ from twinkle.server.deps import Who
 from twinkle.server.scheduler import QueueFullError
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Store, Tenant, check_name
 from twinkle.server.tinker.routes import PREFIX, _bare
-from twinkle.server.tinker.train import lora_targets
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -79,7 +78,7 @@ def rest_router(service: Any) -> APIRouter:
 # ---- training runs --------------------------------------------------------------------------------
 def _run_routes(router: APIRouter, service: Any) -> None:
     store: Store = service.store
-    targets = _module_targets(service.host.model.model)
+    targets = _module_targets(service.host)
 
     @router.get('/training_runs')
     async def list_training_runs(
@@ -144,14 +143,14 @@ def _lora_rank(run: Run) -> int:
     return tinker.get('rank') or (run.config.get('lora') or {}).get('r', 8)  # peft's default rank is 8
 
 
-def _module_targets(model: Any) -> dict[str, set[str]]:
+def _module_targets(host: Any) -> dict[str, set[str]]:
     """The linear layers each of Tinker's switches trains, by leaf name."""
     flags = {
         'train_attn': (True, False, False),
         'train_mlp': (False, True, False),
         'train_unembed': (False, False, True),
     }
-    return {name: set(lora_targets(model, *flag)) for name, flag in flags.items()}
+    return {name: set(host.lora_targets(*flag)) for name, flag in flags.items()}
 
 
 def _switches(lora: dict[str, Any], targets: dict[str, set[str]]) -> dict[str, bool]:

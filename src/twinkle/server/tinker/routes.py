@@ -199,7 +199,7 @@ def _training_routes(router: APIRouter, api: TinkerAPI) -> None:
         body = await _body(request, types.GetInfoRequest)
         run = api.run_of(who, body.model_id)
         host, name = service.host, _bare(run.base_model)
-        arch = (getattr(host.model.model.config, 'architectures', None) or [None])[0]
+        arch = host.architecture
         return {
             'type': 'get_info',
             'model_id': run.id,
@@ -220,7 +220,7 @@ def _training_routes(router: APIRouter, api: TinkerAPI) -> None:
         run = api.run_of(who, call.model_id)
 
         def compute() -> dict[str, str]:
-            output = run_forward_backward(service.host, service.loaded(run), call)
+            output = service.host.call(run_forward_backward, service.loaded(run), call)
             return {PROTO_KEY: base64.b64encode(output).decode()}
 
         operation = 'forward' if call.forward_only else 'forward_backward'
@@ -235,7 +235,7 @@ def _training_routes(router: APIRouter, api: TinkerAPI) -> None:
             raise HTTPException(400, f'optimizer {body.optim_params.type!r} is not supported; this server runs adamw')
         params = body.optim_params
         request_id = await api.accept(
-            who, run.id, body.seq_id, 'optim_step', lambda: optim_step(service.host, service.loaded(run), params)
+            who, run.id, body.seq_id, 'optim_step', lambda: service.host.call(optim_step, service.loaded(run), params)
         )
         return {'request_id': request_id, 'model_id': run.id}
 

@@ -29,7 +29,7 @@ MLP_PARENTS = ('mlp', 'feed_forward', 'experts', 'shared_expert')
 def lora_config(host: ModelHost, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:
     """The peft ``LoraConfig`` fields of a Tinker ``LoraConfig``: rank, no dropout, and the
     linear layers its ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches name."""
-    targets = lora_targets(host.model.model, lora.train_attn, lora.train_mlp, lora.train_unembed)
+    targets = host.lora_targets(lora.train_attn, lora.train_mlp, lora.train_unembed)
     if not targets:
         raise ConfigurationError(
             'the LoRA config trains nothing: set at least one of train_attn, train_mlp, train_unembed'
