@@ -31,6 +31,7 @@ from twinkle.server.deps import Who
 from twinkle.server.host import CapacityError, ModelHost
 from twinkle.server.limits import RateLimitedError, RateLimiter
 from twinkle.server.openai_api import openai_router
+from twinkle.server.remote_host import build_host
 from twinkle.server.scheduler import Job, QueueFullError, Scheduler, wait_job
 from twinkle.server.store import Store, Tenant, check_checkpoint_name, check_name, parse_twinkle_path
 from twinkle.server.tinker.rest import expire_checkpoints_periodically, rest_router
@@ -90,7 +91,7 @@ class Service:
             logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
         for run in self.store.idle_runs(older_than_s=0.0):  # their adapters died with the last process
             self.store.set_run_status(run.id, 'released')
-        self.host = host or ModelHost(config)
+        self.host = host or build_host(config)
         self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
         self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
         self.registry = CollectorRegistry()
@@ -259,6 +260,8 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
         for job in service.scheduler.stop(wait=True):
             service.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
         service.store.close()
+        if hasattr(service.host, 'shutdown'):
+            service.host.shutdown()  # a model worker in a Ray actor goes with its server
 
     app = FastAPI(title='twinkle training service', version='1', lifespan=lifespan)
     app.state.service = service

@@ -48,6 +48,18 @@ class TinkerSettings(BaseModel):
     checkpoint_expiry_interval_s: float = Field(5.0, gt=0)
 
 
+class RaySettings(BaseModel):
+    """Where the model worker runs when the service uses Ray (see ``twinkle.server.remote_host``)."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    #: A cluster's address ('auto', 'ray://host:10001', 'host:6379'); None starts a local Ray.
+    address: str | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    #: GPUs for the model worker; None: 1 when ``device`` is CUDA, else 0.
+    num_gpus: float | None = Field(None, ge=0)
+
+
 class ServerConfig(BaseModel):
     """Example ``server.yaml``::
 
@@ -76,6 +88,8 @@ class ServerConfig(BaseModel):
     idle_release_s: float | None = Field(None, gt=0)
     api_keys_file: str | None = None
     tinker: TinkerSettings = Field(default_factory=TinkerSettings)
+    #: Run the model in a Ray actor (on any node of a cluster); None: in the server's process.
+    ray: RaySettings | None = None
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> ServerConfig:

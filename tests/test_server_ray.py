@@ -1,0 +1,77 @@
+"""The service with its model in a Ray actor (``ray:`` in the config): the same API, the same
+numbers as a model in the server's process, and a dead worker is an error, not a hang."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import tinker
+from tinker import types
+
+ray = pytest.importorskip('ray')
+
+from twinkle.server.cli import BackgroundServer  # noqa: E402
+from twinkle.server.config import ServerConfig  # noqa: E402
+from twinkle.server.remote_host import RemoteHost  # noqa: E402
+from twinkle.server.store import Store  # noqa: E402
+
+
+@pytest.fixture(scope='module')
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def serve(tmp_path, model_dir: str, **options):
+    config = ServerConfig.build(base_model=model_dir, port=0, data_dir=str(tmp_path), device='cpu', **options)
+    store = Store(config.db_path)
+    _, key = store.add_tenant('alice')
+    store.close()
+    return BackgroundServer(config), key
+
+
+def losses(url: str, key: str, model_dir: str) -> list[float]:
+    client = tinker.ServiceClient(base_url=url, api_key=key)
+    training = client.create_lora_training_client(base_model=model_dir, rank=4, seed=0).result()
+    rows = [[(3 * i + 7 * j) % 300 + 20 for j in range(12)] for i in range(3)]
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(r[:-1]),
+            loss_fn_inputs={'target_tokens': r[1:], 'weights': [1.0] * 11},
+        )
+        for r in rows
+    ]
+    out = []
+    for _ in range(3):
+        out.append(training.forward_backward(data, 'cross_entropy').result().metrics['loss:sum'])
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return out
+
+
+def test_a_model_in_a_ray_actor_trains_exactly_like_one_in_process(local_ray, tmp_path, tiny_model_dir):
+    remote, key = serve(tmp_path / 'remote', tiny_model_dir, ray={'address': None})
+    with remote as url:
+        host = remote.app.state.service.host
+        assert isinstance(host, RemoteHost) and host.pid != os.getpid()
+        through_ray = losses(url, key, tiny_model_dir)
+    local, key = serve(tmp_path / 'local', tiny_model_dir)
+    with local as url:
+        in_process = losses(url, key, tiny_model_dir)
+    assert through_ray == pytest.approx(in_process, rel=1e-6)  # fp32 sums; the actor runs on 1 thread
+    assert through_ray[-1] < through_ray[0]
+
+
+def test_user_errors_stay_user_errors_and_a_dead_worker_is_named(local_ray, tmp_path, tiny_model_dir):
+    server, key = serve(tmp_path, tiny_model_dir, ray={'address': None})
+    with server as url:
+        client = tinker.ServiceClient(base_url=url, api_key=key)
+        training = client.create_lora_training_client(base_model=tiny_model_dir, rank=4).result()
+        bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={'target_tokens': [2, 10**7]})
+        with pytest.raises(tinker.RequestFailedError, match='outside the vocabulary') as caught:
+            training.forward_backward([bad], 'cross_entropy').result()
+        assert 'user' in str(caught.value.category).lower()
+        ray.kill(server.app.state.service.host._actor)
+        with pytest.raises(tinker.RequestFailedError, match=r'model worker .*died'):
+            training.optim_step(types.AdamParams()).result()
