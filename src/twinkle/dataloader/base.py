@@ -4,6 +4,11 @@ A batch is a list of rows (dicts); the model collates them. Each pass over the l
 epoch; the order of epoch ``e`` is a permutation seeded with ``data_seed + e``, independent of
 the global random state, so skipping ``consumed_train_samples`` after a restart lands on exactly
 the rows the interrupted run would have seen next.
+
+With a device mesh of several data ranks (torchrun), ``batch_size`` is the global batch: every
+rank walks the same order and takes its contiguous slice of each batch, so the ranks together
+see exactly what one process with the whole batch would. The state (``consumed_train_samples``)
+counts global samples, and is the same on every rank.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import torch
 
 from twinkle.dataset import Dataset
 from twinkle.errors import ConfigurationError, DataError
+from twinkle.infra import distributed
+from twinkle.infra.mesh import DeviceMesh
+from twinkle.infra.runtime import get_runtime
 
 
 class DataLoader:
@@ -27,6 +35,12 @@ class DataLoader:
 
     ``min_batch_size``: a last batch smaller than this is dropped (``drop_last=True`` is
     ``min_batch_size=batch_size``). ``dataset`` may also be a function that builds the dataset.
+
+    ``device_mesh`` (default: the runtime's ``global_device_mesh``): with ``dp_world_size``
+    data ranks, ``batch_size`` is the global batch and must divide by ``dp_world_size``; this
+    process gets rows ``[r * b, (r + 1) * b)`` of each batch, ``r`` its data rank and
+    ``b = batch_size / dp_world_size``. A last batch is split as evenly as it goes, and dropped
+    when it has fewer rows than data ranks (every rank must take part in each step).
     """
 
     def __init__(
@@ -38,9 +52,12 @@ class DataLoader:
         shuffle: bool = False,
         data_seed: int = 0,
         drop_last: bool = False,
+        device_mesh: DeviceMesh | None = None,
     ):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
             raise ConfigurationError(f'batch_size must be a positive integer; got {batch_size!r}')
+        self.device_mesh = device_mesh if device_mesh is not None else get_runtime().global_device_mesh
+        self.data_world_size, self.data_rank = _data_position(self.device_mesh, batch_size)
         if drop_last:
             min_batch_size = batch_size
         if min_batch_size is not None and not 0 < min_batch_size <= batch_size:
@@ -57,6 +74,11 @@ class DataLoader:
                 f'the dataset has {len(self._rows)} rows, fewer than min_batch_size={self.min_batch_size} '
                 '(drop_last=True means min_batch_size=batch_size): every epoch would be empty'
             )
+        if len(self._rows) < self.data_world_size:
+            raise DataError(
+                f'the dataset has {len(self._rows)} rows, fewer than the {self.data_world_size} data ranks: '
+                'every rank needs at least one row per batch'
+            )
         self.shuffle = shuffle
         self.data_seed = data_seed
         self.epoch = 0
@@ -71,7 +93,7 @@ class DataLoader:
     @property
     def samples_per_epoch(self) -> int:
         total, tail = len(self._rows), len(self._rows) % self.batch_size
-        return total - tail if 0 < tail < self.min_batch_size else total
+        return total - tail if 0 < tail < max(self.min_batch_size, self.data_world_size) else total
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -103,9 +125,18 @@ class DataLoader:
             self._consumed += len(indices)
             if self._offset == end:
                 self.epoch, self._offset = self.epoch + 1, 0
-            yield self._fetch(indices)
+            yield self._fetch(self._local(indices))
             if self._offset == 0:
                 return
+
+    def _local(self, indices: list[int]) -> list[int]:
+        """This data rank's contiguous share of a global batch (the first ranks get one more row
+        of a last batch that does not divide evenly)."""
+        if self.data_world_size == 1:
+            return indices
+        share, extra = divmod(len(indices), self.data_world_size)
+        start = self.data_rank * share + min(self.data_rank, extra)
+        return indices[start : start + share + (self.data_rank < extra)]
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning at the next iteration."""
@@ -126,3 +157,18 @@ class DataLoader:
     def resume_from_checkpoint(self, consumed_train_samples: int) -> None:
         """Alias of ``skip_consumed_samples``, for ``model.resume_from_checkpoint``'s result."""
         self.skip_consumed_samples(consumed_train_samples)
+
+
+def _data_position(mesh: DeviceMesh | None, batch_size: int) -> tuple[int, int]:
+    """``(data world size, this process's data rank)`` under ``mesh``; checks the global batch divides."""
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise ConfigurationError(f'device_mesh must be a twinkle DeviceMesh; got {type(mesh).__name__}')
+    if mesh is None or mesh.dp_world_size == 1:
+        return 1, 0
+    if batch_size % mesh.dp_world_size:
+        raise ConfigurationError(
+            f'batch_size={batch_size} is the global batch and must divide evenly over the {mesh.dp_world_size} '
+            f'data ranks of {mesh!r}; use a multiple of {mesh.dp_world_size}, e.g. '
+            f'{max(1, batch_size // mesh.dp_world_size) * mesh.dp_world_size}'
+        )
+    return mesh.dp_world_size, distributed.data_rank(mesh)

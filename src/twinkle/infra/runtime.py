@@ -88,7 +88,7 @@ def initialize(
     if seed is not None:
         _seed_everything(seed)
     if mode == 'local':
-        _check_local(global_device_mesh)
+        runtime.global_device_mesh = _start_local(global_device_mesh)
     elif mode == 'ray':
         raise ConfigurationError(
             "mode='ray' is not available in this version yet: run under torchrun with mode='local', or "
@@ -130,6 +130,24 @@ def _check_local(mesh: DeviceMesh | None) -> None:
             f'global_device_mesh has world_size {mesh.world_size} but {world} process(es) run this script; '
             f'launch it with torchrun --nproc_per_node={mesh.world_size} (WORLD_SIZE={world})'
         )
+
+
+def _start_local(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """Check the mesh against torchrun's processes and, for more than one, start the process group.
+
+    Under torchrun without a mesh, the processes are plain data parallel: ``dp_size=WORLD_SIZE``."""
+    from twinkle.infra import distributed
+
+    _check_local(mesh)
+    world = int(os.environ.get('WORLD_SIZE', '1'))
+    if mesh is None and world > 1:
+        import torch
+
+        mesh = DeviceMesh.from_sizes(dp_size=world, device_type='cuda' if torch.cuda.is_available() else 'cpu')
+        logger.info(f'torchrun started {world} processes and no global_device_mesh was given: using {mesh!r}')
+    if mesh is not None:
+        distributed.init_process_group(mesh)
+    return mesh
 
 
 def _server_config(groups: list[DeviceGroup], config: str | None, options: dict[str, Any]) -> Any:

@@ -78,3 +78,17 @@ class CompletionRewardMetric(Metric):
         self.rewards: dict[str, list[float]] = {}
         self.lengths: list[int] = []
         self.times: dict[str, list[float]] = {}
+
+    def state(self) -> dict[str, Any]:
+        return {
+            'rewards': {name: list(values) for name, values in self.rewards.items()},
+            'lengths': list(self.lengths),
+            'times': {key: list(seconds) for key, seconds in self.times.items()},
+        }
+
+    def merge(self, state: dict[str, Any]) -> None:
+        for name, values in state['rewards'].items():
+            self.rewards.setdefault(name, []).extend(values)
+        self.lengths.extend(state['lengths'])
+        for key, seconds in state['times'].items():
+            self.times.setdefault(key, []).extend(seconds)

@@ -46,4 +46,11 @@ class GRPOMetric(Metric):
         }
 
     def reset(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, torch.Tensor | float] = {}
+
+    def state(self) -> dict[str, Any]:
+        return {'sums': {key: float(total) for key, total in self.sums.items()}}
+
+    def merge(self, state: dict[str, Any]) -> None:
+        for key, total in state['sums'].items():
+            self.sums[key] = float(self.sums.get(key, 0.0)) + total

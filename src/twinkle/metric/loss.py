@@ -28,7 +28,14 @@ class LossMetric(Metric):
 
     def reset(self) -> None:
         self.total: torch.Tensor | float = 0.0
-        self.count: torch.Tensor | int = 0
+        self.count: torch.Tensor | float = 0
+
+    def state(self) -> dict[str, Any]:
+        return {'total': float(self.total), 'count': float(self.count)}
+
+    def merge(self, state: dict[str, Any]) -> None:
+        self.total = float(self.total) + state['total']
+        self.count = float(self.count) + state['count']
 
 
 @METRICS.register
@@ -57,3 +64,10 @@ class Accuracy(Metric):
     def reset(self) -> None:
         self.correct: torch.Tensor | int = 0
         self.total: torch.Tensor | int = 0
+
+    def state(self) -> dict[str, Any]:
+        return {'correct': int(self.correct), 'total': int(self.total)}
+
+    def merge(self, state: dict[str, Any]) -> None:
+        self.correct = int(self.correct) + state['correct']
+        self.total = int(self.total) + state['total']

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from twinkle.metric.base import METRICS, Metric
 
 
@@ -45,3 +47,12 @@ class TrainMetric(Metric):
     def reset(self) -> None:
         self.tokens = 0
         self.seconds = 0.0
+
+    def state(self) -> dict[str, Any]:
+        return {'tokens': self.tokens, 'seconds': self.seconds}
+
+    def merge(self, state: dict[str, Any]) -> None:
+        """Ranks work side by side: their tokens add up over the slowest one's seconds. ``lr``,
+        ``grad_norm`` and ``steps`` are the same on every rank (the gradient is reduced first)."""
+        self.tokens += state['tokens']
+        self.seconds = max(self.seconds, state['seconds'])

@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 from peft import PeftModel
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+from torch.optim import Optimizer
 
 from twinkle.errors import CheckpointError, StateError
 from twinkle.model.group import TrainGroup
@@ -108,11 +109,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state['cuda'])
 
 
-def save_adapter(model: PeftModel, group: TrainGroup, base_model_id: str | None, directory: Path) -> None:
+def save_adapter(
+    model: PeftModel,
+    group: TrainGroup,
+    base_model_id: str | None,
+    directory: Path,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> None:
     """The adapter as PEFT files at the top of ``directory`` (whatever its name), so that
-    ``PeftModel.from_pretrained(base, directory)`` loads it."""
+    ``PeftModel.from_pretrained(base, directory)`` loads it. ``weights``: the adapter's whole
+    tensors by parameter name, when the model's own are shards (FSDP2)."""
     # The base weights of a wrapped output head stay frozen: never copy them into every checkpoint.
-    state = get_peft_model_state_dict(model, adapter_name=group.name, save_embedding_layers=False)
+    state = get_peft_model_state_dict(model, state_dict=weights, adapter_name=group.name, save_embedding_layers=False)
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS))
     config = copy.copy(group.config)
     config.base_model_name_or_path = base_model_id
@@ -121,21 +129,45 @@ def save_adapter(model: PeftModel, group: TrainGroup, base_model_id: str | None,
 
 
 def load_adapter(model: PeftModel, adapter_name: str, directory: Path) -> None:
+    result = set_peft_model_state_dict(model, _adapter_file(directory), adapter_name=adapter_name)
+    missing = [k for k in result.missing_keys if f'.{adapter_name}.' in k]
+    _check_missing(directory, adapter_name, missing)
+
+
+def read_adapter(model: PeftModel, adapter_name: str, directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The adapter's weights in ``directory`` keyed by the model's parameter names (``names``):
+    what ``load_adapter`` copies in, for a model whose parameters are shards (FSDP2)."""
+    weights = _adapter_file(directory)
+    # Ask peft how it names each parameter in the file: feed it markers and see where they land.
+    markers = {name: torch.empty(0) for name in names}
+    saved = get_peft_model_state_dict(model, state_dict=markers, adapter_name=adapter_name, save_embedding_layers=False)
+    name_of = {id(marker): name for name, marker in markers.items()}
+    by_key = {key: name_of[id(marker)] for key, marker in saved.items()}
+    _check_missing(directory, adapter_name, [name for key, name in by_key.items() if key not in weights])
+    return {name: weights[key] for key, name in by_key.items()}
+
+
+def _adapter_file(directory: Path) -> dict[str, torch.Tensor]:
     weights = directory / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f'{directory} has no {ADAPTER_WEIGHTS}: it is not an adapter checkpoint')
-    result = set_peft_model_state_dict(model, load_file(str(weights)), adapter_name=adapter_name)
-    missing = [k for k in result.missing_keys if f'.{adapter_name}.' in k]
+    return load_file(str(weights))
+
+
+def _check_missing(directory: Path, adapter_name: str, missing: list[str]) -> None:
     if missing:
         raise CheckpointError(
             f'{directory} does not fit adapter {adapter_name!r}: {len(missing)} weights missing, e.g. {missing[0]}'
         )
 
 
-def save_training_state(group: TrainGroup, directory: Path, consumed: int | None) -> None:
-    """Optimizer, scheduler, RNG and counters: what ``resume_from_checkpoint`` restores."""
+def save_training_state(
+    group: TrainGroup, directory: Path, consumed: int | None, optimizer_state: dict[str, Any] | None = None
+) -> None:
+    """Optimizer, scheduler, RNG and counters: what ``resume_from_checkpoint`` restores.
+    ``optimizer_state``: the optimizer's state dict with whole tensors, when its own holds shards."""
     if group.optimizer is not None:
-        torch.save(group.optimizer.state_dict(), directory / OPTIMIZER)
+        torch.save(optimizer_state or group.optimizer.state_dict(), directory / OPTIMIZER)
     if group.scheduler is not None:
         torch.save(group.scheduler.state_dict(), directory / SCHEDULER)
     torch.save(rng_state(), directory / RNG_STATE)
@@ -149,10 +181,14 @@ def save_training_state(group: TrainGroup, directory: Path, consumed: int | None
     write_json(directory / TRAINER_STATE, state)
 
 
-def load_optimizer_state(group: TrainGroup, directory: Path) -> None:
+def load_optimizer_state(
+    group: TrainGroup, directory: Path, fit: Callable[[Optimizer, dict[str, Any]], dict[str, Any]] | None = None
+) -> None:
+    """``fit(optimizer, state)`` adapts the saved whole-tensor state to sharded parameters (FSDP2)."""
     if (directory / OPTIMIZER).is_file():
         if group.optimizer is None:
             raise StateError(f'set_optimizer(...) for adapter {group.name!r} before loading its optimizer state')
-        group.optimizer.load_state_dict(torch.load(directory / OPTIMIZER, weights_only=True))
+        state = torch.load(directory / OPTIMIZER, weights_only=True)
+        group.optimizer.load_state_dict(state if fit is None else fit(group.optimizer, state))
     if (directory / SCHEDULER).is_file() and group.scheduler is not None:
         group.scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,8 @@ from twinkle.template import Template
 
 #: The group that trains every parameter of a model without adapters.
 FULL = ''
+#: Sums a step's gradients over data-parallel ranks; returns the step's item count over all ranks.
+GradientReducer = Callable[[list[torch.nn.Parameter], torch.Tensor | int], torch.Tensor | int]
 
 
 @dataclass
@@ -70,16 +73,21 @@ class TrainGroup:
         self._done.add(operation)
         return True
 
-    def normalize_grads(self) -> None:
-        """Divide the summed gradient by the number of loss items of the whole step."""
+    def normalize_grads(self, reduce: GradientReducer | None = None) -> None:
+        """Divide the summed gradient by the number of loss items of the whole step.
+
+        ``reduce(params, items)``, under data parallelism, first sums the gradients over the
+        ranks and returns the item count over all ranks (``ModelParallel.reduce_gradients``)."""
         if self.grads_normalized:
             return
         self.grads_normalized = True
-        items = self.pending_items
+        items = self.pending_items if reduce is None else reduce(self.params, self.pending_items)
         if isinstance(items, torch.Tensor) or items > 1:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
-                torch._foreach_div_(grads, torch.clamp(torch.as_tensor(items, device=grads[0].device), min=1))
+                divisor = torch.clamp(torch.as_tensor(items, device=grads[0].device), min=1)
+                # A sharded (DTensor) gradient divides by a number, not by a plain tensor.
+                torch._foreach_div_(grads, divisor if type(grads[0]) is torch.Tensor else float(divisor))
 
     def reset_accumulation(self) -> None:
         self.pending_items = 0

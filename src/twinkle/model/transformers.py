@@ -20,12 +20,15 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNameError, one_of
 from twinkle.hub import resolve_model
+from twinkle.infra.mesh import DeviceMesh
+from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss, LossOutput
 from twinkle.metric import METRICS, Metric, TrainMetric
 from twinkle.model import checkpoint as ckpt
 from twinkle.model.base import Inputs, TwinkleModel
 from twinkle.model.group import FULL, Pending, TrainGroup
 from twinkle.model.optim import build_optimizer, build_scheduler
+from twinkle.model.parallel import ModelParallel
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 from twinkle.utils.logger import get_logger
@@ -50,6 +53,13 @@ class TransformersModel(TwinkleModel):
 
     ``mixed_precision='bf16'`` runs forward passes under bfloat16 autocast (the default on a
     GPU that supports it; ``'no'`` on a CPU). Weights keep ``dtype`` (float32 unless given).
+
+    ``device_mesh`` (default: the runtime's ``global_device_mesh``) spreads the model over the
+    torchrun processes (see ``twinkle.model.parallel``): data parallel over ``dp`` (not
+    ``DistributedDataParallel``: each adapter's summed gradients and item counts are all-reduced
+    at its step), FSDP2 sharding over ``fsdp`` (``fully_shard`` at the first forward, so adapters
+    come first). Each rank runs its slice of the global batch; losses, metrics and updates are
+    those of one process running the whole batch.
     """
 
     def __init__(
@@ -63,12 +73,14 @@ class TransformersModel(TwinkleModel):
         dtype: torch.dtype | None = None,
         attn_implementation: str = 'sdpa',
         gradient_checkpointing: bool = False,
+        device_mesh: DeviceMesh | None = None,
         **from_pretrained_kwargs: Any,
     ):
         if model_id is None and config is None:
             raise ConfigurationError('TransformersModel needs a model_id or a config')
         self.model_id = model_id
-        self.device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+        self._parallel = ModelParallel(device_mesh if device_mesh is not None else get_runtime().global_device_mesh)
+        self.device = _resolve_device(device, self._parallel)
         self.mixed_precision = mixed_precision or _default_precision(self.device)
         if self.mixed_precision not in ('no', 'bf16'):
             raise one_of('mixed_precision', self.mixed_precision, ['no', 'bf16'])
@@ -99,6 +111,7 @@ class TransformersModel(TwinkleModel):
         if adapter_name in self.groups:
             raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {self.adapter_names}')
         _check_positive('gradient_accumulation_steps', gradient_accumulation_steps)
+        self._parallel.check_can_add_adapter(adapter_name)
         weights_dir = None
         if isinstance(config_or_dir, str):
             weights_dir = Path(resolve_model(config_or_dir))
@@ -130,6 +143,7 @@ class TransformersModel(TwinkleModel):
         )
         if weights_dir is not None:
             ckpt.load_adapter(self.model, adapter_name, weights_dir)
+        self._parallel.adapter_added(self.groups[adapter_name])
         # Not _activate: after delete_adapter, peft may still name a removed adapter of this name
         # as active, and only set_adapter makes the new one's weights trainable.
         self.model.set_adapter(adapter_name)
@@ -233,7 +247,9 @@ class TransformersModel(TwinkleModel):
             raise StateError(f'calculate_loss() needs a forward()/forward_only() first (adapter {group.name!r})')
         pending = group.pending
         pending.loss = self._loss(group, pending.batch, pending.outputs, pending.training, loss_inputs)
-        return float(pending.loss.loss.detach() / pending.loss.num_items.clamp(min=1))
+        sums = torch.stack([pending.loss.loss.detach().float(), pending.loss.num_items.float()])
+        total, items = self._parallel.sum_(sums)
+        return float(total / items.clamp(min=1))
 
     def backward(self, *, adapter_name: str | None = None) -> None:
         group = self._group(adapter_name)
@@ -254,7 +270,8 @@ class TransformersModel(TwinkleModel):
         **loss_inputs: Any,
     ) -> ModelOutput:
         """Forward, loss and backward over ``inputs`` (in chunks of ``micro_batch_size`` rows
-        if given: one accumulation step either way). Returns the loss of these inputs."""
+        if given: one accumulation step either way). Returns the loss of these inputs (under a
+        mesh: of every rank's inputs together, the global batch)."""
         group = self._group(adapter_name)
         features = self._features(group, inputs)
         started, sums = time.perf_counter(), []
@@ -266,7 +283,7 @@ class TransformersModel(TwinkleModel):
             sums.append(torch.stack([loss.loss.detach().float(), loss.num_items.float(), trained.float()]))
         group.micro_step += 1
         group.consumed_train_samples += len(features)
-        total, items, trained = torch.stack(sums).sum(0).tolist()  # the one device sync of the call
+        total, items, trained = self._parallel.sum_(torch.stack(sums).sum(0)).tolist()  # the call's one sync
         group.stats.accumulate(
             num_tokens=sum(len(f['input_ids']) for f in features), elapsed_s=time.perf_counter() - started
         )
@@ -282,9 +299,9 @@ class TransformersModel(TwinkleModel):
         if not group.at_boundary('clip'):
             return None
         started = time.perf_counter()
-        group.normalize_grads()
+        group.normalize_grads(self._parallel.reduce_gradients)
         norm = torch.nn.utils.clip_grad_norm_(group.params, max_grad_norm, norm_type=norm_type)
-        group.last_grad_norm = float(norm)
+        group.last_grad_norm = self._parallel.norm_value(norm)
         group.stats.accumulate(grad_norm=group.last_grad_norm, elapsed_s=time.perf_counter() - started)
         return group.last_grad_norm
 
@@ -295,7 +312,7 @@ class TransformersModel(TwinkleModel):
         if not group.at_boundary('step'):
             return False
         started = time.perf_counter()
-        group.normalize_grads()
+        group.normalize_grads(self._parallel.reduce_gradients)
         if group.last_grad_norm is not None and not math.isfinite(group.last_grad_norm):
             logger.warning(f'adapter {group.name!r}: gradient norm is {group.last_grad_norm}; step skipped')
             group.last_grad_norm = None
@@ -324,11 +341,13 @@ class TransformersModel(TwinkleModel):
     # ---- metrics and configuration -------------------------------------------------------------
     def calculate_metric(self, is_training: bool = True, *, adapter_name: str | None = None) -> dict[str, float]:
         """Metrics since the last call, then reset: ``loss``, ``accuracy`` (token accuracy),
-        and for training ``lr``, ``grad_norm``, ``tokens_per_s`` and ``steps``."""
+        and for training ``lr``, ``grad_norm``, ``tokens_per_s`` and ``steps``. Under a mesh,
+        every rank reports the figures of all ranks together."""
         group = self._group(adapter_name)
         metrics = group.train_metrics if is_training else group.eval_metrics
         if is_training:
             metrics = [*metrics, group.stats]
+        self._parallel.merge_metrics(metrics)
         result: dict[str, float] = {}
         for metric in metrics:
             result.update(metric.calculate())
@@ -348,6 +367,7 @@ class TransformersModel(TwinkleModel):
             f'lr scheduler: {type(group.scheduler).__name__ if group.scheduler else None}',
             f'loss: {type(group.loss).__name__}',
             f'mixed precision: {self.mixed_precision}, device: {self.device}',
+            f'parallel: {self._parallel.describe()}',
         ]
         if group.config is not None:
             lines.append(f'adapter config: {group.config.to_dict()}')
@@ -366,18 +386,29 @@ class TransformersModel(TwinkleModel):
         """Write ``output_dir/name`` atomically and return its path: the adapter as PEFT files
         (``PeftModel.from_pretrained`` loads it) or, without adapters, the full model in Hugging
         Face format; the tokenizer; with ``save_optimizer=True`` also the optimizer, scheduler,
-        RNG and trainer state that ``resume_from_checkpoint`` needs."""
+        RNG and trainer state that ``resume_from_checkpoint`` needs.
+
+        Under a mesh every rank calls it: FSDP2 shards are gathered into whole tensors, rank 0
+        writes, and the others wait until it is done."""
         group = self._group(adapter_name)
         name = name or f'checkpoint-{group.optim_step}'
         destination = Path(output_dir) / name
-        with ckpt.atomic_directory(destination) as staging:
-            if group.name == FULL:
-                self.model.save_pretrained(str(staging), safe_serialization=True)
-            else:
-                ckpt.save_adapter(self.model, group, self.model_id, staging)
-            self._template_for(group).tokenizer.save_pretrained(str(staging))
-            if save_optimizer:
-                ckpt.save_training_state(group, staging, consumed_train_samples)
+        weights = self._parallel.gather_weights(self.model, None if group.name == FULL else group.params)
+        optimizer_state = None
+        if save_optimizer and group.optimizer is not None:
+            optimizer_state = self._parallel.gather_optimizer_state(group.optimizer)
+
+        def write() -> None:
+            with ckpt.atomic_directory(destination) as staging:
+                if group.name == FULL:
+                    self.model.save_pretrained(str(staging), state_dict=weights, safe_serialization=True)
+                else:
+                    ckpt.save_adapter(self.model, group, self.model_id, staging, weights)
+                self._template_for(group).tokenizer.save_pretrained(str(staging))
+                if save_optimizer:
+                    ckpt.save_training_state(group, staging, consumed_train_samples, optimizer_state)
+
+        self._parallel.on_main(write)
         return str(destination)
 
     def load(
@@ -396,7 +427,7 @@ class TransformersModel(TwinkleModel):
         group = self._group(adapter_name)
         self._load_weights(group, path)
         if load_optimizer:
-            ckpt.load_optimizer_state(group, path)
+            ckpt.load_optimizer_state(group, path, self._parallel.shard_optimizer_state)
         return str(path)
 
     def resume_from_checkpoint(
@@ -411,7 +442,7 @@ class TransformersModel(TwinkleModel):
         self.load(str(path), adapter_name=group.name, load_optimizer=False)
         state = ckpt.read_trainer_state(path)
         if not resume_only_model:
-            ckpt.load_optimizer_state(group, path)
+            ckpt.load_optimizer_state(group, path, self._parallel.shard_optimizer_state)
             ckpt.set_rng_state(torch.load(path / ckpt.RNG_STATE, weights_only=False))
             group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
             group.gradient_accumulation_steps = state['gradient_accumulation_steps']
@@ -471,6 +502,7 @@ class TransformersModel(TwinkleModel):
             self.model.set_adapter(group.name)
 
     def _run(self, group: TrainGroup, rows: Sequence[InputFeature], training: bool) -> tuple[dict, dict]:
+        self._parallel.prepare(self.model, self.groups.values())  # the first forward: sync, then shard
         self._activate(group)
         if self._mode is not training:
             # Every module, not the top one alone: a fresh PeftModel wrapper says 'training' while
@@ -516,10 +548,29 @@ class TransformersModel(TwinkleModel):
             raise ConfigurationError(
                 'to continue full-parameter training, build TransformersModel(model_id=<checkpoint dir>) instead'
             )
-        ckpt.load_adapter(self.model, group.name, directory)
+        if not self._parallel.sharded:
+            ckpt.load_adapter(self.model, group.name, directory)
+            return
+        trained = {id(p) for p in group.params}
+        named = {name: p for name, p in self.model.named_parameters() if id(p) in trained}
+        self._parallel.load_weights(named, ckpt.read_adapter(self.model, group.name, directory, list(named)))
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+def _resolve_device(device: str | torch.device | None, parallel: ModelParallel) -> torch.device:
+    """The given device, else the mesh's for this rank, else CUDA when there is one."""
+    mesh_device = parallel.default_device()
+    if device is None:
+        return mesh_device or torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    device = torch.device(device)
+    if mesh_device is not None and device.type != mesh_device.type:
+        raise ConfigurationError(
+            f'device={str(device)!r} does not match the mesh device_type={parallel.mesh.device_type!r}; '
+            f'leave device out to use {str(mesh_device)!r}'
+        )
+    return device
+
+
 def _default_precision(device: torch.device) -> str:
     return 'bf16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'no'
 
