@@ -41,7 +41,6 @@ def test_local_mode_seeds_and_becomes_current():
         ({'groups': ['model']}, 'must be DeviceGroup objects'),
         ({'mode': 'http', 'groups': [DeviceGroup('model', 4)], 'base_model': 'tiny-qwen3'}, 'give it one rank'),
         ({'mode': 'http', 'groups': [DeviceGroup('a', 1), DeviceGroup('b', 1)]}, "group named 'model'"),
-        ({'mode': 'ray'}, 'not available in this version'),
     ],
 )
 def test_bad_runtimes_fail_before_anything_starts(kwargs, match):

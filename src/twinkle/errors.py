@@ -44,6 +44,11 @@ class StateError(TwinkleError, RuntimeError):
     """A method was called when the component is not in a state to run it."""
 
 
+class WorkerError(TwinkleError, RuntimeError):
+    """A remote worker of a component (a Ray actor) died or could not be started; the message
+    names the component, its rank and its device group."""
+
+
 class CheckpointError(TwinkleError, OSError):
     """A checkpoint is missing, incomplete, or does not match the model it is loaded into."""
 

@@ -1,15 +1,23 @@
-"""Moving the trainer's current weights into a sampler."""
+"""Moving the trainer's current weights into a sampler.
+
+The trainer's side (``export_weights``) and the sampler's side (``apply_weights``) are plain
+functions of the component, so the manager runs them the same way whether a component is in this
+process or is a remote one on a Ray device group (``remote_group=``): then model rank 0 exports,
+the export stays in Ray's object store, and every sampler actor loads it from there.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from peft import PeftModel, get_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 
 from twinkle.errors import ConfigurationError
+from twinkle.infra.ray.hook import RemoteHandle
 from twinkle.model.group import FULL
 from twinkle.model.transformers import TransformersModel
 from twinkle.sampler.torch_sampler import TorchSampler
@@ -30,6 +38,21 @@ class SyncResult:
     mode: str  # 'merged', 'adapter' or 'full'
 
 
+@dataclass
+class WeightExport:
+    """What the trainer sends in one sync."""
+
+    # 'merged', 'adapter' or 'full'.
+    mode: str
+    # Base (non-adapter) weights by name; empty when they have not changed since the last sync.
+    base: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The merged matrices ('merged') or the adapter's tensors ('adapter').
+    update: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The adapter's name and peft config ('adapter' mode).
+    adapter_name: str | None = None
+    config: Any = None
+
+
 class CheckpointEngineManager:
     """Keeps a sampler's weights equal to a trainer's.
 
@@ -43,14 +66,13 @@ class CheckpointEngineManager:
     A model without adapters always moves all its weights.
 
     After each sync the sampler's ``weight_version`` is the number of syncs so far; every
-    sequence it samples records it.
+    sequence it samples records it. ``model`` and ``sampler`` may be remote (built with
+    ``remote_group=`` in ray mode), on different device groups.
     """
 
-    def __init__(self, model: TransformersModel, sampler: TorchSampler):
-        if not isinstance(model, TransformersModel):
-            raise ConfigurationError(f'model must be a TransformersModel; got {type(model).__name__}')
-        if not isinstance(sampler, TorchSampler):
-            raise ConfigurationError(f'sampler must be a TorchSampler; got {type(sampler).__name__}')
+    def __init__(self, model: TransformersModel | RemoteHandle, sampler: TorchSampler | RemoteHandle):
+        _check_component('model', model, TransformersModel)
+        _check_component('sampler', sampler, TorchSampler)
         self.model = model
         self.sampler = sampler
         self.version = sampler.weight_version
@@ -58,58 +80,100 @@ class CheckpointEngineManager:
 
     def sync_weights(self, merge_and_sync: bool = True, *, adapter_name: str | None = None) -> SyncResult:
         started = time.perf_counter()
-        group = self.model._group(adapter_name)
-        mode = 'full' if group.name == FULL else 'merged' if merge_and_sync else 'adapter'
-        # Base weights move on the first sync, and when the mode changes (a merged sync leaves
-        # merged matrices in the sampler's base model that an adapter sync must not build on).
-        moved = self._send_base(everything=mode == 'full' or mode != self._last_mode)
-        if mode == 'merged':
-            moved += self._send_merged(group.name)
-            self.sampler.default_adapter = None
-        elif mode == 'adapter':
-            moved += self._send_adapter(group.name, group.config)
-            self.sampler.default_adapter = group.name
+        remote = isinstance(self.model, RemoteHandle)  # then the export travels: on the CPU, as any device reads it
+        export = _run(self.model, export_weights, merge_and_sync, adapter_name, self._last_mode, remote, on_rank0=True)
+        mode, tensors, size = _run(self.sampler, apply_weights, export, self.version + 1)
         self._last_mode = mode
         self.version += 1
-        self.sampler.weight_version = self.version
-        self.sampler.reset_prefix_cache()
         return SyncResult(
             weight_version=self.version,
-            tensors=len(moved),
-            bytes=sum(t.numel() * t.element_size() for t in moved),
+            tensors=tensors,
+            bytes=size,
             seconds=time.perf_counter() - started,
             mode=mode,
         )
 
-    def _send_base(self, everything: bool) -> list[torch.Tensor]:
-        """Every base (non-adapter) weight, when ``everything``; else nothing, since frozen base
-        weights have not changed since the last sync."""
-        if not everything:
-            return []
-        weights = {
-            canonical_name(name): p.detach()
-            for name, p in self.model.model.named_parameters()
-            if '.lora_' not in name and 'modules_to_save' not in name
-        }
-        self.sampler.load_weights(weights)
-        return list(weights.values())
 
-    def _send_merged(self, adapter_name: str) -> list[torch.Tensor]:
-        weights = {}
-        with torch.no_grad():
-            for name, module in self.model.model.named_modules():
-                if isinstance(module, LoraLayer) and adapter_name in module.lora_A:
-                    base = module.get_base_layer().weight
-                    delta = module.get_delta_weight(adapter_name)
-                    weights[canonical_name(f'{name}.weight')] = base + delta.to(base.dtype)
-        self.sampler.load_weights(weights)
-        return list(weights.values())
+def export_weights(
+    model: TransformersModel,
+    merge_and_sync: bool,
+    adapter_name: str | None,
+    last_mode: str | None,
+    to_cpu: bool = False,
+) -> WeightExport:
+    """The trainer's side of a sync. Base weights move on the first sync, and when the mode
+    changes (a merged sync leaves merged matrices in the sampler's base model that an adapter
+    sync must not build on); otherwise frozen base weights have not changed since the last one.
+    ``to_cpu``: copies on the CPU (for another process, whose devices may differ)."""
+    group = model._group(adapter_name)
+    mode = 'full' if group.name == FULL else 'merged' if merge_and_sync else 'adapter'
+    export = WeightExport(mode)
+    if mode == 'full' or mode != last_mode:
+        export.base = _base_weights(model)
+    if mode == 'merged':
+        export.update = _merged_weights(model, group.name)
+    elif mode == 'adapter':
+        export.update = _adapter_weights(model, group.name)
+        export.adapter_name, export.config = group.name, group.config
+    if to_cpu:
+        export.base = {name: t.cpu() for name, t in export.base.items()}
+        export.update = {name: t.cpu() for name, t in export.update.items()}
+    return export
 
-    def _send_adapter(self, adapter_name: str, config: object) -> list[torch.Tensor]:
-        model = self.model.model
-        if not isinstance(model, PeftModel):
-            raise ConfigurationError('merge_and_sync=False needs an adapter on the model')
-        adapter = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
-        state = {k: v.detach() for k, v in adapter.items()}
-        self.sampler.load_adapter_weights(adapter_name, state, config=config)
-        return list(state.values())
+
+def apply_weights(sampler: TorchSampler, export: WeightExport, version: int) -> tuple[str, int, int]:
+    """The sampler's side of a sync; returns ``(mode, tensors, bytes)`` moved."""
+    if export.base:
+        sampler.load_weights(export.base)
+    if export.mode == 'merged':
+        sampler.load_weights(export.update)
+        sampler.default_adapter = None
+    elif export.mode == 'adapter':
+        sampler.load_adapter_weights(export.adapter_name, export.update, config=export.config)
+        sampler.default_adapter = export.adapter_name
+    sampler.weight_version = version
+    sampler.reset_prefix_cache()
+    moved = [*export.base.values(), *export.update.values()]
+    return export.mode, len(moved), sum(t.numel() * t.element_size() for t in moved)
+
+
+def _check_component(role: str, component: object, expected: type) -> None:
+    kind = component.remote_class if isinstance(component, RemoteHandle) else type(component)
+    if not issubclass(kind, expected):
+        raise ConfigurationError(
+            f'{role} must be a {expected.__name__} (built here or with remote_group=); got {kind.__name__}'
+        )
+
+
+def _run(component: Any, fn: Any, *args: Any, on_rank0: bool = False) -> Any:
+    """``fn(component, *args)``, here or on a remote component's actors. A remote export
+    (``on_rank0``) stays in the object store: the sampler's actors fetch it from there."""
+    if isinstance(component, RemoteHandle):
+        return component.remote_execute(fn, *args, dispatch='rank0' if on_rank0 else 'all', lazy=on_rank0)
+    return fn(component, *args)
+
+
+def _base_weights(model: TransformersModel) -> dict[str, torch.Tensor]:
+    return {
+        canonical_name(name): p.detach()
+        for name, p in model.model.named_parameters()
+        if '.lora_' not in name and 'modules_to_save' not in name
+    }
+
+
+def _merged_weights(model: TransformersModel, adapter_name: str) -> dict[str, torch.Tensor]:
+    weights = {}
+    with torch.no_grad():
+        for name, module in model.model.named_modules():
+            if isinstance(module, LoraLayer) and adapter_name in module.lora_A:
+                base = module.get_base_layer().weight
+                delta = module.get_delta_weight(adapter_name)
+                weights[canonical_name(f'{name}.weight')] = base + delta.to(base.dtype)
+    return weights
+
+
+def _adapter_weights(model: TransformersModel, adapter_name: str) -> dict[str, torch.Tensor]:
+    if not isinstance(model.model, PeftModel):
+        raise ConfigurationError('merge_and_sync=False needs an adapter on the model')
+    adapter = get_peft_model_state_dict(model.model, adapter_name=adapter_name, save_embedding_layers=False)
+    return {k: v.detach() for k, v in adapter.items()}

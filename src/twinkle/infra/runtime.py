@@ -10,7 +10,9 @@ Modes:
 - ``'local'``: this process (one device, or one rank of ``torchrun`` with ``global_device_mesh``);
 - ``'http'``: serve the training service (``twinkle-server`` from Python). ``groups`` says where
   the model lives: the group named ``'model'`` (or the only group) gives the device;
-- ``'ray'``: components built with ``remote_group=`` become actors on those groups.
+- ``'ray'``: components built with ``remote_group=`` become actors on those groups (see
+  ``twinkle.infra.ray``): this process joins the Ray cluster ``RAY_ADDRESS`` names, else one
+  running on this machine, else starts one, and reserves each group's devices there.
 
 The runtime is one object, returned and also kept as the process's current runtime
 (``get_runtime()``), which components built later consult.
@@ -43,6 +45,8 @@ class Runtime:
     lazy_collect: bool = True
     #: In 'http' mode with ``block=False``: the running server (``.url``, ``.stop()``).
     server: Any = None
+    #: In 'ray' mode: the devices reserved for the groups (``twinkle.infra.ray.cluster.RayCluster``).
+    cluster: Any = None
 
     def group(self, name: str) -> DeviceGroup:
         for group in self.groups:
@@ -77,6 +81,10 @@ def initialize(
     server config file and ``server_options`` are its fields (``base_model``, ``port``,
     ``data_dir``, ``limits``, ...; they win over the file's); ``block=True`` serves until
     interrupted, ``block=False`` returns at once with ``runtime.server`` running in a thread.
+
+    In 'ray' mode, ``lazy_collect=True`` leaves remote results in Ray's object store until used
+    (``LazyResult``); ``nproc_per_node`` is not needed (Ray knows each node's devices). A new
+    ``initialize`` gives back the devices the previous ray-mode runtime reserved.
     """
     global _current
     if mode not in MODES:
@@ -84,16 +92,17 @@ def initialize(
     if server_options and mode != 'http':
         raise ConfigurationError(f'{sorted(server_options)} are server settings; they apply only to mode="http"')
     group_list = _group_list(groups)
+    _release(_current)
+    _current = Runtime()
     runtime = Runtime(mode, seed, group_list, global_device_mesh, nproc_per_node, lazy_collect)
     if seed is not None:
         _seed_everything(seed)
     if mode == 'local':
         runtime.global_device_mesh = _start_local(global_device_mesh)
     elif mode == 'ray':
-        raise ConfigurationError(
-            "mode='ray' is not available in this version yet: run under torchrun with mode='local', or "
-            "serve with mode='http'"
-        )
+        from twinkle.infra.ray.cluster import RayCluster
+
+        runtime.cluster = RayCluster.start(group_list, seed=seed)
     server_config = _server_config(group_list, config, server_options) if mode == 'http' else None
     _current = runtime
     if server_config is not None:
@@ -111,6 +120,13 @@ def _group_list(groups: DeviceGroup | Sequence[DeviceGroup] | None) -> list[Devi
     if duplicates:
         raise ConfigurationError(f'device group names must be unique; repeated: {duplicates}')
     return group_list
+
+
+def _release(runtime: Runtime) -> None:
+    """Give back what a previous ray-mode runtime reserved (its components' actors end)."""
+    if runtime.cluster is not None:
+        runtime.cluster.release()
+        runtime.cluster = None
 
 
 def _seed_everything(seed: int) -> None:

@@ -1,8 +1,22 @@
 """Models: the methods a training loop calls, over a Hugging Face model with named adapters."""
 
+from twinkle.infra.ray import remote_class
 from twinkle.model.base import TwinkleModel
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, CosineWarmupScheduler, LinearWarmupScheduler
 from twinkle.model.transformers import TransformersModel
+
+# In ray mode, TransformersModel(..., remote_group='model') is one actor per rank: each gets its
+# data shard of the batch (and of per-row loss inputs); methods not listed run on every rank and
+# return rank 0's result.
+remote_class(
+    TransformersModel,
+    {
+        'forward_backward': ('slice_dp', 'mean'),
+        'forward': ('slice_dp', 'flatten'),
+        'forward_only': ('slice_dp', 'flatten'),
+        'calculate_loss': ('slice_dp', 'mean'),
+    },
+)
 
 __all__ = [
     'OPTIMIZERS',
