@@ -348,7 +348,7 @@ class RemoteIterator:
 class LazyResult(Sequence):
     """A remote call's result, fetched (and merged) the first time it is used.
 
-    It behaves as its value for iteration, ``len``, indexing, attributes, numbers and ``==``;
+    It behaves as its value for iteration, ``len``, indexing, attributes, numbers, ``str`` and ``==``;
     ``get()`` returns the value itself. Passed to a remote component's method, it is not fetched
     here: the actors read it from Ray's object store.
     """
@@ -412,6 +412,9 @@ class LazyResult(Sequence):
 
     def __repr__(self) -> str:
         return repr(self.get())
+
+    def __str__(self) -> str:  # logger.info(model.get_train_configs()) prints the text, not its repr
+        return str(self.get())
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Pickled (say, nested inside another argument), a lazy result travels as its value.

@@ -1,0 +1,134 @@
+"""FSDP2 LoRA SFT on self-cognition: one script for one process, torchrun and Ray.
+
+The "Local Multi-GPU Training" loop of the seed's Qwen3.5 best-practices page, on the embedded
+tiny model and self-cognition set. ``start_runtime`` is the only code that knows the runtime:
+
+- one process: no mesh;
+- torchrun: ``DeviceMesh(fsdp_size=WORLD_SIZE // dp, dp_size=dp)``, one rank per process;
+- Ray: a device group ``'model'`` of ``--ranks`` workers with that mesh; the model built with
+  ``remote_group='model'`` is one actor per rank, each a torchrun process in all but name.
+
+The loop is the same in all three: the data loader yields the global batch of ``--batch-size``
+rows (under torchrun each process gets its slice; in Ray mode the driver holds the batch and each
+actor takes its slice), and the losses are those of one process running that batch: the three
+runs print the same numbers up to float rounding. On a CPU the ranks talk over gloo.
+
+    python cookbook/fsdp_self_cognition.py                                  # one process, ~10 s
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 cookbook/fsdp_self_cognition.py          # ~20 s
+    python cookbook/fsdp_self_cognition.py --mode ray --ranks 2   # or TWINKLE_MODE=ray; ~35 s
+
+``torchrun`` is ``python -m torch.distributed.run``. Ray mode starts a local Ray with one CPU per
+rank, or joins the cluster ``RAY_ADDRESS`` names. On GPUs the meshes and groups use CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+
+import twinkle
+from twinkle import DeviceGroup, DeviceMesh, assets, get_logger
+from twinkle.dataloader import DataLoader
+from twinkle.dataset import Dataset, DatasetMeta
+from twinkle.infra import distributed
+from twinkle.model import TransformersModel
+from twinkle.preprocessor import SelfCognitionProcessor
+
+logger = get_logger()
+DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
+MODES = ('local', 'ray')
+ACCUMULATION = 2  # batches per optimizer step, as in the seed
+
+
+def start_runtime(mode: str, ranks: int, dp: int) -> DeviceMesh | None:
+    """The one place that differs between the runtimes; returns the model's mesh (None: one process)."""
+    if mode == 'ray':
+        start_local_ray(ranks)
+        twinkle.initialize(mode='ray', groups=[DeviceGroup('model', ranks, DEVICE)], seed=0)
+        return DeviceMesh.from_sizes(fsdp_size=ranks // dp, dp_size=dp, device_type=DEVICE)
+    world = int(os.environ.get('WORLD_SIZE', '1'))
+    mesh = DeviceMesh.from_sizes(fsdp_size=world // dp, dp_size=dp, device_type=DEVICE) if world > 1 else None
+    twinkle.initialize(mode='local', global_device_mesh=mesh, seed=0)
+    return mesh
+
+
+def start_local_ray(num_cpus: int) -> None:
+    """Without ``RAY_ADDRESS``: a new local Ray with ``num_cpus`` logical CPUs, one per rank, however
+    many cores the machine has (``twinkle.initialize`` then uses it; with ``RAY_ADDRESS`` it joins)."""
+    if DEVICE == 'cpu' and not os.environ.get('RAY_ADDRESS'):
+        import ray
+
+        ray.init(address='local', num_cpus=num_cpus, include_dashboard=False, _node_ip_address='127.0.0.1')
+
+
+def build_dataset(model_id: str, rows: range) -> Dataset:
+    dataset = Dataset(dataset_meta=DatasetMeta(assets.dataset('self-cognition'), data_slice=rows))
+    dataset.set_template('Template', model_id=model_id, max_length=128)
+    dataset.map(SelfCognitionProcessor('twinkle LLM', 'ModelScope Community'))
+    dataset.encode()
+    return dataset
+
+
+def evaluate(model: TransformersModel, dataset: Dataset, batch_size: int) -> dict[str, float]:
+    for batch in DataLoader(dataset=dataset, batch_size=batch_size):
+        model.forward_only(inputs=batch)
+        model.calculate_loss()
+    return model.calculate_metric(is_training=False)
+
+
+def train(args: argparse.Namespace) -> list[float]:
+    mesh = start_runtime(args.mode, args.ranks, args.dp)
+    model_id = assets.tiny_model()
+    dataset = build_dataset(model_id, range(args.steps * args.batch_size))
+    eval_dataset = build_dataset(model_id, range(2 * args.batch_size))  # as the seed: rows it also trains on
+    # The global batch, in a seeded order (the same in every runtime); each data rank gets its slice.
+    dataloader = DataLoader(dataset=dataset, batch_size=args.batch_size, shuffle=True)
+    model = TransformersModel(model_id=model_id, device_mesh=mesh, remote_group='model')
+    lora_config = LoraConfig(r=8, lora_alpha=32, target_modules='all-linear')
+    model.add_adapter_to_model('default', lora_config, gradient_accumulation_steps=ACCUMULATION)
+    model.set_optimizer(optimizer_cls='AdamW', lr=args.lr)
+    optimizer_steps = args.steps // ACCUMULATION
+    model.set_lr_scheduler('CosineWarmupScheduler', num_warmup_steps=2, num_training_steps=optimizer_steps)
+    log(model.get_train_configs())
+    losses = []
+    for step, batch in enumerate(dataloader, start=1):
+        losses.append(float(model.forward_backward(inputs=batch).loss))
+        model.clip_grad_and_step()
+        log(f'step {step}/{len(dataloader)} loss {losses[-1]:.6f}')
+        if step % 10 == 0:
+            log(f'metric at step {step}: {model.calculate_metric(is_training=True)}')
+    log(f'eval: {evaluate(model, eval_dataset, args.batch_size)}')
+    output_dir = str(Path(args.output_dir).resolve())  # Ray's actors write it too: no relative paths
+    log(f'saved {model.save("last-checkpoint", output_dir=output_dir)}')
+    return losses
+
+
+def log(message: str) -> None:
+    """Rank 0 speaks for all (under torchrun every process runs this script)."""
+    if distributed.is_main():
+        logger.info(message)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--mode', choices=MODES, default=os.environ.get('TWINKLE_MODE', 'local'))
+    parser.add_argument('--ranks', type=int, default=2, help="Ray mode: workers in the 'model' group")
+    parser.add_argument('--dp', type=int, default=1, help='data-parallel replicas (fsdp_size = ranks / dp)')
+    parser.add_argument('--steps', type=int, default=24)
+    parser.add_argument('--batch-size', type=int, default=8, help='the global batch')
+    parser.add_argument('--lr', type=float, default=5e-3)
+    parser.add_argument('--output-dir', default='output/fsdp-self-cognition')
+    parser.add_argument('--losses', default='', help='a JSON file for the per-step losses (rank 0 writes it)')
+    args = parser.parse_args()
+    losses = train(args)
+    if args.losses and distributed.is_main():
+        Path(args.losses).write_text(json.dumps(losses))
+
+
+if __name__ == '__main__':
+    main()
