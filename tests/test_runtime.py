@@ -82,3 +82,10 @@ def test_the_seed_server_script_serves_until_interrupted(tmp_path, tiny_model_di
     finally:
         process.kill()
     assert (tmp_path / 'data' / 'twinkle.db').is_file()
+
+
+def test_get_device_placement_describes_the_current_runtime(monkeypatch):
+    monkeypatch.setenv('WORLD_SIZE', '1')
+    twinkle.initialize(mode='local', seed=None, global_device_mesh=DeviceMesh.from_sizes(dp_size=1, device_type='cpu'))
+    text = twinkle.get_device_placement()
+    assert 'global' in text and 'Local process' in text

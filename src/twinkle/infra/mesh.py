@@ -304,8 +304,9 @@ def get_device_placement(
 ) -> str:
     """The topology as text: a table of ``groups`` and, for each named mesh, every rank's coordinates.
 
-    With neither argument it describes the local process (``WORLD_SIZE``/``RANK`` as torchrun
-    sets them, and the device torch sees).
+    With neither argument it describes the current runtime (``twinkle.initialize``): its device
+    groups and global mesh, then the local process (``WORLD_SIZE``/``RANK`` as torchrun sets
+    them, and the device torch sees).
 
     >>> print(get_device_placement(groups=[DeviceGroup('model', 2)]))
     Device groups
@@ -313,7 +314,13 @@ def get_device_placement(
       model  cuda    0, 1   2        1
     """
     if groups is None and meshes is None:
-        return '\n'.join(_local_section())
+        from twinkle.infra.runtime import get_runtime
+
+        runtime = get_runtime()
+        mesh = runtime.global_device_mesh
+        lines = _groups_section(runtime.groups) if runtime.groups else []
+        lines += _mesh_section('global', mesh) if mesh is not None else []
+        return '\n'.join([*lines, *_local_section()])
     if meshes is not None and not isinstance(meshes, Mapping):
         raise ConfigurationError(
             f'meshes must map a name to a DeviceMesh (e.g. {{"model": mesh}}), got {type(meshes).__name__}'
