@@ -200,10 +200,23 @@ def test_unknown_group_lists_the_groups_and_too_many_ranks_fail_before_any_actor
     assert reserved == []  # nothing held: the earlier runtime's devices were given back too
 
 
+def kill_and_wait(actor) -> None:
+    """``ray.kill`` returns before the actor is gone: wait until a call to it fails."""
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.1)
+    raise AssertionError('the killed actor still answers after 30 s')
+
+
 def test_a_dead_worker_is_an_error_naming_component_and_rank_not_a_hang():
     ray_mode(DeviceGroup('toy', 2, CPU))
     shard = Shard(remote_group='toy')
-    ray.kill(shard.remote_actors[1])
+    kill_and_wait(shard.remote_actors[1])
     with pytest.raises(WorkerError, match=r"Shard rank 1 \(device group 'toy'\) died during rank"):
         shard.rank()
     # Rank 1 dies mid-call while rank 0 waits (as in a collective): the error comes at once.

@@ -4,6 +4,7 @@ numbers as a model in the server's process, and a dead worker is an error, not a
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import tinker
@@ -72,6 +73,11 @@ def test_user_errors_stay_user_errors_and_a_dead_worker_is_named(local_ray, tmp_
         with pytest.raises(tinker.RequestFailedError, match='outside the vocabulary') as caught:
             training.forward_backward([bad], 'cross_entropy').result()
         assert 'user' in str(caught.value.category).lower()
-        ray.kill(server.app.state.service.host._actor)
+        actor = server.app.state.service.host._actor
+        ray.kill(actor)
+        with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
+            for _ in range(300):  # ray.kill returns before the actor is gone
+                ray.get(actor.__ray_ready__.remote(), timeout=5)
+                time.sleep(0.1)
         with pytest.raises(tinker.RequestFailedError, match=r'model worker .*died'):
             training.optim_step(types.AdamParams()).result()
