@@ -16,6 +16,7 @@ import asyncio
 import base64
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +40,8 @@ PROTO = 'application/x-protobuf'
 #: A future result that is protobuf bytes is stored as ``{PROTO_KEY: base64}``.
 PROTO_KEY = 'protobuf_base64'
 Body = TypeVar('Body', bound=pydantic.BaseModel)
+#: Request ids kept for answering retries of (model, seq_id); a retry comes within seconds.
+REMEMBERED_REQUESTS = 100_000
 
 
 class TinkerAPI:
@@ -48,7 +51,8 @@ class TinkerAPI:
         self.service = service
         self.settings = service.config.tinker
         self.sequencer = Sequencer(self.settings.seq_gap_timeout_s)
-        self.requests: dict[tuple[str, str, int], str] = {}  # (tenant, model id, seq id) -> request id
+        # (tenant, model id, seq id) -> request id, for retries; the oldest are forgotten past the cap.
+        self.requests: OrderedDict[tuple[str, str, int], str] = OrderedDict()
 
     # ---- requests -------------------------------------------------------------------------------
     async def accept(
@@ -67,6 +71,8 @@ class TinkerAPI:
         record = await asyncio.to_thread(service.store.create_future, who.id, run_id, operation)
         if key is not None:
             self.requests[key] = record.id
+            if len(self.requests) > REMEMBERED_REQUESTS:
+                self.requests.popitem(last=False)
 
         def start() -> None:
             with contextlib.suppress(QueueFullError):  # enqueue failed the future with the reason
@@ -75,7 +81,10 @@ class TinkerAPI:
         def fail(message: str) -> None:
             service.store.fail_future(record.id, message, 'user')
 
-        self.sequencer.add(run_id or record.id, seq_id, start, fail)
+        if run_id is None:
+            start()  # sampling: no model order to keep
+        else:
+            self.sequencer.add(run_id, seq_id, start, fail)
         return record.id
 
     def run_of(self, who: Tenant, model_id: str) -> Any:
@@ -474,7 +483,7 @@ def _sample_request(body: Any, default_max_tokens: int) -> tuple[list[int], Samp
     if not tokens:
         raise HTTPException(400, 'the prompt has no tokens')
     given = body.sampling_params
-    stop = given.stop
+    stop = given.stop if isinstance(given.stop, str) or given.stop is None else list(given.stop)
     try:
         params = SamplingParams(
             max_tokens=given.max_tokens if given.max_tokens is not None else default_max_tokens,
@@ -482,8 +491,8 @@ def _sample_request(body: Any, default_max_tokens: int) -> tuple[list[int], Samp
             top_k=given.top_k,
             top_p=given.top_p,
             seed=given.seed,
-            stop=list(stop) if stop is not None and not isinstance(stop, str) and len(stop) else stop or None,
-            ignore_eos=stop is not None and not isinstance(stop, str) and len(stop) == 0,
+            stop=stop or None,
+            ignore_eos=stop == [],  # Tinker's stop=[]: not even EOS stops a sequence
             num_samples=body.num_samples,
             logprobs=body.topk_sample_logprobs or None,
             prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
