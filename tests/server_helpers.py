@@ -6,9 +6,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+from twinkle.server.cli import BackgroundServer
+from twinkle.server.config import ServerConfig
+from twinkle.server.store import Store
 
 
 def free_port() -> int:
@@ -51,3 +58,17 @@ def start_server(model_dir: str, data_dir: Path, port: int) -> subprocess.Popen:
 def add_key(model_dir: str, data_dir: Path, tenant: str) -> str:
     command = server_command(model_dir, data_dir, 0, 'keys', 'add', tenant)
     return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@contextmanager
+def background_server(
+    data_dir: Path, model_dir: str, tenants: tuple[str, ...] = ('alice', 'bob'), **options: Any
+) -> Iterator[tuple[str, dict[str, str], BackgroundServer]]:
+    """A server on a thread of this process (CPU, a free port) with a key per tenant:
+    ``(url, {tenant: key}, server)``; ``options`` are more ``ServerConfig`` fields."""
+    config = ServerConfig.build(base_model=model_dir, port=0, data_dir=str(data_dir), device='cpu', **options)
+    with Store(config.db_path) as store:
+        keys = {name: store.add_tenant(name)[1] for name in tenants}
+    background = BackgroundServer(config)
+    with background as url:
+        yield url, keys, background

@@ -13,15 +13,13 @@ import pytest
 import tinker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_helpers import background_server
 from tinker import types
 
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
 from twinkle.sampler import TorchSampler
-from twinkle.server.cli import BackgroundServer
-from twinkle.server.config import ServerConfig
 from twinkle.server.openai_api import DEFAULT_MAX_TOKENS, error_response
 from twinkle.server.scheduler import QueueFullError
-from twinkle.server.store import Store
 from twinkle.template import Template
 
 MESSAGES = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Count to three.'}]
@@ -32,19 +30,9 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir):
-    config = ServerConfig.build(
-        base_model=tiny_model_dir,
-        port=0,
-        data_dir=str(tmp_path_factory.mktemp('server')),
-        device='cpu',
-        limits={'max_tokens_per_request': 4096},
-    )
-    store = Store(config.db_path)
-    keys = {name: store.add_tenant(name)[1] for name in ('alice', 'bob')}
-    store.close()
-    background = BackgroundServer(config)
-    with background as url:
-        yield url, keys, background.app.state.service
+    data_dir = tmp_path_factory.mktemp('server')
+    with background_server(data_dir, tiny_model_dir, limits={'max_tokens_per_request': 4096}) as (url, keys, running):
+        yield url, keys, running.app.state.service
 
 
 def client(server, tenant: str) -> openai.OpenAI:

@@ -9,12 +9,10 @@ import httpx
 import pytest
 import torch
 from peft import LoraConfig
+from server_helpers import background_server
 
 from twinkle.dataset import DatasetMeta
 from twinkle.model import TransformersModel
-from twinkle.server.cli import BackgroundServer
-from twinkle.server.config import ServerConfig
-from twinkle.server.store import Store
 from twinkle_client import RemoteError, TwinkleClient, init_twinkle_client
 from twinkle_client.dataloader import DataLoader
 from twinkle_client.dataset import Dataset
@@ -23,16 +21,8 @@ from twinkle_client.model import MultiLoraTransformersModel
 
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir):
-    data_dir = tmp_path_factory.mktemp('server')
-    config = ServerConfig.build(
-        base_model=tiny_model_dir, port=0, data_dir=str(data_dir), device='cpu', limits={'max_lora_rank': 32}
-    )
-    store = Store(config.db_path)
-    keys = {name: store.add_tenant(name)[1] for name in ('alice', 'bob')}
-    store.close()
-    background = BackgroundServer(config)
-    with background as url:
-        yield url, keys, background
+    with background_server(tmp_path_factory.mktemp('server'), tiny_model_dir, limits={'max_lora_rank': 32}) as running:
+        yield running
 
 
 @pytest.fixture(scope='module')

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig
+from server_helpers import background_server
 
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SampledSequence, SampleResponse, SamplingParams
@@ -13,9 +14,6 @@ from twinkle.dataset import DatasetMeta
 from twinkle.errors import StateError
 from twinkle.model import TransformersModel
 from twinkle.sampler import TorchSampler as LocalSampler
-from twinkle.server.cli import BackgroundServer
-from twinkle.server.config import ServerConfig
-from twinkle.server.store import Store
 from twinkle.template import Template
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.dataloader import DataLoader
@@ -31,17 +29,8 @@ PROMPTS = [
 
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir):
-    config = ServerConfig.build(
-        base_model=tiny_model_dir,
-        port=0,
-        data_dir=str(tmp_path_factory.mktemp('server')),
-        device='cpu',
-        limits={'max_tokens_per_request': 4096},
-    )
-    store = Store(config.db_path)
-    keys = {name: store.add_tenant(name)[1] for name in ('alice', 'bob')}
-    store.close()
-    with BackgroundServer(config) as url:
+    data_dir = tmp_path_factory.mktemp('server')
+    with background_server(data_dir, tiny_model_dir, limits={'max_tokens_per_request': 4096}) as (url, keys, _):
         yield url, keys
 
 

@@ -13,27 +13,18 @@ import httpx
 import pytest
 import tinker
 import torch
+from server_helpers import background_server
 from tinker import types
 
-from twinkle.server.cli import BackgroundServer
-from twinkle.server.config import ServerConfig
 from twinkle.server.store import Store
 
 
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir):
-    config = ServerConfig.build(
-        base_model=tiny_model_dir,
-        port=0,
-        data_dir=str(tmp_path_factory.mktemp('tinker')),
-        device='cpu',
-        tinker={'fwdbwd_max_chunk_len': 2, 'seq_gap_timeout_s': 2.0, 'retrieve_wait_s': 5.0},
-    )
-    store = Store(config.db_path)
-    keys = {name: store.add_tenant(name)[1] for name in ('alice', 'bob')}
-    store.close()
-    with BackgroundServer(config) as url:
-        yield url, keys, config
+    tinker_settings = {'fwdbwd_max_chunk_len': 2, 'seq_gap_timeout_s': 2.0, 'retrieve_wait_s': 5.0}
+    with background_server(tmp_path_factory.mktemp('tinker'), tiny_model_dir, tinker=tinker_settings) as running:
+        url, keys, background = running
+        yield url, keys, background.app.state.service.config
 
 
 @pytest.fixture(scope='module')

@@ -16,6 +16,7 @@ import pytest
 import tinker
 from hypothesis import given
 from hypothesis import strategies as st
+from server_helpers import background_server
 from tinker import types
 
 import twinkle.server.common
@@ -27,10 +28,7 @@ from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.errors import ConfigurationError, DataError
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import SelfCognitionProcessor
-from twinkle.server.cli import BackgroundServer
 from twinkle.server.common import input_feature_to_datum
-from twinkle.server.config import ServerConfig
-from twinkle.server.store import Store
 from twinkle.server.tinker.common import input_feature_to_datum as seed_000_import
 from twinkle.tinker_client import check_tinker_version
 from twinkle_client import init_tinker_compat_client
@@ -42,13 +40,9 @@ KEY = 'tml-' + 'k' * 40
 
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir):
-    config = ServerConfig.build(
-        base_model=tiny_model_dir, port=0, data_dir=str(tmp_path_factory.mktemp('tinker-seed')), device='cpu'
-    )
-    with Store(config.db_path) as store:
-        key = store.add_tenant('alice')[1]
-    with BackgroundServer(config) as url:
-        yield url, key
+    with background_server(tmp_path_factory.mktemp('tinker-seed'), tiny_model_dir, tenants=('alice',)) as running:
+        url, keys, _ = running
+        yield url, keys['alice']
 
 
 def encode(model_dir: str, path: str, rows: int, template: str = 'Template') -> Dataset:
