@@ -182,8 +182,7 @@ def _serve(server_config: Any, block: bool) -> Any:
         serve(server_config)
         return None
     server = BackgroundServer(server_config)
-    server.url = server.__enter__()
-    server.stop = lambda: server.__exit__(None, None, None)
+    server.start()
     return server
 
 

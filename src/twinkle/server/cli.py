@@ -51,18 +51,26 @@ class BackgroundServer:
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port, log_level='warning'))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> str:
+    def start(self) -> str:
+        """Serve on the thread; the base URL once the server answers."""
         self.thread.start()
         while not self.server.started:
             if not self.thread.is_alive():
                 raise RuntimeError('the server did not start; see the log above')
             self.thread.join(0.05)
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return f'http://{host}:{port}'
+        self.url = f'http://{host}:{port}'
+        return self.url
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
