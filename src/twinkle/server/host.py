@@ -255,9 +255,10 @@ class ModelHost:
         group = self.model.groups[adapter]
         template = group.template or sampler.template
         prompts = [_encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
-        self._check_prompt_lengths(list(enumerate(p['input_ids'] for p in prompts)), params)
-        sampler.weight_version = 0 if base_model else group.optim_step
-        responses = sampler.sample(prompts, params, adapter_name=None if base_model else adapter)
+        if base_model:
+            responses = self.generate(prompts, params, None)
+        else:
+            responses = self.generate(prompts, params, adapter, weight_version=group.optim_step)
         return [asdict(response) for response in responses]
 
     def generate(
