@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from torch import nn
 
 from twinkle import assets
@@ -28,8 +28,11 @@ from twinkle.model.multi_lora import (
     add_adapter,
     inject,
     multi_lora_layers,
+    peft_key,
+    peft_state_dict,
     remove_adapter,
     row_adapters,
+    spec_from_peft,
 )
 
 TOL = 1e-5
@@ -59,7 +62,7 @@ def multi(base_model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for name in SPECS:
             for pname, param in adapter_named_parameters(model, name).items():
-                if pname.endswith('lora_B'):
+                if pname.endswith('lora_B.weight'):
                     param.normal_(0, 0.05, generator=gen)
     return model
 
@@ -84,17 +87,16 @@ def _peft_twin(base_model: nn.Module, multi: nn.Module, name: str) -> nn.Module:
     peft_paths = {p for p, m in inner.named_modules() if hasattr(m, 'lora_A') and 'default' in m.lora_A}
     ours = adapter_named_parameters(multi, name)
     # The same layers are adapted ('all-linear' leaves out lm_head in both).
-    assert peft_paths == {p.rsplit('.', 1)[0] for p in ours}
-    with torch.no_grad():
-        for pname, param in ours.items():
-            path, kind = pname.rsplit('.', 1)
-            inner.get_submodule(path).__getattr__(kind)['default'].weight.copy_(param)
+    assert peft_paths == {p.split('.adapters.')[0] for p in ours}
+    # Our weights in peft's file format, loaded by peft itself.
+    result = set_peft_model_state_dict(twin, peft_state_dict(multi, name))
+    assert not [k for k in result.missing_keys if '.lora_' in k]
     return twin.eval()
 
 
-def _peft_param(twin: nn.Module, pname: str) -> nn.Parameter:
-    path, kind = pname.rsplit('.', 1)
-    return twin.base_model.model.get_submodule(path).__getattr__(kind)['default'].weight
+def _peft_param(twin: nn.Module, pname: str, name: str) -> nn.Parameter:
+    key = peft_key(pname, name).replace('.weight', '.default.weight')
+    return dict(twin.named_parameters())[key]
 
 
 def test_each_row_matches_peft_with_its_adapter_alone(base_model: nn.Module, multi: nn.Module) -> None:
@@ -123,7 +125,7 @@ def test_gradients_go_to_each_rows_own_adapter(base_model: nn.Module, multi: nn.
         twin = _peft_twin(base_model, multi, name)
         _row_losses(twin(ids[rows]).logits, ids[rows]).sum().backward()
         for pname, param in adapter_named_parameters(multi, name).items():
-            ref = _peft_param(twin, pname).grad
+            ref = _peft_param(twin, pname, name).grad
             assert param.grad is not None and ref.abs().max() > 0, pname
             worst = max(worst, (param.grad - ref).abs().max().item())
     print(f'max |grad - peft grad on own rows|: {worst:.2e}')
@@ -182,10 +184,10 @@ def test_single_layer_by_hand() -> None:
     with torch.no_grad():
         linear.weight.copy_(torch.eye(2))
     layer = MultiLoraLinear(linear)
-    adapter = layer.add_adapter('t', r=1, alpha=2)
+    adapter = layer.add_adapter('t', LoraSpec(r=1, alpha=2))
     with torch.no_grad():
-        adapter.lora_A.copy_(torch.tensor([[1.0, 0.0]]))
-        adapter.lora_B.copy_(torch.tensor([[1.0], [0.0]]))
+        adapter.lora_A.weight.copy_(torch.tensor([[1.0, 0.0]]))
+        adapter.lora_B.weight.copy_(torch.tensor([[1.0], [0.0]]))
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     with row_adapters(layer, ['t', None]):
         assert torch.equal(layer(x), torch.tensor([[3.0, 2.0], [3.0, 4.0]]))
@@ -202,7 +204,7 @@ def test_new_adapter_starts_as_base_and_shares_base_weights(base_model: nn.Modul
     q_proj = model.model.layers[0].self_attn.q_proj
     paths = add_adapter(model, 'fresh', LoraSpec(r=8, alpha=16), generator=torch.Generator().manual_seed(0))
     assert 'lm_head' not in paths and len(paths) == 14  # 7 linears in each of 2 layers, not the head
-    assert model.model.layers[0].self_attn.q_proj.base is q_proj  # wrapped, not copied
+    assert model.model.layers[0].self_attn.q_proj.base_layer is q_proj  # wrapped, not copied
     ids = _ids(2, seed=8)
     with torch.no_grad(), row_adapters(model, ['fresh', 'fresh']):
         out = model(ids).logits
@@ -244,7 +246,7 @@ def test_bad_inputs_raise_clear_errors(multi: nn.Module) -> None:
         pass
     with pytest.raises(DataError, match='assigned 2 rows but the batch has 3 rows'), row_adapters(multi, ['a', None]):
         multi(ids)
-    with pytest.raises(DataError, match='one adapter name'), row_adapters(multi, 'a'):
+    with pytest.raises(DataError, match='one adapter name'), row_adapters(multi, 42):
         pass
     with pytest.raises(StateError, match='outside row_adapters'):
         multi(ids)
@@ -254,7 +256,8 @@ def test_bad_inputs_raise_clear_errors(multi: nn.Module) -> None:
             add_adapter(multi, 'e', LoraSpec(r=r, alpha=8))
     with pytest.raises(ConfigurationError, match=r"'nope' matches no linear layer.*'q_proj'"):
         add_adapter(multi, 'e', LoraSpec(r=4, alpha=8, target_modules=('q_proj', 'nope')))
-    with pytest.raises(ConfigurationError, match=r"Invalid LoRA init 'orthogonal'.*\['gaussian', 'kaiming'\]"):
+    accepted = r"\['gaussian', 'kaiming', 'random'\]"
+    with pytest.raises(ConfigurationError, match=rf"Invalid LoRA init 'orthogonal'.*{accepted}"):
         add_adapter(multi, 'e', LoraSpec(r=4, alpha=8, init='orthogonal'))
     with pytest.raises(ConfigurationError, match="'a' already exists"):
         add_adapter(multi, 'a', LoraSpec(r=4, alpha=8))
@@ -264,3 +267,39 @@ def test_bad_inputs_raise_clear_errors(multi: nn.Module) -> None:
         remove_adapter(multi, 'zed')
     # A failed add leaves the model as it was (no half-added adapter).
     assert {k: v.shape for k, v in multi.state_dict().items()} == before
+
+
+def test_one_name_applies_to_every_row(multi: nn.Module) -> None:
+    ids = _ids(3, seed=10)
+    with torch.no_grad(), row_adapters(multi, ['c', 'c', 'c']):
+        listed = multi(ids).logits
+    with torch.no_grad(), row_adapters(multi, 'c'):
+        every = multi(ids).logits
+        assert torch.equal(multi(ids[:1]).logits, every[:1])  # any batch size
+    assert torch.equal(listed, every)
+
+
+@pytest.mark.parametrize('init', [True, 'gaussian', False])
+def test_a_seed_gives_the_adapter_peft_gives(base_model: nn.Module, init: bool | str) -> None:
+    # peft draws A and B from the global RNG layer by layer; these layers draw the same numbers
+    # in the same order, so a local script and the server agree on a seeded adapter.
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=['q_proj', 'down_proj'], init_lora_weights=init)
+    torch.manual_seed(123)
+    twin = get_peft_model(copy.deepcopy(base_model), config)
+    ours = copy.deepcopy(base_model)
+    torch.manual_seed(123)
+    add_adapter(ours, 'x', spec_from_peft(config, ours))
+    theirs = {k.replace('.default.', '.'): v for k, v in twin.named_parameters() if '.lora_' in k}
+    mine = peft_state_dict(ours, 'x')
+    assert set(mine) == set(theirs) and len(mine) == 8
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_unsupported_lora_options_are_refused_by_name(base_model: nn.Module) -> None:
+    with pytest.raises(ConfigurationError, match=r'LoraConfig\(use_dora=True\) is not supported'):
+        spec_from_peft(LoraConfig(r=4, target_modules='all-linear', use_dora=True), base_model)
+    with pytest.raises(ConfigurationError, match=r"LoraConfig\(bias='all'\) is not supported"):
+        spec_from_peft(LoraConfig(r=4, target_modules='all-linear', bias='all'), base_model)
+    # No target_modules: peft's default for the model type (q_proj and v_proj for qwen3).
+    assert spec_from_peft(LoraConfig(r=4), base_model).target_modules == ('q_proj', 'v_proj')
+    assert spec_from_peft(LoraConfig(r=4, lora_alpha=8, use_rslora=True), base_model).scaling == 4.0

@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from peft import PeftModel, get_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
 
 from twinkle.errors import ConfigurationError
 from twinkle.infra.ray.hook import RemoteHandle
+from twinkle.model import multi_lora
 from twinkle.model.group import FULL
 from twinkle.model.transformers import TransformersModel
 from twinkle.sampler.torch_sampler import TorchSampler
@@ -154,26 +153,21 @@ def _run(component: Any, fn: Any, *args: Any, on_rank0: bool = False) -> Any:
 
 
 def _base_weights(model: TransformersModel) -> dict[str, torch.Tensor]:
-    return {
-        canonical_name(name): p.detach()
-        for name, p in model.model.named_parameters()
-        if '.lora_' not in name and 'modules_to_save' not in name
-    }
+    return {canonical_name(name): p.detach() for name, p in model.model.named_parameters() if '.lora_' not in name}
 
 
 def _merged_weights(model: TransformersModel, adapter_name: str) -> dict[str, torch.Tensor]:
     weights = {}
     with torch.no_grad():
-        for name, module in model.model.named_modules():
-            if isinstance(module, LoraLayer) and adapter_name in module.lora_A:
-                base = module.get_base_layer().weight
-                delta = module.get_delta_weight(adapter_name)
-                weights[canonical_name(f'{name}.weight')] = base + delta.to(base.dtype)
+        for path, layer in multi_lora.multi_lora_layers(model.model).items():
+            if adapter_name in layer.adapters:
+                base = layer.base_layer.weight
+                delta = layer.adapters[adapter_name].delta_weight()
+                weights[canonical_name(f'{path}.weight')] = base + delta.to(base.dtype)
     return weights
 
 
 def _adapter_weights(model: TransformersModel, adapter_name: str) -> dict[str, torch.Tensor]:
-    if not isinstance(model.model, PeftModel):
-        raise ConfigurationError('merge_and_sync=False needs an adapter on the model')
-    adapter = get_peft_model_state_dict(model.model, adapter_name=adapter_name, save_embedding_layers=False)
-    return {k: v.detach() for k, v in adapter.items()}
+    if adapter_name not in model.adapter_names:
+        raise ConfigurationError(f'merge_and_sync=False needs an adapter on the model; it has {model.adapter_names}')
+    return {k: v.detach() for k, v in multi_lora.peft_state_dict(model.model, adapter_name).items()}

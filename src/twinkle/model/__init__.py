@@ -1,7 +1,7 @@
 """Models: the methods a training loop calls, over a Hugging Face model with named adapters."""
 
 from twinkle.infra.ray import remote_class
-from twinkle.model.base import TwinkleModel
+from twinkle.model.base import AdapterCall, TwinkleModel
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, CosineWarmupScheduler, LinearWarmupScheduler
 from twinkle.model.transformers import TransformersModel
 
@@ -21,6 +21,7 @@ remote_class(
 __all__ = [
     'OPTIMIZERS',
     'SCHEDULERS',
+    'AdapterCall',
     'CosineWarmupScheduler',
     'LinearWarmupScheduler',
     'TransformersModel',

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from twinkle.data_format import InputFeature, ModelOutput, Trajectory
 
 Inputs = Sequence[InputFeature | Trajectory] | InputFeature | Trajectory
+
+
+@dataclass
+class AdapterCall:
+    """One adapter's share of a mixed pass (``forward_backward_mixed``): what its own
+    ``forward_backward(inputs=..., adapter_name=..., **loss_inputs)`` call would take."""
+
+    adapter_name: str
+    inputs: Inputs
+    loss_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 class TwinkleModel(ABC):

@@ -20,12 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft import PeftModel
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch.optim import Optimizer
 
-from twinkle.errors import CheckpointError, StateError
+from twinkle.errors import CheckpointError, ConfigurationError, StateError
+from twinkle.model import multi_lora
 from twinkle.model.group import TrainGroup
 
 ADAPTER_WEIGHTS = 'adapter_model.safetensors'
@@ -110,7 +109,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_adapter(
-    model: PeftModel,
+    model: torch.nn.Module,
     group: TrainGroup,
     base_model_id: str | None,
     directory: Path,
@@ -119,8 +118,7 @@ def save_adapter(
     """The adapter as PEFT files at the top of ``directory`` (whatever its name), so that
     ``PeftModel.from_pretrained(base, directory)`` loads it. ``weights``: the adapter's whole
     tensors by parameter name, when the model's own are shards (FSDP2)."""
-    # The base weights of a wrapped output head stay frozen: never copy them into every checkpoint.
-    state = get_peft_model_state_dict(model, state_dict=weights, adapter_name=group.name, save_embedding_layers=False)
+    state = multi_lora.peft_state_dict(model, group.name, weights)
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS))
     config = copy.copy(group.config)
     config.base_model_name_or_path = base_model_id
@@ -128,21 +126,20 @@ def save_adapter(
     config.save_pretrained(str(directory))
 
 
-def load_adapter(model: PeftModel, adapter_name: str, directory: Path) -> None:
-    result = set_peft_model_state_dict(model, _adapter_file(directory), adapter_name=adapter_name)
-    missing = [k for k in result.missing_keys if f'.{adapter_name}.' in k]
-    _check_missing(directory, adapter_name, missing)
+def load_adapter(model: torch.nn.Module, adapter_name: str, directory: Path) -> None:
+    try:
+        multi_lora.load_peft_state_dict(model, adapter_name, _adapter_file(directory))
+    except ConfigurationError as e:
+        raise CheckpointError(f'{directory} does not fit adapter {adapter_name!r}: {e}') from e
 
 
-def read_adapter(model: PeftModel, adapter_name: str, directory: Path, names: list[str]) -> dict[str, torch.Tensor]:
+def read_adapter(
+    model: torch.nn.Module, adapter_name: str, directory: Path, names: list[str]
+) -> dict[str, torch.Tensor]:
     """The adapter's weights in ``directory`` keyed by the model's parameter names (``names``):
     what ``load_adapter`` copies in, for a model whose parameters are shards (FSDP2)."""
     weights = _adapter_file(directory)
-    # Ask peft how it names each parameter in the file: feed it markers and see where they land.
-    markers = {name: torch.empty(0) for name in names}
-    saved = get_peft_model_state_dict(model, state_dict=markers, adapter_name=adapter_name, save_embedding_layers=False)
-    name_of = {id(marker): name for name, marker in markers.items()}
-    by_key = {key: name_of[id(marker)] for key, marker in saved.items()}
+    by_key = {multi_lora.peft_key(name, adapter_name): name for name in names}
     _check_missing(directory, adapter_name, [name for key, name in by_key.items() if key not in weights])
     return {name: weights[key] for key, name in by_key.items()}
 

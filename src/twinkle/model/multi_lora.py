@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,22 +36,9 @@ from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNam
 _ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_-]+$')
 
 
-def _init_kaiming(lora_A: torch.Tensor, lora_B: torch.Tensor, generator: torch.Generator | None) -> None:
-    # peft's default (init_lora_weights=True): A like nn.Linear's own init, B zero, so delta = 0.
-    nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5), generator=generator)
-    nn.init.zeros_(lora_B)
-
-
-def _init_gaussian(lora_A: torch.Tensor, lora_B: torch.Tensor, generator: torch.Generator | None) -> None:
-    # peft's init_lora_weights='gaussian': A ~ N(0, 1/r), B zero.
-    nn.init.normal_(lora_A, std=1 / lora_A.shape[0], generator=generator)
-    nn.init.zeros_(lora_B)
-
-
-LORA_INITS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Generator | None], None]] = {
-    'kaiming': _init_kaiming,
-    'gaussian': _init_gaussian,
-}
+#: ``LoraSpec.init`` values: how a new adapter's A and B are drawn (peft's ``init_lora_weights``
+#: True, 'gaussian' and False). The first two keep B = 0, so a new adapter starts as the base model.
+LORA_INITS = ('kaiming', 'gaussian', 'random')
 
 
 @dataclass(frozen=True)
@@ -59,35 +47,63 @@ class LoraSpec:
 
     # Rank of A [r, in] and B [out, r]; > 0.
     r: int
-    # The delta is scaled by alpha / r.
+    # The delta is scaled by alpha / r (alpha / sqrt(r) with use_rslora).
     alpha: float
-    # Leaf (or dotted suffix) names of the linear layers to adapt, or 'all-linear' (every
-    # nn.Linear but the output head, as peft does).
+    # Leaf (or dotted suffix) names of the linear layers to adapt, a regular expression the whole
+    # layer path must match, or 'all-linear' (every nn.Linear but the output head, as peft does).
     target_modules: tuple[str, ...] | str = 'all-linear'
     # Dropout on the adapter's input, in [0, 1).
     dropout: float = 0.0
-    # A name in LORA_INITS; both keep B = 0, so a new adapter starts as the base model.
+    # One of LORA_INITS.
     init: str = 'kaiming'
+    # Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023, "A Rank Stabilization Scaling Factor").
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
 
 class LoraAdapter(nn.Module):
-    """One adapter of one layer: ``lora_A`` [r, in], ``lora_B`` [out, r], scaling alpha / r."""
+    """One adapter of one layer: ``lora_A`` [r, in] then ``lora_B`` [out, r], scaled.
+
+    Without a ``generator`` the weights are drawn from the global RNG in the order and manner
+    peft draws them, so ``torch.manual_seed(s)`` gives the adapter peft gives for that seed."""
 
     def __init__(self, base: nn.Linear, spec: LoraSpec, generator: torch.Generator | None = None):
         super().__init__()
         _check_spec(spec)
         # Like peft's autocast_adapter_dtype: half-precision bases get float32 adapters.
         dtype = torch.float32 if base.weight.dtype in (torch.float16, torch.bfloat16) else base.weight.dtype
-        kwargs = {'dtype': dtype, 'device': base.weight.device}
-        self.lora_A = nn.Parameter(torch.empty(spec.r, base.in_features, **kwargs))
-        self.lora_B = nn.Parameter(torch.empty(base.out_features, spec.r, **kwargs))
-        LORA_INITS[spec.init](self.lora_A.data, self.lora_B.data, generator)
-        self.scaling = spec.alpha / spec.r
+        build = {'device': 'meta'} if generator is not None else {}
+        self.lora_A = nn.Linear(base.in_features, spec.r, bias=False, **build)
+        self.lora_B = nn.Linear(spec.r, base.out_features, bias=False, **build)
+        if generator is not None:
+            self.to_empty(device='cpu')
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
+            nn.init.kaiming_uniform_(self.lora_B.weight, a=math.sqrt(5), generator=generator)
+        _initialise(self.lora_A.weight.data, self.lora_B.weight.data, spec, generator)
+        self.to(device=base.weight.device, dtype=dtype)
+        self.scaling = spec.scaling
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
 
     def forward(self, x_N_I: torch.Tensor) -> torch.Tensor:
-        x_N_I = self.dropout(x_N_I.to(self.lora_A.dtype))
-        return (x_N_I @ self.lora_A.T) @ self.lora_B.T * self.scaling
+        x_N_I = self.dropout(x_N_I.to(self.lora_A.weight.dtype))
+        return self.lora_B(self.lora_A(x_N_I)) * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """B @ A * scaling [out, in]: what merging the adapter adds to the base weight."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+
+def _initialise(lora_A: torch.Tensor, lora_B: torch.Tensor, spec: LoraSpec, generator: torch.Generator | None) -> None:
+    """peft's ``reset_lora_parameters``: A re-drawn, B zero; 'random' keeps nn.Linear's draws."""
+    if spec.init == 'kaiming':  # A like nn.Linear's own init (Hu et al. 2021, section 4.1)
+        nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5), generator=generator)
+    elif spec.init == 'gaussian':
+        nn.init.normal_(lora_A, std=1 / spec.r, generator=generator)
+    if spec.init != 'random':
+        nn.init.zeros_(lora_B)
 
 
 def _check_spec(spec: LoraSpec) -> None:
@@ -105,51 +121,50 @@ def _check_spec(spec: LoraSpec) -> None:
 class RowAssignment:
     """Which rows of the batch use which adapter; shared by every layer of one forward."""
 
-    # One entry per row: an adapter name, or None for the base model only.
-    names: tuple[str | None, ...]
-    # Adapter name -> indices of its rows (CPU, int64).
-    rows: dict[str, torch.Tensor]
-    _by_device: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # One entry per row: an adapter name, or None for the base model only. None here (not a
+    # tuple) means every row, whatever the batch size, uses ``every_row``.
+    names: tuple[str | None, ...] | None
+    # Adapter name -> indices of its rows (CPU, int64); None: all rows.
+    rows: dict[str, torch.Tensor | None]
+    _by_device: dict[torch.device, dict[str, torch.Tensor | None]] = field(default_factory=dict)
 
     @classmethod
-    def from_names(cls, names: Sequence[str | None]) -> RowAssignment:
+    def from_names(cls, names: Sequence[str | None] | str | None) -> RowAssignment:
+        if names is None or isinstance(names, str):
+            return cls(None, {} if names is None else {names: None})
         rows: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             if name is not None:
                 rows.setdefault(name, []).append(i)
+        if len(rows) == 1 and len(next(iter(rows.values()))) == len(names):  # one adapter for the whole batch
+            return cls(tuple(names), dict.fromkeys(rows))
         return cls(tuple(names), {name: torch.tensor(idx, dtype=torch.long) for name, idx in rows.items()})
 
-    def rows_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def rows_on(self, device: torch.device) -> dict[str, torch.Tensor | None]:
         """The row indices on ``device``, copied there once per forward."""
         if device not in self._by_device:
-            self._by_device[device] = {name: idx.to(device) for name, idx in self.rows.items()}
+            self._by_device[device] = {n: None if i is None else i.to(device) for n, i in self.rows.items()}
         return self._by_device[device]
 
 
 class MultiLoraLinear(nn.Module):
-    """A frozen ``nn.Linear`` plus named LoRA adapters, applied per row by ``row_adapters``."""
+    """A frozen ``nn.Linear`` plus named LoRA adapters, applied per row by ``row_adapters``.
+
+    The wrapped layer is ``base_layer``, as peft names it, so base-weight names map the same way."""
 
     def __init__(self, base: nn.Linear):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise ConfigurationError(f'MultiLoraLinear wraps an nn.Linear, got {type(base).__name__}')
-        self.base = base.requires_grad_(False)
+        self.base_layer = base.requires_grad_(False)
         self.adapters = nn.ModuleDict()
         self.assignment: RowAssignment | None = None
 
-    def add_adapter(
-        self,
-        name: str,
-        r: int,
-        alpha: float,
-        dropout: float = 0.0,
-        init: str = 'kaiming',
-        generator: torch.Generator | None = None,
-    ) -> LoraAdapter:
+    def add_adapter(self, name: str, spec: LoraSpec, generator: torch.Generator | None = None) -> LoraAdapter:
         _check_name(name)
         if name in self.adapters:
             raise ConfigurationError(f'Adapter {name!r} already exists in this layer; remove it first')
-        adapter = LoraAdapter(self.base, LoraSpec(r, alpha, dropout=dropout, init=init), generator)
+        adapter = LoraAdapter(self.base_layer, spec, generator)
         self.adapters[name] = adapter
         return adapter
 
@@ -160,18 +175,17 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [B, ..., in] -> [B, ..., out]; row b goes through ``assignment.names[b]``."""
-        if self.assignment is None:
+        assignment = self.assignment
+        if assignment is None:
             raise StateError('MultiLoraLinear ran outside row_adapters(model, names): wrap the forward in it')
-        if len(self.assignment.names) != x.shape[0]:
-            raise DataError(
-                f'row_adapters assigned {len(self.assignment.names)} rows but the batch has {x.shape[0]} rows'
-            )
-        out = self.base(x)
-        for name, idx in self.assignment.rows_on(x.device).items():
+        if assignment.names is not None and len(assignment.names) != x.shape[0]:
+            raise DataError(f'row_adapters assigned {len(assignment.names)} rows but the batch has {x.shape[0]} rows')
+        out = self.base_layer(x)
+        for name, idx in assignment.rows_on(x.device).items():
             if name not in self.adapters:  # this adapter does not target this layer: base only
                 continue
             adapter = self.adapters[name]
-            if idx.numel() == x.shape[0]:  # the whole batch: no gather needed
+            if idx is None:  # the whole batch: no gather needed
                 out = out + adapter(x).to(out.dtype)
             else:
                 out = out.index_add(0, idx, adapter(x.index_select(0, idx)).to(out.dtype))
@@ -197,46 +211,46 @@ def adapter_names(model: nn.Module) -> list[str]:
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Linear | MultiLoraLinear]:
-    """Candidate layers by path: plain linears and already wrapped ones (not their inner base)."""
-    wrapped = multi_lora_layers(model)
-    inner = {f'{path}.base' if path else 'base' for path in wrapped}
-    plain = {
-        path: module
-        for path, module in model.named_modules()
-        if isinstance(module, nn.Linear) and path not in inner and path
-    }
-    return {**plain, **wrapped}
+    """Candidate layers by path, in module order: plain linears and wrapped ones (not what is inside them)."""
+    layers: dict[str, nn.Linear | MultiLoraLinear] = {}
+    inside: str | None = None  # the wrapped layer whose children are being skipped
+    for path, module in model.named_modules():
+        if inside is not None and path.startswith(inside):
+            continue
+        if isinstance(module, MultiLoraLinear):
+            layers[path], inside = module, f'{path}.'
+        elif isinstance(module, nn.Linear) and path:
+            layers[path] = module
+    return layers
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
     get = getattr(model, 'get_output_embeddings', None)
     head = get() if callable(get) else None
-    return head.base if isinstance(head, MultiLoraLinear) else head
+    return head.base_layer if isinstance(head, MultiLoraLinear) else head
 
 
 def resolve_targets(model: nn.Module, target_modules: tuple[str, ...] | str) -> list[str]:
-    """Paths of the linear layers ``target_modules`` names (see ``LoraSpec``), sorted."""
+    """Paths of the linear layers ``target_modules`` names (see ``LoraSpec``), in module order."""
     layers = _linear_layers(model)
     if target_modules == 'all-linear':
         head = _output_head(model)
-        paths = [p for p, m in layers.items() if m is not head and getattr(m, 'base', None) is not head]
+        paths = [p for p, m in layers.items() if m is not head and getattr(m, 'base_layer', None) is not head]
         if not paths:
             raise ConfigurationError('target_modules="all-linear" found no linear layer besides the output head')
-        return sorted(paths)
-    if isinstance(target_modules, str) or not target_modules:
-        raise ConfigurationError(
-            f'Invalid target_modules {target_modules!r}: give a non-empty tuple of layer names or "all-linear"'
-        )
-    paths = set()
+        return paths
+    if isinstance(target_modules, str):
+        paths = [p for p in layers if re.fullmatch(target_modules, p)]
+        if not paths:
+            raise ConfigurationError(f'target_modules pattern {target_modules!r} matches no linear layer path')
+        return paths
+    if not target_modules:
+        raise ConfigurationError('target_modules is empty: give layer names, a pattern or "all-linear"')
     for target in target_modules:
-        found = [p for p in layers if p == target or p.endswith(f'.{target}')]
-        if not found:
+        if not any(p == target or p.endswith(f'.{target}') for p in layers):
             leaves = sorted({p.rsplit('.', 1)[-1] for p in layers})
-            raise ConfigurationError(
-                f'target_modules entry {target!r} matches no linear layer; leaf names are {leaves}'
-            )
-        paths.update(found)
-    return sorted(paths)
+            raise ConfigurationError(f'target_modules entry {target!r} matches no linear layer; leaves: {leaves}')
+    return [p for p in layers if any(p == t or p.endswith(f'.{t}') for t in target_modules)]
 
 
 def _wrap(model: nn.Module, path: str) -> MultiLoraLinear:
@@ -266,7 +280,7 @@ def add_adapter(model: nn.Module, name: str, spec: LoraSpec, generator: torch.Ge
         raise ConfigurationError(f'Adapter {name!r} already exists; remove_adapter(model, {name!r}) first')
     paths = resolve_targets(model, spec.target_modules)
     for path in paths:
-        _wrap(model, path).add_adapter(name, spec.r, spec.alpha, spec.dropout, spec.init, generator)
+        _wrap(model, path).add_adapter(name, spec, generator)
     freeze_base(model)
     return paths
 
@@ -288,7 +302,7 @@ def remove_adapter(model: nn.Module, name: str) -> None:
         layer.remove_adapter(name)
         if not layer.adapters:
             parent_path, _, leaf = path.rpartition('.')
-            setattr(model.get_submodule(parent_path), leaf, layer.base)
+            setattr(model.get_submodule(parent_path), leaf, layer.base_layer)
 
 
 def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
@@ -297,9 +311,10 @@ def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
 
 
 def adapter_named_parameters(model: nn.Module, name: str) -> dict[str, nn.Parameter]:
-    """Adapter ``name``'s parameters keyed '<layer path>.lora_A' / '.lora_B'."""
+    """Adapter ``name``'s parameters by their names in ``model.named_parameters()``
+    ('<layer path>.adapters.<name>.lora_A.weight' and '.lora_B.weight')."""
     params = {
-        f'{path}.{pname}': param
+        f'{path}.adapters.{name}.{pname}': param
         for path, layer in multi_lora_layers(model).items()
         if name in layer.adapters
         for pname, param in layer.adapters[name].named_parameters()
@@ -309,23 +324,125 @@ def adapter_named_parameters(model: nn.Module, name: str) -> dict[str, nn.Parame
     return params
 
 
-@contextmanager
-def row_adapters(model: nn.Module, names: Sequence[str | None]) -> Iterator[RowAssignment]:
-    """Within the block, row ``i`` of every batch through ``model`` uses adapter ``names[i]``
-    (``None``: the base model only). Nested blocks restore the outer assignment on exit."""
-    if isinstance(names, str) or not isinstance(names, Sequence):
-        raise DataError(f'row_adapters takes a list with one adapter name (or None) per row, got {names!r}')
+def assign_rows(model: nn.Module, names: Sequence[str | None] | str | None) -> RowAssignment:
+    """From now on, row ``i`` of every batch through ``model`` uses adapter ``names[i]``
+    (``None``: the base model only); a single name (or None) applies to every row. The
+    assignment stays until the next call, so a backward that recomputes layers (gradient
+    checkpointing) sees the rows its forward saw."""
+    if not (names is None or isinstance(names, Sequence)):
+        raise DataError(f'row_adapters takes one adapter name (or None) per row, or one for all; got {names!r}')
     known = set(adapter_names(model))
-    for name in names:
+    for name in [names] if names is None or isinstance(names, str) else names:
         if name is not None and name not in known:
             raise UnknownNameError('adapter', name, known)
     assignment = RowAssignment.from_names(names)
-    layers = list(multi_lora_layers(model).values())
-    previous = [layer.assignment for layer in layers]
-    for layer in layers:
+    for layer in multi_lora_layers(model).values():
         layer.assignment = assignment
+    return assignment
+
+
+@contextmanager
+def row_adapters(model: nn.Module, names: Sequence[str | None] | str | None) -> Iterator[RowAssignment]:
+    """``assign_rows`` within the block; the assignment before it is restored on exit."""
+    layers = multi_lora_layers(model)
+    previous = {path: layer.assignment for path, layer in layers.items()}
     try:
-        yield assignment
+        yield assign_rows(model, names)
     finally:
-        for layer, before in zip(layers, previous, strict=True):
-            layer.assignment = before
+        for path, before in previous.items():
+            layers[path].assignment = before
+
+
+# ---- peft interoperability ----------------------------------------------------------------------
+#: Prefix of every key in a peft adapter file (``adapter_model.safetensors``).
+PEFT_PREFIX = 'base_model.model.'
+
+
+def peft_key(param_name: str, name: str) -> str:
+    """The key peft files use for one of adapter ``name``'s parameters (a name from
+    ``adapter_named_parameters``): '<path>.adapters.<name>.lora_A.weight' -> 'base_model.model.<path>.lora_A.weight'."""
+    path, marker, rest = param_name.partition(f'.adapters.{name}.')
+    if not marker:
+        raise ConfigurationError(f'{param_name!r} is not a parameter of adapter {name!r}')
+    return f'{PEFT_PREFIX}{path}.{rest}'
+
+
+def peft_state_dict(
+    model: nn.Module, name: str, weights: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Adapter ``name``'s tensors keyed as peft saves them (``PeftModel.from_pretrained`` loads
+    them); ``weights`` replaces the model's own tensors by parameter name (gathered shards)."""
+    params = adapter_named_parameters(model, name)
+    return {peft_key(pname, name): (weights or {}).get(pname, param) for pname, param in params.items()}
+
+
+def load_peft_state_dict(model: nn.Module, name: str, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a peft adapter file's tensors into adapter ``name``. Every parameter must be there
+    with its shape; keys for layers the adapter does not have are an error too."""
+    params = {peft_key(pname, name): param for pname, param in adapter_named_parameters(model, name).items()}
+    state = {_without_adapter_name(key, name): tensor for key, tensor in state.items()}
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ConfigurationError(
+            f'the weights do not fit adapter {name!r}: {len(missing)} missing (e.g. {missing[:1]}), '
+            f'{len(unexpected)} unexpected (e.g. {unexpected[:1]})'
+        )
+    with torch.no_grad():
+        for key, param in params.items():
+            if param.shape != state[key].shape:
+                raise ConfigurationError(f'weight {key!r} has shape {tuple(state[key].shape)}; expected {param.shape}')
+            param.copy_(state[key])
+
+
+def _without_adapter_name(key: str, name: str) -> str:
+    """Keys saved with the adapter's name in them ('.lora_A.<name>.weight') as peft files hold them."""
+    return key.replace(f'.lora_A.{name}.', '.lora_A.').replace(f'.lora_B.{name}.', '.lora_B.')
+
+
+#: ``LoraConfig`` fields left at a value other than this are features these layers do not have.
+_UNSUPPORTED_LORA = {
+    'bias': 'none',
+    'fan_in_fan_out': False,
+    'modules_to_save': None,
+    'layers_to_transform': None,
+    'use_dora': False,
+    'exclude_modules': None,
+    'rank_pattern': {},
+    'alpha_pattern': {},
+}
+
+
+def spec_from_peft(config: Any, model: nn.Module) -> LoraSpec:
+    """The ``LoraSpec`` of a peft ``LoraConfig``; other PEFT methods and LoRA options these
+    layers do not implement are refused by name."""
+    if type(config).__name__ != 'LoraConfig':
+        raise ConfigurationError(f'only LoRA adapters are supported; got a {type(config).__name__}')
+    for field_name, default in _UNSUPPORTED_LORA.items():
+        value = getattr(config, field_name, default)
+        if value != default and not (default is None and not value):
+            raise ConfigurationError(f'LoraConfig({field_name}={value!r}) is not supported; leave it at {default!r}')
+    init = {True: 'kaiming', 'gaussian': 'gaussian', False: 'random'}.get(config.init_lora_weights)
+    if init is None:
+        raise one_of('LoraConfig init_lora_weights', config.init_lora_weights, [True, False, 'gaussian'])
+    return LoraSpec(
+        r=config.r,
+        alpha=config.lora_alpha,
+        target_modules=_peft_targets(config.target_modules, model),
+        dropout=config.lora_dropout,
+        init=init,
+        use_rslora=config.use_rslora,
+    )
+
+
+def _peft_targets(targets: Any, model: nn.Module) -> tuple[str, ...] | str:
+    """peft's ``target_modules``: a list, a pattern, 'all-linear', or None for the model type's default."""
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        model_type = getattr(getattr(model, 'config', None), 'model_type', None)
+        if model_type not in DEFAULTS:
+            raise ConfigurationError(f'give LoraConfig(target_modules=...): no default is known for {model_type!r}')
+        return tuple(DEFAULTS[model_type])
+    if isinstance(targets, str):
+        return targets
+    return tuple(sorted(targets))

@@ -34,7 +34,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from peft import PeftModel
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from twinkle.errors import ConfigurationError, StateError
@@ -229,7 +228,7 @@ def _check_mesh(mesh: DeviceMesh) -> None:
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules FSDP2 shards one by one: those whose class ``_no_split_modules`` names."""
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = model
     names = set(getattr(base, '_no_split_modules', None) or ())
     layers = [module for module in base.modules() if type(module).__name__ in names]
     if not layers:

@@ -4,6 +4,7 @@ own optimizer, schedule, loss and accumulation count, behind the methods the use
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import re
 import time
@@ -12,9 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
-from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
-from peft.tuners.tuners_utils import BaseTunerLayer
+from peft import LoraConfig, PeftConfig
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
@@ -25,7 +24,8 @@ from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss, LossOutput
 from twinkle.metric import METRICS, Metric, TrainMetric
 from twinkle.model import checkpoint as ckpt
-from twinkle.model.base import Inputs, TwinkleModel
+from twinkle.model import multi_lora
+from twinkle.model.base import AdapterCall, Inputs, TwinkleModel
 from twinkle.model.group import FULL, Pending, TrainGroup
 from twinkle.model.optim import build_optimizer, build_scheduler
 from twinkle.model.parallel import ModelParallel
@@ -101,11 +101,12 @@ class TransformersModel(TwinkleModel):
 
     # ---- adapters and components ---------------------------------------------------------------
     def add_adapter_to_model(
-        self, adapter_name: str, config_or_dir: PeftConfig | str, *, gradient_accumulation_steps: int = 1
+        self, adapter_name: str, config_or_dir: LoraConfig | str, *, gradient_accumulation_steps: int = 1
     ) -> None:
-        """Add a LoRA (or other PEFT) adapter named ``adapter_name``; from then on the base
-        weights are frozen. ``config_or_dir`` is a ``peft`` config, or a saved adapter directory
-        whose config and weights are loaded."""
+        """Add a LoRA adapter named ``adapter_name``; from then on the base weights are frozen.
+        ``config_or_dir`` is a peft ``LoraConfig``, or a saved adapter directory whose config and
+        weights are loaded. The layers are this project's (``twinkle.model.multi_lora``): every
+        adapter stays in the model, and one forward pass can run each row through its own."""
         if not isinstance(adapter_name, str) or not _ADAPTER_NAME.match(adapter_name):
             raise ConfigurationError(f'adapter name {adapter_name!r} must be non-empty letters, digits, "_" or "-"')
         if adapter_name in self.groups:
@@ -117,47 +118,30 @@ class TransformersModel(TwinkleModel):
             weights_dir = Path(resolve_model(config_or_dir))
             config_or_dir = PeftConfig.from_pretrained(str(weights_dir))
         if not isinstance(config_or_dir, PeftConfig):
-            raise ConfigurationError(f'expected a peft config (e.g. LoraConfig) or a directory; got {config_or_dir!r}')
-        prefix = PEFT_TYPE_TO_PREFIX_MAPPING.get(config_or_dir.peft_type, '')
-        if adapter_name in prefix:
-            # peft would mistake such an adapter's weights for its own module names on loading.
-            raise ConfigurationError(f'adapter name {adapter_name!r} is part of the prefix {prefix!r}; choose another')
-        before = {name for name, _ in self.model.named_parameters()}
-        try:
-            if isinstance(self.model, PeftModel):
-                self.model.add_adapter(adapter_name, config_or_dir)
-            else:
-                self.model = get_peft_model(self.model, config_or_dir, adapter_name=adapter_name)
-                self.groups.pop(FULL, None)
-        except BaseException:
-            self._discard_layers(adapter_name)  # peft may fail after wrapping some layers
-            raise
-        params = [
-            p for name, p in self.model.named_parameters() if name not in before and adapter_name in name.split('.')
-        ]
+            raise ConfigurationError(f'expected a peft LoraConfig or an adapter directory; got {config_or_dir!r}')
+        spec = multi_lora.spec_from_peft(config_or_dir, self.model)
+        multi_lora.add_adapter(self.model, adapter_name, spec)
+        self.groups.pop(FULL, None)
         self.groups[adapter_name] = TrainGroup(
             name=adapter_name,
-            params=params,
+            params=multi_lora.adapter_parameters(self.model, adapter_name),
             gradient_accumulation_steps=gradient_accumulation_steps,
             config=config_or_dir,
         )
         if weights_dir is not None:
-            ckpt.load_adapter(self.model, adapter_name, weights_dir)
+            try:
+                ckpt.load_adapter(self.model, adapter_name, weights_dir)
+            except BaseException:
+                self.remove_adapter(adapter_name)
+                raise
         self._parallel.adapter_added(self.groups[adapter_name])
-        # Not _activate: after delete_adapter, peft may still name a removed adapter of this name
-        # as active, and only set_adapter makes the new one's weights trainable.
-        self.model.set_adapter(adapter_name)
         self._mode = None  # the new LoRA modules start in train mode whatever the rest is in
 
-    def _discard_layers(self, adapter_name: str) -> None:
-        """Remove whatever layers of ``adapter_name`` a failed ``add_adapter_to_model`` left behind."""
-        for module in self.model.modules():
-            if isinstance(module, BaseTunerLayer) and any(
-                adapter_name in getattr(module, layer, {}) for layer in module.adapter_layer_names
-            ):
-                module.delete_adapter(adapter_name)
-        if isinstance(self.model, PeftModel):
-            self.model.peft_config.pop(adapter_name, None)
+    def remove_adapter(self, adapter_name: str) -> None:
+        """Drop an adapter, its layers and its training state."""
+        self._group(adapter_name)
+        multi_lora.remove_adapter(self.model, adapter_name)
+        del self.groups[adapter_name]
 
     @property
     def adapter_names(self) -> list[str]:
@@ -233,10 +217,9 @@ class TransformersModel(TwinkleModel):
         """An evaluation-mode forward pass without gradients (``disable_lora=True``: the base
         model alone). ``calculate_loss`` afterwards feeds the evaluation metrics."""
         group = self._group(adapter_name)
-        lora_off = self.model.disable_adapter() if disable_lora and self.adapter_names else contextlib.nullcontext()
         features = self._features(group, inputs)
-        with torch.no_grad(), lora_off:
-            batch, outputs = self._run(group, features, training=False)
+        with torch.no_grad():
+            batch, outputs = self._run(group, features, training=False, lora=not disable_lora)
         group.pending = Pending(batch, outputs, training=False, rows=len(features))
         return _with_logps(outputs['logits'], batch)
 
@@ -288,6 +271,76 @@ class TransformersModel(TwinkleModel):
             num_tokens=sum(len(f['input_ids']) for f in features), elapsed_s=time.perf_counter() - started
         )
         return ModelOutput(loss=total / max(items, 1.0), num_tokens=int(trained))
+
+    def forward_backward_mixed(self, calls: Sequence[AdapterCall], *, forward_only: bool = False) -> list[ModelOutput]:
+        """Several adapters' ``forward_backward`` (or ``forward_only``) calls as one pass: every
+        call's rows go through the base model together, each row through its own adapter, and
+        each adapter gets the loss, gradient, logprobs and counters it would get alone.
+
+        The adapters must differ and share a collation (``batch_key``). ``forward_only`` leaves
+        each adapter's forward pending, as ``forward_only`` does, for ``calculate_loss``."""
+        groups = [self._group(call.adapter_name) for call in calls]
+        _check_mixable(groups, [self.batch_key(group.name) for group in groups])
+        features = [self._features(group, call.inputs) for group, call in zip(groups, calls, strict=True)]
+        for rows, call in zip(features, calls, strict=True):
+            next(_chunks(rows, None, call.loss_inputs))  # per-row loss inputs match the rows
+        started = time.perf_counter()
+        self._parallel.prepare(self.model, self.groups.values())
+        self._set_mode(not forward_only)
+        flat = [row for rows in features for row in rows]
+        pad = self._template_for(groups[0]).pad_token_id
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in groups[0].processor(flat, pad).items()}
+        multi_lora.assign_rows(self.model, [g.name for g, rows in zip(groups, features, strict=True) for _ in rows])
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            logits = self._logits(batch)
+        spans = list(itertools.accumulate((len(rows) for rows in features), initial=0))
+        parts = [({k: v[a:b] for k, v in batch.items()}, {'logits': logits[a:b]}) for a, b in itertools.pairwise(spans)]
+        if forward_only:
+            for group, rows, (part, out) in zip(groups, features, parts, strict=True):
+                group.pending = Pending(part, out, training=False, rows=len(rows))
+            return [_with_logps(out['logits'], part) for part, out in parts]
+        losses = [
+            self._loss(group, part, out, True, call.loss_inputs)
+            for group, call, (part, out) in zip(groups, calls, parts, strict=True)
+        ]
+        return self._mixed_backward(groups, features, parts, losses, started)
+
+    def _mixed_backward(
+        self,
+        groups: list[TrainGroup],
+        features: list[list[InputFeature]],
+        parts: list[tuple[dict, dict]],
+        losses: list[LossOutput],
+        started: float,
+    ) -> list[ModelOutput]:
+        """One backward of the summed losses: adapters share no parameter, so each gets the
+        gradient of its own loss; then each group's counters, as ``forward_backward`` keeps them."""
+        for group, loss in zip(groups, losses, strict=True):
+            if not loss.loss.requires_grad:
+                raise StateError(f'the loss of adapter {group.name!r} does not require grad: nothing would be trained')
+        torch.stack([loss.loss for loss in losses]).sum().backward()
+        trained = [(part['labels'] != IGNORE_INDEX).sum().float() for part, _ in parts]
+        rows_sums = [torch.stack([loss.loss.detach().float(), loss.num_items.float()]) for loss in losses]
+        sums = torch.cat([torch.stack(rows_sums), torch.stack(trained)[:, None]], dim=1)
+        sums = self._parallel.sum_(sums).tolist()
+        elapsed = time.perf_counter() - started
+        outputs = []
+        for group, rows, loss, (total, items, trained) in zip(groups, features, losses, sums, strict=True):
+            group.pending_items = group.pending_items + loss.num_items.detach()
+            group.micro_step += 1
+            group.consumed_train_samples += len(rows)
+            group.stats.accumulate(num_tokens=sum(len(f['input_ids']) for f in rows), elapsed_s=elapsed)
+            outputs.append(ModelOutput(loss=total / max(items, 1.0), num_tokens=int(trained)))
+        return outputs
+
+    def batch_key(self, adapter_name: str | None = None) -> tuple | None:
+        """Adapters whose keys are equal can share a ``forward_backward_mixed`` pass (the same
+        collation); None: this adapter's rows cannot be mixed with others (packed rows)."""
+        group = self._group(adapter_name)
+        processor = group.processor
+        if group.name == FULL or processor.padding_free:
+            return None
+        return (type(processor), processor.padding_side, self._template_for(group).pad_token_id)
 
     # ---- optimizer ------------------------------------------------------------------------------
     def clip_grad_norm(
@@ -497,31 +550,36 @@ class TransformersModel(TwinkleModel):
                 bad = low if low < 0 else high
                 raise DataError(f'input row {index} has token id {bad}, outside the vocabulary [0, {vocab})')
 
-    def _activate(self, group: TrainGroup) -> None:
-        if isinstance(self.model, PeftModel) and self.model.active_adapter != group.name:
-            self.model.set_adapter(group.name)
-
-    def _run(self, group: TrainGroup, rows: Sequence[InputFeature], training: bool) -> tuple[dict, dict]:
+    def _run(
+        self, group: TrainGroup, rows: Sequence[InputFeature], training: bool, lora: bool = True
+    ) -> tuple[dict, dict]:
+        """The group's rows through the model (``lora=False``: the base model alone)."""
         self._parallel.prepare(self.model, self.groups.values())  # the first forward: sync, then shard
-        self._activate(group)
-        if self._mode is not training:
-            # Every module, not the top one alone: a fresh PeftModel wrapper says 'training' while
-            # the model inside it is still in from_pretrained's eval mode (no dropout).
-            self.model.train(training)
-            self._mode = training
+        self._set_mode(training)
         pad = self._template_for(group).pad_token_id
         batch = {k: v.to(self.device, non_blocking=True) for k, v in group.processor(rows, pad).items()}
+        multi_lora.assign_rows(self.model, group.name if lora and group.name != FULL else None)
+        return batch, {'logits': self._logits(batch)}
+
+    def _set_mode(self, training: bool) -> None:
+        if self._mode is not training:
+            # Every module, not the top one alone: new LoRA modules start in train mode while the
+            # model around them is still in from_pretrained's eval mode (no dropout).
+            self.model.train(training)
+            self._mode = training
+
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
         with self._autocast():
-            logits = self.model(**model_inputs, use_cache=False).logits
-        return batch, {'logits': logits}
+            return self.model(**model_inputs, use_cache=False).logits
 
     def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Label-token logprobs under the base model with every adapter switched off: the KL
         reference of GRPO and DPO, at the cost of one forward pass and no extra weights."""
-        model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
-        with torch.no_grad(), self.model.disable_adapter(), self._autocast():
-            logits = self.model(**model_inputs, use_cache=False).logits
+        # The base model, then back to the rows the training forward used: gradient
+        # checkpointing recomputes those layers during backward.
+        with torch.no_grad(), multi_lora.row_adapters(self.model, None):
+            logits = self._logits(batch)
         return _with_logps(logits, batch).logps
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -613,6 +671,14 @@ def _with_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> ModelOu
         logps = torch.log_softmax(logits.detach().float(), dim=-1)
         logps = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
     return ModelOutput(logits=logits, logps=logps, num_tokens=int(mask.sum()))
+
+
+def _check_mixable(groups: list[TrainGroup], keys: list[tuple | None]) -> None:
+    names = [group.name for group in groups]
+    if not groups or len(set(names)) != len(names):
+        raise ConfigurationError(f'a mixed pass needs one call per adapter, each adapter once; got {names}')
+    if len(groups) > 1 and (None in keys or len(set(keys)) != 1):
+        raise ConfigurationError(f'adapters {names} collate rows differently (processor, padding, pad token)')
 
 
 def _describe(optimizer: torch.optim.Optimizer | None) -> str:

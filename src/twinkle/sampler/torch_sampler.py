@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import PeftConfig
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from twinkle.data_format import SampledSequence, SampleResponse, SamplingParams, TokenLogprob
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, UnknownNameError
 from twinkle.hub import resolve_model
+from twinkle.model import multi_lora
 from twinkle.sampler.base import SAMPLERS, Completion, Prompt, SampleInputs, Sampler
 from twinkle.sampler.logits import choose, processed_scores
 from twinkle.template import Template
@@ -72,7 +73,7 @@ class TorchSampler(Sampler):
     @classmethod
     def from_model(
         cls,
-        model: PreTrainedModel | PeftModel,
+        model: PreTrainedModel,
         model_id: str | None = None,
         template: str | Template | None = None,
     ) -> TorchSampler:
@@ -83,9 +84,7 @@ class TorchSampler(Sampler):
 
         ``adapter_name`` picks one of the model's adapters; without it the base model samples,
         every adapter switched off. Each call leaves the model as it found it: each module's
-        train/eval mode, the active adapter and which parameters require grad (peft's
-        ``set_adapter`` changes the last two). Build it after adding adapters to a
-        ``TransformersModel``: the first one wraps the model in a new ``PeftModel``. ``model_id``
+        train/eval mode, which adapter rows use, and which parameters require grad. ``model_id``
         (for the tokenizer) defaults to the directory the model was loaded from.
 
         Example::
@@ -95,10 +94,9 @@ class TorchSampler(Sampler):
             sampler = TorchSampler.from_model(trainer.model)
             responses = sampler.sample(prompts, SamplingParams(max_tokens=16), adapter_name='policy')
         """
-        if not isinstance(model, (PreTrainedModel, PeftModel)):
+        if not isinstance(model, PreTrainedModel):
             raise ConfigurationError(
-                f'from_model takes a transformers PreTrainedModel or a peft PeftModel (TransformersModel.model); '
-                f'got {type(model).__name__}'
+                f'from_model takes a transformers PreTrainedModel (TransformersModel.model); got {type(model).__name__}'
             )
         sampler = cls.__new__(cls)
         model_id = model_id or getattr(model.config, 'name_or_path', None) or None
@@ -109,7 +107,7 @@ class TorchSampler(Sampler):
 
     def _attach(
         self,
-        model: PreTrainedModel | PeftModel,
+        model: PreTrainedModel,
         model_id: str | None,
         device: torch.device,
         max_batch_size: int | None,
@@ -117,7 +115,7 @@ class TorchSampler(Sampler):
     ) -> None:
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
             raise ConfigurationError(f'max_batch_size must be a positive integer or None; got {max_batch_size!r}')
-        self.model: PreTrainedModel | PeftModel = model
+        self.model: PreTrainedModel = model
         self.model_id = model_id
         self.device = device
         self.max_batch_size = max_batch_size
@@ -129,7 +127,7 @@ class TorchSampler(Sampler):
     # ---- adapters and weights -------------------------------------------------------------------
     @property
     def adapter_names(self) -> list[str]:
-        return list(self.model.peft_config) if isinstance(self.model, PeftModel) else []
+        return multi_lora.adapter_names(self.model)
 
     def add_adapter(self, adapter_name: str, config_or_dir: PeftConfig | str) -> None:
         """Add a LoRA adapter: a ``peft`` config (weights as initialised) or a saved adapter
@@ -172,10 +170,7 @@ class TorchSampler(Sampler):
             self._ensure_adapter(adapter_name, config)
         if adapter_name not in self.adapter_names:
             raise UnknownNameError('adapter', adapter_name, self.adapter_names)
-        result = set_peft_model_state_dict(self.model, dict(weights), adapter_name=adapter_name)
-        missing = [k for k in result.missing_keys if '.lora_' in k and f'.{adapter_name}.' in k]
-        if missing:
-            raise ConfigurationError(f'adapter {adapter_name!r} weights lack {missing[:3]} ({len(missing)} missing)')
+        multi_lora.load_peft_state_dict(self.model, adapter_name, weights)
 
     def _own_weights(self, action: str) -> None:
         if self.shared:
@@ -187,10 +182,7 @@ class TorchSampler(Sampler):
     def _ensure_adapter(self, adapter_name: str, config: PeftConfig) -> None:
         if adapter_name in self.adapter_names:
             return
-        if isinstance(self.model, PeftModel):
-            self.model.add_adapter(adapter_name, config)
-        else:
-            self.model = get_peft_model(self.model, config, adapter_name=adapter_name)
+        multi_lora.add_adapter(self.model, adapter_name, multi_lora.spec_from_peft(config, self.model))
         self.model.requires_grad_(False).eval()
 
     # ---- sampling -------------------------------------------------------------------------------
@@ -247,31 +239,20 @@ class TorchSampler(Sampler):
     @contextlib.contextmanager
     def _sampling_with(self, adapter: str | None) -> Iterator[None]:
         """The model in eval mode with ``adapter`` on (``None``: every adapter off); afterwards
-        each module's mode, the active adapter and the ``requires_grad`` flags are put back, so
+        each module's mode, the rows' adapters and the ``requires_grad`` flags are put back, so
         a model shared with a trainer (``from_model``) trains on as if nothing had happened."""
         model = self.model
         modes = [(module, module.training) for module in model.modules()]
         grads = [(param, param.requires_grad) for param in model.parameters()]
-        active = model.active_adapter if isinstance(model, PeftModel) else None
         model.eval()
         try:
-            with self._adapter(adapter):
+            with multi_lora.row_adapters(model, adapter):
                 yield
         finally:
-            if isinstance(model, PeftModel) and model.active_adapter != active:
-                model.set_adapter(active)
             for param, flag in grads:
                 param.requires_grad_(flag)
             for module, mode in modes:
                 module.training = mode
-
-    def _adapter(self, adapter: str | None) -> Any:
-        if not isinstance(self.model, PeftModel):
-            return contextlib.nullcontext()
-        if adapter is None:
-            return self.model.disable_adapter()
-        self.model.set_adapter(adapter)
-        return contextlib.nullcontext()
 
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
         vocab = self.model.get_input_embeddings().num_embeddings

@@ -28,11 +28,11 @@ from twinkle.errors import StateError, TwinkleError, UnknownNameError
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
 from twinkle.server.deps import Who
-from twinkle.server.host import CapacityError, ModelHost
+from twinkle.server.host import CapacityError, ModelHost, is_mixable, request_tokens
 from twinkle.server.limits import RateLimitedError, RateLimiter
 from twinkle.server.openai_api import openai_router
 from twinkle.server.remote_host import build_host
-from twinkle.server.scheduler import Job, QueueFullError, Scheduler, wait_job
+from twinkle.server.scheduler import Batchable, Job, QueueFullError, Scheduler, wait_job
 from twinkle.server.store import Store, Tenant, check_checkpoint_name, check_name, parse_twinkle_path
 from twinkle.server.tinker.rest import expire_checkpoints_periodically, rest_router
 from twinkle.server.tinker.routes import tinker_router
@@ -102,27 +102,45 @@ class Service:
             max_queued_per_tenant=config.limits.max_queued_per_tenant,
             on_start=self._on_start,
             on_finish=self._on_finish,
+            max_tokens_per_pass=config.limits.max_tokens_per_pass,
         )
 
     # ---- jobs -----------------------------------------------------------------------------------
-    async def submit_async(self, tenant: Tenant, run_id: str | None, operation: str, fn: Any) -> Job:
+    async def submit_async(
+        self, tenant: Tenant, run_id: str | None, operation: str, fn: Any, batch: Batchable | None = None
+    ) -> Job:
         """``submit`` from a route: the future's row is written (and fsynced) off the event loop."""
-        return await asyncio.to_thread(self.submit, tenant, run_id, operation, fn)
+        return await asyncio.to_thread(self.submit, tenant, run_id, operation, fn, batch)
 
-    def submit(self, tenant: Tenant, run_id: str | None, operation: str, fn: Any) -> Job:
+    def submit(
+        self, tenant: Tenant, run_id: str | None, operation: str, fn: Any, batch: Batchable | None = None
+    ) -> Job:
         record = self.store.create_future(tenant.id, run_id, operation)
-        return self.enqueue(tenant, record.id, operation, fn)
+        return self.enqueue(tenant, record.id, operation, fn, batch)
 
-    def enqueue(self, tenant: Tenant, future_id: str, operation: str, fn: Any) -> Job:
-        """Queue ``fn`` as the job of the future ``future_id`` (already recorded)."""
+    def enqueue(self, tenant: Tenant, future_id: str, operation: str, fn: Any, batch: Batchable | None = None) -> Job:
+        """Queue ``fn`` as the job of the future ``future_id`` (already recorded); with
+        ``batch`` it may share a pass with other tenants' jobs."""
         try:
-            job = self.scheduler.submit(tenant.id, fn, job_id=future_id)
+            job = self.scheduler.submit(tenant.id, fn, job_id=future_id, batch=batch)
         except QueueFullError as e:
             self.store.fail_future(future_id, str(e), 'user')
             raise
         job.operation = operation  # type: ignore[attr-defined]
         self.queued.set(self.scheduler.queued())
         return job
+
+    def mixable(self, run: Any, operation: str, kwargs: dict[str, Any]) -> Batchable | None:
+        """How a native ``forward_backward`` / ``forward_only`` request can share a pass with
+        other tenants' (None for other operations, micro-batched ones, and the base model alone)."""
+        if not self.config.mixed_batches or not is_mixable(operation, kwargs):
+            return None
+
+        def run_many(payloads: list[tuple[Any, dict[str, Any]]]) -> list[Any]:
+            requests = [(self.loaded(run), kwargs) for run, kwargs in payloads]
+            return self.host.call(ModelHost.run_mixed, operation, requests)
+
+        return Batchable(('native', operation), request_tokens(kwargs['inputs']), (run, kwargs), run_many)
 
     def adapter_name(self, run: Any) -> str:
         """The name of a run's adapter on the model: never shown to tenants, unique per run."""
@@ -329,7 +347,8 @@ def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
                 service.remember_setup(run_id, operation, kwargs)
             return result
 
-        return {'future_id': (await service.submit_async(who, run_id, operation, compute)).id}
+        batch = service.mixable(run, operation, kwargs)
+        return {'future_id': (await service.submit_async(who, run_id, operation, compute, batch)).id}
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/save', status_code=202)
     async def save(run_id: str, body: SaveRequest, who: Who) -> dict[str, str]:

@@ -22,6 +22,8 @@ class Limits(BaseModel):
     max_lora_rank: int = Field(64, gt=0)
     #: Tokens (summed over rows) in one forward/backward or sampling request.
     max_tokens_per_request: int = Field(65_536, gt=0)
+    #: Tokens the waiting requests of several tenants may bring to one shared pass.
+    max_tokens_per_pass: int = Field(16_384, gt=0)
     #: Compute requests one tenant may have queued; past it, 429 with Retry-After.
     max_queued_per_tenant: int = Field(64, gt=0)
     #: Requests (of any kind) one tenant may make per minute, in bursts of up to a tenth of it;
@@ -84,6 +86,9 @@ class ServerConfig(BaseModel):
     data_dir: str = 'twinkle-server-data'
     device: str | None = None
     limits: Limits = Field(default_factory=Limits)
+    #: Run the forward_backward / forward requests of different tenants that wait at the same
+    #: moment as one pass, each row through its own adapter (False: one adapter per pass).
+    mixed_batches: bool = True
     #: Adapters idle this long are saved and released from the model (None: never).
     idle_release_s: float | None = Field(None, gt=0)
     api_keys_file: str | None = None

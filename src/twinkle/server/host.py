@@ -27,7 +27,7 @@ from twinkle.data_format import IGNORE_INDEX, SamplingParams
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, TwinkleError, UnknownNameError
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
-from twinkle.model import TransformersModel
+from twinkle.model import AdapterCall, TransformersModel
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
 from twinkle.sampler import TorchSampler
@@ -141,8 +141,7 @@ class ModelHost:
 
     def remove_adapter(self, adapter: str) -> None:
         if adapter in self.model.adapter_names:
-            self.model.model.delete_adapter(adapter)
-            del self.model.groups[adapter]
+            self.model.remove_adapter(adapter)
 
     def save(self, adapter: str, directory: Path, name: str, save_optimizer: bool) -> str:
         path = self.model.save(name, str(directory), adapter_name=adapter, save_optimizer=save_optimizer)
@@ -153,6 +152,23 @@ class ModelHost:
         self.model.load(str(path), adapter_name=adapter, load_optimizer=load_optimizer)
 
     # ---- operations -----------------------------------------------------------------------------
+    def run_mixed(self, operation: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+        """Several adapters' ``forward_backward`` (or ``forward_only``) requests as one pass
+        (``is_mixable`` ones); each result is what ``run`` would return for that request."""
+        forward_only = operation == 'forward_only'
+        calls = []
+        for adapter, kwargs in requests:
+            options = {k: v for k, v in kwargs.items() if k not in ('inputs', 'disable_lora')}
+            _check_scalars(operation, options)
+            calls.append(AdapterCall(adapter, self.features(kwargs['inputs']), options))
+        outputs = self.model.forward_backward_mixed(calls, forward_only=forward_only)
+        if not forward_only:
+            return [{'loss': out.loss, 'num_tokens': out.num_tokens} for out in outputs]
+        return [
+            {'loss': out.loss, 'num_tokens': out.num_tokens, 'logps': _row_logps(out, call.inputs)}
+            for out, call in zip(outputs, calls, strict=True)
+        ]
+
     def run(self, adapter: str, operation: str, kwargs: dict[str, Any]) -> Any:
         """Run a tenant's ``operation`` on its adapter; the result is JSON-ready."""
         if operation not in self.operations:
@@ -240,8 +256,7 @@ class ModelHost:
     def _forward_only(self, adapter: str, inputs: Any, disable_lora: bool = False) -> dict[str, Any]:
         features = self.features(inputs)
         output = self.model.forward_only(inputs=features, adapter_name=adapter, disable_lora=disable_lora)
-        logps = [output.logps[i, : len(f['input_ids'])].tolist() for i, f in enumerate(features)]
-        return {'loss': output.loss, 'num_tokens': output.num_tokens, 'logps': logps}
+        return {'loss': output.loss, 'num_tokens': output.num_tokens, 'logps': _row_logps(output, features)}
 
     def _sample(
         self, adapter: str, inputs: Any, sampling_params: dict[str, Any] | None = None, base_model: bool = False
@@ -294,11 +309,9 @@ class ModelHost:
             self.remove_adapter(adapter)
 
     def sampler(self) -> TorchSampler:
-        """The sampler over the model's own weights; rebuilt when the model object changed (the
-        first adapter wraps it in a ``PeftModel``)."""
-        if self._sampler is None or self._sampler.model is not self.model.model:
-            template = self._sampler.template if self._sampler is not None else None
-            self._sampler = TorchSampler.from_model(self.model.model, self.model_id, template=template)
+        """The sampler over the model's own weights and adapters."""
+        if self._sampler is None:
+            self._sampler = TorchSampler.from_model(self.model.model, self.model_id)
         return self._sampler
 
     def sample_request(
@@ -402,6 +415,24 @@ def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Any], fill
     except TypeError as e:
         accepted = [n for n, p in signature.parameters.items() if n not in filled and p.kind not in (p.VAR_POSITIONAL,)]
         raise DataError(f'{what}: {e}; it accepts {accepted}') from None
+
+
+def is_mixable(operation: str, kwargs: Mapping[str, Any]) -> bool:
+    """Whether a request can share a pass: ``forward_backward`` without micro-batches, or
+    ``forward_only`` through the adapter (not the base model alone)."""
+    if operation == 'forward_backward':
+        return 'micro_batch_size' not in kwargs
+    return operation == 'forward_only' and not kwargs.get('disable_lora', False)
+
+
+def request_tokens(inputs: Any) -> int:
+    """Tokens in a request's rows (checked already), for the pass's token budget."""
+    rows = [inputs] if isinstance(inputs, Mapping) else inputs
+    return sum(len(row['input_ids']) for row in rows)
+
+
+def _row_logps(output: Any, features: list[dict[str, Any]]) -> list[list[float]]:
+    return [output.logps[i, : len(f['input_ids'])].tolist() for i, f in enumerate(features)]
 
 
 def _brief(kwargs: Mapping[str, Any]) -> str:

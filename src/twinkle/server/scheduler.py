@@ -1,14 +1,21 @@
 """The execution layer of the training service: one worker thread, fair across tenants.
 
-One model on one device serves many tenants, and the device runs one step at a time. Every
+One model on one device serves many tenants, and the device runs one pass at a time. Every
 compute request is accepted at once as a :class:`Job` and runs later on the single worker
 thread, off the asyncio event loop, so health checks and other requests are answered meanwhile.
 
 Fairness: jobs are queued per tenant and the worker takes them round-robin across the tenants
-that have work. A tenant whose job is running re-enters the rotation only when that job ends,
-so a tenant with 100 queued jobs delays another tenant's single job by at most the job already
+that have work. A tenant whose job is running re-enters the rotation only when that pass ends,
+so a tenant with 100 queued jobs delays another tenant's single job by at most the pass already
 running. Within a tenant, jobs run in submission order (a training loop's calls never reorder).
 A failing job fails alone: its exception is recorded and the worker goes on.
+
+Mixing: a job may say it can share a pass (:class:`Batchable`). When the device becomes free,
+the worker takes the job at the head of the rotation and, if it can share, the first waiting job
+of each following tenant with the same ``key``, while the pass stays within ``max_tokens_per_pass``;
+they run as one pass (each tenant's rows through its own adapter). Only the first waiting job of
+a tenant is ever taken, so a tenant's order, and its optimizer steps between passes, hold. There
+is no cycle to wait for: a job on an idle server starts at once, alone if nothing else waits.
 
 >>> scheduler = Scheduler()
 >>> scheduler.start()
@@ -26,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -53,6 +60,20 @@ class QueueFullError(TwinkleError, RuntimeError):
         )
 
 
+@dataclass(frozen=True, eq=False)
+class Batchable:
+    """How a job can share a pass with other tenants' jobs."""
+
+    # Jobs with equal keys can run together (the same operation and collation).
+    key: Hashable
+    # The job's share of the pass's token budget.
+    tokens: int
+    # What ``run_many`` receives for this job.
+    payload: Any = field(repr=False)
+    # Runs several jobs' payloads as one pass; one result per payload, in order.
+    run_many: Callable[[list[Any]], list[Any]] = field(repr=False)
+
+
 @dataclass(eq=False)
 class Job:
     """One unit of compute for one tenant; times are ``time.time()`` seconds."""
@@ -66,6 +87,11 @@ class Job:
     result: Any = field(default=None, repr=False)
     error: BaseException | None = None
     status: JobStatus = 'pending'
+    # Set when the job may share a pass with other tenants' jobs.
+    batch: Batchable | None = field(default=None, repr=False)
+    # The pass it ran in (numbered from 1) and how many jobs that pass held.
+    pass_id: int | None = None
+    pass_size: int = 0
     # Set once the job is settled (done or failed), after ``on_finish`` ran.
     done: threading.Event = field(default_factory=threading.Event, repr=False)
     _callbacks: list[JobCallback] = field(default_factory=list, repr=False)
@@ -132,11 +158,16 @@ class Scheduler:
         on_start: JobCallback | None = None,
         on_finish: JobCallback | None = None,
         keep_finished: int = 10_000,
+        max_tokens_per_pass: int = 16_384,
     ):
         if max_queued_per_tenant < 1:
             raise ConfigurationError(f'max_queued_per_tenant must be at least 1, got {max_queued_per_tenant}')
         if keep_finished < 0:
             raise ConfigurationError(f'keep_finished must be 0 or more, got {keep_finished}')
+        if max_tokens_per_pass < 1:
+            raise ConfigurationError(f'max_tokens_per_pass must be at least 1, got {max_tokens_per_pass}')
+        # Tokens several jobs may bring to one shared pass (a job alone may bring more).
+        self.max_tokens_per_pass = max_tokens_per_pass
         # Jobs one tenant may have waiting (not counting its running one) before submit refuses.
         self.max_queued_per_tenant = max_queued_per_tenant
         self.on_start, self.on_finish = on_start, on_finish
@@ -144,9 +175,10 @@ class Scheduler:
         self.keep_finished = keep_finished
         self._cond = threading.Condition()
         self._queues: dict[str, deque[Job]] = {}
-        # Tenants with queued work, in serving order; the running job's tenant is not in it.
+        # Tenants with queued work, in serving order; the running jobs' tenants are not in it.
         self._ring: deque[str] = deque()
-        self._running: Job | None = None
+        self._running: list[Job] = []
+        self._passes = 0
         self._jobs: dict[str, Job] = {}
         self._finished_ids: deque[str] = deque()
         self._durations: deque[float] = deque(maxlen=_DURATION_WINDOW)
@@ -187,16 +219,19 @@ class Scheduler:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running; False if ``timeout`` seconds passed first."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._ring and self._running is None, timeout)
+            return self._cond.wait_for(lambda: not self._ring and not self._running, timeout)
 
     # -- requests ----------------------------------------------------------------------------
 
-    def submit(self, tenant: str, fn: Callable[[], Any], job_id: str | None = None) -> Job:
-        """Queue ``fn`` for ``tenant`` and return its pending Job at once (thread-safe).
+    def submit(
+        self, tenant: str, fn: Callable[[], Any], job_id: str | None = None, batch: Batchable | None = None
+    ) -> Job:
+        """Queue ``fn`` for ``tenant`` and return its pending Job at once (thread-safe). With
+        ``batch`` the job may instead run in a pass shared with other tenants' jobs.
 
         Raises QueueFullError when the tenant already has ``max_queued_per_tenant`` jobs waiting.
         """
-        job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, fn=fn)
+        job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, fn=fn, batch=batch)
         with self._cond:
             if self._stopping:
                 raise StateError(f'The scheduler is stopped; job for tenant {tenant!r} was not accepted')
@@ -207,8 +242,7 @@ class Scheduler:
                 raise QueueFullError(tenant, self.max_queued_per_tenant, self._retry_after(len(queue)))
             queue.append(job)
             self._jobs[job.id] = job
-            running_tenant = self._running.tenant if self._running is not None else None
-            if tenant != running_tenant and tenant not in self._ring:
+            if tenant not in self._ring and all(job.tenant != tenant for job in self._running):
                 self._ring.append(tenant)
             self._cond.notify_all()
         return job
@@ -230,7 +264,8 @@ class Scheduler:
         with self._cond:
             return {
                 'queued': {tenant: len(queue) for tenant, queue in self._queues.items() if queue},
-                'running': self._running.id if self._running is not None else None,
+                'running': [job.id for job in self._running],
+                'passes': self._passes,
                 'completed': self._completed,
                 'failed': self._failed,
                 'mean_duration_s': self._mean_duration(),
@@ -240,48 +275,97 @@ class Scheduler:
     # -- worker ------------------------------------------------------------------------------
 
     def _work(self) -> None:
-        while (job := self._next_job()) is not None:
-            self._run(job)
-            self._retire(job)
+        while jobs := self._next_pass():
+            if len(jobs) == 1:
+                self._run(jobs[0])
+            else:
+                self._run_shared(jobs)
+            self._retire(jobs)
 
-    def _next_job(self) -> Job | None:
-        """Block for the next job, taking the tenant at the head of the rotation; None once stopping."""
+    def _next_pass(self) -> list[Job]:
+        """Block for work; the head of the rotation's first job and the jobs that can share its
+        pass (empty once stopping)."""
         with self._cond:
             self._cond.wait_for(lambda: self._stopping or self._ring)
             if self._stopping:
-                return None
-            tenant = self._ring.popleft()
-            job = self._queues[tenant].popleft()
-            job.status, job.started_at = 'running', time.time()
-            self._running = job
-            return job
+                return []
+            jobs = [self._queues[self._ring.popleft()].popleft()]
+            if jobs[0].batch is not None:
+                jobs += self._companions(jobs[0].batch)
+            self._passes += 1
+            now = time.time()
+            for job in jobs:
+                job.status, job.started_at, job.pass_id, job.pass_size = 'running', now, self._passes, len(jobs)
+            self._running = jobs
+            return jobs
+
+    def _companions(self, lead: Batchable) -> list[Job]:
+        """The first waiting job of each following tenant in the rotation that can share the
+        lead's pass, while the pass's tokens fit ``max_tokens_per_pass``; their tenants leave the ring."""
+        taken, tokens = [], lead.tokens
+        for tenant in list(self._ring):
+            head = self._queues[tenant][0]
+            if head.batch is None or head.batch.key != lead.key:
+                continue
+            if tokens + head.batch.tokens > self.max_tokens_per_pass:
+                continue
+            tokens += head.batch.tokens
+            taken.append(self._queues[tenant].popleft())
+            self._ring.remove(tenant)
+        return taken
 
     def _run(self, job: Job) -> None:
         """Run one job and its callbacks; nothing it raises escapes."""
         if self.on_start is not None:
             _call_guarded(self.on_start, job, 'on_start')
+        self._execute(job)
+        self._finish(job)
+
+    def _run_shared(self, jobs: list[Job]) -> None:
+        """Run jobs as one pass. If the pass fails (one job's bad input, say, found before any
+        gradient is touched), each job runs alone instead: the bad one fails alone."""
+        for job in jobs:
+            if self.on_start is not None:
+                _call_guarded(self.on_start, job, 'on_start')
+        try:
+            results = jobs[0].batch.run_many([job.batch.payload for job in jobs])
+        except Exception as error:
+            logger.info(f'a pass of {len(jobs)} jobs failed ({error!r}); running them one by one')
+            for job in jobs:
+                job.pass_size = 1
+                self._execute(job)
+                self._finish(job)
+            return
+        for job, result in zip(jobs, results, strict=True):
+            job.result, job.status = result, 'done'
+            self._finish(job)
+
+    def _execute(self, job: Job) -> None:
         try:
             job.result, job.status = job.fn(), 'done'
         except BaseException as error:  # the worker must outlive any job, SystemExit included
             job.error, job.status = error, 'failed'
             logger.warning(f'Job {job.id!r} of tenant {job.tenant!r} failed: {error!r}')
+
+    def _finish(self, job: Job) -> None:
         job.finished_at = time.time()
         if self.on_finish is not None:
             _call_guarded(self.on_finish, job, 'on_finish')
         job._settle()
 
-    def _retire(self, job: Job) -> None:
-        """Book the finished job and put its tenant back at the end of the rotation if it has more."""
+    def _retire(self, jobs: list[Job]) -> None:
+        """Book the finished jobs and put their tenants back at the end of the rotation if they have more."""
         with self._cond:
-            self._running = None
-            self._completed += 1
-            self._failed += job.status == 'failed'
-            self._durations.append(job.duration_s or 0.0)
-            if self._queues.get(job.tenant):
-                self._ring.append(job.tenant)
-            else:
-                self._queues.pop(job.tenant, None)
-            self._forget_old(job.id)
+            self._running = []
+            for job in jobs:
+                self._completed += 1
+                self._failed += job.status == 'failed'
+                self._durations.append(job.duration_s or 0.0)
+                if self._queues.get(job.tenant):
+                    self._ring.append(job.tenant)
+                else:
+                    self._queues.pop(job.tenant, None)
+                self._forget_old(job.id)
             self._cond.notify_all()
 
     def _forget_old(self, finished_id: str) -> None:

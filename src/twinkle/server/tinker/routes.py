@@ -29,11 +29,12 @@ from tinker import types
 from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, DataError
 from twinkle.server.deps import Who
-from twinkle.server.scheduler import QueueFullError, wait_job
+from twinkle.server.scheduler import Batchable, QueueFullError, wait_job
 from twinkle.server.store import Tenant, check_checkpoint_name, parse_checkpoint_path
 from twinkle.server.tinker import codec
+from twinkle.server.tinker.codec import ForwardBackwardCall
 from twinkle.server.tinker.sequencer import Sequencer
-from twinkle.server.tinker.train import lora_config, optim_step, run_forward_backward
+from twinkle.server.tinker.train import lora_config, optim_step, run_forward_backward, run_forward_backward_many
 
 PREFIX = '/api/v1'
 PROTO = 'application/x-protobuf'
@@ -56,9 +57,16 @@ class TinkerAPI:
 
     # ---- requests -------------------------------------------------------------------------------
     async def accept(
-        self, who: Tenant, run_id: str | None, seq_id: int | None, operation: str, fn: Callable[[], Any]
+        self,
+        who: Tenant,
+        run_id: str | None,
+        seq_id: int | None,
+        operation: str,
+        fn: Callable[[], Any],
+        batch: Batchable | None = None,
     ) -> str:
-        """Record a future for ``fn`` and start it in its model's turn; the future's id."""
+        """Record a future for ``fn`` and start it in its model's turn; the future's id. With
+        ``batch`` it may share a pass with other tenants' requests."""
         key = (who.id, run_id or '', seq_id) if seq_id is not None else None
         if key in self.requests:
             return self.requests[key]  # a retry of a request already accepted
@@ -76,7 +84,7 @@ class TinkerAPI:
 
         def start() -> None:
             with contextlib.suppress(QueueFullError):  # enqueue failed the future with the reason
-                service.enqueue(who, record.id, operation, fn)
+                service.enqueue(who, record.id, operation, fn, batch)
 
         def fail(message: str) -> None:
             service.store.fail_future(record.id, message, 'user')
@@ -86,6 +94,20 @@ class TinkerAPI:
         else:
             self.sequencer.add(run_id, seq_id, start, fail)
         return record.id
+
+    def mixable(self, run: Any, call: ForwardBackwardCall) -> Batchable | None:
+        """How a ``forward_backward`` (or ``forward``) call can share a pass with other models'."""
+        service = self.service
+        if not service.config.mixed_batches:
+            return None
+
+        def run_many(payloads: list[tuple[Any, ForwardBackwardCall]]) -> list[dict[str, str]]:
+            requests = [(service.loaded(run), call) for run, call in payloads]
+            outputs = service.host.call(run_forward_backward_many, requests)
+            return [{PROTO_KEY: base64.b64encode(output).decode()} for output in outputs]
+
+        tokens = sum(len(datum.tokens) for datum in call.data)
+        return Batchable(('tinker', call.forward_only), tokens, (run, call), run_many)
 
     def run_of(self, who: Tenant, model_id: str) -> Any:
         run = self.service.store.get_run(who.id, model_id)
@@ -233,7 +255,7 @@ def _training_routes(router: APIRouter, api: TinkerAPI) -> None:
             return {PROTO_KEY: base64.b64encode(output).decode()}
 
         operation = 'forward' if call.forward_only else 'forward_backward'
-        request_id = await api.accept(who, run.id, call.seq_id, operation, compute)
+        request_id = await api.accept(who, run.id, call.seq_id, operation, compute, api.mixable(run, call))
         return {'request_id': request_id, 'model_id': run.id}
 
     @router.post('/optim_step')

@@ -18,6 +18,7 @@ from tinker import types
 
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError
 from twinkle.loss.tinker import TinkerLoss
+from twinkle.model import AdapterCall
 from twinkle.server.host import ModelHost
 from twinkle.server.tinker.codec import ForwardBackwardCall, forward_backward_output
 
@@ -59,17 +60,34 @@ def lora_targets(model: torch.nn.Module, attn: bool, mlp: bool, unembed: bool) -
 def run_forward_backward(host: ModelHost, adapter: str, call: ForwardBackwardCall) -> bytes:
     """Forward (and, unless ``forward_only``, backward) over the call's datums with its loss;
     the ``ForwardBackwardOutput`` protobuf with each datum's target logprobs and the metrics."""
-    loss = TinkerLoss(call.loss_fn, _numbers(call.loss_fn_config))
-    rows, loss_inputs = datum_rows(host, call)
-    model = host.model
-    model.set_loss(loss, adapter_name=adapter)
-    if call.forward_only:
-        output = model.forward_only(inputs=rows, adapter_name=adapter)
-        model.calculate_loss(adapter_name=adapter, **loss_inputs)
-        logps = output.logps
-    else:
-        model.forward_backward(inputs=rows, adapter_name=adapter, **loss_inputs)
-        logps = loss.last_logps
+    return run_forward_backward_many(host, [(adapter, call)])[0]
+
+
+def run_forward_backward_many(host: ModelHost, requests: list[tuple[str, ForwardBackwardCall]]) -> list[bytes]:
+    """Several models' ``forward_backward`` calls (all forward-only, or none) as one pass, each
+    datum through its own model's adapter; one ``ForwardBackwardOutput`` per call."""
+    forward_only = requests[0][1].forward_only
+    if any(call.forward_only != forward_only for _, call in requests):
+        raise ConfigurationError('a mixed pass is all forward-only or all forward_backward')
+    model, calls, losses, rows = host.model, [], [], []
+    for adapter, call in requests:
+        loss = TinkerLoss(call.loss_fn, _numbers(call.loss_fn_config))
+        datums, loss_inputs = datum_rows(host, call)
+        model.set_loss(loss, adapter_name=adapter)
+        calls.append(AdapterCall(adapter, datums, {} if forward_only else loss_inputs))
+        losses.append((loss, loss_inputs))
+        rows.append(datums)
+    outputs = model.forward_backward_mixed(calls, forward_only=forward_only)
+    results = []
+    for call, output, (loss, loss_inputs), datums in zip(calls, outputs, losses, rows, strict=True):
+        if forward_only:
+            model.calculate_loss(adapter_name=call.adapter_name, **loss_inputs)
+        logps = output.logps if forward_only else loss.last_logps
+        results.append(_output(datums, logps, loss))
+    return results
+
+
+def _output(rows: list[dict[str, Any]], logps: torch.Tensor, loss: TinkerLoss) -> bytes:
     outputs = [{'logprobs': logps[i, : len(row['input_ids'])].float().cpu()} for i, row in enumerate(rows)]
     metrics = {name: float(value) for name, value in loss.last_metrics.items()}
     if not all(math.isfinite(v) for v in metrics.values()):

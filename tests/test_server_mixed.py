@@ -1,0 +1,153 @@
+"""Mixed-adapter passes through the real service: tenants' requests that wait at the same moment
+run as one pass, and each tenant's numbers are what it gets alone.
+
+The worker is held by a gate job while the tenants submit (over HTTP), so the three requests
+are certainly waiting together when it frees; the scheduler's records of which pass ran each
+request show they shared one. References are twin runs (same seed, rank and data) in the same
+tenants, run one request at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig
+from server_helpers import background_server
+
+from twinkle_client import init_twinkle_client
+from twinkle_client.client import PREFIX, TwinkleClient
+from twinkle_client.model import MultiLoraTransformersModel
+
+TOL = 1e-5
+TENANTS = {'alice': 4, 'bob': 8, 'carol': 16}  # tenant -> LoRA rank
+WAIT_S = 120
+
+
+def _rows(seed: int, lengths: list[int]) -> list[dict[str, list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, 4000, (length,), generator=gen).tolist()
+        rows.append({'input_ids': ids, 'labels': [-100, *ids[1:]]})
+    return rows
+
+
+# Each tenant's batch, of lengths that differ across tenants (the shared pass pads them).
+ROWS = {'alice': _rows(1, [12, 7]), 'bob': _rows(2, [25]), 'carol': _rows(3, [9, 16, 5])}
+
+
+@pytest.fixture(scope='module')
+def server(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, dict[str, str], Any]]:
+    with background_server(tmp_path_factory.mktemp('mixed'), tiny_model_dir, tenants=tuple(TENANTS)) as running:
+        yield running
+
+
+class Gate:
+    """A job that holds the worker until ``open``; requests submitted meanwhile wait together."""
+
+    def __init__(self, scheduler: Any):
+        self.entered, self.opened = threading.Event(), threading.Event()
+        scheduler.submit('gatekeeper', self._hold)
+        assert self.entered.wait(WAIT_S)
+
+    def _hold(self) -> None:
+        self.entered.set()
+        self.opened.wait(WAIT_S)
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+def _models(url: str, keys: dict[str, str]) -> dict[str, MultiLoraTransformersModel]:
+    models = {}
+    for tenant, rank in TENANTS.items():
+        model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys[tenant]))
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules='all-linear', init_lora_weights=False)
+        for name in ('mixed', 'alone'):
+            model.add_adapter_to_model(name, config, seed=rank)
+            model.set_optimizer('AdamW', lr=1e-2, adapter_name=name)
+        models[tenant] = model
+    return models
+
+
+def _submit(model: MultiLoraTransformersModel, operation: str, inputs: list[dict]) -> str:
+    return model.client.submit(f'{PREFIX}/runs/{model.runs["mixed"]}/ops/{operation}', {'inputs': inputs})
+
+
+def _together(service: Any, models: dict[str, MultiLoraTransformersModel], operation: str) -> dict[str, Any]:
+    """Each tenant's 'mixed' run sends ``operation`` while the worker is held; results by tenant."""
+    gate = Gate(service.scheduler)
+    futures = {tenant: _submit(model, operation, ROWS[tenant]) for tenant, model in models.items()}
+    gate.open()
+    results = {tenant: models[tenant].client.result(future) for tenant, future in futures.items()}
+    jobs = [service.scheduler.get(future) for future in futures.values()]
+    assert {job.pass_id for job in jobs} == {jobs[0].pass_id} and jobs[0].pass_size == 3  # one shared pass
+    return results
+
+
+def _logps(result: dict[str, Any]) -> torch.Tensor:
+    return torch.cat([torch.tensor(row) for row in result['logps']])
+
+
+def test_three_tenants_in_one_pass_get_their_numbers_alone(server):
+    url, keys, background = server
+    service = background.app.state.service
+    models = _models(url, keys)
+    mixed = _together(service, models, 'forward_backward')
+    for tenant, model in models.items():
+        passes = service.scheduler.stats()['passes']
+        alone = model.forward_backward(inputs=ROWS[tenant], adapter_name='alone')
+        assert service.scheduler.stats()['passes'] == passes + 1  # ran in a pass of its own
+        assert abs(mixed[tenant]['loss'] - alone.loss) <= TOL, tenant
+        assert mixed[tenant]['num_tokens'] == alone.num_tokens
+        # The gradient norm before clipping: the gradients agree, not only the losses.
+        norms = [model.clip_grad_norm(1.0, adapter_name=name) for name in ('mixed', 'alone')]
+        assert abs(norms[0] - norms[1]) <= TOL * max(1.0, norms[1]), (tenant, norms)
+        for name in ('mixed', 'alone'):
+            model.step(adapter_name=name)
+            model.zero_grad(adapter_name=name)
+    # After the step, logprobs of a forward-only pass shared again, against each twin alone.
+    mixed = _together(service, models, 'forward_only')
+    for tenant, model in models.items():
+        alone = model.forward_only(inputs=ROWS[tenant], adapter_name='alone')
+        worst = (_logps(mixed[tenant]) - torch.cat([torch.tensor(r) for r in alone.logps])).abs().max().item()
+        assert worst <= TOL, (tenant, worst)
+
+
+def test_a_flood_delays_a_lone_request_by_at_most_one_pass(server):
+    url, keys, background = server
+    service = background.app.state.service
+    flood_model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys['alice']))
+    flood_model.add_adapter_to_model('flood', LoraConfig(r=4, target_modules='all-linear'))
+    lone_model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys['bob']))
+    lone_model.add_adapter_to_model('lone', LoraConfig(r=4, target_modules='all-linear'))
+    client: TwinkleClient = flood_model.client
+    flood = [
+        client.submit(f'{PREFIX}/runs/{flood_model.runs["flood"]}/ops/forward_only', {'inputs': ROWS['carol']})
+        for _ in range(12)
+    ]
+    first = service.scheduler.get(flood[0])
+    assert first.done.wait(WAIT_S)  # the flood is being worked through
+    passes_before = service.scheduler.stats()['passes']  # the pass running now, or the last one
+    lone = lone_model.client.submit(
+        f'{PREFIX}/runs/{lone_model.runs["lone"]}/ops/forward_only', {'inputs': ROWS['bob']}
+    )
+    lone_model.client.result(lone)
+    job = service.scheduler.get(lone)
+    left = sum(not service.scheduler.get(f).done.is_set() for f in flood)
+    assert job.pass_id <= passes_before + 1, (job.pass_id, passes_before)
+    assert left > 0  # the flood was still queued: the lone request did not simply come after it
+    for future in flood:
+        client.result(future)
+    # On an idle server a lone request starts at once, alone: there is no cycle to wait for.
+    passes_before = service.scheduler.stats()['passes']
+    lone = lone_model.client.submit(
+        f'{PREFIX}/runs/{lone_model.runs["lone"]}/ops/forward_only', {'inputs': ROWS['bob']}
+    )
+    lone_model.client.result(lone)
+    job = service.scheduler.get(lone)
+    assert (job.pass_id, job.pass_size) == (passes_before + 1, 1)
