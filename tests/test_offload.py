@@ -117,10 +117,10 @@ def test_spill_failure_leaves_no_file_and_keeps_state(tmp_path: Path, monkeypatc
 
 def test_load_refuses_to_overwrite_and_reports_missing_file(tmp_path: Path):
     model, opt = make(0)
-    train_step(model, opt, 0)
     path = tmp_path / 'tenant.pt'
     with pytest.raises(CheckpointError, match=re.escape('tenant.pt')):
         load_spilled_optimizer_state(opt, path, 'cpu')
+    train_step(model, opt, 0)
     spill_optimizer_state(opt, path)
     train_step(model, opt, 1)  # a step after the spill starts fresh state, which the file must not clobber
     with pytest.raises(StateError):
@@ -254,3 +254,35 @@ def test_offloader_three_tiers_on_cuda(tmp_path: Path):
         offloader.touch(name, offloaded[name][1])
         assert_params_same(offloaded[name][0], reference[name][0])
         assert_same(offloaded[name][1].state_dict(), reference[name][1].state_dict())
+
+
+def test_a_model_with_an_offloader_trains_exactly_as_one_without(tiny_model_dir: str, tmp_path: Path) -> None:
+    # Three adapters stepped in turn with room for one optimizer state in memory: every step
+    # first brings its adapter's state back from disk, and the weights match a plain model's.
+    from peft import LoraConfig
+
+    from twinkle.model import TransformersModel
+
+    rows = [{'input_ids': list(range(5, 25)), 'labels': list(range(5, 25))}]
+    models = []
+    for offload in (False, True):
+        model = TransformersModel(model_id=tiny_model_dir)
+        if offload:
+            model.offloader = OptimizerOffloader('cpu', tmp_path / 'spill', max_in_memory=1)
+        for index, name in enumerate(('a', 'b', 'c')):
+            torch.manual_seed(index)
+            model.add_adapter_to_model(name, LoraConfig(r=4, target_modules='all-linear'))
+            model.set_optimizer('AdamW', lr=1e-2, adapter_name=name)
+        for _ in range(3):
+            for name in ('a', 'b', 'c'):
+                model.forward_backward(inputs=rows, adapter_name=name)
+                model.clip_grad_and_step(adapter_name=name)
+        models.append(model)
+    plain, offloaded = models
+    assert [offloaded.offloader.where(n) for n in ('a', 'b', 'c')] == ['disk', 'disk', 'device']
+    assert sorted(p.name for p in (tmp_path / 'spill').iterdir()) == ['a.pt', 'b.pt']
+    for name in ('a', 'b', 'c'):
+        for p, q in zip(plain.groups[name].params, offloaded.groups[name].params, strict=True):
+            assert torch.equal(p, q)
+    offloaded.remove_adapter('a')  # its spill file goes with it
+    assert sorted(p.name for p in (tmp_path / 'spill').iterdir()) == ['b.pt']

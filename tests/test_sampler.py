@@ -12,7 +12,7 @@ from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, UnknownNameError
-from twinkle.model import TransformersModel
+from twinkle.model import TransformersModel, multi_lora
 from twinkle.preprocessor import GSM8KProcessor
 from twinkle.sampler import TorchSampler
 from twinkle.sampler.logits import choose, processed_scores
@@ -308,13 +308,14 @@ def test_a_sampler_sharing_the_trainers_model_samples_like_a_synced_copy_and_lea
     for model in (shared_model, alone):
         model.forward_backward(inputs=batch, adapter_name='policy')
         model.clip_grad_and_step(adapter_name='policy')
-    peft_model = shared_model.model
-    modes = [m.training for m in peft_model.modules()]
-    grads = [p.requires_grad for p in peft_model.parameters()]
-    assert any(modes) and any(grads) and peft_model.active_adapter == 'policy'  # sampling sets eval
+    shared_lm = shared_model.model
+    modes = [m.training for m in shared_lm.modules()]
+    grads = [p.requires_grad for p in shared_lm.parameters()]
+    assignment = next(iter(multi_lora.multi_lora_layers(shared_lm).values())).assignment
+    assert any(modes) and any(grads) and assignment.rows == {'policy': None}  # sampling sets eval
 
-    shared = TorchSampler.from_model(peft_model)
-    assert shared.model is peft_model and shared.model_id == tiny_model_dir
+    shared = TorchSampler.from_model(shared_lm)
+    assert shared.model is shared_lm and shared.model_id == tiny_model_dir
     copy = TorchSampler(tiny_model_dir, device='cpu')
     CheckpointEngineManager(shared_model, copy).sync_weights(merge_and_sync=False, adapter_name='policy')
     params = SamplingParams(max_tokens=8, seed=0, num_samples=2, logprobs=2, ignore_eos=True)
@@ -330,12 +331,12 @@ def test_a_sampler_sharing_the_trainers_model_samples_like_a_synced_copy_and_lea
     # No adapter named: the base model, every adapter off (the module's sampler holds the base weights).
     base = sequences(shared.sample(PROMPTS, params))
     assert [s.tokens for s in base] == [s.tokens for s in sequences(sampler.sample(PROMPTS, params))]
-    shared.sample(PROMPTS, params, adapter_name='other')  # switches peft's active adapter and its grads
+    shared.sample(PROMPTS, params, adapter_name='other')  # assigns every row to 'other' meanwhile
 
-    # The model is as it was: modes, active adapter, requires_grad; training continues unchanged.
-    assert [m.training for m in peft_model.modules()] == modes
-    assert [p.requires_grad for p in peft_model.parameters()] == grads
-    assert peft_model.active_adapter == 'policy'
+    # The model is as it was: modes, rows' adapter, requires_grad; training continues unchanged.
+    assert [m.training for m in shared_lm.modules()] == modes
+    assert [p.requires_grad for p in shared_lm.parameters()] == grads
+    assert all(layer.assignment is assignment for layer in multi_lora.multi_lora_layers(shared_lm).values())
     losses = [m.forward_backward(inputs=batch, adapter_name='policy').loss for m in (shared_model, alone)]
     assert losses[0] == losses[1]
     for model in (shared_model, alone):

@@ -27,6 +27,7 @@ from twinkle.model import checkpoint as ckpt
 from twinkle.model import multi_lora
 from twinkle.model.base import AdapterCall, Inputs, TwinkleModel
 from twinkle.model.group import FULL, Pending, TrainGroup
+from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import build_optimizer, build_scheduler
 from twinkle.model.parallel import ModelParallel
 from twinkle.processor import PROCESSORS, InputProcessor
@@ -97,6 +98,9 @@ class TransformersModel(TwinkleModel):
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.groups: dict[str, TrainGroup] = {FULL: TrainGroup(name=FULL, params=params)}
         self._template: Template | None = None
+        # Moves idle adapters' optimizer state off the device (to CPU memory, then disk); the
+        # server sets one. None: every optimizer state stays where its parameters are.
+        self.offloader: OptimizerOffloader | None = None
         self._mode: bool | None = None  # the train/eval mode _run last set on every module
 
     # ---- adapters and components ---------------------------------------------------------------
@@ -142,6 +146,8 @@ class TransformersModel(TwinkleModel):
         self._group(adapter_name)
         multi_lora.remove_adapter(self.model, adapter_name)
         del self.groups[adapter_name]
+        if self.offloader is not None:
+            self.offloader.forget(adapter_name)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -155,6 +161,8 @@ class TransformersModel(TwinkleModel):
         weight decay."""
         group = self._group(adapter_name)
         kwargs.setdefault('lr', DEFAULT_OPTIMIZER['lr'])
+        if self.offloader is not None:
+            self.offloader.forget(group.name)  # the old optimizer's state, wherever it was
         group.optimizer = build_optimizer(optimizer_cls, _param_groups(group.params), kwargs)
         group.scheduler = None
 
@@ -373,6 +381,7 @@ class TransformersModel(TwinkleModel):
         if group.optimizer is None:
             logger.info(f'adapter {group.name!r} has no optimizer: using AdamW(lr={DEFAULT_OPTIMIZER["lr"]})')
             self.set_optimizer(DEFAULT_OPTIMIZER['optimizer_cls'], adapter_name=group.name)
+        self._optimizer_ready(group)
         group.optimizer.step()
         group.optim_step += 1
         group.last_grad_norm = None
@@ -449,6 +458,7 @@ class TransformersModel(TwinkleModel):
         weights = self._parallel.gather_weights(self.model, None if group.name == FULL else group.params)
         optimizer_state = None
         if save_optimizer and group.optimizer is not None:
+            self._optimizer_ready(group)
             optimizer_state = self._parallel.gather_optimizer_state(group.optimizer)
 
         def write() -> None:
@@ -480,6 +490,7 @@ class TransformersModel(TwinkleModel):
         group = self._group(adapter_name)
         self._load_weights(group, path)
         if load_optimizer:
+            self._optimizer_ready(group)
             ckpt.load_optimizer_state(group, path, self._parallel.shard_optimizer_state)
         return str(path)
 
@@ -495,6 +506,7 @@ class TransformersModel(TwinkleModel):
         self.load(str(path), adapter_name=group.name, load_optimizer=False)
         state = ckpt.read_trainer_state(path)
         if not resume_only_model:
+            self._optimizer_ready(group)
             ckpt.load_optimizer_state(group, path, self._parallel.shard_optimizer_state)
             ckpt.set_rng_state(torch.load(path / ckpt.RNG_STATE, weights_only=False))
             group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
@@ -516,6 +528,11 @@ class TransformersModel(TwinkleModel):
         except KeyError:
             valid = self.adapter_names or ['(none: no adapter was added)']
             raise UnknownNameError('adapter', adapter_name, valid) from None
+
+    def _optimizer_ready(self, group: TrainGroup) -> None:
+        """The group's optimizer state back on the device, if the offloader moved it away."""
+        if self.offloader is not None and group.optimizer is not None:
+            self.offloader.touch(group.name, group.optimizer)
 
     def _template_for(self, group: TrainGroup) -> Template:
         if group.template is not None:

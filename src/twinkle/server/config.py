@@ -22,6 +22,12 @@ class Limits(BaseModel):
     max_lora_rank: int = Field(64, gt=0)
     #: Tokens (summed over rows) in one forward/backward or sampling request.
     max_tokens_per_request: int = Field(65_536, gt=0)
+    #: Optimizer states kept on the accelerator; the least recently stepped others wait in CPU
+    #: memory (a GPU server) until their adapter steps again. None: no limit.
+    max_optimizers_on_device: int | None = Field(None, gt=0)
+    #: Optimizer states kept in memory at all; the least recently stepped others are spilled to
+    #: disk (data_dir/optimizer-spill) until their adapter steps again. None: no limit.
+    max_optimizers_in_memory: int | None = Field(None, gt=0)
     #: Tokens the waiting requests of several tenants may bring to one shared pass.
     max_tokens_per_pass: int = Field(16_384, gt=0)
     #: Compute requests one tenant may have queued; past it, 429 with Retry-After.
@@ -127,6 +133,10 @@ class ServerConfig(BaseModel):
     @property
     def db_path(self) -> Path:
         return Path(self.data_dir) / 'twinkle.db'
+
+    @property
+    def spill_dir(self) -> Path:
+        return Path(self.data_dir) / 'optimizer-spill'
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -28,6 +28,7 @@ from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, 
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model import AdapterCall, TransformersModel
+from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
 from twinkle.sampler import TorchSampler
@@ -58,6 +59,11 @@ class ModelHost:
             model_id = assets.tiny_model(model_id)
         self.model_id = model_id
         self.model = TransformersModel(model_id, device=config.device)
+        limits = config.limits
+        if limits.max_optimizers_on_device is not None or limits.max_optimizers_in_memory is not None:
+            self.model.offloader = OptimizerOffloader(
+                self.model.device, config.spill_dir, limits.max_optimizers_on_device, limits.max_optimizers_in_memory
+            )
         self.vocab_size = self.model.model.get_input_embeddings().num_embeddings
         self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
         self._sampler: TorchSampler | None = None

@@ -1,0 +1,280 @@
+"""Many tenants, one pass: what mixed-adapter batching buys a shared training server.
+
+Three ways to train the same tokens, on real ``twinkle-server serve`` subprocesses (loopback,
+own data directories, ``TWINKLE_OFFLINE=1``), all on one run:
+
+* **mixed**: ``--tenants`` tenants, each with its own key, client thread and rank-``--lora-r``
+  adapter, each sending one ``--seq-len``-token sequence per step (``forward_backward`` then
+  ``clip_grad_and_step``), all at once, to a server that runs waiting requests of different
+  tenants as one pass (``mixed_batches: true``, the default).
+* **one adapter at a time** (a): the same tenants and requests against a server started with
+  ``mixed_batches: false``, which runs one request per pass (the reference release's way).
+* **one tenant, combined batch** (b): a single tenant sends all ``--tenants`` sequences as one
+  ``forward_backward`` per step, on the mixed server: the most one pass can do.
+
+Each round runs the three in turn (``--steps`` steps each; the first round is warm-up and not
+counted); tokens/s is trained tokens over wall time, median over ``--rounds`` rounds. The aims:
+mixed >= 2x (a), and >= 0.9x (b).
+
+Memory: a fresh server's resident set (``VmRSS``) with 1, 8 and 32 adapters (rank 16, AdamW,
+one step each so the optimizer state exists), against what an adapter should cost: its
+parameters plus AdamW's two moments, in float32. Then the same 32 adapters on a server that
+keeps at most ``--hot-optimizers`` optimizer states in memory and spills the rest to disk.
+
+Usage::
+
+    .venv/bin/python benchmarks/mixed_tenants.py     # a few minutes on 2 CPU cores; writes results/mixed_tenants.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig
+from server_overhead import ServerProcess
+
+from twinkle import assets
+from twinkle.model import TransformersModel
+from twinkle_client import TwinkleClient
+from twinkle_client.model import MultiLoraTransformersModel
+
+MIB = 2**20
+
+
+@dataclass
+class Settings:
+    # Embedded model name (twinkle.assets.MODELS) or a local model directory.
+    model: str = 'small-qwen3'
+    # 'cpu' or 'cuda', for every server.
+    device: str = 'cpu'
+    # Concurrent tenants, and the tokens of the one sequence each sends per step.
+    tenants: int = 8
+    seq_len: int = 128
+    # Steps per mode per round, and rounds (plus one warm-up round).
+    steps: int = 4
+    rounds: int = 3
+    # Adapter counts at which the server's memory is read; optimizer states a spilling server keeps.
+    adapter_counts: list[int] = field(default_factory=lambda: [1, 8, 32])
+    hot_optimizers: int = 4
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lr: float = 1e-4
+    # Seconds to wait for a server subprocess to answer /healthz.
+    startup_timeout_s: float = 300.0
+
+
+class Server(ServerProcess):
+    """``ServerProcess`` with more ``ServerConfig`` fields in its config file."""
+
+    def __init__(self, settings: Settings, workdir: Path, **config: Any):
+        workdir.mkdir(parents=True, exist_ok=True)
+        super().__init__(settings, workdir)
+        (workdir / 'server.json').write_text(json.dumps({'device': settings.device, **config}))
+
+    def rss_mib(self) -> float:
+        status = Path(f'/proc/{self.process.pid}/status').read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith('VmRSS'))) / 1024
+
+
+def sequences(settings: Settings, vocab: int, tenant: int, steps: int) -> list[dict[str, list[int]]]:
+    gen = torch.Generator().manual_seed(1000 + tenant)
+    rows = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (settings.seq_len,), generator=gen).tolist()
+        rows.append({'input_ids': ids, 'labels': ids})
+    return rows
+
+
+def tenant_model(url: str, key: str, settings: Settings) -> MultiLoraTransformersModel:
+    model = MultiLoraTransformersModel(settings.model, client=TwinkleClient(url, key))
+    config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, target_modules='all-linear')
+    model.add_adapter_to_model('default', config, seed=0)
+    model.set_optimizer('AdamW', lr=settings.lr)
+    return model
+
+
+def train(model: MultiLoraTransformersModel, batches: list[list[dict]]) -> None:
+    for batch in batches:
+        model.forward_backward(inputs=batch)
+        model.clip_grad_and_step(1.0)
+
+
+def concurrent(models: list[MultiLoraTransformersModel], rows: list[list[dict]]) -> float:
+    """Every tenant trains its own rows, one sequence per step, in its own thread; wall seconds."""
+    errors: list[BaseException] = []
+
+    def tenant(model: MultiLoraTransformersModel, own: list[dict]) -> None:
+        try:
+            train(model, [[row] for row in own])
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=tenant, args=pair) for pair in zip(models, rows, strict=True)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - started
+
+
+def combined(model: MultiLoraTransformersModel, rows: list[list[dict]]) -> float:
+    """One tenant sends every tenant's sequence of a step as one batch; wall seconds."""
+    started = time.perf_counter()
+    train(model, [list(step) for step in zip(*rows, strict=True)])
+    return time.perf_counter() - started
+
+
+def throughput(settings: Settings, workdir: Path, vocab: int) -> dict[str, list[float]]:
+    mixed, single = Server(settings, workdir / 'mixed'), Server(settings, workdir / 'single', mixed_batches=False)
+    keys = {name: [server.add_key(f't{i}') for i in range(settings.tenants)] for name, server in
+            (('mixed', mixed), ('single', single))}  # fmt: skip
+    tokens = settings.tenants * settings.seq_len * settings.steps
+    times: dict[str, list[float]] = {'mixed': [], 'one_adapter_at_a_time': [], 'one_tenant_combined': []}
+    with mixed as mixed_url, single as single_url:
+        tenants = {
+            'mixed': [tenant_model(mixed_url, key, settings) for key in keys['mixed']],
+            'single': [tenant_model(single_url, key, settings) for key in keys['single']],
+        }
+        one = tenant_model(mixed_url, mixed.add_key('combined'), settings)
+        for round_index in range(settings.rounds + 1):
+            rows = [sequences(settings, vocab, 100 * round_index + t, settings.steps) for t in range(settings.tenants)]
+            seconds = {
+                'mixed': concurrent(tenants['mixed'], rows),
+                'one_adapter_at_a_time': concurrent(tenants['single'], rows),
+                'one_tenant_combined': combined(one, rows),
+            }
+            label = 'warm-up' if round_index == 0 else f'round {round_index}'
+            print(f'  {label}: ' + ', '.join(f'{k} {tokens / v:7.0f} tokens/s' for k, v in seconds.items()))
+            if round_index:
+                for name, value in seconds.items():
+                    times[name].append(value)
+    return times
+
+
+def adapter_bytes(settings: Settings, model_dir: str) -> dict[str, int]:
+    """What one adapter should cost: its float32 parameters, and AdamW's two moments of each."""
+    model = TransformersModel(model_id=model_dir, device='cpu')
+    config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, target_modules='all-linear')
+    model.add_adapter_to_model('probe', config)
+    params = sum(p.numel() * p.element_size() for p in model.groups['probe'].params)
+    return {'parameters': params, 'adam_moments': 2 * params}
+
+
+def memory(settings: Settings, workdir: Path, limits_extra: dict[str, Any] | None = None) -> dict[int, float]:
+    """Server RSS (MiB) after 0 and each of ``adapter_counts`` adapters, each trained one step."""
+    limits = {'max_adapters': max(settings.adapter_counts), **(limits_extra or {})}
+    server = Server(settings, workdir, limits=limits)
+    key = server.add_key('memory')
+    rss: dict[int, float] = {}
+    vocab_rows = sequences(settings, 1000, 0, 1)
+    with server as url:
+        model = MultiLoraTransformersModel(settings.model, client=TwinkleClient(url, key))
+        rss[0] = server.rss_mib()
+        for count in range(1, max(settings.adapter_counts) + 1):
+            name = f'a{count}'
+            config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, target_modules='all-linear')
+            model.add_adapter_to_model(name, config, seed=count)
+            model.set_optimizer('AdamW', lr=settings.lr, adapter_name=name)
+            model.forward_backward(inputs=vocab_rows, adapter_name=name)
+            model.clip_grad_and_step(1.0, adapter_name=name)
+            if count in settings.adapter_counts:
+                rss[count] = server.rss_mib()
+    return rss
+
+
+def summarize(times: dict[str, list[float]], settings: Settings) -> dict[str, Any]:
+    tokens = settings.tenants * settings.seq_len * settings.steps
+    rates = {name: tokens / statistics.median(values) for name, values in times.items()}
+    return {
+        'tokens_per_s': rates,
+        'ratio_vs_one_adapter_at_a_time': rates['mixed'] / rates['one_adapter_at_a_time'],
+        'ratio_vs_one_tenant_combined': rates['mixed'] / rates['one_tenant_combined'],
+        'aims': {'vs_one_adapter_at_a_time': 2.0, 'vs_one_tenant_combined': 0.9},
+    }
+
+
+def memory_summary(rss: dict[int, float], expected: dict[str, int]) -> dict[str, Any]:
+    counts = sorted(c for c in rss if c)
+    first, last = counts[0], counts[-1]
+    per_adapter = (rss[last] - rss[first]) / (last - first) if last > first else None
+    return {
+        'rss_mib': {str(c): rss[c] for c in sorted(rss)},
+        'growth_per_adapter_mib': per_adapter,
+        'expected_per_adapter_mib': sum(expected.values()) / MIB,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--steps', type=int, default=Settings.steps)
+    parser.add_argument('--rounds', type=int, default=Settings.rounds)
+    parser.add_argument('--tenants', type=int, default=Settings.tenants)
+    parser.add_argument('--output', default='benchmarks/results/mixed_tenants.json')
+    args = parser.parse_args()
+    settings = Settings(steps=args.steps, rounds=args.rounds, tenants=args.tenants)
+    model_dir = assets.tiny_model(settings.model)
+    vocab = json.loads((Path(model_dir) / 'config.json').read_text())['vocab_size']
+    expected = adapter_bytes(settings, model_dir)
+    with tempfile.TemporaryDirectory(prefix='twinkle-mixed-') as tmp:
+        workdir = Path(tmp)
+        print(
+            f'Throughput: {settings.tenants} tenants x one {settings.seq_len}-token sequence per step, {settings.model}'
+        )
+        times = throughput(settings, workdir, vocab)
+        print('Memory: adapters of rank', settings.lora_r)
+        rss = memory(settings, workdir / 'memory')
+        spilled = memory(
+            settings, workdir / 'memory-spill', limits_extra={'max_optimizers_in_memory': settings.hot_optimizers}
+        )
+    result = {
+        'settings': asdict(settings),
+        'environment': {'torch': torch.__version__, 'threads': torch.get_num_threads(), 'device': settings.device},
+        'throughput': summarize(times, settings),
+        'memory': memory_summary(rss, expected),
+        'memory_spilling': memory_summary(spilled, {'parameters': expected['parameters']}),
+        'adapter_bytes': expected,
+        'seconds': times,
+    }
+    print_summary(result)
+    Path(args.output).write_text(json.dumps(result, indent=2) + '\n')
+    print(f'wrote {args.output}')
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    fig, mem = result['throughput'], result['memory']
+    print('\nAggregate tokens/s (median over rounds):')
+    for name, rate in fig['tokens_per_s'].items():
+        print(f'  {name:22s} {rate:8.0f}')
+    print(f'  mixed / one adapter at a time: x{fig["ratio_vs_one_adapter_at_a_time"]:.2f} (aim >= 2)')
+    print(f'  mixed / one tenant combined:   x{fig["ratio_vs_one_tenant_combined"]:.2f} (aim >= 0.9)')
+    print('Server memory (RSS):')
+    for count, mib in mem['rss_mib'].items():
+        print(f'  {count:>3s} adapters: {mib:8.1f} MiB')
+    print(
+        f'  growth per adapter {mem["growth_per_adapter_mib"]:.2f} MiB; the adapter and its AdamW state are '
+        f'{mem["expected_per_adapter_mib"]:.2f} MiB'
+    )
+    spill, hot = result['memory_spilling'], result['settings']['hot_optimizers']
+    print(f'Server memory, at most {hot} optimizer states in memory (the rest spilled to disk):')
+    for count, mib in spill['rss_mib'].items():
+        print(f'  {count:>3s} adapters: {mib:8.1f} MiB')
+    print(
+        f'  growth per adapter {spill["growth_per_adapter_mib"]:.2f} MiB; the adapter alone is '
+        f'{spill["expected_per_adapter_mib"]:.2f} MiB'
+    )
+
+
+if __name__ == '__main__':
+    main()
