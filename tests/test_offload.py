@@ -265,9 +265,9 @@ def test_a_model_with_an_offloader_trains_exactly_as_one_without(tiny_model_dir:
 
     rows = [{'input_ids': list(range(5, 25)), 'labels': list(range(5, 25))}]
     models = []
-    for offload in (False, True):
+    for offloading in (False, True):
         model = TransformersModel(model_id=tiny_model_dir)
-        if offload:
+        if offloading:
             model.offloader = OptimizerOffloader('cpu', tmp_path / 'spill', max_in_memory=1)
         for index, name in enumerate(('a', 'b', 'c')):
             torch.manual_seed(index)
