@@ -126,6 +126,9 @@ class RowAssignment:
     names: tuple[str | None, ...] | None
     # Adapter name -> indices of its rows (CPU, int64); None: all rows.
     rows: dict[str, torch.Tensor | None]
+    # When each name's rows are contiguous (a mixed pass lays tenants out so): (name, start,
+    # end) runs covering the batch in order, which a layer slices instead of gathering.
+    runs: list[tuple[str | None, int, int]] | None = None
     _by_device: dict[torch.device, dict[str, torch.Tensor | None]] = field(default_factory=dict)
 
     @classmethod
@@ -138,13 +141,26 @@ class RowAssignment:
                 rows.setdefault(name, []).append(i)
         if len(rows) == 1 and len(next(iter(rows.values()))) == len(names):  # one adapter for the whole batch
             return cls(tuple(names), dict.fromkeys(rows))
-        return cls(tuple(names), {name: torch.tensor(idx, dtype=torch.long) for name, idx in rows.items()})
+        indices = {name: torch.tensor(idx, dtype=torch.long) for name, idx in rows.items()}
+        return cls(tuple(names), indices, _contiguous_runs(names))
 
     def rows_on(self, device: torch.device) -> dict[str, torch.Tensor | None]:
         """The row indices on ``device``, copied there once per forward."""
         if device not in self._by_device:
             self._by_device[device] = {n: None if i is None else i.to(device) for n, i in self.rows.items()}
         return self._by_device[device]
+
+
+def _contiguous_runs(names: Sequence[str | None]) -> list[tuple[str | None, int, int]] | None:
+    """``names`` as (name, start, end) runs, or None when some name's rows are not all in one run."""
+    runs: list[tuple[str | None, int, int]] = []
+    for i, name in enumerate(names):
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1], i + 1)
+        else:
+            runs.append((name, i, i + 1))
+    named = [name for name, _, _ in runs if name is not None]
+    return runs if len(named) == len(set(named)) else None
 
 
 class MultiLoraLinear(nn.Module):
@@ -181,6 +197,8 @@ class MultiLoraLinear(nn.Module):
         if assignment.names is not None and len(assignment.names) != x.shape[0]:
             raise DataError(f'row_adapters assigned {len(assignment.names)} rows but the batch has {x.shape[0]} rows')
         out = self.base_layer(x)
+        if assignment.runs is not None:
+            return self._by_runs(x, out, assignment.runs)
         for name, idx in assignment.rows_on(x.device).items():
             if name not in self.adapters:  # this adapter does not target this layer: base only
                 continue
@@ -190,6 +208,17 @@ class MultiLoraLinear(nn.Module):
             else:
                 out = out.index_add(0, idx, adapter(x.index_select(0, idx)).to(out.dtype))
         return out
+
+    def _by_runs(self, x: torch.Tensor, out: torch.Tensor, runs: list[tuple[str | None, int, int]]) -> torch.Tensor:
+        """Each run of rows sliced, its adapter's delta added, and the runs joined again: one
+        copy of the output, where gathering and scattering would copy it once per adapter."""
+        pieces = []
+        for name, start, end in runs:
+            piece = out[start:end]
+            if name is not None and name in self.adapters:
+                piece = piece + self.adapters[name](x[start:end]).to(out.dtype)
+            pieces.append(piece)
+        return torch.cat(pieces)
 
     def extra_repr(self) -> str:
         return f'adapters={list(self.adapters.keys())}'
