@@ -26,13 +26,14 @@ test: setup  ## lint, then the whole test suite (CPU only, offline)
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
 	$(PY) -m pytest -q
 
-bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP (native and Tinker) vs local, Ray and torchrun vs one process
+bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP (native and Tinker) vs local, Ray and torchrun vs one process, mixed-tenant passes
 	$(PY) benchmarks/lora_overhead.py
 	$(PY) benchmarks/sampler_throughput.py
 	$(PY) benchmarks/grpo_reward_curve.py
 	$(PY) benchmarks/server_overhead.py
 	$(PY) benchmarks/tinker_overhead.py
 	$(PY) benchmarks/distributed_overhead.py
+	$(PY) benchmarks/mixed_tenants.py
 
 clean:
 	rm -rf output .twinkle_home .pytest_cache

@@ -19,11 +19,12 @@ mixed >= 2x (a), and >= 0.9x (b).
 Memory: a fresh server's resident set (``VmRSS``) with 1, 8 and 32 adapters (rank 16, AdamW,
 one step each so the optimizer state exists), against what an adapter should cost: its
 parameters plus AdamW's two moments, in float32. Then the same 32 adapters on a server that
-keeps at most ``--hot-optimizers`` optimizer states in memory and spills the rest to disk.
+keeps at most ``hot_optimizers`` (4) optimizer states in memory and spills the rest to disk.
 
 Usage::
 
-    .venv/bin/python benchmarks/mixed_tenants.py     # a few minutes on 2 CPU cores; writes results/mixed_tenants.json
+    .venv/bin/python benchmarks/mixed_tenants.py     # ~8 min on 2 CPU cores; writes results/mixed_tenants.json
+    ... --model tiny-qwen3 --output /tmp/mixed_tiny.json   # a model too small to fill the device
 """
 
 from __future__ import annotations
@@ -218,12 +219,13 @@ def memory_summary(rss: dict[int, float], expected: dict[str, int]) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--model', default=Settings.model, help='embedded model name or a local model directory')
     parser.add_argument('--steps', type=int, default=Settings.steps)
     parser.add_argument('--rounds', type=int, default=Settings.rounds)
     parser.add_argument('--tenants', type=int, default=Settings.tenants)
     parser.add_argument('--output', default='benchmarks/results/mixed_tenants.json')
     args = parser.parse_args()
-    settings = Settings(steps=args.steps, rounds=args.rounds, tenants=args.tenants)
+    settings = Settings(model=args.model, steps=args.steps, rounds=args.rounds, tenants=args.tenants)
     model_dir = assets.tiny_model(settings.model)
     vocab = json.loads((Path(model_dir) / 'config.json').read_text())['vocab_size']
     expected = adapter_bytes(settings, model_dir)
