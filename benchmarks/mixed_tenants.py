@@ -10,11 +10,13 @@ own data directories, ``TWINKLE_OFFLINE=1``), all on one run:
 * **one adapter at a time** (a): the same tenants and requests against a server started with
   ``mixed_batches: false``, which runs one request per pass (the reference release's way).
 * **one tenant, combined batch** (b): a single tenant sends all ``--tenants`` sequences as one
-  ``forward_backward`` per step, on the mixed server: the most one pass can do.
+  ``forward_backward`` per step (on the second server: alone, it has nothing to mix): the most
+  one pass can do.
 
 Each round runs the three in turn (``--steps`` steps each; the first round is warm-up and not
 counted); tokens/s is trained tokens over wall time, median over ``--rounds`` rounds. The aims:
-mixed >= 2x (a), and >= 0.9x (b).
+mixed >= 2x (a), and >= 0.9x (b). The mixed server's ``/metrics`` then give the mean number of
+requests in the pass that ran each of its tenants' ``forward_backward`` requests (8 at best).
 
 Memory: a fresh server's resident set (``VmRSS``) with 1, 8 and 32 adapters (rank 16, AdamW,
 one step each so the optimizer state exists), against what an adapter should cost: its
@@ -39,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from peft import LoraConfig
 from server_overhead import ServerProcess
@@ -148,7 +151,7 @@ def throughput(settings: Settings, workdir: Path, vocab: int) -> dict[str, list[
             'mixed': [tenant_model(mixed_url, key, settings) for key in keys['mixed']],
             'single': [tenant_model(single_url, key, settings) for key in keys['single']],
         }
-        one = tenant_model(mixed_url, mixed.add_key('combined'), settings)
+        one = tenant_model(single_url, single.add_key('combined'), settings)  # one tenant: nothing to mix
         for round_index in range(settings.rounds + 1):
             rows = [sequences(settings, vocab, 100 * round_index + t, settings.steps) for t in range(settings.tenants)]
             seconds = {
@@ -161,7 +164,18 @@ def throughput(settings: Settings, workdir: Path, vocab: int) -> dict[str, list[
             if round_index:
                 for name, value in seconds.items():
                     times[name].append(value)
+        times['mean_pass_jobs'] = [mean_pass_jobs(mixed_url)]
     return times
+
+
+def mean_pass_jobs(url: str) -> float:
+    """Requests per pass, averaged over the mixed server's forward_backward requests (/metrics)."""
+    values = {}
+    for line in httpx.get(f'{url}/metrics').text.splitlines():
+        for part in ('sum', 'count'):
+            if line.startswith(f'twinkle_pass_jobs_{part}{{operation="forward_backward"}}'):
+                values[part] = float(line.split()[-1])
+    return values['sum'] / values['count']
 
 
 def adapter_bytes(settings: Settings, model_dir: str) -> dict[str, int]:
@@ -197,9 +211,10 @@ def memory(settings: Settings, workdir: Path, limits_extra: dict[str, Any] | Non
 
 def summarize(times: dict[str, list[float]], settings: Settings) -> dict[str, Any]:
     tokens = settings.tenants * settings.seq_len * settings.steps
-    rates = {name: tokens / statistics.median(values) for name, values in times.items()}
+    rates = {name: tokens / statistics.median(values) for name, values in times.items() if name != 'mean_pass_jobs'}
     return {
         'tokens_per_s': rates,
+        'mean_requests_per_mixed_pass': times['mean_pass_jobs'][0],
         'ratio_vs_one_adapter_at_a_time': rates['mixed'] / rates['one_adapter_at_a_time'],
         'ratio_vs_one_tenant_combined': rates['mixed'] / rates['one_tenant_combined'],
         'aims': {'vs_one_adapter_at_a_time': 2.0, 'vs_one_tenant_combined': 0.9},
@@ -261,6 +276,8 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f'  {name:22s} {rate:8.0f}')
     print(f'  mixed / one adapter at a time: x{fig["ratio_vs_one_adapter_at_a_time"]:.2f} (aim >= 2)')
     print(f'  mixed / one tenant combined:   x{fig["ratio_vs_one_tenant_combined"]:.2f} (aim >= 0.9)')
+    share = fig['mean_requests_per_mixed_pass']
+    print(f"  the mixed tenants' forward_backward requests ran {share:.2f} to a pass on average")
     print('Server memory (RSS):')
     for count, mib in mem['rss_mib'].items():
         print(f'  {count:>3s} adapters: {mib:8.1f} MiB')

@@ -13,13 +13,14 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from peft import LoraConfig
 from server_helpers import background_server
 
 from twinkle_client import init_twinkle_client
-from twinkle_client.client import PREFIX, TwinkleClient
+from twinkle_client.client import PREFIX
 from twinkle_client.model import MultiLoraTransformersModel
 
 TOL = 1e-5
@@ -98,6 +99,9 @@ def test_three_tenants_in_one_pass_get_their_numbers_alone(server):
     service = background.app.state.service
     models = _models(url, keys)
     mixed = _together(service, models, 'forward_backward')
+    metrics = httpx.get(f'{url}/metrics').text  # each request of the shared pass counts a pass of 3
+    assert 'twinkle_pass_jobs_sum{operation="forward_backward"} 9.0' in metrics
+    assert 'twinkle_pass_jobs_count{operation="forward_backward"} 3.0' in metrics
     for tenant, model in models.items():
         passes = service.scheduler.stats()['passes']
         alone = model.forward_backward(inputs=ROWS[tenant], adapter_name='alone')
@@ -120,34 +124,28 @@ def test_three_tenants_in_one_pass_get_their_numbers_alone(server):
 
 def test_a_flood_delays_a_lone_request_by_at_most_one_pass(server):
     url, keys, background = server
-    service = background.app.state.service
-    flood_model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys['alice']))
-    flood_model.add_adapter_to_model('flood', LoraConfig(r=4, target_modules='all-linear'))
-    lone_model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys['bob']))
-    lone_model.add_adapter_to_model('lone', LoraConfig(r=4, target_modules='all-linear'))
-    client: TwinkleClient = flood_model.client
-    flood = [
-        client.submit(f'{PREFIX}/runs/{flood_model.runs["flood"]}/ops/forward_only', {'inputs': ROWS['carol']})
-        for _ in range(12)
-    ]
-    first = service.scheduler.get(flood[0])
-    assert first.done.wait(WAIT_S)  # the flood is being worked through
-    passes_before = service.scheduler.stats()['passes']  # the pass running now, or the last one
-    lone = lone_model.client.submit(
-        f'{PREFIX}/runs/{lone_model.runs["lone"]}/ops/forward_only', {'inputs': ROWS['bob']}
-    )
-    lone_model.client.result(lone)
-    job = service.scheduler.get(lone)
-    left = sum(not service.scheduler.get(f).done.is_set() for f in flood)
-    assert job.pass_id <= passes_before + 1, (job.pass_id, passes_before)
-    assert left > 0  # the flood was still queued: the lone request did not simply come after it
+    scheduler = background.app.state.service.scheduler
+    models = {}
+    for tenant, name in (('alice', 'flood'), ('bob', 'lone')):
+        models[name] = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys[tenant]))
+        models[name].add_adapter_to_model(name, LoraConfig(r=4, target_modules='all-linear'))
+
+    def submit(name: str) -> str:
+        model = models[name]
+        return model.client.submit(f'{PREFIX}/runs/{model.runs[name]}/ops/forward_only', {'inputs': ROWS['bob']})
+
+    gate = Gate(scheduler)  # the flood queues up behind a running pass
+    flood = [submit('flood') for _ in range(12)]
+    lone = scheduler.get(submit('lone'))
+    gate.open()
     for future in flood:
-        client.result(future)
+        models['flood'].client.result(future)
+    assert lone.wait(WAIT_S) and lone.status == 'done'
+    # The lone request ran in the pass right after the one running when it arrived, long
+    # before the flood that was queued ahead of it had drained.
+    assert lone.pass_id <= lone.passes_before + 1, (lone.pass_id, lone.passes_before)
+    assert scheduler.get(flood[-1]).pass_id > lone.pass_id + 5
     # On an idle server a lone request starts at once, alone: there is no cycle to wait for.
-    passes_before = service.scheduler.stats()['passes']
-    lone = lone_model.client.submit(
-        f'{PREFIX}/runs/{lone_model.runs["lone"]}/ops/forward_only', {'inputs': ROWS['bob']}
-    )
-    lone_model.client.result(lone)
-    job = service.scheduler.get(lone)
-    assert (job.pass_id, job.pass_size) == (passes_before + 1, 1)
+    job = scheduler.get(submit('lone'))
+    assert job.wait(WAIT_S)
+    assert (job.pass_id, job.pass_size) == (job.passes_before + 1, 1)

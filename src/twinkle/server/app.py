@@ -98,6 +98,13 @@ class Service:
         self.requests = Counter('twinkle_requests', 'Compute requests', ['operation', 'status'], registry=self.registry)
         self.seconds = Histogram('twinkle_request_seconds', 'Compute time', ['operation'], registry=self.registry)
         self.queued = Gauge('twinkle_queued_requests', 'Requests waiting', registry=self.registry)
+        self.pass_jobs = Histogram(
+            'twinkle_pass_jobs',
+            'Requests in the pass that ran each request (1: alone; more: a pass shared by tenants)',
+            ['operation'],
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
         self.scheduler = Scheduler(
             max_queued_per_tenant=config.limits.max_queued_per_tenant,
             on_start=self._on_start,
@@ -161,6 +168,7 @@ class Service:
         self.requests.labels(operation, job.status).inc()
         if job.started_at and job.finished_at:
             self.seconds.labels(operation).observe(job.finished_at - job.started_at)
+            self.pass_jobs.labels(operation).observe(job.pass_size)
         self.queued.set(self.scheduler.queued())
 
     # ---- runs -----------------------------------------------------------------------------------

@@ -89,7 +89,9 @@ class Job:
     status: JobStatus = 'pending'
     # Set when the job may share a pass with other tenants' jobs.
     batch: Batchable | None = field(default=None, repr=False)
-    # The pass it ran in (numbered from 1) and how many jobs that pass held.
+    # Passes started before the job was submitted; the pass it ran in (numbered from 1) and how
+    # many jobs that pass held.
+    passes_before: int = 0
     pass_id: int | None = None
     pass_size: int = 0
     # Set once the job is settled (done or failed), after ``on_finish`` ran.
@@ -241,6 +243,7 @@ class Scheduler:
             if len(queue) >= self.max_queued_per_tenant:
                 raise QueueFullError(tenant, self.max_queued_per_tenant, self._retry_after(len(queue)))
             queue.append(job)
+            job.passes_before = self._passes
             self._jobs[job.id] = job
             if tenant not in self._ring and all(job.tenant != tenant for job in self._running):
                 self._ring.append(tenant)
