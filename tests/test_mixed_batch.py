@@ -13,7 +13,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from twinkle.errors import ConfigurationError
+from twinkle.errors import ConfigurationError, DataError
 from twinkle.model import AdapterCall, TransformersModel
 
 TOL = 1e-5
@@ -113,3 +113,15 @@ def test_mixing_refuses_one_adapter_twice_and_unmixable_processors(base: Transfo
     with pytest.raises(ConfigurationError, match='collate rows differently'):
         model.forward_backward_mixed([AdapterCall('a', ROWS['a']), AdapterCall('c', ROWS['c'])])
     assert model.batch_key('c') is None and model.batch_key('a') == model.batch_key('b')
+
+
+def test_a_loss_that_raises_leaves_every_adapter_untouched(base: TransformersModel) -> None:
+    # 'b' is set to a loss that needs advantages and gets none: the pass fails before any
+    # metric or gradient is counted, so the scheduler can run each request alone afterwards.
+    model = copy.deepcopy(base)
+    model.set_loss('GRPOLoss', adapter_name='b')
+    with pytest.raises(DataError, match='GRPOLoss needs advantages'):
+        model.forward_backward_mixed([AdapterCall('a', ROWS['a']), AdapterCall('b', ROWS['b'])])
+    assert model.calculate_metric(adapter_name='a').get('loss') is None
+    assert all(p.grad is None for name in ('a', 'b') for p in model.groups[name].params)
+    assert (model.groups['a'].micro_step, model.groups['b'].micro_step) == (0, 0)

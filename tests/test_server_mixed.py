@@ -19,6 +19,7 @@ import torch
 from peft import LoraConfig
 from server_helpers import background_server
 
+from twinkle.errors import DataError
 from twinkle_client import init_twinkle_client
 from twinkle_client.client import PREFIX
 from twinkle_client.model import MultiLoraTransformersModel
@@ -149,3 +150,36 @@ def test_a_flood_delays_a_lone_request_by_at_most_one_pass(server):
     job = scheduler.get(submit('lone'))
     assert job.wait(WAIT_S)
     assert (job.pass_id, job.pass_size) == (job.passes_before + 1, 1)
+
+
+def test_a_tenant_whose_loss_is_not_finite_fails_alone_in_a_shared_tinker_pass(tiny_model_dir, tmp_path):
+    # 'bad' sends advantages of 3e38 on tokens it claims to have sampled at logprob -1e30: the
+    # importance ratio (clamped at e^20) times them overflows float32, so its loss is infinite,
+    # an error known only after the shared backward. 'good' keeps its result, and its
+    # gradient is that of one pass (the same as a twin's alone), not of a pass and a rerun.
+    from twinkle.server.config import ServerConfig
+    from twinkle.server.host import ModelHost
+    from twinkle.server.tinker.codec import Datum, ForwardBackwardCall
+    from twinkle.server.tinker.train import run_forward_backward_many
+
+    host = ModelHost(ServerConfig.build(base_model=tiny_model_dir, device='cpu', data_dir=str(tmp_path)))
+    for name in ('good', 'bad', 'twin'):
+        host.add_adapter(name, {'r': 4, 'target_modules': 'all-linear'}, seed=0)
+    tokens = ROWS['alice'][0]['input_ids']
+
+    def call(logprob: float, advantage: float = 1.0) -> ForwardBackwardCall:
+        inputs = {
+            'target_tokens': torch.tensor(tokens[1:] + tokens[:1]),
+            'logprobs': torch.full((len(tokens),), logprob),
+            'advantages': torch.full((len(tokens),), advantage),
+        }
+        return ForwardBackwardCall('m', 1, 'importance_sampling', {}, False, [Datum(tokens, inputs)])
+
+    good, bad = run_forward_backward_many(host, [('good', call(-1.0)), ('bad', call(-1e30, 3e38))])
+    assert isinstance(good, bytes)
+    assert isinstance(bad, DataError) and 'not finite' in str(bad)
+    (twin,) = run_forward_backward_many(host, [('twin', call(-1.0))])
+    assert twin == good
+    groups = host.model.groups
+    for p, q in zip(groups['good'].params, groups['twin'].params, strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from twinkle.errors import ConfigurationError, StateError, TwinkleError
-from twinkle.server.scheduler import Job, QueueFullError, Scheduler, wait_job
+from twinkle.server.scheduler import Batchable, Job, QueueFullError, Scheduler, wait_job
 
 # Seconds any wait in these tests may take before the test counts as hung.
 TIMEOUT = 5.0
@@ -296,3 +296,47 @@ def test_module_docstring_example_runs():
     import twinkle.server.scheduler as scheduler_module
 
     assert doctest.testmod(scheduler_module).failed == 0
+
+
+def test_a_shared_pass_fails_only_the_job_it_returns_an_error_for(make_scheduler, gate):
+    # run_many answers an error for 'bob': bob fails, alice and carol get their results, and
+    # no job's own fn runs (a rerun after the pass would train the others twice).
+    scheduler = make_scheduler()
+    gate.hold(scheduler)
+    order: list[str] = []
+    error = ValueError('bob: loss is inf')
+
+    def run_many(payloads: list[str]) -> list[Any]:
+        order.append('pass')
+        return [error if name == 'bob' else name.upper() for name in payloads]
+
+    jobs = {
+        name: scheduler.submit(name, recorder(order, name), batch=Batchable('fb', 1, name, run_many))
+        for name in ('alice', 'bob', 'carol')
+    }
+    gate.opened.set()
+    assert all(job.wait(TIMEOUT) for job in jobs.values())
+    assert order == ['pass']
+    assert {name: (job.status, job.result, job.pass_size) for name, job in jobs.items()} == {
+        'alice': ('done', 'ALICE', 3),
+        'bob': ('failed', None, 3),
+        'carol': ('done', 'CAROL', 3),
+    }
+    assert jobs['bob'].error is error
+
+
+def test_a_pass_that_raises_runs_its_jobs_one_by_one(make_scheduler, gate):
+    scheduler = make_scheduler()
+    gate.hold(scheduler)
+    order: list[str] = []
+
+    def run_many(payloads: list[str]) -> list[Any]:
+        raise ValueError('one row is bad')
+
+    jobs = [
+        scheduler.submit(name, recorder(order, name, result=name), batch=Batchable('fb', 1, name, run_many))
+        for name in ('alice', 'bob')
+    ]
+    gate.opened.set()
+    assert all(job.wait(TIMEOUT) for job in jobs)
+    assert order == ['alice', 'bob'] and [(job.result, job.pass_size) for job in jobs] == [('alice', 1), ('bob', 1)]

@@ -122,7 +122,7 @@ class RowAssignment:
     """Which rows of the batch use which adapter; shared by every layer of one forward."""
 
     # One entry per row: an adapter name, or None for the base model only. None here (not a
-    # tuple) means every row, whatever the batch size, uses ``every_row``.
+    # tuple): one name for every row whatever the batch size, the single key of ``rows``.
     names: tuple[str | None, ...] | None
     # Adapter name -> indices of its rows (CPU, int64); None: all rows.
     rows: dict[str, torch.Tensor | None]

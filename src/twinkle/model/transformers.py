@@ -307,10 +307,13 @@ class TransformersModel(TwinkleModel):
             for group, rows, (part, out) in zip(groups, features, parts, strict=True):
                 group.pending = Pending(part, out, training=False, rows=len(rows))
             return [_with_logps(out['logits'], part) for part, out in parts]
+        # Every loss first, then the metrics: a loss that raises leaves no adapter half-counted.
         losses = [
-            self._loss(group, part, out, True, call.loss_inputs)
+            self._loss_value(group, part, out, call.loss_inputs)
             for group, call, (part, out) in zip(groups, calls, parts, strict=True)
         ]
+        for group, (part, out), loss in zip(groups, parts, losses, strict=True):
+            _accumulate(group, part, out, loss, training=True)
         return self._mixed_backward(groups, features, parts, losses, started)
 
     def _mixed_backward(
@@ -605,12 +608,14 @@ class TransformersModel(TwinkleModel):
         return contextlib.nullcontext()
 
     def _loss(self, group: TrainGroup, batch: dict, outputs: dict, training: bool, loss_inputs: dict) -> LossOutput:
+        loss = self._loss_value(group, batch, outputs, loss_inputs)
+        _accumulate(group, batch, outputs, loss, training)
+        return loss
+
+    def _loss_value(self, group: TrainGroup, batch: dict, outputs: dict, loss_inputs: dict) -> LossOutput:
         if group.loss.needs_reference and 'ref_logps' not in loss_inputs and group.name != FULL:
             outputs['ref_logps'] = self._reference_logps(batch)
-        loss = group.loss(batch, outputs, **loss_inputs)
-        for metric in group.train_metrics if training else group.eval_metrics:
-            metric.accumulate(inputs=batch, outputs=outputs, loss=loss)
-        return loss
+        return group.loss(batch, outputs, **loss_inputs)
 
     def _backward(self, group: TrainGroup, loss: LossOutput) -> None:
         if not loss.loss.requires_grad:
@@ -688,6 +693,12 @@ def _with_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> ModelOu
         logps = torch.log_softmax(logits.detach().float(), dim=-1)
         logps = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
     return ModelOutput(logits=logits, logps=logps, num_tokens=int(mask.sum()))
+
+
+def _accumulate(group: TrainGroup, batch: dict, outputs: dict, loss: LossOutput, training: bool) -> None:
+    """Feed a loss to the group's training (or evaluation) metrics."""
+    for metric in group.train_metrics if training else group.eval_metrics:
+        metric.accumulate(inputs=batch, outputs=outputs, loss=loss)
 
 
 def _check_mixable(groups: list[TrainGroup], keys: list[tuple | None]) -> None:

@@ -70,7 +70,9 @@ class Batchable:
     tokens: int
     # What ``run_many`` receives for this job.
     payload: Any = field(repr=False)
-    # Runs several jobs' payloads as one pass; one result per payload, in order.
+    # Runs several jobs' payloads as one pass; one result per payload, in order. An exception
+    # in place of a result fails that job alone. ``run_many`` may raise only before it changes
+    # any state (the jobs are then run one by one with their own ``fn``).
     run_many: Callable[[list[Any]], list[Any]] = field(repr=False)
 
 
@@ -340,7 +342,11 @@ class Scheduler:
                 self._finish(job)
             return
         for job, result in zip(jobs, results, strict=True):
-            job.result, job.status = result, 'done'
+            if isinstance(result, BaseException):
+                job.error, job.status = result, 'failed'
+                logger.warning(f'Job {job.id!r} of tenant {job.tenant!r} failed in a shared pass: {result!r}')
+            else:
+                job.result, job.status = result, 'done'
             self._finish(job)
 
     def _execute(self, job: Job) -> None:

@@ -101,10 +101,10 @@ class TinkerAPI:
         if not service.config.mixed_batches:
             return None
 
-        def run_many(payloads: list[tuple[Any, ForwardBackwardCall]]) -> list[dict[str, str]]:
+        def run_many(payloads: list[tuple[Any, ForwardBackwardCall]]) -> list[dict[str, str] | Exception]:
             requests = [(service.loaded(run), call) for run, call in payloads]
             outputs = service.host.call(run_forward_backward_many, requests)
-            return [{PROTO_KEY: base64.b64encode(output).decode()} for output in outputs]
+            return [o if isinstance(o, Exception) else {PROTO_KEY: base64.b64encode(o).decode()} for o in outputs]
 
         tokens = sum(len(datum.tokens) for datum in call.data)
         return Batchable(('tinker', call.forward_only), tokens, (run, call), run_many)

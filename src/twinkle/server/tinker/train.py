@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tinker import types
 
-from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, TwinkleError
 from twinkle.loss.tinker import TinkerLoss
 from twinkle.model import AdapterCall
 from twinkle.server.host import ModelHost
@@ -60,12 +60,19 @@ def lora_targets(model: torch.nn.Module, attn: bool, mlp: bool, unembed: bool) -
 def run_forward_backward(host: ModelHost, adapter: str, call: ForwardBackwardCall) -> bytes:
     """Forward (and, unless ``forward_only``, backward) over the call's datums with its loss;
     the ``ForwardBackwardOutput`` protobuf with each datum's target logprobs and the metrics."""
-    return run_forward_backward_many(host, [(adapter, call)])[0]
+    (output,) = run_forward_backward_many(host, [(adapter, call)])
+    if isinstance(output, Exception):
+        raise output
+    return output
 
 
-def run_forward_backward_many(host: ModelHost, requests: list[tuple[str, ForwardBackwardCall]]) -> list[bytes]:
+def run_forward_backward_many(
+    host: ModelHost, requests: list[tuple[str, ForwardBackwardCall]]
+) -> list[bytes | TwinkleError]:
     """Several models' ``forward_backward`` calls (all forward-only, or none) as one pass, each
-    datum through its own model's adapter; one ``ForwardBackwardOutput`` per call."""
+    datum through its own model's adapter; one ``ForwardBackwardOutput`` per call. A call whose
+    loss turns out not finite (known only after the pass) gets its error in place of an output,
+    so the others keep theirs and nothing is run twice."""
     forward_only = requests[0][1].forward_only
     if any(call.forward_only != forward_only for _, call in requests):
         raise ConfigurationError('a mixed pass is all forward-only or all forward_backward')
@@ -80,10 +87,13 @@ def run_forward_backward_many(host: ModelHost, requests: list[tuple[str, Forward
     outputs = model.forward_backward_mixed(calls, forward_only=forward_only)
     results = []
     for call, output, (loss, loss_inputs), datums in zip(calls, outputs, losses, rows, strict=True):
-        if forward_only:
-            model.calculate_loss(adapter_name=call.adapter_name, **loss_inputs)
-        logps = output.logps if forward_only else loss.last_logps
-        results.append(_output(datums, logps, loss))
+        try:
+            if forward_only:
+                model.calculate_loss(adapter_name=call.adapter_name, **loss_inputs)
+            logps = output.logps if forward_only else loss.last_logps
+            results.append(_output(datums, logps, loss))
+        except TwinkleError as error:
+            results.append(error)
     return results
 
 
