@@ -197,8 +197,10 @@ def check(target: Target, method: str, template: str, path: str, kwargs: dict[st
 def settle(target: Target, future_id: str, example: str) -> None:
     """Wait for an accepted request; it must end 'done', or 'failed' blamed on the user."""
     record: dict[str, Any] = {}
+    answers = []  # what each poll got, for the report when the future never settles
     for _ in range(3):
         response = target.send('GET', f'{PREFIX}/futures/{future_id}', params={'wait': 10}, headers=_auth(target))
+        answers.append('no response' if response is None else f'{response.status_code} {response.text[:120]}')
         record = response.json() if response is not None and response.status_code == 200 else {}
         if record.get('status') in ('done', 'failed'):
             break
@@ -208,7 +210,7 @@ def settle(target: Target, future_id: str, example: str) -> None:
         key = f'{record.get("op")} future failed as category {record.get("category")!r}: {error.split(":")[0]}'
         target.problem(key, f'{example}\n      future error: {error[:200]}')
     elif record.get('status') not in ('done', 'failed'):
-        target.problem('future never finished', f'{example}; last record {record}')
+        target.problem('future never finished', f'{example}; polls answered {answers}')
 
 
 def _has_detail(response: httpx.Response) -> bool:
