@@ -210,14 +210,17 @@ class MultiLoraLinear(nn.Module):
         return out
 
     def _by_runs(self, x: torch.Tensor, out: torch.Tensor, runs: list[tuple[str | None, int, int]]) -> torch.Tensor:
-        """Each run of rows sliced, its adapter's delta added, and the runs joined again: one
-        copy of the output, where gathering and scattering would copy it once per adapter."""
+        """Each run of rows split off, its adapter's delta added, and the runs joined again: one
+        copy of the output, where gathering and scattering would copy it once per adapter.
+
+        ``split``, not slicing: the backward of a slice writes its gradient into a zero tensor
+        the size of the whole batch, once per run; that of ``split`` joins the runs' gradients."""
+        sizes = [end - start for _, start, end in runs]
         pieces = []
-        for name, start, end in runs:
-            piece = out[start:end]
+        for (name, _, _), x_part, out_part in zip(runs, x.split(sizes), out.split(sizes), strict=True):
             if name is not None and name in self.adapters:
-                piece = piece + self.adapters[name](x[start:end]).to(out.dtype)
-            pieces.append(piece)
+                out_part = out_part + self.adapters[name](x_part).to(out.dtype)
+            pieces.append(out_part)
         return torch.cat(pieces)
 
     def extra_repr(self) -> str:

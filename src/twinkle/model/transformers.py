@@ -4,7 +4,6 @@ own optimizer, schedule, loss and accumulation count, behind the methods the use
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import re
 import time
@@ -301,8 +300,11 @@ class TransformersModel(TwinkleModel):
         multi_lora.assign_rows(self.model, [g.name for g, rows in zip(groups, features, strict=True) for _ in rows])
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             logits = self._logits(batch)
-        spans = list(itertools.accumulate((len(rows) for rows in features), initial=0))
-        parts = [({k: v[a:b] for k, v in batch.items()}, {'logits': logits[a:b]}) for a, b in itertools.pairwise(spans)]
+        # split, not slices: a slice's backward would write into zeros the size of all the logits
+        sizes = [len(rows) for rows in features]
+        columns = {k: v.split(sizes) for k, v in batch.items()}
+        pieces = enumerate(logits.split(sizes))
+        parts = [({k: v[i] for k, v in columns.items()}, {'logits': piece}) for i, piece in pieces]
         if forward_only:
             for group, rows, (part, out) in zip(groups, features, parts, strict=True):
                 group.pending = Pending(part, out, training=False, rows=len(rows))
