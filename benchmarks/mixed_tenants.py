@@ -19,7 +19,8 @@ mixed >= 2x (a), and >= 0.9x (b). The mixed server's ``/metrics`` then give the 
 requests in the pass that ran each of its tenants' ``forward_backward`` requests (8 at best).
 
 Memory: a fresh server's resident set (``VmRSS``) with 1, 8 and 32 adapters (rank 16, AdamW,
-one step each so the optimizer state exists), against what an adapter should cost: its
+one step each so the optimizer state exists), read once the idle server has given freed heap
+memory back (``release_memory_after_idle_s``), against what an adapter should cost: its
 parameters plus AdamW's two moments, in float32. Then the same 32 adapters on a server that
 keeps at most ``hot_optimizers`` (4) optimizer states in memory and spills the rest to disk.
 
@@ -200,13 +201,32 @@ def memory(settings: Settings, workdir: Path, limits_extra: dict[str, Any] | Non
         for count in range(1, max(settings.adapter_counts) + 1):
             name = f'a{count}'
             config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, target_modules='all-linear')
+            releases = memory_releases(url)
             model.add_adapter_to_model(name, config, seed=count)
             model.set_optimizer('AdamW', lr=settings.lr, adapter_name=name)
             model.forward_backward(inputs=vocab_rows, adapter_name=name)
             model.clip_grad_and_step(1.0, adapter_name=name)
             if count in settings.adapter_counts:
+                wait_for_memory_release(url, releases)
                 rss[count] = server.rss_mib()
     return rss
+
+
+def memory_releases(url: str) -> float:
+    for line in httpx.get(f'{url}/metrics').text.splitlines():
+        if line.startswith('twinkle_memory_releases_total '):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def wait_for_memory_release(url: str, seen: float, timeout_s: float = 30.0) -> None:
+    """Until the idle server has given its freed heap back (``release_memory_after_idle_s``) more
+    than ``seen`` times: its memory at rest, not with the last pass's freed activations."""
+    deadline = time.monotonic() + timeout_s
+    while memory_releases(url) <= seen:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f'the server did not release memory within {timeout_s} s of going idle')
+        time.sleep(0.1)
 
 
 def summarize(times: dict[str, list[float]], pass_jobs: float, settings: Settings) -> dict[str, Any]:
@@ -222,12 +242,15 @@ def summarize(times: dict[str, list[float]], pass_jobs: float, settings: Setting
 
 
 def memory_summary(rss: dict[int, float], expected: dict[str, int]) -> dict[str, Any]:
+    """Growth per adapter between the two largest counts (8 and 32): past the first adapters,
+    whose optimizer states a spilling server still keeps in memory, and its fixed costs."""
     counts = sorted(c for c in rss if c)
-    first, last = counts[0], counts[-1]
+    first, last = counts[-2:] if len(counts) > 1 else (counts[0], counts[0])
     per_adapter = (rss[last] - rss[first]) / (last - first) if last > first else None
     return {
         'rss_mib': {str(c): rss[c] for c in sorted(rss)},
         'growth_per_adapter_mib': per_adapter,
+        'growth_between': [first, last],
         'expected_per_adapter_mib': sum(expected.values()) / MIB,
     }
 

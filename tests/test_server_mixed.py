@@ -9,7 +9,9 @@ tenants, run one request at a time.
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ from peft import LoraConfig
 from server_helpers import background_server
 
 from twinkle.errors import DataError
+from twinkle.utils.memory import can_release_memory
 from twinkle_client import init_twinkle_client
 from twinkle_client.client import PREFIX
 from twinkle_client.model import MultiLoraTransformersModel
@@ -183,3 +186,16 @@ def test_a_tenant_whose_loss_is_not_finite_fails_alone_in_a_shared_tinker_pass(t
     groups = host.model.groups
     for p, q in zip(groups['good'].params, groups['twin'].params, strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not can_release_memory(), reason='malloc_trim is glibc only')
+def test_an_idle_server_gives_freed_memory_back(tmp_path, tiny_model_dir):
+    with background_server(tmp_path, tiny_model_dir, tenants=('alice',), release_memory_after_idle_s=0.05) as running:
+        url, keys, _ = running
+        model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys['alice']))
+        model.add_adapter_to_model('a', LoraConfig(r=4, target_modules='all-linear'))
+        model.forward_backward(inputs=ROWS['alice'], adapter_name='a')
+        deadline = time.monotonic() + WAIT_S
+        while not re.search(r'^twinkle_memory_releases_total [1-9]', metrics := httpx.get(f'{url}/metrics').text, re.M):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.05)

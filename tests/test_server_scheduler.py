@@ -340,3 +340,38 @@ def test_a_pass_that_raises_runs_its_jobs_one_by_one(make_scheduler, gate):
     gate.opened.set()
     assert all(job.wait(TIMEOUT) for job in jobs)
     assert order == ['alice', 'bob'] and [(job.result, job.pass_size) for job in jobs] == [('alice', 1), ('bob', 1)]
+
+
+def test_on_idle_runs_once_per_idle_spell_on_the_worker_thread(make_scheduler):
+    calls: list[bool] = []
+    called = threading.Semaphore(0)
+    main = threading.current_thread()
+
+    def on_idle() -> None:
+        calls.append(threading.current_thread() is main)
+        called.release()
+
+    scheduler = make_scheduler(on_idle=on_idle, idle_after_s=0.05)
+    assert scheduler.submit('alice', lambda: 1).wait(TIMEOUT)
+    assert called.acquire(timeout=TIMEOUT)
+    # Idle for six times idle_after_s more: still one call, as nothing ran since.
+    assert not called.acquire(timeout=0.3)
+    assert scheduler.submit('bob', lambda: 2).wait(TIMEOUT)
+    assert called.acquire(timeout=TIMEOUT)
+    assert calls == [False, False]
+
+
+def test_a_raising_on_idle_does_not_stop_the_worker(make_scheduler):
+    raised = threading.Event()
+
+    def on_idle() -> None:
+        raised.set()
+        raise RuntimeError('trim failed')
+
+    scheduler = make_scheduler(on_idle=on_idle, idle_after_s=0.01)
+    assert scheduler.submit('alice', lambda: 1).wait(TIMEOUT)
+    assert raised.wait(TIMEOUT)
+    job = scheduler.submit('alice', lambda: 2)
+    assert job.wait(TIMEOUT) and job.result == 2
+    with pytest.raises(ConfigurationError, match='idle_after_s must be positive, got 0'):
+        Scheduler(idle_after_s=0)

@@ -105,11 +105,16 @@ class Service:
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=self.registry,
         )
+        self.memory_releases = Counter(
+            'twinkle_memory_releases', 'Times the idle model process gave freed memory back', registry=self.registry
+        )
         self.scheduler = Scheduler(
             max_queued_per_tenant=config.limits.max_queued_per_tenant,
             on_start=self._on_start,
             on_finish=self._on_finish,
             max_tokens_per_pass=config.limits.max_tokens_per_pass,
+            on_idle=None if config.release_memory_after_idle_s is None else self._on_idle,
+            idle_after_s=config.release_memory_after_idle_s or 2.0,
         )
 
     # ---- jobs -----------------------------------------------------------------------------------
@@ -155,6 +160,10 @@ class Service:
 
     def _on_start(self, job: Job) -> None:
         self.store.set_future_running(job.id)
+
+    def _on_idle(self) -> None:
+        if self.host.call(ModelHost.release_free_memory):
+            self.memory_releases.inc()
 
     def _on_finish(self, job: Job) -> None:
         operation = getattr(job, 'operation', 'unknown')

@@ -95,6 +95,10 @@ class ServerConfig(BaseModel):
     #: Run the forward_backward / forward requests of different tenants that wait at the same
     #: moment as one pass, each row through its own adapter (False: one adapter per pass).
     mixed_batches: bool = True
+    #: When the model has had no request for this long, freed heap memory goes back to the
+    #: operating system (glibc ``malloc_trim``), so a server's resident set follows what it holds
+    #: (None: never; the next pass then faults its pages back in, about 20 ms on small-qwen3).
+    release_memory_after_idle_s: float | None = Field(2.0, gt=0)
     #: Adapters idle this long are saved and released from the model (None: never).
     idle_release_s: float | None = Field(None, gt=0)
     api_keys_file: str | None = None

@@ -34,6 +34,7 @@ from twinkle.processor import PROCESSORS
 from twinkle.sampler import TorchSampler
 from twinkle.server.config import ServerConfig
 from twinkle.template import TEMPLATES, Template
+from twinkle.utils.memory import release_free_memory
 
 #: InputFeature fields a client may send; anything else in a row is dropped before the model.
 FEATURE_FIELDS = ('input_ids', 'attention_mask', 'position_ids', 'labels', 'completion_mask')
@@ -119,6 +120,10 @@ class ModelHost:
         """``fn(self, *args)``: an operation written against the host (a Tinker step, say) runs
         where the model is, here in this process, or in the actor of a ``RemoteHost``."""
         return fn(self, *args)
+
+    def release_free_memory(self) -> bool:
+        """Give the model process's free heap pages back to the OS (``release_free_memory``)."""
+        return release_free_memory()
 
     def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
         """Leaf names of the linear layers under attention, MLP blocks and the output head."""

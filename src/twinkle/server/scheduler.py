@@ -153,7 +153,9 @@ class Scheduler:
 
     ``on_start(job)`` and ``on_finish(job)`` are called on the worker thread right before a job
     runs and right after it ends (before ``job.done`` is set, so whoever waits on the job sees
-    what ``on_finish`` recorded). Their exceptions are logged and never stop the worker.
+    what ``on_finish`` recorded). ``on_idle()`` is called there once the worker has had nothing
+    to do for ``idle_after_s`` seconds, then not again until a job has run. Their exceptions are
+    logged and never stop the worker.
     """
 
     def __init__(
@@ -163,11 +165,15 @@ class Scheduler:
         on_finish: JobCallback | None = None,
         keep_finished: int = 10_000,
         max_tokens_per_pass: int = 16_384,
+        on_idle: Callable[[], None] | None = None,
+        idle_after_s: float = 2.0,
     ):
         if max_queued_per_tenant < 1:
             raise ConfigurationError(f'max_queued_per_tenant must be at least 1, got {max_queued_per_tenant}')
         if keep_finished < 0:
             raise ConfigurationError(f'keep_finished must be 0 or more, got {keep_finished}')
+        if idle_after_s <= 0:
+            raise ConfigurationError(f'idle_after_s must be positive, got {idle_after_s}')
         if max_tokens_per_pass < 1:
             raise ConfigurationError(f'max_tokens_per_pass must be at least 1, got {max_tokens_per_pass}')
         # Tokens several jobs may bring to one shared pass (a job alone may bring more).
@@ -175,6 +181,8 @@ class Scheduler:
         # Jobs one tenant may have waiting (not counting its running one) before submit refuses.
         self.max_queued_per_tenant = max_queued_per_tenant
         self.on_start, self.on_finish = on_start, on_finish
+        self.on_idle, self.idle_after_s = on_idle, idle_after_s
+        self._idle_called = True  # nothing has run yet: nothing to clean up after
         # Finished jobs kept for get(); older ones are forgotten first.
         self.keep_finished = keep_finished
         self._cond = threading.Condition()
@@ -289,20 +297,35 @@ class Scheduler:
 
     def _next_pass(self) -> list[Job]:
         """Block for work; the head of the rotation's first job and the jobs that can share its
-        pass (empty once stopping)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._stopping or self._ring)
-            if self._stopping:
-                return []
-            jobs = [self._queues[self._ring.popleft()].popleft()]
-            if jobs[0].batch is not None:
-                jobs += self._companions(jobs[0].batch)
-            self._passes += 1
-            now = time.time()
-            for job in jobs:
-                job.status, job.started_at, job.pass_id, job.pass_size = 'running', now, self._passes, len(jobs)
-            self._running = jobs
-            return jobs
+        pass (empty once stopping). ``on_idle`` runs, outside the lock, if the wait is long."""
+        while True:
+            with self._cond:
+                timeout = None if self._idle_called or self.on_idle is None else self.idle_after_s
+                if self._cond.wait_for(lambda: self._stopping or self._ring, timeout):
+                    return self._take_pass()
+                self._idle_called = True
+            self._idle()
+
+    def _idle(self) -> None:
+        try:
+            self.on_idle()
+        except Exception:
+            logger.exception(f'on_idle {self.on_idle!r} raised')
+
+    def _take_pass(self) -> list[Job]:
+        """With the lock held: the next pass's jobs, marked running (empty once stopping)."""
+        if self._stopping:
+            return []
+        jobs = [self._queues[self._ring.popleft()].popleft()]
+        if jobs[0].batch is not None:
+            jobs += self._companions(jobs[0].batch)
+        self._passes += 1
+        self._idle_called = False
+        now = time.time()
+        for job in jobs:
+            job.status, job.started_at, job.pass_id, job.pass_size = 'running', now, self._passes, len(jobs)
+        self._running = jobs
+        return jobs
 
     def _companions(self, lead: Batchable) -> list[Job]:
         """The first waiting job of each following tenant in the rotation that can share the
