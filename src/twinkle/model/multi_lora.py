@@ -6,8 +6,10 @@ adds, for each adapter present in the batch, its delta to that adapter's rows on
 
     y = base(x);  y[rows_a] += dropout(x[rows_a]) @ A_a^T @ B_a^T * alpha_a / r_a   (Hu et al. 2021, eq. 3)
 
-The rows of an adapter are gathered, multiplied and scatter-added back, so an adapter's
-gradient comes only from its own rows and a row's numbers do not depend on its neighbours.
+When each adapter's rows are contiguous (a mixed pass lays them out so), each run's delta is
+added into its rows of one copy of the output (``lora_delta.add_run_deltas``); otherwise an
+adapter's rows are gathered, multiplied and scatter-added back. Either way an adapter's gradient
+comes only from its own rows, and a row's numbers do not depend on its neighbours.
 Which row uses which adapter is set for the whole model by the ``row_adapters`` context.
 
 Example::
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNameError, one_of
+from twinkle.model.lora_delta import Run, add_run_deltas
 
 _ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_-]+$')
 
@@ -210,18 +213,16 @@ class MultiLoraLinear(nn.Module):
         return out
 
     def _by_runs(self, x: torch.Tensor, out: torch.Tensor, runs: list[tuple[str | None, int, int]]) -> torch.Tensor:
-        """Each run of rows split off, its adapter's delta added, and the runs joined again: one
-        copy of the output, where gathering and scattering would copy it once per adapter.
-
-        ``split``, not slicing: the backward of a slice writes its gradient into a zero tensor
-        the size of the whole batch, once per run; that of ``split`` joins the runs' gradients."""
-        sizes = [end - start for _, start, end in runs]
-        pieces = []
-        for (name, _, _), x_part, out_part in zip(runs, x.split(sizes), out.split(sizes), strict=True):
-            if name is not None and name in self.adapters:
-                out_part = out_part + self.adapters[name](x_part).to(out.dtype)
-            pieces.append(out_part)
-        return torch.cat(pieces)
+        """Each run's delta added to its rows of one copy of the output (``add_run_deltas``)."""
+        plan, weights = [], []
+        for name, start, end in runs:
+            if name is None or name not in self.adapters:
+                continue
+            adapter = self.adapters[name]
+            dropout = adapter.dropout.p if adapter.training and isinstance(adapter.dropout, nn.Dropout) else 0.0
+            plan.append(Run(start, end, adapter.scaling, dropout))
+            weights += [adapter.lora_A.weight, adapter.lora_B.weight]
+        return add_run_deltas(out, x, plan, weights) if plan else out
 
     def extra_repr(self) -> str:
         return f'adapters={list(self.adapters.keys())}'
