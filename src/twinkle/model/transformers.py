@@ -7,7 +7,7 @@ import contextlib
 import math
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, PeftConfig
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
+from twinkle.data_format import InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNameError, one_of
 from twinkle.hub import resolve_model
 from twinkle.infra.mesh import DeviceMesh
@@ -24,11 +24,13 @@ from twinkle.loss import LOSSES, Loss, LossOutput
 from twinkle.metric import METRICS, Metric, TrainMetric
 from twinkle.model import checkpoint as ckpt
 from twinkle.model import multi_lora
-from twinkle.model.base import AdapterCall, Inputs, TwinkleModel
+from twinkle.model.base import Inputs, TwinkleModel
 from twinkle.model.group import FULL, Pending, TrainGroup
+from twinkle.model.mixed_pass import MixedPasses
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import build_optimizer, build_scheduler
 from twinkle.model.parallel import ModelParallel
+from twinkle.model.passes import accumulate, check_positive, chunks, loss_sums, record_call, with_logps
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 from twinkle.utils.logger import get_logger
@@ -38,7 +40,7 @@ _ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_-]+$')
 DEFAULT_OPTIMIZER = {'optimizer_cls': 'AdamW', 'lr': 1e-5}
 
 
-class TransformersModel(TwinkleModel):
+class TransformersModel(MixedPasses, TwinkleModel):
     """A causal LM from ``model_id`` (``ms://``, ``hf://`` or a local directory), or built from
     ``config`` with random weights.
 
@@ -114,7 +116,7 @@ class TransformersModel(TwinkleModel):
             raise ConfigurationError(f'adapter name {adapter_name!r} must be non-empty letters, digits, "_" or "-"')
         if adapter_name in self.groups:
             raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {self.adapter_names}')
-        _check_positive('gradient_accumulation_steps', gradient_accumulation_steps)
+        check_positive('gradient_accumulation_steps', gradient_accumulation_steps)
         self._parallel.check_can_add_adapter(adapter_name)
         weights_dir = None
         if isinstance(config_or_dir, str):
@@ -216,7 +218,7 @@ class TransformersModel(TwinkleModel):
         features = self._features(group, inputs)
         batch, outputs = self._run(group, features, training=True)
         group.pending = Pending(batch, outputs, training=True, rows=len(features))
-        return _with_logps(outputs['logits'], batch)
+        return with_logps(outputs['logits'], batch)
 
     def forward_only(
         self, *, inputs: Inputs, adapter_name: str | None = None, disable_lora: bool = False
@@ -228,7 +230,7 @@ class TransformersModel(TwinkleModel):
         with torch.no_grad():
             batch, outputs = self._run(group, features, training=False, lora=not disable_lora)
         group.pending = Pending(batch, outputs, training=False, rows=len(features))
-        return _with_logps(outputs['logits'], batch)
+        return with_logps(outputs['logits'], batch)
 
     def calculate_loss(self, *, adapter_name: str | None = None, **loss_inputs: Any) -> float:
         """The loss of the last forward pass (its mean over the items the loss counts)."""
@@ -265,95 +267,13 @@ class TransformersModel(TwinkleModel):
         group = self._group(adapter_name)
         features = self._features(group, inputs)
         started, sums = time.perf_counter(), []
-        for rows, chunk_inputs in _chunks(features, micro_batch_size, loss_inputs):
+        for rows, chunk_inputs in chunks(features, micro_batch_size, loss_inputs):
             batch, outputs = self._run(group, rows, training=True)
             loss = self._loss(group, batch, outputs, True, chunk_inputs)
             self._backward(group, loss)
-            trained = (batch['labels'] != IGNORE_INDEX).sum()
-            sums.append(torch.stack([loss.loss.detach().float(), loss.num_items.float(), trained.float()]))
-        group.micro_step += 1
-        group.consumed_train_samples += len(features)
-        total, items, trained = self._parallel.sum_(torch.stack(sums).sum(0)).tolist()  # the call's one sync
-        group.stats.accumulate(
-            num_tokens=sum(len(f['input_ids']) for f in features), elapsed_s=time.perf_counter() - started
-        )
-        return ModelOutput(loss=total / max(items, 1.0), num_tokens=int(trained))
-
-    def forward_backward_mixed(self, calls: Sequence[AdapterCall], *, forward_only: bool = False) -> list[ModelOutput]:
-        """Several adapters' ``forward_backward`` (or ``forward_only``) calls as one pass: every
-        call's rows go through the base model together, each row through its own adapter, and
-        each adapter gets the loss, gradient, logprobs and counters it would get alone.
-
-        The adapters must differ and share a collation (``batch_key``). ``forward_only`` leaves
-        each adapter's forward pending, as ``forward_only`` does, for ``calculate_loss``."""
-        groups = [self._group(call.adapter_name) for call in calls]
-        _check_mixable(groups, [self.batch_key(group.name) for group in groups])
-        features = [self._features(group, call.inputs) for group, call in zip(groups, calls, strict=True)]
-        for rows, call in zip(features, calls, strict=True):
-            next(_chunks(rows, None, call.loss_inputs))  # per-row loss inputs match the rows
-        started = time.perf_counter()
-        self._parallel.prepare(self.model, self.groups.values())
-        self._set_mode(not forward_only)
-        flat = [row for rows in features for row in rows]
-        pad = self._template_for(groups[0]).pad_token_id
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in groups[0].processor(flat, pad).items()}
-        multi_lora.assign_rows(self.model, [g.name for g, rows in zip(groups, features, strict=True) for _ in rows])
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
-            logits = self._logits(batch)
-        # split, not slices: a slice's backward would write into zeros the size of all the logits
-        sizes = [len(rows) for rows in features]
-        columns = {k: v.split(sizes) for k, v in batch.items()}
-        pieces = enumerate(logits.split(sizes))
-        parts = [({k: v[i] for k, v in columns.items()}, {'logits': piece}) for i, piece in pieces]
-        if forward_only:
-            for group, rows, (part, out) in zip(groups, features, parts, strict=True):
-                group.pending = Pending(part, out, training=False, rows=len(rows))
-            return [_with_logps(out['logits'], part) for part, out in parts]
-        # Every loss first, then the metrics: a loss that raises leaves no adapter half-counted.
-        losses = [
-            self._loss_value(group, part, out, call.loss_inputs)
-            for group, call, (part, out) in zip(groups, calls, parts, strict=True)
-        ]
-        for group, (part, out), loss in zip(groups, parts, losses, strict=True):
-            _accumulate(group, part, out, loss, training=True)
-        return self._mixed_backward(groups, features, parts, losses, started)
-
-    def _mixed_backward(
-        self,
-        groups: list[TrainGroup],
-        features: list[list[InputFeature]],
-        parts: list[tuple[dict, dict]],
-        losses: list[LossOutput],
-        started: float,
-    ) -> list[ModelOutput]:
-        """One backward of the summed losses: adapters share no parameter, so each gets the
-        gradient of its own loss; then each group's counters, as ``forward_backward`` keeps them."""
-        for group, loss in zip(groups, losses, strict=True):
-            if not loss.loss.requires_grad:
-                raise StateError(f'the loss of adapter {group.name!r} does not require grad: nothing would be trained')
-        torch.stack([loss.loss for loss in losses]).sum().backward()
-        trained = [(part['labels'] != IGNORE_INDEX).sum().float() for part, _ in parts]
-        rows_sums = [torch.stack([loss.loss.detach().float(), loss.num_items.float()]) for loss in losses]
-        sums = torch.cat([torch.stack(rows_sums), torch.stack(trained)[:, None]], dim=1)
-        sums = self._parallel.sum_(sums).tolist()
-        elapsed = time.perf_counter() - started
-        outputs = []
-        for group, rows, loss, (total, items, trained) in zip(groups, features, losses, sums, strict=True):
-            group.pending_items = group.pending_items + loss.num_items.detach()
-            group.micro_step += 1
-            group.consumed_train_samples += len(rows)
-            group.stats.accumulate(num_tokens=sum(len(f['input_ids']) for f in rows), elapsed_s=elapsed)
-            outputs.append(ModelOutput(loss=total / max(items, 1.0), num_tokens=int(trained)))
-        return outputs
-
-    def batch_key(self, adapter_name: str | None = None) -> tuple | None:
-        """Adapters whose keys are equal can share a ``forward_backward_mixed`` pass (the same
-        collation); None: this adapter's rows cannot be mixed with others (packed rows)."""
-        group = self._group(adapter_name)
-        processor = group.processor
-        if group.name == FULL or processor.padding_free:
-            return None
-        return (type(processor), processor.padding_side, self._template_for(group).pad_token_id)
+            sums.append(loss_sums(loss, batch))
+        call_sums = self._parallel.sum_(torch.stack(sums).sum(0)).tolist()  # the call's one sync
+        return record_call(group, features, call_sums, time.perf_counter() - started)
 
     # ---- optimizer ------------------------------------------------------------------------------
     def clip_grad_norm(
@@ -602,7 +522,7 @@ class TransformersModel(TwinkleModel):
         # checkpointing recomputes those layers during backward.
         with torch.no_grad(), multi_lora.row_adapters(self.model, None):
             logits = self._logits(batch)
-        return _with_logps(logits, batch).logps
+        return with_logps(logits, batch).logps
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.mixed_precision == 'bf16':
@@ -611,7 +531,7 @@ class TransformersModel(TwinkleModel):
 
     def _loss(self, group: TrainGroup, batch: dict, outputs: dict, training: bool, loss_inputs: dict) -> LossOutput:
         loss = self._loss_value(group, batch, outputs, loss_inputs)
-        _accumulate(group, batch, outputs, loss, training)
+        accumulate(group, batch, outputs, loss, training)
         return loss
 
     def _loss_value(self, group: TrainGroup, batch: dict, outputs: dict, loss_inputs: dict) -> LossOutput:
@@ -657,11 +577,6 @@ def _default_precision(device: torch.device) -> str:
     return 'bf16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'no'
 
 
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
-        raise ConfigurationError(f'{name} must be a positive integer; got {value!r}')
-
-
 def _param_groups(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
@@ -669,46 +584,6 @@ def _param_groups(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
     if no_decay:
         groups.append({'params': no_decay, 'weight_decay': 0.0})
     return groups
-
-
-def _chunks(
-    features: list[InputFeature], size: int | None, loss_inputs: dict[str, Any]
-) -> Iterator[tuple[list[InputFeature], dict[str, Any]]]:
-    """Split rows, and the per-row loss inputs beside them, into micro-batches of ``size``."""
-    for key, value in loss_inputs.items():
-        if isinstance(value, Sequence) and len(value) != len(features):
-            raise DataError(f'loss input {key!r} has {len(value)} entries for {len(features)} rows')
-    if size is None or size >= len(features):
-        yield features, loss_inputs
-        return
-    _check_positive('micro_batch_size', size)
-    for start in range(0, len(features), size):
-        part = {k: v[start : start + size] if isinstance(v, Sequence) else v for k, v in loss_inputs.items()}
-        yield features[start : start + size], part
-
-
-def _with_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> ModelOutput:
-    """Logits plus the log-probability of each label token (0 where the label is ignored)."""
-    labels = batch['labels']
-    mask = labels != IGNORE_INDEX
-    with torch.no_grad():
-        logps = torch.log_softmax(logits.detach().float(), dim=-1)
-        logps = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
-    return ModelOutput(logits=logits, logps=logps, num_tokens=int(mask.sum()))
-
-
-def _accumulate(group: TrainGroup, batch: dict, outputs: dict, loss: LossOutput, training: bool) -> None:
-    """Feed a loss to the group's training (or evaluation) metrics."""
-    for metric in group.train_metrics if training else group.eval_metrics:
-        metric.accumulate(inputs=batch, outputs=outputs, loss=loss)
-
-
-def _check_mixable(groups: list[TrainGroup], keys: list[tuple | None]) -> None:
-    names = [group.name for group in groups]
-    if not groups or len(set(names)) != len(names):
-        raise ConfigurationError(f'a mixed pass needs one call per adapter, each adapter once; got {names}')
-    if len(groups) > 1 and (None in keys or len(set(keys)) != 1):
-        raise ConfigurationError(f'adapters {names} collate rows differently (processor, padding, pad token)')
 
 
 def _describe(optimizer: torch.optim.Optimizer | None) -> str:

@@ -1,0 +1,119 @@
+"""Several adapters' ``forward_backward`` calls as one pass over the base model.
+
+Every call's rows are collated into one batch, laid out call after call; ``multi_lora`` sends
+each row through its own adapter. Each adapter then gets its own loss over its own rows, and
+one backward of the summed losses gives each adapter the gradient of its own loss alone (the
+adapters share no parameter). Numbers do not depend on the neighbours: padding is masked, and
+each adapter's loss is normalised over its own items.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from twinkle.data_format import InputFeature, ModelOutput
+from twinkle.errors import ConfigurationError, StateError
+from twinkle.loss import LossOutput
+from twinkle.model import multi_lora
+from twinkle.model.base import AdapterCall
+from twinkle.model.group import FULL, Pending, TrainGroup
+from twinkle.model.passes import accumulate, chunks, loss_sums, record_call, with_logps
+
+if TYPE_CHECKING:
+    from twinkle.model.transformers import TransformersModel
+
+
+class MixedPasses:
+    """``TransformersModel``'s mixed pass: ``forward_backward_mixed`` and ``batch_key``."""
+
+    def forward_backward_mixed(
+        self: TransformersModel, calls: Sequence[AdapterCall], *, forward_only: bool = False
+    ) -> list[ModelOutput]:
+        """Several adapters' ``forward_backward`` (or ``forward_only``) calls as one pass: every
+        call's rows go through the base model together, each row through its own adapter, and
+        each adapter gets the loss, gradient, logprobs and counters it would get alone.
+
+        The adapters must differ and share a collation (``batch_key``). ``forward_only`` leaves
+        each adapter's forward pending, as ``forward_only`` does, for ``calculate_loss``."""
+        groups = [self._group(call.adapter_name) for call in calls]
+        _check_mixable(groups, [self.batch_key(group.name) for group in groups])
+        features = [self._features(group, call.inputs) for group, call in zip(groups, calls, strict=True)]
+        for rows, call in zip(features, calls, strict=True):
+            next(chunks(rows, None, call.loss_inputs))  # per-row loss inputs match the rows
+        started = time.perf_counter()
+        parts = self._mixed_forward(groups, features, forward_only)
+        if forward_only:
+            for group, rows, (part, out) in zip(groups, features, parts, strict=True):
+                group.pending = Pending(part, out, training=False, rows=len(rows))
+            return [with_logps(out['logits'], part) for part, out in parts]
+        # Every loss first, then the metrics: a loss that raises leaves no adapter half-counted.
+        losses = [
+            self._loss_value(group, part, out, call.loss_inputs)
+            for group, call, (part, out) in zip(groups, calls, parts, strict=True)
+        ]
+        for group, (part, out), loss in zip(groups, parts, losses, strict=True):
+            accumulate(group, part, out, loss, training=True)
+        return self._mixed_backward(groups, features, parts, losses, started)
+
+    def batch_key(self: TransformersModel, adapter_name: str | None = None) -> tuple | None:
+        """Adapters whose keys are equal can share a ``forward_backward_mixed`` pass (the same
+        collation); None: this adapter's rows cannot be mixed with others (packed rows)."""
+        group = self._group(adapter_name)
+        processor = group.processor
+        if group.name == FULL or processor.padding_free:
+            return None
+        return (type(processor), processor.padding_side, self._template_for(group).pad_token_id)
+
+    def _mixed_forward(
+        self: TransformersModel, groups: list[TrainGroup], features: list[list[InputFeature]], forward_only: bool
+    ) -> list[tuple[dict, dict]]:
+        """One forward of every call's rows; each call's (batch, outputs) part of it."""
+        self._parallel.prepare(self.model, self.groups.values())
+        self._set_mode(not forward_only)
+        flat = [row for rows in features for row in rows]
+        pad = self._template_for(groups[0]).pad_token_id
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in groups[0].processor(flat, pad).items()}
+        multi_lora.assign_rows(self.model, [g.name for g, rows in zip(groups, features, strict=True) for _ in rows])
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            logits = self._logits(batch)
+        # split, not slices: a slice's backward would write into zeros the size of all the logits
+        sizes = [len(rows) for rows in features]
+        columns = {k: v.split(sizes) for k, v in batch.items()}
+        pieces = enumerate(logits.split(sizes))
+        return [({k: v[i] for k, v in columns.items()}, {'logits': piece}) for i, piece in pieces]
+
+    def _mixed_backward(
+        self: TransformersModel,
+        groups: list[TrainGroup],
+        features: list[list[InputFeature]],
+        parts: list[tuple[dict, dict]],
+        losses: list[LossOutput],
+        started: float,
+    ) -> list[ModelOutput]:
+        """One backward of the summed losses: adapters share no parameter, so each gets the
+        gradient of its own loss; then each group's counters, as ``forward_backward`` keeps them."""
+        for group, loss in zip(groups, losses, strict=True):
+            if not loss.loss.requires_grad:
+                raise StateError(f'the loss of adapter {group.name!r} does not require grad: nothing would be trained')
+        torch.stack([loss.loss for loss in losses]).sum().backward()
+        sums = torch.stack([loss_sums(loss, part) for loss, (part, _) in zip(losses, parts, strict=True)])
+        sums = self._parallel.sum_(sums).tolist()  # the pass's one sync
+        elapsed = time.perf_counter() - started
+        outputs = []
+        for group, rows, loss, call_sums in zip(groups, features, losses, sums, strict=True):
+            group.pending_items = group.pending_items + loss.num_items.detach()
+            outputs.append(record_call(group, rows, call_sums, elapsed))
+        return outputs
+
+
+def _check_mixable(groups: list[TrainGroup], keys: list[tuple | None]) -> None:
+    names = [group.name for group in groups]
+    if not groups or len(set(names)) != len(names):
+        raise ConfigurationError(f'a mixed pass needs one call per adapter, each adapter once; got {names}')
+    if len(groups) > 1 and (None in keys or len(set(keys)) != 1):
+        raise ConfigurationError(f'adapters {names} collate rows differently (processor, padding, pad token)')

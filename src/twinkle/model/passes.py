@@ -1,0 +1,69 @@
+"""What a pass over an adapter's rows does with its results, shared by ``forward_backward`` and
+the mixed pass: micro-batch chunks, label logprobs, metrics, and the call's counters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
+from twinkle.errors import ConfigurationError, DataError
+from twinkle.loss import LossOutput
+from twinkle.model.group import TrainGroup
+
+
+def check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigurationError(f'{name} must be a positive integer; got {value!r}')
+
+
+def chunks(
+    features: list[InputFeature], size: int | None, loss_inputs: dict[str, Any]
+) -> Iterator[tuple[list[InputFeature], dict[str, Any]]]:
+    """Split rows, and the per-row loss inputs beside them, into micro-batches of ``size``."""
+    for key, value in loss_inputs.items():
+        if isinstance(value, Sequence) and len(value) != len(features):
+            raise DataError(f'loss input {key!r} has {len(value)} entries for {len(features)} rows')
+    if size is None or size >= len(features):
+        yield features, loss_inputs
+        return
+    check_positive('micro_batch_size', size)
+    for start in range(0, len(features), size):
+        part = {k: v[start : start + size] if isinstance(v, Sequence) else v for k, v in loss_inputs.items()}
+        yield features[start : start + size], part
+
+
+def with_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> ModelOutput:
+    """Logits plus the log-probability of each label token (0 where the label is ignored)."""
+    labels = batch['labels']
+    mask = labels != IGNORE_INDEX
+    with torch.no_grad():
+        logps = torch.log_softmax(logits.detach().float(), dim=-1)
+        logps = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    return ModelOutput(logits=logits, logps=logps, num_tokens=int(mask.sum()))
+
+
+def accumulate(group: TrainGroup, batch: dict, outputs: dict, loss: LossOutput, training: bool) -> None:
+    """Feed a loss to the group's training (or evaluation) metrics."""
+    for metric in group.train_metrics if training else group.eval_metrics:
+        metric.accumulate(inputs=batch, outputs=outputs, loss=loss)
+
+
+def loss_sums(loss: LossOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[loss sum, loss items, trained tokens] of one backward, summed over ranks by the caller."""
+    trained = (batch['labels'] != IGNORE_INDEX).sum()
+    return torch.stack([loss.loss.detach().float(), loss.num_items.float(), trained.float()])
+
+
+def record_call(
+    group: TrainGroup, rows: Sequence[InputFeature], sums: Sequence[float], elapsed_s: float
+) -> ModelOutput:
+    """Count one ``forward_backward`` call (one accumulation micro step) on ``group``; its
+    output from ``sums`` = ``loss_sums`` of the call, over every rank."""
+    total, items, trained = sums
+    group.micro_step += 1
+    group.consumed_train_samples += len(rows)
+    group.stats.accumulate(num_tokens=sum(len(f['input_ids']) for f in rows), elapsed_s=elapsed_s)
+    return ModelOutput(loss=total / max(items, 1.0), num_tokens=int(trained))
