@@ -38,6 +38,7 @@ import statistics
 import tempfile
 import threading
 import time
+import tracemalloc
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,12 +181,27 @@ def mean_pass_jobs(url: str) -> float:
 
 
 def adapter_bytes(settings: Settings, model_dir: str) -> dict[str, int]:
-    """What one adapter should cost: its float32 parameters, and AdamW's two moments of each."""
+    """What one adapter should cost: its float32 parameters, and AdamW's two moments of each.
+    Also, measured in this process, the Python objects that come with an adapter (its modules
+    and parameters, its optimizer; ``tracemalloc`` sees these, not tensor storage)."""
     model = TransformersModel(model_id=model_dir, device='cpu')
-    config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, target_modules='all-linear')
-    model.add_adapter_to_model('probe', config)
+    row = [{'input_ids': list(range(1, 17)), 'labels': list(range(1, 17))}]
+
+    def add(name: str) -> None:
+        config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, target_modules='all-linear')
+        model.add_adapter_to_model(name, config)
+        model.set_optimizer('AdamW', lr=settings.lr, adapter_name=name)
+        model.forward_backward(inputs=row, adapter_name=name)
+        model.clip_grad_and_step(1.0, adapter_name=name)
+
+    add('probe')
     params = sum(p.numel() * p.element_size() for p in model.groups['probe'].params)
-    return {'parameters': params, 'adam_moments': 2 * params}
+    tracemalloc.start()
+    for index in range(4):
+        add(f'traced{index}')
+    python_objects = tracemalloc.get_traced_memory()[0] // 4
+    tracemalloc.stop()
+    return {'parameters': params, 'adam_moments': 2 * params, 'python_objects': python_objects}
 
 
 def memory(settings: Settings, workdir: Path, limits_extra: dict[str, Any] | None = None) -> dict[int, float]:
@@ -243,7 +259,7 @@ def summarize(times: dict[str, list[float]], pass_jobs: float, settings: Setting
     }
 
 
-def memory_summary(rss: dict[int, float], expected: dict[str, int]) -> dict[str, Any]:
+def memory_summary(rss: dict[int, float], expected: dict[str, int], expected_objects: int) -> dict[str, Any]:
     """Growth per adapter between the two largest counts (8 and 32): past the first adapters,
     whose optimizer states a spilling server still keeps in memory, and its fixed costs."""
     counts = sorted(c for c in rss if c)
@@ -254,6 +270,7 @@ def memory_summary(rss: dict[int, float], expected: dict[str, int]) -> dict[str,
         'growth_per_adapter_mib': per_adapter,
         'growth_between': [first, last],
         'expected_per_adapter_mib': sum(expected.values()) / MIB,
+        'python_objects_per_adapter_mib': expected_objects / MIB,
     }
 
 
@@ -269,6 +286,7 @@ def main() -> None:
     model_dir = assets.tiny_model(settings.model)
     vocab = json.loads((Path(model_dir) / 'config.json').read_text())['vocab_size']
     expected = adapter_bytes(settings, model_dir)
+    tensors = {k: v for k, v in expected.items() if k != 'python_objects'}
     with tempfile.TemporaryDirectory(prefix='twinkle-mixed-') as tmp:
         workdir = Path(tmp)
         print(
@@ -284,8 +302,8 @@ def main() -> None:
         'settings': asdict(settings),
         'environment': {'torch': torch.__version__, 'threads': torch.get_num_threads(), 'device': settings.device},
         'throughput': summarize(times, pass_jobs, settings),
-        'memory': memory_summary(rss, expected),
-        'memory_spilling': memory_summary(spilled, {'parameters': expected['parameters']}),
+        'memory': memory_summary(rss, tensors, expected['python_objects']),
+        'memory_spilling': memory_summary(spilled, {'parameters': tensors['parameters']}, expected['python_objects']),
         'adapter_bytes': expected,
         'seconds': times,
     }
@@ -310,7 +328,8 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f'  {count:>3s} adapters: {mib:8.1f} MiB')
     print(
         f'  growth per adapter {mem["growth_per_adapter_mib"]:.2f} MiB; the adapter and its AdamW state are '
-        f'{mem["expected_per_adapter_mib"]:.2f} MiB'
+        f'{mem["expected_per_adapter_mib"]:.2f} MiB, plus {mem["python_objects_per_adapter_mib"]:.2f} MiB of '
+        'Python objects (modules, parameters, optimizer; traced in-process)'
     )
     spill, hot = result['memory_spilling'], result['settings']['hot_optimizers']
     print(f'Server memory, at most {hot} optimizer states in memory (the rest spilled to disk):')
@@ -318,7 +337,8 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f'  {count:>3s} adapters: {mib:8.1f} MiB')
     print(
         f'  growth per adapter {spill["growth_per_adapter_mib"]:.2f} MiB; the adapter alone is '
-        f'{spill["expected_per_adapter_mib"]:.2f} MiB'
+        f'{spill["expected_per_adapter_mib"]:.2f} MiB, plus up to {spill["python_objects_per_adapter_mib"]:.2f} MiB '
+        'of Python objects'
     )
 
 

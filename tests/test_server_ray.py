@@ -81,3 +81,52 @@ def test_user_errors_stay_user_errors_and_a_dead_worker_is_named(local_ray, tmp_
                 time.sleep(0.1)
         with pytest.raises(tinker.RequestFailedError, match=r'model worker .*died'):
             training.optim_step(types.AdamParams()).result()
+
+
+def test_tenants_share_a_pass_in_the_ray_actor_and_get_their_numbers_alone(local_ray, tmp_path, tiny_model_dir):
+    import threading
+
+    from peft import LoraConfig
+
+    from twinkle_client import init_twinkle_client
+    from twinkle_client.client import PREFIX
+    from twinkle_client.model import MultiLoraTransformersModel
+
+    config = ServerConfig.build(
+        base_model=tiny_model_dir, port=0, data_dir=str(tmp_path), device='cpu', ray={'address': None}
+    )
+    with Store(config.db_path) as store:
+        keys = {tenant: store.add_tenant(tenant)[1] for tenant in ('alice', 'bob')}
+    rows = {
+        'alice': [{'input_ids': [5, 9, 31, 7, 2], 'labels': [-100, 9, 31, 7, 2]}],
+        'bob': [{'input_ids': [40, 8, 17], 'labels': [-100, 8, 17]}, {'input_ids': [3, 3], 'labels': [-100, 3]}],
+    }
+    server = BackgroundServer(config)
+    with server as url:
+        service = server.app.state.service
+        assert isinstance(service.host, RemoteHost)
+        models = {}
+        for tenant, rank in (('alice', 4), ('bob', 8)):
+            model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys[tenant]))
+            lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules='all-linear', init_lora_weights=False)
+            for name in ('mixed', 'alone'):
+                model.add_adapter_to_model(name, lora, seed=rank)
+            models[tenant] = model
+        entered, opened = threading.Event(), threading.Event()
+        service.scheduler.submit('gatekeeper', lambda: entered.set() or opened.wait(60))  # holds the worker
+        assert entered.wait(60)
+        futures = {
+            tenant: model.client.submit(
+                f'{PREFIX}/runs/{model.runs["mixed"]}/ops/forward_backward', {'inputs': rows[tenant]}
+            )
+            for tenant, model in models.items()
+        }
+        opened.set()
+        shared = {tenant: models[tenant].client.result(future) for tenant, future in futures.items()}
+        jobs = [service.scheduler.get(future) for future in futures.values()]
+        assert jobs[0].pass_id == jobs[1].pass_id and jobs[0].pass_size == 2  # one pass, in the actor
+        for tenant, model in models.items():
+            alone = model.forward_backward(inputs=rows[tenant], adapter_name='alone')
+            assert shared[tenant]['loss'] == pytest.approx(alone.loss, abs=1e-5)
+            norms = [model.clip_grad_norm(1.0, adapter_name=name) for name in ('mixed', 'alone')]
+            assert norms[0] == pytest.approx(norms[1], rel=1e-5)
