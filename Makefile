@@ -33,7 +33,7 @@ bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO rewar
 	$(PY) benchmarks/server_overhead.py
 	$(PY) benchmarks/tinker_overhead.py
 	$(PY) benchmarks/distributed_overhead.py
-	$(PY) benchmarks/mixed_tenants.py
+	$(PY) benchmarks/mixed_tenants.py --rounds 5
 
 clean:
 	rm -rf output .twinkle_home .pytest_cache
