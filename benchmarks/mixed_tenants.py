@@ -26,7 +26,7 @@ keeps at most ``hot_optimizers`` (4) optimizer states in memory and spills the r
 
 Usage::
 
-    .venv/bin/python benchmarks/mixed_tenants.py --rounds 5   # ~12 min on 2 CPU cores; writes results/mixed_tenants.json
+    .venv/bin/python benchmarks/mixed_tenants.py --rounds 5  # ~12 min on 2 CPU cores; results/mixed_tenants.json
     ... --model tiny-qwen3 --output /tmp/mixed_tiny.json   # a model too small to fill the device
 """
 
