@@ -88,11 +88,18 @@ class LoraAdapter(nn.Module):
         _initialise(self.lora_A.weight.data, self.lora_B.weight.data, spec, generator)
         self.to(device=base.weight.device, dtype=dtype)
         self.scaling = spec.scaling
-        self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        # A probability, not an nn.Dropout module: one module fewer per layer and adapter (the
+        # same draws, through the same function).
+        self.dropout = spec.dropout
 
     def forward(self, x_N_I: torch.Tensor) -> torch.Tensor:
-        x_N_I = self.dropout(x_N_I.to(self.lora_A.weight.dtype))
+        x_N_I = nn.functional.dropout(x_N_I.to(self.lora_A.weight.dtype), self.active_dropout)
         return self.lora_B(self.lora_A(x_N_I)) * self.scaling
+
+    @property
+    def active_dropout(self) -> float:
+        """The dropout probability this forward applies: none in eval mode."""
+        return self.dropout if self.training else 0.0
 
     def delta_weight(self) -> torch.Tensor:
         """B @ A * scaling [out, in]: what merging the adapter adds to the base weight."""
@@ -219,8 +226,7 @@ class MultiLoraLinear(nn.Module):
             if name is None or name not in self.adapters:
                 continue
             adapter = self.adapters[name]
-            dropout = adapter.dropout.p if adapter.training and isinstance(adapter.dropout, nn.Dropout) else 0.0
-            plan.append(Run(start, end, adapter.scaling, dropout))
+            plan.append(Run(start, end, adapter.scaling, adapter.active_dropout))
             weights += [adapter.lora_A.weight, adapter.lora_B.weight]
         return add_run_deltas(out, x, plan, weights) if plan else out
 
