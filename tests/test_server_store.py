@@ -551,3 +551,14 @@ def test_checkpoint_paths_of_both_apis(path, parsed):
 def test_bad_checkpoint_paths_name_the_accepted_forms(path):
     with pytest.raises(DataError, match='tinker://<run_id>/sampler_weights/<name>'):
         parse_checkpoint_path(path)
+
+
+def test_marking_a_future_running_is_not_synced_alone_and_leaves_later_writes_synced(tmp_path):
+    store = Store(tmp_path / 'twinkle.db')
+    tenant, _ = store.add_tenant('alice')
+    record = store.create_future(tenant.id, None, 'forward_backward')
+    assert store.set_future_running(record.id)
+    assert store.get_future(tenant.id, record.id).status == 'running'
+    assert store._query('PRAGMA synchronous')[0][0] == 2  # FULL again for every later write
+    assert store.fail_unfinished_futures('restarted') == 1  # what a restart does with it, as with a pending one
+    store.close()

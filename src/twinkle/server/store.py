@@ -356,17 +356,26 @@ class Store:
         return self._conn
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, holding the lock; committed (and fsynced) when the block ends."""
+    def _write(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction, holding the lock; committed (and fsynced) when the block ends.
+
+        ``durable=False`` commits without the fsync (``synchronous=NORMAL``): for a row a crash may
+        lose because the restart undoes it anyway. The next durable commit syncs it with its own."""
         with self._lock:
             conn = self._connection()
-            conn.execute('BEGIN IMMEDIATE')
+            if not durable:
+                conn.execute('PRAGMA synchronous=NORMAL')
             try:
-                yield conn
-            except BaseException:
-                conn.execute('ROLLBACK')
-                raise
-            conn.execute('COMMIT')
+                conn.execute('BEGIN IMMEDIATE')
+                try:
+                    yield conn
+                except BaseException:
+                    conn.execute('ROLLBACK')
+                    raise
+                conn.execute('COMMIT')
+            finally:
+                if not durable:
+                    conn.execute('PRAGMA synchronous=FULL')
 
     def _query(self, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -690,9 +699,11 @@ class Store:
         return future
 
     def set_future_running(self, future_id: str) -> bool:
-        """Move a pending future to running; False if it was not pending."""
+        """Move a pending future to running; False if it was not pending. Not synced to disk on its
+        own: after a crash, ``fail_unfinished_futures`` fails a running future as it does a pending one."""
         sql = "UPDATE futures SET status = 'running' WHERE id = ? AND status = 'pending'"
-        return self._execute(sql, (future_id,)) > 0
+        with self._write(durable=False) as conn:
+            return conn.execute(sql, (future_id,)).rowcount > 0
 
     def finish_future(self, future_id: str, result: Any) -> bool:
         """Store the JSON-encoded ``result`` of an unfinished future; False if it had already finished.
