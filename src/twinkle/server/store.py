@@ -1,7 +1,8 @@
 """The service's durable state: tenants, runs, checkpoints and futures in one SQLite file.
 
 Every write is its own transaction, committed with ``synchronous=FULL`` in WAL mode before the method
-returns, so a row the server has acknowledged survives a ``kill -9`` (and a power cut). Every read is
+returns, so a row the server has acknowledged survives a ``kill -9`` (and a power cut); the one
+exception, a future marked running, is synced by the next write, and a restart fails it anyway. Every read is
 scoped by tenant: another tenant's run, checkpoint or future reads as None, exactly like one that does
 not exist, so the server answers 404 for both and leaks nothing.
 
