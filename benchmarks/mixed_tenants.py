@@ -277,12 +277,15 @@ def memory_summary(rss: dict[int, float], expected: dict[str, int], expected_obj
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--model', default=Settings.model, help='embedded model name or a local model directory')
+    parser.add_argument('--device', default=Settings.device, help="'cpu' or 'cuda', for every server")
     parser.add_argument('--steps', type=int, default=Settings.steps)
     parser.add_argument('--rounds', type=int, default=Settings.rounds)
     parser.add_argument('--tenants', type=int, default=Settings.tenants)
     parser.add_argument('--output', default='benchmarks/results/mixed_tenants.json')
     args = parser.parse_args()
-    settings = Settings(model=args.model, steps=args.steps, rounds=args.rounds, tenants=args.tenants)
+    settings = Settings(
+        model=args.model, device=args.device, steps=args.steps, rounds=args.rounds, tenants=args.tenants
+    )
     model_dir = assets.tiny_model(settings.model)
     vocab = json.loads((Path(model_dir) / 'config.json').read_text())['vocab_size']
     expected = adapter_bytes(settings, model_dir)
