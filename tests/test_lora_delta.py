@@ -79,3 +79,21 @@ def test_rows_outside_every_run_keep_the_base_output_and_get_no_input_gradient()
     (grad_x,) = torch.autograd.grad(y.sum(), x)
     assert not grad_x[2].any() and not grad_x[6].any()
     assert grad_x[0].any() and grad_x[5].any()
+
+
+def test_under_bf16_autocast_the_gradients_are_autograds_own():
+    # A TransformersModel runs its forward under bf16 autocast on a GPU; CPU autocast is the same
+    # mechanism. The saved activations are bf16 there, so the backward must run under it too.
+    out, x = _inputs(torch.float32)
+    weights = _weights([2, 3], torch.float32)
+    runs = [Run(0, 2, scaling=0.5, dropout=0.0), Run(3, 6, scaling=2.0, dropout=0.0)]
+    results = []
+    for fn in (add_run_deltas, _reference):
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            y = fn(out, x, runs, weights)
+        results.append((y, torch.autograd.grad(y.sum(), (out, x, *weights))))
+    (y, grads), (y_ref, grads_ref) = results
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    for grad, grad_ref in zip(grads, grads_ref, strict=True):
+        assert grad.dtype == grad_ref.dtype
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-2, atol=1e-2)  # bf16 matmuls, summed in another order

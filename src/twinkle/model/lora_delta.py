@@ -58,12 +58,22 @@ class _RunDeltas(torch.autograd.Function):
             saved += [x_run, h, mask]
         ctx.runs = runs
         ctx.x_meta = (x.shape, x.dtype)
+        # The backward's matmuls run under the forward's autocast, as autograd's own would: the
+        # saved activations are in the dtype autocast gave them (bf16 under a bf16 autocast).
+        device = x.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.save_for_backward(*weights, *[t for t in saved if t is not None])
         ctx.has_mask = [mask is not None for mask in saved[2::3]]
         return y
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return _RunDeltas._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx: Any, g: torch.Tensor):
         n = len(ctx.runs)
         tensors = list(ctx.saved_tensors)
         weights, rest = tensors[: 2 * n], iter(tensors[2 * n :])
