@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from twinkle.data_format import InputFeature, ModelOutput
-from twinkle.errors import ConfigurationError, StateError
+from twinkle.errors import ConfigurationError
 from twinkle.loss import LossOutput
 from twinkle.model import multi_lora
 from twinkle.model.base import AdapterCall
 from twinkle.model.group import FULL, Pending, TrainGroup
-from twinkle.model.passes import accumulate, chunks, loss_sums, record_call, with_logps
+from twinkle.model.passes import accumulate, check_trainable, chunks, loss_sums, record_call, with_logps
 
 if TYPE_CHECKING:
     from twinkle.model.transformers import TransformersModel
@@ -98,8 +98,7 @@ class MixedPasses:
         """One backward of the summed losses: adapters share no parameter, so each gets the
         gradient of its own loss; then each group's counters, as ``forward_backward`` keeps them."""
         for group, loss in zip(groups, losses, strict=True):
-            if not loss.loss.requires_grad:
-                raise StateError(f'the loss of adapter {group.name!r} does not require grad: nothing would be trained')
+            check_trainable(group, loss)
         torch.stack([loss.loss for loss in losses]).sum().backward()
         sums = torch.stack([loss_sums(loss, part) for loss, (part, _) in zip(losses, parts, strict=True)])
         sums = self._parallel.sum_(sums).tolist()  # the pass's one sync

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
-from twinkle.errors import ConfigurationError, DataError
+from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.loss import LossOutput
 from twinkle.model.group import TrainGroup
 
@@ -17,6 +17,12 @@ from twinkle.model.group import TrainGroup
 def check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value <= 0:
         raise ConfigurationError(f'{name} must be a positive integer; got {value!r}')
+
+
+def check_trainable(group: TrainGroup, loss: LossOutput) -> None:
+    """``StateError`` unless the loss can train the group (it requires grad)."""
+    if not loss.loss.requires_grad:
+        raise StateError(f'the loss of adapter {group.name!r} does not require grad: nothing would be trained')
 
 
 def chunks(

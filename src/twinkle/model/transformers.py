@@ -30,7 +30,15 @@ from twinkle.model.mixed_pass import MixedPasses
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import build_optimizer, build_scheduler
 from twinkle.model.parallel import ModelParallel
-from twinkle.model.passes import accumulate, check_positive, chunks, loss_sums, record_call, with_logps
+from twinkle.model.passes import (
+    accumulate,
+    check_positive,
+    check_trainable,
+    chunks,
+    loss_sums,
+    record_call,
+    with_logps,
+)
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 from twinkle.utils.logger import get_logger
@@ -540,8 +548,7 @@ class TransformersModel(MixedPasses, TwinkleModel):
         return group.loss(batch, outputs, **loss_inputs)
 
     def _backward(self, group: TrainGroup, loss: LossOutput) -> None:
-        if not loss.loss.requires_grad:
-            raise StateError(f'the loss of adapter {group.name!r} does not require grad: nothing would be trained')
+        check_trainable(group, loss)
         loss.loss.backward()
         group.pending_items = group.pending_items + loss.num_items.detach()
 

@@ -382,9 +382,9 @@ class Store:
         with self._lock:
             return self._connection().execute(sql, params).fetchall()
 
-    def _execute(self, sql: str, params: tuple = ()) -> int:
+    def _execute(self, sql: str, params: tuple = (), durable: bool = True) -> int:
         """Run one writing statement; return how many rows it changed."""
-        with self._write() as conn:
+        with self._write(durable) as conn:
             return conn.execute(sql, params).rowcount
 
     def close(self) -> None:
@@ -703,8 +703,7 @@ class Store:
         """Move a pending future to running; False if it was not pending. Not synced to disk on its
         own: after a crash, ``fail_unfinished_futures`` fails a running future as it does a pending one."""
         sql = "UPDATE futures SET status = 'running' WHERE id = ? AND status = 'pending'"
-        with self._write(durable=False) as conn:
-            return conn.execute(sql, (future_id,)).rowcount > 0
+        return self._execute(sql, (future_id,), durable=False) > 0
 
     def finish_future(self, future_id: str, result: Any) -> bool:
         """Store the JSON-encoded ``result`` of an unfinished future; False if it had already finished.
