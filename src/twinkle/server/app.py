@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -21,19 +20,19 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from twinkle.errors import StateError, TwinkleError, UnknownNameError
-from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
 from twinkle.server.deps import Who
-from twinkle.server.host import CapacityError, ModelHost, is_mixable, request_tokens
-from twinkle.server.limits import RateLimitedError, RateLimiter
+from twinkle.server.host import CapacityError, ModelHost
+from twinkle.server.limits import RateLimitedError
 from twinkle.server.openai_api import openai_router
-from twinkle.server.remote_host import build_host
-from twinkle.server.scheduler import Batchable, Job, QueueFullError, Scheduler, wait_job
-from twinkle.server.store import Store, Tenant, check_checkpoint_name, check_name, parse_twinkle_path
+from twinkle.server.remote_host import RemoteHost
+from twinkle.server.scheduler import QueueFullError, wait_job
+from twinkle.server.state import Service
+from twinkle.server.store import check_checkpoint_name, check_name, parse_twinkle_path
 from twinkle.server.tinker.rest import expire_checkpoints_periodically, rest_router
 from twinkle.server.tinker.routes import tinker_router
 from twinkle.utils.logger import get_logger
@@ -42,10 +41,6 @@ logger = get_logger()
 PREFIX = '/twinkle/v1'
 #: Configuration operations: recorded per run and replayed when a released adapter comes back.
 SETUP_OPERATIONS = ('set_optimizer', 'set_lr_scheduler', 'set_loss', 'set_template', 'set_processor', 'add_metric')
-#: Seconds between two recordings of a run's last request time.
-TOUCH_INTERVAL_S = 1.0
-#: Where a released adapter's state is kept, beside the run's checkpoints.
-RELEASE_STATE = 'released-state'
 #: SQLite integers are 64-bit; a larger page size or offset must be a 422, not an overflow.
 SQLITE_INT_LIMIT = 2**63
 
@@ -75,208 +70,7 @@ class LoadRequest(BaseModel):
     load_optimizer: bool = False
 
 
-class Service:
-    """What the routes share: config, store, scheduler, model host and metrics."""
-
-    def __init__(self, config: ServerConfig, host: ModelHost | None = None):
-        self.config = config
-        Path(config.data_dir).mkdir(parents=True, exist_ok=True)
-        self.store = Store(config.db_path)
-        if config.api_keys_file is not None:
-            self.store.sync_keys_file(read_keys_file(config.api_keys_file))
-        per_minute = config.limits.max_requests_per_minute
-        self.limiter = RateLimiter(per_minute) if per_minute is not None else None
-        failed = self.store.fail_unfinished_futures('the server restarted before this request finished')
-        if failed:
-            logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
-        for run in self.store.idle_runs(older_than_s=0.0):  # their adapters died with the last process
-            self.store.set_run_status(run.id, 'released')
-        self.host = host or build_host(config)
-        self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
-        self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
-        self.registry = CollectorRegistry()
-        self.requests = Counter('twinkle_requests', 'Compute requests', ['operation', 'status'], registry=self.registry)
-        self.seconds = Histogram('twinkle_request_seconds', 'Compute time', ['operation'], registry=self.registry)
-        self.queued = Gauge('twinkle_queued_requests', 'Requests waiting', registry=self.registry)
-        self.pass_jobs = Histogram(
-            'twinkle_pass_jobs',
-            'Requests in the pass that ran each request (1: alone; more: a pass shared by tenants)',
-            ['operation'],
-            buckets=(1, 2, 4, 8, 16, 32, 64),
-            registry=self.registry,
-        )
-        self.memory_releases = Counter(
-            'twinkle_memory_releases', 'Times the idle model process gave freed memory back', registry=self.registry
-        )
-        self.scheduler = Scheduler(
-            max_queued_per_tenant=config.limits.max_queued_per_tenant,
-            on_start=self._on_start,
-            on_finish=self._on_finish,
-            max_tokens_per_pass=config.limits.max_tokens_per_pass,
-            on_idle=None if config.release_memory_after_idle_s is None else self._on_idle,
-            idle_after_s=config.release_memory_after_idle_s or 2.0,
-        )
-
-    # ---- jobs -----------------------------------------------------------------------------------
-    async def submit_async(
-        self, tenant: Tenant, run_id: str | None, operation: str, fn: Any, batch: Batchable | None = None
-    ) -> Job:
-        """``submit`` from a route: the future's row is written (and fsynced) off the event loop."""
-        return await asyncio.to_thread(self.submit, tenant, run_id, operation, fn, batch)
-
-    def submit(
-        self, tenant: Tenant, run_id: str | None, operation: str, fn: Any, batch: Batchable | None = None
-    ) -> Job:
-        record = self.store.create_future(tenant.id, run_id, operation)
-        return self.enqueue(tenant, record.id, operation, fn, batch)
-
-    def enqueue(self, tenant: Tenant, future_id: str, operation: str, fn: Any, batch: Batchable | None = None) -> Job:
-        """Queue ``fn`` as the job of the future ``future_id`` (already recorded); with
-        ``batch`` it may share a pass with other tenants' jobs."""
-        try:
-            job = self.scheduler.submit(tenant.id, fn, job_id=future_id, batch=batch)
-        except QueueFullError as e:
-            self.store.fail_future(future_id, str(e), 'user')
-            raise
-        job.operation = operation  # type: ignore[attr-defined]
-        self.queued.set(self.scheduler.queued())
-        return job
-
-    def mixable(self, run: Any, operation: str, kwargs: dict[str, Any]) -> Batchable | None:
-        """How a native ``forward_backward`` / ``forward_only`` request can share a pass with
-        other tenants' (None for other operations, micro-batched ones, and the base model alone)."""
-        if not self.config.mixed_batches or not is_mixable(operation, kwargs):
-            return None
-
-        def run_many(payloads: list[tuple[Any, dict[str, Any]]]) -> list[Any]:
-            requests = [(self.loaded(run), kwargs) for run, kwargs in payloads]
-            return self.host.call(ModelHost.run_mixed, operation, requests)
-
-        return Batchable(('native', operation), request_tokens(kwargs['inputs']), (run, kwargs), run_many)
-
-    def adapter_name(self, run: Any) -> str:
-        """The name of a run's adapter on the model: never shown to tenants, unique per run."""
-        return f'{run.tenant_id}--{run.id}'.replace(':', '-')
-
-    def _on_start(self, job: Job) -> None:
-        self.store.set_future_running(job.id)
-
-    def _on_idle(self) -> None:
-        if self.host.call(ModelHost.release_free_memory):
-            self.memory_releases.inc()
-
-    def _on_finish(self, job: Job) -> None:
-        operation = getattr(job, 'operation', 'unknown')
-        if job.error is None:
-            self.store.finish_future(job.id, job.result)
-        else:
-            category = 'user' if isinstance(job.error, TwinkleError) else 'server'
-            if category == 'server':
-                logger.error(f'request {job.id} ({operation}) failed: {job.error!r}')
-            self.store.fail_future(job.id, f'{type(job.error).__name__}: {job.error}', category)
-        self.requests.labels(operation, job.status).inc()
-        if job.started_at and job.finished_at:
-            self.seconds.labels(operation).observe(job.finished_at - job.started_at)
-            self.pass_jobs.labels(operation).observe(job.pass_size)
-        self.queued.set(self.scheduler.queued())
-
-    # ---- runs -----------------------------------------------------------------------------------
-    async def adapter_of(self, tenant: Tenant, run_id: str) -> Any:
-        """A run of this tenant that is on the model or can be brought back; 404 otherwise.
-        Jobs then call ``loaded`` on the worker thread, where no release can slip in between."""
-        run = self.store.get_run(tenant.id, run_id)
-        if run is None or run.status == 'deleted':
-            raise HTTPException(404, f'training run {run_id!r} not found')
-        if run_id not in self.adapters and not self.release_state(run).is_dir():
-            raise StateError(
-                f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '
-                'to restore: create a run and load one of its checkpoints with load(path, load_optimizer=True)'
-            )
-        await asyncio.to_thread(self.touch, run_id)
-        return run
-
-    def loaded(self, run: Any) -> str:
-        """The run's adapter on the model, restored first if it was released (worker thread)."""
-        if run.id not in self.adapters:
-            self.restore(self.store.get_run_by_id(run.id))
-        return self.adapters[run.id]
-
-    def touch(self, run_id: str) -> None:
-        """Record the run's last request; at most once a second, as each write syncs the disk."""
-        now = time.monotonic()
-        if now - self._touched.get(run_id, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S:
-            self._touched[run_id] = now
-            self.store.touch_run(run_id)
-
-    # ---- releasing idle adapters ----------------------------------------------------------------
-    def remember_setup(self, run_id: str, operation: str, kwargs: dict[str, Any]) -> None:
-        """Record a configuration call, to replay when the adapter is brought back."""
-        run = self.store.get_run_by_id(run_id)
-        config = dict(run.config)
-        config['setup'] = [*config.get('setup', []), {'operation': operation, 'kwargs': kwargs}]
-        self.store.set_run_config(run_id, config)
-
-    def release_state(self, run: Any) -> Path:
-        return self.config.checkpoint_dir / run.tenant_id / run.id / RELEASE_STATE
-
-    def release(self, run: Any) -> bool:
-        """Save a run's adapter with its optimizer and counters, then take it off the model.
-        Runs on the worker thread. Skipped while gradients wait for an optimizer step."""
-        adapter = self.adapters.get(run.id)
-        if adapter is None:
-            return False
-        if self.host.has_pending_gradients(adapter):
-            return False  # gradients are waiting for a step: releasing now would lose them
-        path = self.release_state(run)
-        self.host.save(adapter, path.parent, path.name, save_optimizer=True)
-        self.host.remove_adapter(adapter)
-        del self.adapters[run.id]
-        self.store.set_run_status(run.id, 'released')
-        return True
-
-    def restore(self, run: Any) -> None:
-        """Bring a released run back: its adapter, its setup calls replayed, then its saved
-        weights, optimizer, scheduler and step counters."""
-        adapter, config, path = self.adapter_name(run), run.config, self.release_state(run)
-        if not path.is_dir():
-            raise StateError(
-                f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
-                'without saving it): load one of its checkpoints into a new run'
-            )
-        self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
-        try:
-            for call in config.get('setup', []):
-                self.host.run(adapter, call['operation'], dict(call['kwargs']))
-            self.host.restore_state(adapter, path)
-        except BaseException:
-            self.host.remove_adapter(adapter)
-            raise
-        self.adapters[run.id] = adapter
-        self.store.set_run_status(run.id, 'active')
-
-    def release_all(self, timeout: float = 600.0) -> None:
-        for run_id in list(self.adapters):
-            run = self.store.get_run_by_id(run_id)
-            tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
-            self.submit(tenant, run_id, 'release', lambda r=run: self.release(r))
-        self.scheduler.drain(timeout)
-
-    def release_idle(self) -> list[Job]:
-        """Queue the release of every run idle longer than ``idle_release_s``."""
-        if self.config.idle_release_s is None:
-            return []
-        jobs = []
-        for run in self.store.idle_runs(self.config.idle_release_s):
-            if run.id in self.adapters:
-                tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
-                jobs.append(self.submit(tenant, run.id, 'release', lambda r=run: self.release(r)))
-        return jobs
-
-    def checkpoint_dir(self, tenant: Tenant, run_id: str) -> Path:
-        return self.config.checkpoint_dir / tenant.id / run_id
-
-
-def create_app(config: ServerConfig, host: ModelHost | None = None) -> FastAPI:
+def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None) -> FastAPI:
     """The FastAPI application; ``uvicorn.run(create_app(config))`` serves it."""
     service = Service(config, host)
 

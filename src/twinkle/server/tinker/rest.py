@@ -31,7 +31,7 @@ from twinkle.errors import DataError, StateError
 from twinkle.server.deps import Who
 from twinkle.server.scheduler import QueueFullError
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Store, Tenant, check_name
-from twinkle.server.tinker.routes import PREFIX, _bare
+from twinkle.server.tinker.routes import PREFIX, TinkerAPI, _bare
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -99,7 +99,7 @@ def _run_routes(router: APIRouter, service: Any) -> None:
     @router.post('/weights_info')
     async def weights_info(body: WeightsInfoRequest, who: Who) -> dict[str, Any]:
         """What loading a checkpoint needs; answered for published checkpoints of others too."""
-        checkpoint = service.tinker.checkpoint(who, body.tinker_path, kinds=('training', 'sampler'))
+        checkpoint = TinkerAPI(service).checkpoint(who, body.tinker_path, kinds=('training', 'sampler'))
         run = store.get_run_by_id(checkpoint.run_id)
         tinker = run.config.get('tinker_lora') or {}
         derived = _switches(run.config.get('lora') or {}, targets)

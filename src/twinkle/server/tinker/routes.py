@@ -16,7 +16,6 @@ import asyncio
 import base64
 import contextlib
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +32,6 @@ from twinkle.server.scheduler import Batchable, QueueFullError, wait_job
 from twinkle.server.store import Tenant, check_checkpoint_name, parse_checkpoint_path
 from twinkle.server.tinker import codec
 from twinkle.server.tinker.codec import ForwardBackwardCall
-from twinkle.server.tinker.sequencer import Sequencer
 from twinkle.server.tinker.train import lora_config, optim_step, run_forward_backward, run_forward_backward_many
 
 PREFIX = '/api/v1'
@@ -50,10 +48,11 @@ class TinkerAPI:
 
     def __init__(self, service: Any):
         self.service = service
-        self.settings = service.config.tinker
-        self.sequencer = Sequencer(self.settings.seq_gap_timeout_s)
-        # (tenant, model id, seq id) -> request id, for retries; the oldest are forgotten past the cap.
-        self.requests: OrderedDict[tuple[str, str, int], str] = OrderedDict()
+        self.settings, self.sequencer, self.requests = (
+            service.tinker.settings,
+            service.tinker.sequencer,
+            service.tinker.requests,
+        )
 
     # ---- requests -------------------------------------------------------------------------------
     async def accept(
@@ -145,7 +144,6 @@ class TinkerAPI:
 def tinker_router(service: Any) -> APIRouter:
     """The routes of the Tinker API, over ``service`` (see ``twinkle.server.app``)."""
     api = TinkerAPI(service)
-    service.tinker = api
     router = APIRouter(prefix=PREFIX)
     _session_routes(router, api)
     _training_routes(router, api)
@@ -557,7 +555,7 @@ async def _body(request: Request, model: type[Body]) -> Body:
     """The JSON body as the SDK's request type; a 422 naming each bad field otherwise."""
     try:
         data = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested deeper than the parser goes
         raise HTTPException(400, f'the body must be JSON for {model.__name__}') from None
     try:
         return model.model_validate(data)
