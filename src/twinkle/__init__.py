@@ -5,8 +5,8 @@
 '0.1.0'
 """
 
-from twinkle.infra import DeviceGroup, DeviceMesh, get_device_placement
-from twinkle.infra.runtime import get_runtime, initialize
+from twinkle.infra import DeviceGroup, DeviceMesh, get_device_placement, get_runtime
+from twinkle.launch import initialize
 from twinkle.tinker_client import init_tinker_client
 from twinkle.utils.logger import get_logger
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from twinkle.errors import ConfigurationError
-from twinkle.infra.ray.hook import RemoteHandle
+from twinkle.infra.ray.handle import RemoteHandle
 from twinkle.model import multi_lora
 from twinkle.model.group import FULL
 from twinkle.model.transformers import TransformersModel

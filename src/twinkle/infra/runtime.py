@@ -1,38 +1,41 @@
-"""``twinkle.initialize``: the one line that picks where a script runs.
+"""The process's runtime: which mode it runs in, its device groups and mesh, its seed.
 
->>> import twinkle
->>> runtime = twinkle.initialize(mode='local', seed=7)
->>> runtime.mode, twinkle.get_runtime() is runtime
+``twinkle.initialize`` (in ``twinkle.launch``, above this layer) builds a ``Runtime`` and makes
+it current; components built later consult it through ``get_runtime()``. This module holds that
+state and what starts it in this process: seeding, and the local (torchrun) start. What launches
+a server or a Ray cluster lives in ``twinkle.launch``; this module imports nothing above infra.
+
+>>> runtime = start_local(Runtime('local', seed=7))
+>>> runtime.mode, get_runtime() is runtime
 ('local', True)
-
-Modes:
-
-- ``'local'``: this process (one device, or one rank of ``torchrun`` with ``global_device_mesh``);
-- ``'http'``: serve the training service (``twinkle-server`` from Python). ``groups`` says where
-  the model lives: the group named ``'model'`` (or the only group) gives the device;
-- ``'ray'``: components built with ``remote_group=`` become actors on those groups (see
-  ``twinkle.infra.ray``): this process joins the Ray cluster ``RAY_ADDRESS`` names, else one
-  running on this machine, else starts one, and reserves each group's devices there.
-
-The runtime is one object, returned and also kept as the process's current runtime
-(``get_runtime()``), which components built later consult.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from twinkle.errors import ConfigurationError, one_of
 from twinkle.infra.mesh import DeviceGroup, DeviceMesh
 from twinkle.utils.logger import get_logger
 
+if TYPE_CHECKING:
+    from twinkle.infra.ray.cluster import RayCluster
+
 logger = get_logger()
 Mode = Literal['local', 'ray', 'http']
 MODES = ('local', 'ray', 'http')
+
+
+class RunningServer(Protocol):
+    """A server serving on a thread of this process (``twinkle.server.cli.BackgroundServer``)."""
+
+    @property
+    def url(self) -> str: ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass
@@ -44,9 +47,9 @@ class Runtime:
     nproc_per_node: int | None = None
     lazy_collect: bool = True
     #: In 'http' mode with ``block=False``: the running server (``.url``, ``.stop()``).
-    server: Any = None
-    #: In 'ray' mode: the devices reserved for the groups (``twinkle.infra.ray.cluster.RayCluster``).
-    cluster: Any = None
+    server: RunningServer | None = None
+    #: In 'ray' mode: the devices reserved for the groups.
+    cluster: RayCluster | None = None
 
     def group(self, name: str) -> DeviceGroup:
         for group in self.groups:
@@ -63,79 +66,46 @@ def get_runtime() -> Runtime:
     return _current
 
 
-def initialize(
-    mode: Mode = 'local',
-    *,
-    nproc_per_node: int | None = None,
-    seed: int | None = 42,
-    groups: DeviceGroup | Sequence[DeviceGroup] | None = None,
-    global_device_mesh: DeviceMesh | None = None,
-    lazy_collect: bool = True,
-    config: str | None = None,
-    block: bool = True,
-    **server_options: Any,
-) -> Runtime:
-    """Set up the runtime for ``mode`` and make it current.
-
-    ``seed`` seeds Python, NumPy and torch (None: leave them). In 'http' mode, ``config`` is a
-    server config file and ``server_options`` are its fields (``base_model``, ``port``,
-    ``data_dir``, ``limits``, ...; they win over the file's); ``block=True`` serves until
-    interrupted, ``block=False`` returns at once with ``runtime.server`` running in a thread.
-
-    In 'ray' mode, ``lazy_collect=True`` leaves remote results in Ray's object store until used
-    (``LazyResult``); ``nproc_per_node`` is not needed (Ray knows each node's devices). A new
-    ``initialize`` gives back the devices the previous ray-mode runtime reserved.
-    """
+def set_runtime(runtime: Runtime) -> Runtime:
+    """Make ``runtime`` the current one (what components built from now on consult); return it."""
     global _current
-    if mode not in MODES:
-        raise one_of('mode', mode, MODES)
-    if server_options and mode != 'http':
-        raise ConfigurationError(f'{sorted(server_options)} are server settings; they apply only to mode="http"')
-    group_list = _group_list(groups)
-    _release(_current)
-    _current = Runtime()
-    runtime = Runtime(mode, seed, group_list, global_device_mesh, nproc_per_node, lazy_collect)
-    if seed is not None:
-        _seed_everything(seed)
-    if mode == 'local':
-        runtime.global_device_mesh = _start_local(global_device_mesh)
-    elif mode == 'ray':
-        from twinkle.infra.ray.cluster import RayCluster
-
-        runtime.cluster = RayCluster.start(group_list, seed=seed)
-    server_config = _server_config(group_list, config, server_options) if mode == 'http' else None
     _current = runtime
-    if server_config is not None:
-        runtime.server = _serve(server_config, block)
     return runtime
 
 
-def _group_list(groups: DeviceGroup | Sequence[DeviceGroup] | None) -> list[DeviceGroup]:
-    group_list = [groups] if isinstance(groups, DeviceGroup) else list(groups or [])
-    for group in group_list:
-        if not isinstance(group, DeviceGroup):
-            raise ConfigurationError(f'groups must be DeviceGroup objects; got {group!r}')
-    names = [g.name for g in group_list]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigurationError(f'device group names must be unique; repeated: {duplicates}')
-    return group_list
-
-
-def _release(runtime: Runtime) -> None:
-    """Give back what a previous ray-mode runtime reserved (its components' actors end)."""
+def release_runtime() -> None:
+    """Give back what the current runtime reserved (a ray-mode runtime's devices: its components'
+    actors end) and fall back to the default single-process runtime."""
+    runtime = get_runtime()
     if runtime.cluster is not None:
         runtime.cluster.release()
         runtime.cluster = None
+    set_runtime(Runtime())
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
     import numpy as np
     import torch
 
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def start_local(runtime: Runtime) -> Runtime:
+    """Start ``runtime`` in this process and make it current: what each torchrun process runs first.
+
+    Gives back what the previous runtime reserved, seeds (``runtime.seed``, None: leave the
+    generators), checks ``runtime.global_device_mesh`` against torchrun's processes and, for more
+    than one, starts the process group. Under torchrun without a mesh, the processes are plain
+    data parallel: ``dp_size=WORLD_SIZE``.
+    """
+    release_runtime()
+    if runtime.seed is not None:
+        seed_everything(runtime.seed)
+    runtime.global_device_mesh = _start_process_group(runtime.global_device_mesh)
+    return set_runtime(runtime)
 
 
 def _check_local(mesh: DeviceMesh | None) -> None:
@@ -148,10 +118,7 @@ def _check_local(mesh: DeviceMesh | None) -> None:
         )
 
 
-def _start_local(mesh: DeviceMesh | None) -> DeviceMesh | None:
-    """Check the mesh against torchrun's processes and, for more than one, start the process group.
-
-    Under torchrun without a mesh, the processes are plain data parallel: ``dp_size=WORLD_SIZE``."""
+def _start_process_group(mesh: DeviceMesh | None) -> DeviceMesh | None:
     from twinkle.infra import distributed
 
     _check_local(mesh)
@@ -166,45 +133,14 @@ def _start_local(mesh: DeviceMesh | None) -> DeviceMesh | None:
     return mesh
 
 
-def _server_config(groups: list[DeviceGroup], config: str | None, options: dict[str, Any]) -> Any:
-    from twinkle.server.config import ServerConfig
-
-    device = _server_device(groups)
-    if device is not None:
-        options.setdefault('device', device)
-    return ServerConfig.load(config, **options) if config else ServerConfig.build(**options)
-
-
-def _serve(server_config: Any, block: bool) -> Any:
-    from twinkle.server.cli import BackgroundServer, serve
-
-    if block:
-        serve(server_config)
-        return None
-    server = BackgroundServer(server_config)
-    server.start()
-    return server
-
-
-def _server_device(groups: list[DeviceGroup]) -> str | None:
-    """The device of the service's model: the group named 'model', or the only group."""
-    if not groups:
-        return None
-    model = next((g for g in groups if g.name == 'model'), groups[0] if len(groups) == 1 else None)
-    if model is None:
-        raise ConfigurationError(
-            f"the service places its model on the group named 'model'; groups: {[g.name for g in groups]}"
-        )
-    if model.num_devices > 1 or model.gpus_per_worker > 1:
-        raise ConfigurationError(
-            f'the service runs its model on one device; group {model.name!r} has ranks {model.ranks}: '
-            f'give it one rank (e.g. ranks=[{model.ranks[0]}])'
-        )
-    if model.device_type == 'cpu':
-        return 'cpu'
-    if len(groups) > 1:
-        logger.info('the service samples with the model\'s own weights; groups other than "model" stay unused')
-    return f'{model.device_type}:{model.ranks[0]}'
-
-
-__all__ = ['MODES', 'Runtime', 'get_runtime', 'initialize']
+__all__ = [
+    'MODES',
+    'Mode',
+    'RunningServer',
+    'Runtime',
+    'get_runtime',
+    'release_runtime',
+    'seed_everything',
+    'set_runtime',
+    'start_local',
+]

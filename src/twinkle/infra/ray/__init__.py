@@ -3,6 +3,7 @@
 - ``hook.py``: ``remote_class(cls, {method: (dispatch, collect)})``, the one line that lets a
   component class take ``remote_group=`` and declares how its methods split and merge;
 - ``dispatch.py``: the dispatch and collect rules themselves (pure functions);
+- ``handle.py``: what ``remote_class`` records on a class, and ``RemoteHandle``, what ``proxy`` reads;
 - ``cluster.py``: connecting to Ray, checking and reserving the device groups' devices;
 - ``worker.py``: the actor that holds one rank of a component (a torchrun process in all but name);
 - ``proxy.py``: ``RemoteComponent`` and ``LazyResult``, the driver's side.
@@ -14,7 +15,8 @@ names from ``proxy``/``cluster``) does.
 from typing import Any
 
 from twinkle.infra.ray.dispatch import COLLECTS, DISPATCHES, Dispatch
-from twinkle.infra.ray.hook import RemoteHandle, remote_class
+from twinkle.infra.ray.handle import RemoteHandle
+from twinkle.infra.ray.hook import remote_class
 
 _LAZY = {'RemoteComponent': 'proxy', 'LazyResult': 'proxy', 'RayCluster': 'cluster'}
 

@@ -22,29 +22,14 @@ This module imports no Ray: the classes it decorates stay importable without it.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from twinkle.errors import ConfigurationError, UnknownNameError
-from twinkle.infra.ray.dispatch import DEFAULT_DISPATCH, Dispatch
+from twinkle.infra.ray.dispatch import Dispatch
+from twinkle.infra.ray.handle import INIT_ATTR, METHODS_ATTR
 
 T = TypeVar('T', bound=type)
-# Where remote_class keeps a class's method table and its undecorated __init__.
-METHODS_ATTR = '__twinkle_remote_methods__'
-INIT_ATTR = '__twinkle_remote_init__'
-
-
-class RemoteHandle:
-    """What every driver-side handle to a remote component is (``proxy.RemoteComponent``); code
-    that accepts either a local component or a remote one checks for it (``isinstance``)."""
-
-    #: The component class the actors hold.
-    remote_class: type
-
-    def remote_execute(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn(component, *args, **kwargs)`` on the actors."""
-        raise NotImplementedError
 
 
 def remote_class(cls: T, methods: Mapping[str, Dispatch | tuple[str, str]] | None = None) -> T:
@@ -89,19 +74,8 @@ def remote_class(cls: T, methods: Mapping[str, Dispatch | tuple[str, str]] | Non
     return cls
 
 
-def method_dispatch(cls: type, name: str) -> Dispatch:
-    """How ``cls.name`` runs remotely: its declared ``Dispatch`` (inherited), else ``('all', 'first')``."""
-    return getattr(cls, METHODS_ATTR, {}).get(name, DEFAULT_DISPATCH)
-
-
-def accepts_argument(cls: type, name: str) -> bool:
-    """Whether ``cls``'s own ``__init__`` names a parameter ``name`` (not merely ``**kwargs``)."""
-    init = getattr(cls, INIT_ATTR, cls.__init__)
-    return name in inspect.signature(init).parameters
-
-
 def _public_methods(cls: type) -> list[str]:
     return [name for name in dir(cls) if not name.startswith('_') and callable(getattr(cls, name, None))]
 
 
-__all__ = ['RemoteHandle', 'accepts_argument', 'method_dispatch', 'remote_class']
+__all__ = ['remote_class']

@@ -29,7 +29,7 @@ from twinkle.errors import ConfigurationError, StateError, WorkerError
 from twinkle.infra.mesh import DeviceGroup, DeviceMesh
 from twinkle.infra.ray.cluster import torchrun_env
 from twinkle.infra.ray.dispatch import COLLECTS, Dispatch
-from twinkle.infra.ray.hook import RemoteHandle, accepts_argument, method_dispatch
+from twinkle.infra.ray.handle import RemoteHandle, accepts_argument, method_dispatch
 from twinkle.infra.ray.worker import STOP, ComponentWorker, Deferred, Payload
 from twinkle.infra.runtime import Runtime
 

@@ -20,6 +20,7 @@ import ray
 
 from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.ray.dispatch import COLLECTS, slice_inputs
+from twinkle.infra.runtime import Runtime, seed_everything, start_local
 
 Payload = tuple[tuple[Any, ...], dict[str, Any]]
 # What a call returns besides its value: it ran; or the component's iterator is exhausted.
@@ -77,12 +78,10 @@ class ComponentWorker:
         Without one, it only seeds (each rank alike, as every process of a script would).
         """
         os.environ.update(env)
-        from twinkle.infra.runtime import _seed_everything, initialize
-
         if mesh is not None:
-            initialize(mode='local', seed=seed, global_device_mesh=mesh)
+            start_local(Runtime('local', seed, global_device_mesh=mesh))
         elif seed is not None:
-            _seed_everything(seed)
+            seed_everything(seed)
         args, kwargs = _resolved(payload)
         self.component = cls(*args, **kwargs)
         return DONE, None
