@@ -24,6 +24,7 @@ grpo: setup  ## GRPO from scratch on the embedded tiny model: watch the reward r
 test: setup  ## lint, then the whole test suite (CPU only, offline)
 	$(VENV)/bin/ruff check src tests cookbook benchmarks
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP (native and Tinker) vs local, Ray and torchrun vs one process, mixed-tenant passes
