@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import signal
 import subprocess
 import sys
@@ -13,8 +14,10 @@ import torch
 from server_helpers import free_port, wait_until_healthy
 
 import twinkle
-from twinkle import DeviceGroup, DeviceMesh
+from twinkle import DeviceGroup, DeviceMesh, launch
 from twinkle.errors import ConfigurationError
+from twinkle.infra import placement
+from twinkle.infra import runtime as infra_runtime
 
 
 @pytest.fixture(autouse=True)
@@ -89,3 +92,19 @@ def test_get_device_placement_describes_the_current_runtime(monkeypatch):
     twinkle.initialize(mode='local', seed=None, global_device_mesh=DeviceMesh.from_sizes(dp_size=1, device_type='cpu'))
     text = twinkle.get_device_placement()
     assert 'global' in text and 'Local process' in text
+
+
+def test_importing_twinkle_starts_no_server_stack():
+    # A client process imports twinkle: launch imports the server and Ray only inside initialize.
+    code = (
+        'import sys, twinkle\n'
+        "print(sorted(m for m in sys.modules if m.startswith(('twinkle.server', 'ray', 'fastapi', 'uvicorn'))))"
+    )
+    loaded = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == '[]'
+
+
+@pytest.mark.parametrize('module', [launch, infra_runtime, placement])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
