@@ -27,6 +27,7 @@ from twinkle.errors import StateError, TwinkleError, UnknownNameError
 from twinkle.server.config import ServerConfig
 from twinkle.server.deps import Who
 from twinkle.server.host import CapacityError, ModelHost
+from twinkle.server.http_limits import HttpLimits
 from twinkle.server.limits import RateLimitedError
 from twinkle.server.openai_api import openai_router
 from twinkle.server.remote_host import RemoteHost
@@ -95,6 +96,7 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
     app = FastAPI(title='twinkle training service', version='1', lifespan=lifespan)
     app.state.service = service
     _error_handlers(app)
+    app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenant_for_key)
     app.include_router(tinker_router(service))
     app.include_router(openai_router(service))
     app.include_router(rest_router(service))

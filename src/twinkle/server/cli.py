@@ -34,8 +34,10 @@ def serve(config: ServerConfig, log_level: str = 'info') -> None:
     import uvicorn
 
     from twinkle.server.app import create_app
+    from twinkle.server.http_limits import uvicorn_options
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level)
+    options = uvicorn_options(config.limits)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level, **options)
 
 
 class BackgroundServer:
@@ -46,9 +48,12 @@ class BackgroundServer:
         import uvicorn
 
         from twinkle.server.app import create_app
+        from twinkle.server.http_limits import uvicorn_options
 
         self.app = create_app(config, **app_kwargs)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port, log_level='warning'))
+        options = uvicorn_options(config.limits)
+        settings = uvicorn.Config(self.app, host=config.host, port=config.port, log_level='warning', **options)
+        self.server = uvicorn.Server(settings)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> str:

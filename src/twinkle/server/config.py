@@ -12,7 +12,7 @@ from twinkle.errors import ConfigurationError
 
 
 class Limits(BaseModel):
-    """What one tenant may ask for."""
+    """What one tenant, or any caller, may ask for."""
 
     model_config = ConfigDict(extra='forbid')
 
@@ -35,6 +35,17 @@ class Limits(BaseModel):
     #: Requests (of any kind) one tenant may make per minute, in bursts of up to a tenth of it;
     #: past it, 429 with Retry-After. None: no rate limit.
     max_requests_per_minute: int | None = Field(None, gt=0)
+    #: Bytes in the body of a request that carries tokens (native operations, Tinker forward_backward
+    #: and sampling, OpenAI chat); past it, 413. A forward_backward of max_tokens_per_request tokens
+    #: as JSON, RL inputs included, is under 5 MiB; the Tinker SDK sends at most 5 MB a request.
+    max_body_bytes: int = Field(64 * 2**20, gt=0)
+    #: Bytes in the body of any other request (runs, sessions, checkpoints); past it, 413.
+    max_other_body_bytes: int = Field(2**20, gt=0)
+    #: Seconds a request body may stop arriving before the server answers 408 and hangs up.
+    body_read_timeout_s: float = Field(30.0, gt=0)
+    #: Seconds a connection may go without a request head (a new one, one between requests, or one
+    #: that sent half a head) before the server closes it.
+    idle_connection_timeout_s: float = Field(5.0, gt=0)
 
 
 class TinkerSettings(BaseModel):

@@ -1,0 +1,225 @@
+"""What a connection may send before the server spends anything on it.
+
+- **A body is read only for a known API key.** Every route that takes a body needs a key, so a
+  request whose key is missing or unknown gets its route's own 401 (each API's error shape) with
+  the body left unread: the app is shown an empty one.
+- **Bodies have a cap by route**: routes that carry tokens (native operations, Tinker
+  ``forward_backward`` and sampling, OpenAI chat) take up to ``limits.max_body_bytes``, the others
+  ``limits.max_other_body_bytes``. A larger ``Content-Length`` is a 413 before a byte is read; a
+  chunked body is counted as it comes and cut off at the cap.
+- **A body that stops arriving** for ``limits.body_read_timeout_s`` is a 408.
+- **An idle connection is closed**: one that sends no request head (or half of one) for
+  ``limits.idle_connection_timeout_s``, as well as one idle between requests (uvicorn's keep-alive).
+
+Each refusal closes the connection (``Connection: close``), so the unread rest is never read.
+``HttpLimits`` is a plain ASGI middleware that holds no more of a body than one chunk;
+``uvicorn_options`` gives the settings for the server underneath.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import h11
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from twinkle.server.auth import key_from_headers
+from twinkle.server.config import Limits
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Any]
+Send = Callable[[Message], Any]
+ASGIApp = Callable[[Scope, Receive, Send], Any]
+
+#: Routes whose bodies carry tokens and take up to ``max_body_bytes``.
+TOKEN_ROUTES = re.compile(
+    r'/twinkle/v1/runs/[^/]+/ops/[^/]+'
+    r'|/api/v1/(forward_backward|forward|asample|sample)'
+    r'|/v1/(chat/)?completions'
+)
+#: Bytes in a request head (request line and headers); h11's own default, made explicit.
+MAX_HEAD_BYTES = 16 * 1024
+
+
+class HttpLimits:
+    """ASGI middleware: the key before the body, a cap on the body, a timeout between its chunks.
+
+    ``tenant_for_key(key)``: the tenant an API key belongs to, or None.
+    """
+
+    def __init__(self, app: ASGIApp, limits: Limits, tenant_for_key: Callable[[str], object | None]):
+        self.app = app
+        self.limits = limits
+        self.tenant_for_key = tenant_for_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope['type'] != 'http':
+            await self.app(scope, receive, send)
+            return
+        await _Request(self, scope, receive, send).serve()
+
+    def cap(self, path: str) -> tuple[int, str]:
+        """The body cap of ``path`` and the name of the limit that sets it."""
+        if TOKEN_ROUTES.fullmatch(path):
+            return self.limits.max_body_bytes, 'max_body_bytes'
+        return self.limits.max_other_body_bytes, 'max_other_body_bytes'
+
+
+class RequestRefused(HTTPException):
+    """Raised into the app from ``receive``: the body is over its cap or stopped arriving."""
+
+
+class _Request:
+    """One request passing through ``HttpLimits``.
+
+    A refusal is raised into the app where it reads the body, so each API answers it in its own
+    error shape; should the app answer something else (a route that catches every error), the
+    refusal's own answer replaces it.
+    """
+
+    def __init__(self, middleware: HttpLimits, scope: Scope, receive: Receive, send: Send):
+        self.middleware, self.scope, self._receive, self._send = middleware, scope, receive, send
+        headers = {name.decode('latin-1').lower(): value.decode('latin-1') for name, value in scope['headers']}
+        self.key = key_from_headers(headers)
+        self.length = _content_length(headers)
+        self.cap, self.cap_name = middleware.cap(scope['path'])
+        self.received = 0
+        self.body_done = not (self.length or 'transfer-encoding' in headers)
+        self.refusal: RequestRefused | None = None
+        self.started = False  # the client has the head of an answer
+        self.dropping = False  # the app's answer is being replaced by the refusal's
+        self.withheld = False  # the app was shown an empty body in place of this one
+
+    async def serve(self) -> None:
+        known = self.body_done or (self.key is not None and self.middleware.tenant_for_key(self.key) is not None)
+        receive = self.receive if known else self.empty_body  # unknown: the route's key check answers 401
+        try:
+            await self.middleware.app(self.scope, receive, self.send)
+        except Exception:
+            if self.refusal is None or self.started:
+                raise
+        if self.refusal is not None and not self.started:
+            await self.answer(self.refusal)
+
+    async def receive(self) -> Message:
+        """The next chunk of the body, counted against the cap and waited for at most the timeout."""
+        if self.body_done:
+            return await self._receive()
+        if self.length is not None and self.length > self.cap:
+            self.refuse(413, f'{self.where()} has a body of {self.length} bytes, over {self.limit()}')
+        timeout = self.middleware.limits.body_read_timeout_s
+        try:
+            message = await asyncio.wait_for(self._receive(), timeout)
+        except asyncio.TimeoutError:
+            name = 'limits.body_read_timeout_s'
+            self.refuse(408, f'the body of {self.where()} stopped arriving: nothing for {timeout:g} s ({name})')
+        if message['type'] == 'http.request':
+            self.received += len(message.get('body', b''))
+            if self.received > self.cap:
+                self.refuse(413, f'{self.where()} has a body of more than {self.cap} bytes, over {self.limit()}')
+            self.body_done = not message.get('more_body', False)
+        return message
+
+    async def empty_body(self) -> Message:
+        """What the app reads of a body from an unknown caller: nothing; later, the disconnect."""
+        if not self.withheld:
+            self.withheld = True
+            return {'type': 'http.request', 'body': b'', 'more_body': False}
+        while (message := await self._receive())['type'] != 'http.disconnect':
+            pass  # body chunks of the refused request: dropped
+        return message
+
+    def refuse(self, status: int, detail: str) -> NoReturn:
+        self.refusal = RequestRefused(status, detail)
+        raise self.refusal
+
+    async def send(self, message: Message) -> None:
+        if message['type'] == 'http.response.start':
+            if self.refusal is not None and message['status'] != self.refusal.status_code:
+                self.dropping = True  # say, a "cannot parse the body" 400 to the body cut off
+            else:
+                self.started = True
+                message = {**message, 'headers': [*message.get('headers', []), *self.closing()]}
+        if not self.dropping:
+            await self._send(message)
+
+    def closing(self) -> list[tuple[bytes, bytes]]:
+        """``Connection: close`` for an answer sent before the whole body came: the rest stays unread."""
+        unread = not self.body_done or self.withheld or self.refusal is not None
+        return [(b'connection', b'close')] if unread else []
+
+    async def answer(self, refusal: RequestRefused) -> None:
+        body = json.dumps({'detail': refusal.detail}).encode()
+        headers = [(b'content-type', b'application/json'), (b'content-length', str(len(body)).encode())]
+        self.started = True
+        await self._send(
+            {'type': 'http.response.start', 'status': refusal.status_code, 'headers': [*headers, *self.closing()]}
+        )
+        await self._send({'type': 'http.response.body', 'body': body})
+
+    def where(self) -> str:
+        return f'{self.scope["method"]} {self.scope["path"]}'
+
+    def limit(self) -> str:
+        return f'the limit of {self.cap} bytes (limits.{self.cap_name})'
+
+
+def _content_length(headers: dict[str, str]) -> int | None:
+    value = headers.get('content-length', '').strip()
+    return int(value) if value.isdigit() else None
+
+
+class IdleClosingH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol that also closes a connection whose request head does not come
+    within ``timeout_keep_alive`` seconds: one that connects and sends nothing, or sends part of a
+    head and stops. (uvicorn by itself times only the wait between two requests, and any byte
+    ends that wait.)"""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.await_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE and self.head_deadline is not None:
+            self.head_deadline.cancel()  # the head is in
+            self.head_deadline = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE:
+            self.await_head()  # the next request's head, should a first byte of it come
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def await_head(self) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+        self.head_deadline = self.loop.call_later(self.timeout_keep_alive, self.close_without_head)
+
+    def close_without_head(self) -> None:
+        self.head_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def uvicorn_options(limits: Limits) -> dict[str, Any]:
+    """Keyword arguments of ``uvicorn.run`` / ``uvicorn.Config`` that bound idle and oversized connections."""
+    return {
+        'http': IdleClosingH11Protocol,
+        'timeout_keep_alive': limits.idle_connection_timeout_s,
+        'h11_max_incomplete_event_size': MAX_HEAD_BYTES,
+    }
