@@ -48,9 +48,10 @@ class Registry(Generic[T]):
         """
         if isinstance(spec, str):
             return self.get(spec)(**kwargs)
-        if isinstance(spec, type) and issubclass(spec, base):
-            return spec(**kwargs)
-        if isinstance(spec, base):
+        if isinstance(spec, type):
+            if issubclass(spec, base):
+                return spec(**kwargs)
+        elif isinstance(spec, base):
             if kwargs:
                 raise ConfigurationError(
                     f'{self.kind} was given as an instance ({type(spec).__name__}); '

@@ -41,7 +41,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
-    stop: str | list[str] | list[int] | None = None
+    stop: str | list[str] | list[int] | list[str | int] | None = None
     seed: int | None = None
     num_samples: int = 1
     logprobs: int | None = None
