@@ -19,7 +19,9 @@ from twinkle.registry import Registry
 
 
 class Metric:
-    def accumulate(self, **values: Any) -> None:
+    def accumulate(self, *args: Any, **values: Any) -> None:
+        """Add one call's values. Each metric declares the keywords it takes (see the module
+        docstring); ``*args: Any`` lets a subclass narrow this signature to its own."""
         raise NotImplementedError
 
     def calculate(self) -> dict[str, float]:

@@ -29,6 +29,8 @@ class GRPOMetric(Metric):
     1/3 and 0).
     """
 
+    sums: dict[str, torch.Tensor | float]
+
     def __init__(self) -> None:
         self.reset()
 
@@ -46,7 +48,7 @@ class GRPOMetric(Metric):
         }
 
     def reset(self) -> None:
-        self.sums: dict[str, torch.Tensor | float] = {}
+        self.sums = {}
 
     def state(self) -> dict[str, Any]:
         return {'sums': {key: float(total) for key, total in self.sums.items()}}

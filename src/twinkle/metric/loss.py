@@ -14,6 +14,9 @@ class LossMetric(Metric):
     """``loss``: the summed loss over the summed item count since the last reset, i.e. the
     loss the optimizer saw, not a mean of per-batch means."""
 
+    total: torch.Tensor | float
+    count: torch.Tensor | float
+
     def __init__(self) -> None:
         self.reset()
 
@@ -27,8 +30,8 @@ class LossMetric(Metric):
         return {'loss': float(self.total) / count} if count else {}
 
     def reset(self) -> None:
-        self.total: torch.Tensor | float = 0.0
-        self.count: torch.Tensor | float = 0
+        self.total = 0.0
+        self.count = 0
 
     def state(self) -> dict[str, Any]:
         return {'total': float(self.total), 'count': float(self.count)}
@@ -43,6 +46,9 @@ class Accuracy(Metric):
     """``accuracy``: the share of trained label tokens that are the argmax of the logits (a
     label tied for the maximum counts as a hit). Comparing the label's logit with the maximum
     is an order of magnitude cheaper than ``argmax`` over a large vocabulary."""
+
+    correct: torch.Tensor | int
+    total: torch.Tensor | int
 
     def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
         self.ignore_index = ignore_index
@@ -62,8 +68,8 @@ class Accuracy(Metric):
         return {'accuracy': int(self.correct) / total} if total else {}
 
     def reset(self) -> None:
-        self.correct: torch.Tensor | int = 0
-        self.total: torch.Tensor | int = 0
+        self.correct = 0
+        self.total = 0
 
     def state(self) -> dict[str, Any]:
         return {'correct': int(self.correct), 'total': int(self.total)}
