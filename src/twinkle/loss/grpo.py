@@ -272,17 +272,16 @@ class CISPOLoss(GRPOLoss):
         ignore_index: int = IGNORE_INDEX,
     ):
         epsilon_high = _positive('CISPOLoss epsilon_high', epsilon_high)
+        # None: no lower bound on the weight. epsilon = 1 puts the bound at 0, which a ratio (an
+        # exp) never goes below, so the weight is not clipped from below.
         super().__init__(
             1.0 if epsilon is None else epsilon, epsilon_high, beta, loss_type, max_completion_length, ignore_index
         )
-        # None: no lower bound on the weight (GRPOLoss itself needs a number).
-        self.epsilon = None if epsilon is None else self.epsilon
 
     def policy_term(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         log_ratio_BS = (batch.logps - batch.old_logps).detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
         ratio_BS = log_ratio_BS.exp()
-        low = None if self.epsilon is None else 1 - self.epsilon
-        weight_BS = ratio_BS.clamp(min=low, max=1 + self.epsilon_high)
+        weight_BS = ratio_BS.clamp(min=1 - self.epsilon, max=1 + self.epsilon_high)
         return -weight_BS * batch.advantages * batch.logps, ratio_BS, weight_BS != ratio_BS
 
 
