@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from twinkle.data_format import Trajectory
+from twinkle.data_format import Message, Trajectory
 from twinkle.preprocessor.base import PREPROCESSORS, Preprocessor
 
 DEFAULT_SYSTEM = 'You are a helpful assistant.'
@@ -61,7 +61,10 @@ class GSM8KProcessor(Preprocessor):
         self.add_assistant = add_assistant
 
     def preprocess(self, row: Mapping[str, Any]) -> Trajectory:
-        messages = [{'role': 'system', 'content': self.system}, {'role': 'user', 'content': row['question']}]
+        messages: list[Message] = [
+            {'role': 'system', 'content': self.system},
+            {'role': 'user', 'content': row['question']},
+        ]
         if self.add_assistant:
             messages.append({'role': 'assistant', 'content': row['answer']})
         return {'messages': messages, 'user_data': {'ground_truth': gsm8k_final_answer(row['answer'])}}

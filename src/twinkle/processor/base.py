@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -11,9 +11,10 @@ from twinkle.data_format import IGNORE_INDEX, InputFeature
 from twinkle.errors import DataError, one_of
 from twinkle.registry import Registry
 
-#: Per-token fields and the value that pads each of them.
-_PAD_VALUES = {
-    'input_ids': None,
+#: The per-token fields of an ``InputFeature`` that a batch carries.
+TokenField = Literal['input_ids', 'labels', 'attention_mask', 'position_ids', 'completion_mask']
+#: The value that pads each of them but ``input_ids`` (padded with the tokenizer's pad token).
+_PAD_VALUES: dict[TokenField, int] = {
     'labels': IGNORE_INDEX,
     'attention_mask': 0,
     'position_ids': 0,
@@ -48,14 +49,16 @@ class InputProcessor:
                     f'batch row {index} is not encoded: it has fields {sorted(feature)}, '
                     "but 'input_ids' and 'labels' are needed (call dataset.encode() or set a template)"
                 )
-        fields = [name for name in _PAD_VALUES if all(name in f for f in features)]
+        fields = [name for name in get_args(TokenField) if all(name in f for f in features)]
         if self.padding_free:
             return self._pack(features, fields)
         return self._pad(features, fields, pad_token_id)
 
-    def _pad(self, features: Sequence[InputFeature], fields: list[str], pad_token_id: int) -> dict[str, torch.Tensor]:
+    def _pad(
+        self, features: Sequence[InputFeature], fields: list[TokenField], pad_token_id: int
+    ) -> dict[str, torch.Tensor]:
         width = max(len(f['input_ids']) for f in features)
-        batch = {}
+        batch: dict[str, torch.Tensor] = {}
         for name in fields:
             pad = pad_token_id if name == 'input_ids' else _PAD_VALUES[name]
             rows = torch.full((len(features), width), pad, dtype=torch.long)
@@ -74,8 +77,8 @@ class InputProcessor:
             batch['attention_mask'] = (positions < lengths[:, None]).long()
         return batch
 
-    def _pack(self, features: Sequence[InputFeature], fields: list[str]) -> dict[str, torch.Tensor]:
-        batch = {
+    def _pack(self, features: Sequence[InputFeature], fields: list[TokenField]) -> dict[str, torch.Tensor]:
+        batch: dict[str, torch.Tensor] = {
             name: torch.cat([torch.as_tensor(f[name], dtype=torch.long) for f in features])[None]
             for name in fields
             if name != 'attention_mask'

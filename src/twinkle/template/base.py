@@ -74,8 +74,9 @@ class Template:
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else self.tokenizer.eos_token_id
 
-    def encode(self, row: Trajectory | Mapping[str, Any], add_generation_prompt: bool = False) -> InputFeature | None:
-        """Encode one row. Returns ``None`` only when ``truncation_strategy='delete'`` drops it.
+    def encode(self, row: Mapping[str, Any], add_generation_prompt: bool = False) -> InputFeature | None:
+        """Encode one row (a ``Trajectory``, or ``{'text': ...}``). Returns ``None`` only when
+        ``truncation_strategy='delete'`` drops it.
 
         With ``add_generation_prompt=True`` the row is a prompt: it must not end with an
         assistant turn, and the assistant header is appended so a sampler continues from it.
@@ -156,7 +157,7 @@ class Template:
         if at < 0:
             return start
         stop = at + len(content)
-        probe = [*messages[:index], {**messages[index], 'content': _SENTINEL}]
+        probe: list[Message] = [*messages[:index], {**messages[index], 'content': _SENTINEL}]
         rendered = self._render(probe, False, tools)
         marker = rendered[rendered.rfind(_SENTINEL) + len(_SENTINEL) :].rstrip() if _SENTINEL in rendered else ''
         return stop + _common_prefix(marker, full[stop : stop + len(marker)])

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from twinkle.errors import ConfigurationError
 from twinkle.template.base import TEMPLATES, Template
 
@@ -12,7 +14,7 @@ class Qwen3_5Template(Template):
     construction: a tokenizer without Qwen's special tokens is refused rather than producing
     a conversation the model was never trained on."""
 
-    def __init__(self, model_id: str, **kwargs):
+    def __init__(self, model_id: str, **kwargs: Any):
         super().__init__(model_id, **kwargs)
         vocab = self.tokenizer.get_vocab()
         missing = [token for token in _QWEN_TOKENS if token not in vocab]
