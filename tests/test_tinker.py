@@ -338,3 +338,50 @@ def test_a_forward_backward_without_seq_id_is_refused(server, alice, tiny_model_
     body = forward_backward_request_to_proto(request).SerializeToString()
     answer = httpx.post(f'{url}/api/v1/forward_backward', content=body, headers={'X-API-Key': keys['alice']})
     assert answer.status_code == 400 and 'seq_id >= 1' in answer.json()['detail']
+
+
+#: JSON nested past what the parser takes (Python's json raises RecursionError near 1,000 levels).
+TOO_DEEP = ('[' * 100_000 + ']' * 100_000).encode()
+#: Routes that read a JSON body, of every API this server speaks ('x' fills path parameters).
+JSON_ROUTES = [
+    ('POST', '/api/v1/create_session'),
+    ('POST', '/api/v1/session_heartbeat'),
+    ('POST', '/api/v1/create_model'),
+    ('POST', '/api/v1/get_info'),
+    ('POST', '/api/v1/optim_step'),
+    ('POST', '/api/v1/save_weights'),
+    ('POST', '/api/v1/save_weights_for_sampler'),
+    ('POST', '/api/v1/load_weights'),
+    ('POST', '/api/v1/create_sampling_session'),
+    ('POST', '/api/v1/asample'),
+    ('POST', '/api/v1/retrieve_future'),
+    ('POST', '/api/v1/forward_backward'),
+    ('POST', '/api/v1/weights_info'),
+    ('PUT', '/api/v1/training_runs/x/checkpoints/weights/x/ttl'),
+    ('POST', '/twinkle/v1/runs'),
+    ('POST', '/twinkle/v1/runs/x/save'),
+    ('POST', '/v1/chat/completions'),
+]
+
+
+@pytest.mark.parametrize(('method', 'route'), JSON_ROUTES, ids=[route for _, route in JSON_ROUTES])
+def test_a_body_nested_too_deep_to_parse_is_a_400(server, method, route):
+    url, keys, _ = server
+    headers = {'X-API-Key': keys['alice'], 'Content-Type': 'application/json'}
+    answer = httpx.request(method, f'{url}{route}', content=TOO_DEEP, headers=headers)
+    assert answer.status_code == 400, answer.text[:300]
+    assert answer.json()['detail'], answer.text[:300]  # never an empty 400: the SDK retries those
+
+
+def test_no_route_of_any_api_answers_a_body_too_deep_to_parse_with_a_5xx(server):
+    url, keys, _ = server
+    headers = {'X-API-Key': keys['alice'], 'Content-Type': 'application/json'}
+    paths = httpx.get(f'{url}/openapi.json').json()['paths']
+    tried = 0
+    for path, operations in paths.items():
+        route = '/'.join('x' if part.startswith('{') else part for part in path.split('/'))
+        for method in set(operations) & {'post', 'put', 'patch', 'delete'}:
+            answer = httpx.request(method.upper(), f'{url}{route}', content=TOO_DEEP, headers=headers)
+            assert answer.status_code < 500, (method, path, answer.text[:300])
+            tried += 1
+    assert tried >= len(JSON_ROUTES)
