@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 import threading
 
@@ -11,6 +12,7 @@ import torch
 from peft import LoraConfig
 from server_helpers import background_server
 
+import twinkle.server.errors
 from twinkle.dataset import DatasetMeta
 from twinkle.model import TransformersModel
 from twinkle_client import RemoteError, TwinkleClient, init_twinkle_client
@@ -144,6 +146,24 @@ def test_missing_or_bad_keys_are_refused(server):
     assert httpx.get(f'{url}/twinkle/v1/runs').status_code == 401
     response = httpx.get(f'{url}/twinkle/v1/runs', headers={'Authorization': 'Bearer tk-wrong'})
     assert response.status_code == 401 and 'unknown API key' in response.text
+
+
+def test_an_error_names_its_class_and_a_422_does_not_echo_the_request(server):
+    url, keys, _ = server
+    headers = {'Authorization': f'Bearer {keys["bob"]}'}
+    missing = httpx.get(f'{url}/twinkle/v1/runs/run-nope', headers=headers)
+    assert missing.status_code == 404
+    assert missing.json() == {'detail': "training run 'run-nope' not found", 'error': 'NotFoundError'}
+    unknown_key = httpx.get(f'{url}/twinkle/v1/runs', headers={'Authorization': 'Bearer tk-wrong'})
+    assert unknown_key.json() == {'detail': 'unknown API key', 'error': 'UnauthorizedError'}
+    # 100 kB in a field the model does not take, and a 1000-character field name: the answer says
+    # where (the name cut to 64 characters) and what, and holds none of the value.
+    body = {'lora': {'r': 4}, 'surprise': 'x' * 100_000, 'k' * 1000: 1}
+    refused = httpx.post(f'{url}/twinkle/v1/runs', json=body, headers=headers)
+    assert refused.status_code == 422
+    extra = {'msg': 'Extra inputs are not permitted', 'type': 'extra_forbidden'}
+    assert refused.json() == {'detail': [{'loc': ['body', 'surprise'], **extra}, {'loc': ['body', 'k' * 64], **extra}]}
+    assert doctest.testmod(twinkle.server.errors).failed == 0
 
 
 def test_bad_requests_get_a_4xx_that_names_the_problem_and_the_server_keeps_serving(server, batches):

@@ -53,6 +53,51 @@ class CheckpointError(TwinkleError, OSError):
     """A checkpoint is missing, incomplete, or does not match the model it is loaded into."""
 
 
+class NotFoundError(TwinkleError, LookupError):
+    """A run, checkpoint, request or model that does not exist (or belongs to another tenant,
+    which reads the same: nothing tells the two apart)."""
+
+
+class UnauthorizedError(TwinkleError, PermissionError):
+    """A request without an API key, or with one the server does not know."""
+
+
+class BusyError(TwinkleError, RuntimeError):
+    """A limit that frees up with time (a queue, a request rate, the adapters held); the same
+    request may succeed after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float = 5.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFullError(BusyError):
+    """A tenant already has ``max_queued_per_tenant`` jobs waiting."""
+
+    def __init__(self, tenant: str, limit: int, retry_after_s: float):
+        self.tenant, self.limit = tenant, limit
+        super().__init__(
+            f'Tenant {tenant!r} already has {limit} queued jobs, the most max_queued_per_tenant={limit} allows; '
+            f'retry in about {retry_after_s:.1f} s',
+            retry_after_s,
+        )
+
+
+class RateLimitedError(BusyError):
+    """A tenant made more requests than ``max_requests_per_minute`` allows."""
+
+    def __init__(self, tenant: str, per_minute: int, retry_after_s: float):
+        super().__init__(
+            f'tenant {tenant!r} is over its limit of {per_minute} requests per minute '
+            f'(max_requests_per_minute); retry in {retry_after_s:.1f} s',
+            retry_after_s,
+        )
+
+
+class CapacityError(BusyError):
+    """The server holds as many adapters as it may; one frees up when a run is released."""
+
+
 def one_of(kind: str, value: object, valid: Iterable[object]) -> ConfigurationError:
     """Build the standard 'bad value, here are the good ones' error."""
     return ConfigurationError(f'Invalid {kind} {value!r}. Accepted values are: {sorted(map(str, valid))}')

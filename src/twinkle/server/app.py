@@ -10,28 +10,25 @@ did not exist.
 from __future__ import annotations
 
 import asyncio
-import math
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import FastAPI, Query
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from twinkle.errors import StateError, TwinkleError, UnknownNameError
+from twinkle.errors import ConfigurationError, NotFoundError
 from twinkle.server.config import ServerConfig
 from twinkle.server.deps import Who
-from twinkle.server.host import CapacityError, ModelHost
+from twinkle.server.errors import install_error_handlers
+from twinkle.server.host import ModelHost
 from twinkle.server.http_limits import HttpLimits
-from twinkle.server.limits import RateLimitedError
 from twinkle.server.openai_api import openai_router
 from twinkle.server.remote_host import RemoteHost
-from twinkle.server.scheduler import QueueFullError, wait_job
+from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
 from twinkle.server.store import check_checkpoint_name, check_name, parse_twinkle_path
 from twinkle.server.tinker.rest import expire_checkpoints_periodically, rest_router
@@ -95,7 +92,7 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
 
     app = FastAPI(title='twinkle training service', version='1', lifespan=lifespan)
     app.state.service = service
-    _error_handlers(app)
+    install_error_handlers(app)
     app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenant_for_key)
     app.include_router(tinker_router(service))
     app.include_router(openai_router(service))
@@ -118,7 +115,7 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
         check_name('adapter name', body.adapter_name)
         service.host.check_adapter(body.lora)
         if body.base_model is not None and body.base_model != config.base_model:
-            raise HTTPException(400, f'this server hosts {config.base_model!r}; got base_model {body.base_model!r}')
+            raise ConfigurationError(f'this server hosts {config.base_model!r}; got base_model {body.base_model!r}')
         run = service.store.create_run(who.id, config.base_model, body.adapter_name, body.model_dump())
         adapter = service.adapter_name(run)
 
@@ -146,7 +143,7 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
     async def get_run(run_id: str, who: Who) -> dict[str, Any]:
         run = service.store.get_run(who.id, run_id)
         if run is None:
-            raise HTTPException(404, f'training run {run_id!r} not found')
+            raise NotFoundError(f'training run {run_id!r} not found')
         return _run_json(run)
 
     @app.post(f'{PREFIX}/runs/{{run_id}}/ops/{{operation}}', status_code=202)
@@ -183,7 +180,7 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
         source_run, name = parse_twinkle_path(body.path)
         checkpoint = service.store.get_checkpoint(who.id, source_run, name)
         if checkpoint is None:
-            raise HTTPException(404, f'checkpoint {body.path!r} not found')
+            raise NotFoundError(f'checkpoint {body.path!r} not found')
 
         def read() -> str:
             service.host.load(service.loaded(run), Path(checkpoint.path), body.load_optimizer)
@@ -194,14 +191,14 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
     @app.get(f'{PREFIX}/runs/{{run_id}}/checkpoints')
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, Any]:
         if service.store.get_run(who.id, run_id) is None:
-            raise HTTPException(404, f'training run {run_id!r} not found')
+            raise NotFoundError(f'training run {run_id!r} not found')
         return {'checkpoints': [_checkpoint_json(c) for c in service.store.list_checkpoints(who.id, run_id)]}
 
     @app.delete(f'{PREFIX}/runs/{{run_id}}/checkpoints/{{name}}')
     async def delete_checkpoint(run_id: str, name: str, who: Who) -> dict[str, bool]:
         checkpoint = service.store.get_checkpoint(who.id, run_id, name)
         if checkpoint is None:
-            raise HTTPException(404, f'checkpoint {name!r} of run {run_id!r} not found')
+            raise NotFoundError(f'checkpoint {name!r} of run {run_id!r} not found')
         service.store.delete_checkpoint(who.id, run_id, name)
         _remove_tree(Path(checkpoint.path))
         return {'deleted': True}
@@ -210,7 +207,7 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
     async def get_future(future_id: str, who: Who, wait: float = 0.0) -> dict[str, Any]:
         record = service.store.get_future(who.id, future_id)
         if record is None:
-            raise HTTPException(404, f'request {future_id!r} not found')
+            raise NotFoundError(f'request {future_id!r} not found')
         job = service.scheduler.get(future_id)
         if job is not None and wait > 0:
             await wait_job(job, min(wait, 60.0))
@@ -234,45 +231,6 @@ async def _expire_gaps(service: Service) -> None:
     while True:
         await asyncio.sleep(min(service.config.tinker.seq_gap_timeout_s / 4, 5.0))
         service.tinker.sequencer.expire()
-
-
-def _error_handlers(app: FastAPI) -> None:
-    statuses: list[tuple[type[BaseException], int]] = [
-        (QueueFullError, 429),
-        (RateLimitedError, 429),
-        (CapacityError, 429),
-        (UnknownNameError, 400),
-        (StateError, 409),
-        (TwinkleError, 400),
-    ]
-
-    async def handle(request: Request, error: Exception) -> JSONResponse:
-        status = next(code for kind, code in statuses if isinstance(error, kind))
-        headers = {}
-        if status == 429:
-            retry = getattr(error, 'retry_after_s', 5.0)
-            headers['Retry-After'] = str(max(1, round(retry)))
-        return JSONResponse({'detail': str(error), 'error': type(error).__name__}, status_code=status, headers=headers)
-
-    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
-        # FastAPI's own handler echoes the bad input, and fails (500) on NaN, infinity or non-UTF-8 bytes.
-        return JSONResponse({'detail': jsonable_encoder(_jsonable(error.errors()))}, status_code=422)
-
-    app.add_exception_handler(TwinkleError, handle)
-    app.add_exception_handler(RequestValidationError, invalid_request)
-
-
-def _jsonable(value: Any) -> Any:
-    """``value`` as JSON can carry it: NaN and infinities as strings, bytes decoded leniently."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, bytes):
-        return value.decode('utf-8', errors='replace')
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    return value
 
 
 def _run_json(run: Any) -> dict[str, Any]:

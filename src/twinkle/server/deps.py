@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, Request
 
+from twinkle.errors import UnauthorizedError
 from twinkle.server.auth import key_from_headers
+from twinkle.server.state import Service
 from twinkle.server.store import Tenant
 
 
@@ -15,11 +17,11 @@ async def tenant_of(request: Request) -> Tenant:
     ``X-API-Key: <key>``); 401 without a known one; 429 over the tenant's request rate."""
     key = key_from_headers(request.headers)
     if not key:
-        raise HTTPException(401, 'missing API key: send "Authorization: Bearer <key>" or "X-API-Key: <key>"')
-    service = request.app.state.service
+        raise UnauthorizedError('missing API key: send "Authorization: Bearer <key>" or "X-API-Key: <key>"')
+    service: Service = request.app.state.service
     found = service.store.tenant_for_key(key)
     if found is None:
-        raise HTTPException(401, 'unknown API key')
+        raise UnauthorizedError('unknown API key')
     if service.limiter is not None:
         service.limiter.acquire(found.id, found.name)
     return found

@@ -24,12 +24,19 @@ import torch
 from peft import LoraConfig
 
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
-from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, TwinkleError, UnknownNameError
+from twinkle.errors import (
+    CapacityError,
+    ConfigurationError,
+    DataError,
+    SequenceTooLongError,
+    TwinkleError,
+    UnknownNameError,
+)
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model import AdapterCall, TransformersModel
 from twinkle.model.offload import OptimizerOffloader
-from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
+from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, check_optimizer_args, check_scheduler_args
 from twinkle.processor import PROCESSORS
 from twinkle.sampler import TorchSampler
 from twinkle.server.config import ServerConfig
@@ -213,6 +220,11 @@ class ModelHost:
         elif 'inputs' in kwargs:
             self.features(kwargs['inputs'])
         _check_scalars(operation, {k: v for k, v in kwargs.items() if k != 'inputs'})
+        if operation == 'set_optimizer':  # lr=-1 or lr='fast': a 4xx now, not a failed future at the step
+            options = {k: v for k, v in kwargs.items() if k != 'optimizer_cls'}
+            check_optimizer_args(kwargs.get('optimizer_cls', 'AdamW'), options, self.model.device)
+        elif operation == 'set_lr_scheduler':
+            check_scheduler_args(kwargs['scheduler_cls'], {k: v for k, v in kwargs.items() if k != 'scheduler_cls'})
 
     def _bind(self, operation: str, kwargs: dict[str, Any]) -> None:
         """The arguments fit the operation: no unknown ones, none missing."""
@@ -448,10 +460,6 @@ def _row_logps(output: Any, features: list[dict[str, Any]]) -> list[list[float]]
 
 def _brief(kwargs: Mapping[str, Any]) -> str:
     return ', '.join(f'{k}={str(v)[:40]}' for k, v in kwargs.items())
-
-
-class CapacityError(ConfigurationError):
-    """The server is at a limit that frees up with time (adapters held); the client may retry."""
 
 
 def _feature(index: int, row: Any, vocab: int) -> dict[str, Any]:

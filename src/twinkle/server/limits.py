@@ -24,18 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from twinkle.errors import TwinkleError
-
-
-class RateLimitedError(TwinkleError, RuntimeError):
-    """A tenant made more requests than ``max_requests_per_minute`` allows."""
-
-    def __init__(self, tenant: str, per_minute: int, retry_after_s: float):
-        self.retry_after_s = retry_after_s
-        super().__init__(
-            f'tenant {tenant!r} is over its limit of {per_minute} requests per minute '
-            f'(max_requests_per_minute); retry in {retry_after_s:.1f} s'
-        )
+from twinkle.errors import RateLimitedError
 
 
 @dataclass

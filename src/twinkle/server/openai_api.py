@@ -43,11 +43,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from twinkle.data_format import SampledSequence, SamplingParams
-from twinkle.errors import DataError, SequenceTooLongError, StateError, TwinkleError
+from twinkle.errors import BusyError, DataError, SequenceTooLongError, TwinkleError
 from twinkle.server.deps import Who
-from twinkle.server.host import MAX_TOP_LOGPROBS, CapacityError, ModelHost
-from twinkle.server.limits import RateLimitedError
-from twinkle.server.scheduler import QueueFullError, wait_job
+from twinkle.server.errors import status_of
+from twinkle.server.host import MAX_TOP_LOGPROBS, ModelHost
+from twinkle.server.scheduler import wait_job
 from twinkle.server.store import Checkpoint, Store, Tenant, parse_checkpoint_path
 from twinkle.template import Template
 from twinkle.utils.logger import get_logger
@@ -204,16 +204,12 @@ def _as_openai_error(error: Exception) -> OpenAIError:
         return OpenAIError(422, f'invalid request: {message}', where[0] if where else None)
     if isinstance(error, StarletteHTTPException):  # FastAPI's own (401, 404) and Starlette's (a body it cannot read)
         return OpenAIError(error.status_code, str(error.detail))
-    if isinstance(error, (QueueFullError, RateLimitedError, CapacityError)):
-        return OpenAIError(
-            429, str(error), code='rate_limit_exceeded', retry_after_s=getattr(error, 'retry_after_s', 5.0)
-        )
+    if isinstance(error, BusyError):
+        return OpenAIError(429, str(error), code='rate_limit_exceeded', retry_after_s=error.retry_after_s)
     if isinstance(error, SequenceTooLongError):
         return OpenAIError(400, str(error), 'messages', 'context_length_exceeded')
-    if isinstance(error, StateError):
-        return OpenAIError(409, str(error))
     if isinstance(error, TwinkleError):
-        return OpenAIError(400, str(error))
+        return OpenAIError(status_of(error), str(error))  # the server's one table (twinkle.server.errors)
     logger.exception('an OpenAI API request failed', exc_info=error)
     return OpenAIError(500, f'the server failed to answer: {type(error).__name__}')
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from twinkle.errors import ConfigurationError, StateError, TwinkleError
+from twinkle.errors import ConfigurationError, QueueFullError, StateError
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -47,17 +47,6 @@ JobCallback = Callable[['Job'], None]
 
 # How many recent job durations the mean (and so ``retry_after_s``) is taken over.
 _DURATION_WINDOW = 100
-
-
-class QueueFullError(TwinkleError, RuntimeError):
-    """A tenant already has ``max_queued_per_tenant`` jobs waiting; ``retry_after_s`` says when to try again."""
-
-    def __init__(self, tenant: str, limit: int, retry_after_s: float):
-        self.tenant, self.limit, self.retry_after_s = tenant, limit, retry_after_s
-        super().__init__(
-            f'Tenant {tenant!r} already has {limit} queued jobs, the most max_queued_per_tenant={limit} allows; '
-            f'retry in about {retry_after_s:.1f} s'
-        )
 
 
 @dataclass(frozen=True, eq=False)

@@ -13,10 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import HTTPException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from twinkle.errors import StateError, TwinkleError
+from twinkle.errors import NotFoundError, StateError, TwinkleError
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost, is_mixable, request_tokens
@@ -158,7 +157,7 @@ class Service:
         Jobs then call ``loaded`` on the worker thread, where no release can slip in between."""
         run = self.store.get_run(tenant.id, run_id)
         if run is None or run.status == 'deleted':
-            raise HTTPException(404, f'training run {run_id!r} not found')
+            raise NotFoundError(f'training run {run_id!r} not found')
         if run_id not in self.adapters and not self.release_state(run).is_dir():
             raise StateError(
                 f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '

@@ -1,0 +1,123 @@
+"""How an error becomes an HTTP answer: one table from the exception tree to statuses.
+
+Routes raise the classes of ``twinkle.errors``; ``install_error_handlers`` answers each with
+``{'detail': message, 'error': class name}`` and the status of its first matching row in
+``STATUSES`` (a 429 also with ``Retry-After``). A request that fails validation is a 422 that
+says where and what, without the values sent.
+
+>>> from twinkle.errors import DataError, NotFoundError, QueueFullError
+>>> [status_of(e) for e in (NotFoundError('run x not found'), DataError('bad row'), QueueFullError('a', 2, 7.4))]
+[404, 400, 429]
+>>> retry_after_header(QueueFullError('a', 2, 7.4))
+{'Retry-After': '7'}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from twinkle.errors import BusyError, NotFoundError, StateError, TwinkleError, UnauthorizedError
+
+#: The first row whose class the error is an instance of gives its status; TwinkleError is the rest.
+STATUSES: tuple[tuple[type[TwinkleError], int], ...] = (
+    (BusyError, 429),
+    (UnauthorizedError, 401),
+    (NotFoundError, 404),
+    (StateError, 409),
+    (TwinkleError, 400),
+)
+#: Longest location part (a field name the client sent) repeated in a 422.
+MAX_LOCATION_CHARS = 64
+
+
+class ErrorBody(BaseModel):
+    """What every native and Tinker route answers for an error (4xx)."""
+
+    detail: str = Field(description='What is wrong, naming the bad value and what is accepted')
+    error: str = Field(description="The error's class in twinkle.errors, e.g. NotFoundError")
+
+
+def status_of(error: TwinkleError) -> int:
+    return next(status for kind, status in STATUSES if isinstance(error, kind))
+
+
+def retry_after_header(error: TwinkleError) -> dict[str, str]:
+    """``Retry-After`` in whole seconds (at least 1) for an error that frees up with time."""
+    if not isinstance(error, BusyError):
+        return {}
+    return {'Retry-After': str(max(1, round(error.retry_after_s)))}
+
+
+def error_response(error: TwinkleError) -> JSONResponse:
+    body = ErrorBody(detail=str(error), error=type(error).__name__)
+    return JSONResponse(body.model_dump(), status_code=status_of(error), headers=retry_after_header(error))
+
+
+def validation_problems(error: RequestValidationError) -> list[dict[str, Any]]:
+    """Where each problem is and what it is, without the input: a 6 MB body is not sent back,
+    and NaN, infinities or bytes in it cannot break the answer. A location part that is a
+    field name the client chose is cut to ``MAX_LOCATION_CHARS`` and made encodable."""
+    return [
+        {'loc': [_location_part(part) for part in problem['loc']], 'msg': problem['msg'], 'type': problem['type']}
+        for problem in error.errors()
+    ]
+
+
+def _location_part(part: Any) -> str | int:
+    if isinstance(part, int):
+        return part
+    text = str(part)[:MAX_LOCATION_CHARS]
+    return text.encode('utf-8', errors='replace').decode('utf-8')  # a lone surrogate in a JSON key
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` of a router whose routes may answer these statuses, for the OpenAPI schema."""
+    described: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        response: dict[str, Any] = {'model': ErrorBody, 'description': _DESCRIPTIONS[status]}
+        if status == 429:
+            seconds = {'description': 'Seconds to wait before trying again', 'schema': {'type': 'string'}}
+            response['headers'] = {'Retry-After': seconds}
+        described[status] = response
+    return described
+
+
+_DESCRIPTIONS = {
+    400: 'The request is not valid (a bad value, an unknown name, a malformed path)',
+    401: 'No API key, or one the server does not know',
+    404: 'No such run, checkpoint or request for this tenant',
+    409: 'The run is not in a state to do this',
+    429: 'A limit that frees up with time; retry after Retry-After seconds',
+}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer the exception tree through ``STATUSES`` and validation errors without their input."""
+
+    async def handle(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, TwinkleError)  # registered for TwinkleError only
+        return error_response(error)
+
+    async def invalid_request(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, RequestValidationError)
+        return JSONResponse({'detail': validation_problems(error)}, status_code=422)
+
+    app.add_exception_handler(TwinkleError, handle)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+
+
+__all__ = [
+    'STATUSES',
+    'ErrorBody',
+    'error_response',
+    'error_responses',
+    'install_error_handlers',
+    'retry_after_header',
+    'status_of',
+    'validation_problems',
+]
