@@ -34,6 +34,9 @@ from typing import Any
 
 from twinkle.errors import ConfigurationError, DataError, StateError, one_of
 from twinkle.server.auth import MIN_KEY_LENGTH, hash_key, new_api_key
+from twinkle.wire import TINKER_SCHEME, TWINKLE_SCHEME
+from twinkle.wire import parse_checkpoint_path as parse_checkpoint_path  # checkpoint paths are the wire's
+from twinkle.wire import parse_twinkle_path as parse_twinkle_path
 
 SCHEMA_VERSION = 3
 RUN_STATUSES = ('active', 'released', 'deleted')
@@ -42,11 +45,6 @@ FUTURE_STATUSES = ('pending', 'running', 'done', 'failed')
 ERROR_CATEGORIES = ('user', 'server')
 
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]{0,63}')
-_PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._:-]*')
-TWINKLE_SCHEME = 'twinkle://'
-TINKER_SCHEME = 'tinker://'
-#: The folder of a checkpoint path, and the kind of checkpoint it names.
-PATH_FOLDERS = {'checkpoints': 'training', 'weights': 'training', 'sampler_weights': 'sampler'}
 TINKER_FOLDERS = {'training': 'weights', 'sampler': 'sampler_weights'}
 
 _SCHEMA = """
@@ -261,42 +259,6 @@ def check_checkpoint_name(name: object) -> str:
     if name in RESERVED_CHECKPOINT_NAMES:
         raise DataError(f'checkpoint name {name!r} is reserved; use another than {list(RESERVED_CHECKPOINT_NAMES)}')
     return name
-
-
-def parse_twinkle_path(path: str) -> tuple[str, str]:
-    """Split ``twinkle://<run_id>/checkpoints/<name>`` into ``(run_id, name)``.
-
-    >>> parse_twinkle_path('twinkle://run-1a2b3c/checkpoints/step-10')
-    ('run-1a2b3c', 'step-10')
-    """
-    run_id, _, name = parse_checkpoint_path(path)
-    if path != f'{TWINKLE_SCHEME}{run_id}/checkpoints/{name}':
-        raise DataError(f'Invalid checkpoint path {path!r}: expected twinkle://<run_id>/checkpoints/<name>')
-    return run_id, name
-
-
-def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
-    """``(run_id, kind, name)`` of a checkpoint path of either API: ``twinkle://<run>/checkpoints/<name>``,
-    ``tinker://<run>/weights/<name>`` (kind 'training') or ``tinker://<run>/sampler_weights/<name>``
-    (kind 'sampler'; ``twinkle://`` works with these folders too).
-
-    >>> parse_checkpoint_path('tinker://s-1:train:0/sampler_weights/step-10')
-    ('s-1:train:0', 'sampler', 'step-10')
-    """
-    scheme = next((s for s in (TWINKLE_SCHEME, TINKER_SCHEME) if isinstance(path, str) and path.startswith(s)), None)
-    parts = path[len(scheme) :].split('/') if scheme else []
-    valid = (
-        len(parts) == 3
-        and parts[1] in PATH_FOLDERS
-        and all(_PATH_PART.fullmatch(part) and '..' not in part for part in (parts[0], parts[2]))
-    )
-    if not valid:
-        raise DataError(
-            f'Invalid checkpoint path {path!r}: expected twinkle://<run_id>/checkpoints/<name>, '
-            'tinker://<run_id>/weights/<name> or tinker://<run_id>/sampler_weights/<name>, where run_id and name '
-            'use A-Z, a-z, 0-9, ".", "_", "-", ":" and do not start with "."'
-        )
-    return parts[0], PATH_FOLDERS[parts[1]], parts[2]
 
 
 def _new_id(prefix: str) -> str:

@@ -1,0 +1,415 @@
+"""The native API's wire: what a request to ``/twinkle/v1`` holds and what it answers, in one place.
+
+The server validates each request against these models once, at its route; the client
+(``twinkle_client``) builds its requests from them. No torch and no server here: a client needs
+only pydantic to speak the API. A compute operation is ``POST /twinkle/v1/runs/{run_id}/ops/{name}``
+with the body ``OPERATIONS[name]``; adding one is a model in that table and its handler on the
+server (``ModelHost._<name>``, or the model's method of the same name).
+
+>>> request = SetOptimizer(optimizer_cls='AdamW', options={'lr': 1e-4})
+>>> request.arguments()
+{'optimizer_cls': 'AdamW', 'lr': 0.0001}
+>>> sorted(name for name, op in OPERATIONS.items() if op.setup)
+['add_metric', 'set_loss', 'set_lr_scheduler', 'set_optimizer', 'set_processor', 'set_template']
+>>> parse_twinkle_path('twinkle://run-1a2b3c/checkpoints/step-10')
+('run-1a2b3c', 'step-10')
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, field_validator, model_validator
+
+from twinkle.data_format import IGNORE_INDEX
+from twinkle.errors import DataError
+
+#: InputFeature fields a row of ``inputs`` may hold.
+FEATURE_FIELDS = ('input_ids', 'attention_mask', 'position_ids', 'labels', 'completion_mask')
+#: peft ``LoraConfig`` fields a run's ``lora`` may set.
+LORA_FIELDS = frozenset(
+    {'r', 'lora_alpha', 'lora_dropout', 'target_modules', 'bias', 'use_rslora', 'init_lora_weights'}
+)
+#: Fields of a prompt to sample from.
+PROMPT_FIELDS = ('input_ids', 'messages', 'tools')
+TWINKLE_SCHEME = 'twinkle://'
+TINKER_SCHEME = 'tinker://'
+#: The folder of a checkpoint path, and the kind of checkpoint it names.
+PATH_FOLDERS = {'checkpoints': 'training', 'weights': 'training', 'sampler_weights': 'sampler'}
+_PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._:-]*')
+#: Integers a 64-bit SQLite column or torch seed takes.
+INT64 = 2**63
+
+
+class Wire(BaseModel):
+    """Strict JSON: no unknown fields, no '1' for 1 or 1 for true, no NaN or infinity."""
+
+    model_config = ConfigDict(extra='forbid', strict=True, allow_inf_nan=False)
+
+
+# ---- runs and checkpoints -----------------------------------------------------------------------------
+class CreateRun(Wire):
+    """``POST /twinkle/v1/runs``: a training run, one LoRA adapter on the server's base model."""
+
+    adapter_name: str = 'default'
+    #: peft ``LoraConfig`` fields (``LORA_FIELDS``); the server checks the values it allows.
+    lora: dict[str, JsonValue] = Field(default_factory=dict)
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    #: Must name the server's base model when given.
+    base_model: str | None = None
+    #: Draw the adapter's initial weights from this seed (reproducible runs); torch takes 64 bits.
+    seed: int | None = Field(None, ge=-INT64, lt=2 * INT64)
+
+
+class SaveRequest(Wire):
+    """``POST /twinkle/v1/runs/{run_id}/save``."""
+
+    name: str
+    save_optimizer: StrictBool = False
+
+
+class LoadRequest(Wire):
+    """``POST /twinkle/v1/runs/{run_id}/load``: a ``twinkle://<run_id>/checkpoints/<name>`` of this tenant."""
+
+    path: str
+    load_optimizer: StrictBool = False
+
+
+class Answer(BaseModel):
+    """A response: extra fields the server adds later are kept, so an older client still reads it."""
+
+    model_config = ConfigDict(extra='allow')
+
+
+class RunInfo(Answer):
+    training_run_id: str
+    id: str
+    tenant_id: str
+    base_model: str
+    adapter_name: str
+    config: dict[str, JsonValue]
+    created_at: float
+    last_request_at: float
+    status: str
+    session_id: str | None = None
+
+
+class RunList(Answer):
+    runs: list[RunInfo]
+    total: int
+
+
+class CheckpointInfo(Answer):
+    id: str
+    run_id: str
+    tenant_id: str
+    name: str
+    twinkle_path: str
+    kind: str
+    size_bytes: int
+    created_at: float
+    public: bool = False
+    expires_at: float | None = None
+
+
+class CheckpointList(Answer):
+    checkpoints: list[CheckpointInfo]
+
+
+class Deleted(Answer):
+    deleted: bool
+
+
+class FutureAccepted(Answer):
+    """A compute request was queued; ``GET /twinkle/v1/futures/{future_id}`` follows it."""
+
+    future_id: str
+
+
+class FutureInfo(Answer):
+    id: str
+    tenant_id: str
+    run_id: str | None
+    op: str
+    #: 'pending', 'running', 'done' or 'failed'.
+    status: str
+    result: JsonValue = None
+    error: str | None = None
+    #: Of a failure: 'user' (fix the request) or 'server'.
+    category: str | None = None
+    created_at: float
+    finished_at: float | None = None
+
+
+class ServerInfo(Answer):
+    base_model: str
+    limits: dict[str, JsonValue]
+    tenant: str
+
+
+# ---- operations ---------------------------------------------------------------------------------------
+class InputRow(Wire):
+    """One encoded row to train or score on: token ids with labels (``IGNORE_INDEX`` where not trained)."""
+
+    input_ids: list[int] = Field(min_length=1)
+    labels: list[int]
+    attention_mask: list[int] | None = None
+    position_ids: list[int] | None = None
+    completion_mask: list[int] | None = None
+
+    @model_validator(mode='after')
+    def _aligned(self) -> InputRow:
+        length = len(self.input_ids)
+        for key in FEATURE_FIELDS:
+            values = getattr(self, key)
+            if values is not None and len(values) != length:
+                raise ValueError(f'{key} has {len(values)} values; it must be as long as input_ids ({length})')
+        if any(t < 0 for t in self.input_ids):
+            raise ValueError('input_ids must be token ids >= 0')
+        if any(t < 0 and t != IGNORE_INDEX for t in self.labels):
+            raise ValueError(f'labels must be token ids >= 0 or {IGNORE_INDEX} (not trained on)')
+        return self
+
+    def feature(self) -> dict[str, list[int]]:
+        """The row as the model takes it: the fields it has."""
+        return self.model_dump(exclude_none=True)
+
+
+class Prompt(Wire):
+    """A prompt to sample from: encoded ``input_ids``, or ``messages`` the run's template encodes."""
+
+    input_ids: list[int] | None = Field(None, min_length=1)
+    messages: list[dict[str, JsonValue]] | None = Field(None, min_length=1)
+    tools: list[dict[str, JsonValue]] | None = None
+
+    @field_validator('messages')
+    @classmethod
+    def _turns(cls, messages: list[dict[str, JsonValue]] | None) -> list[dict[str, JsonValue]] | None:
+        for turn, message in enumerate(messages or []):
+            content = message.get('content', ...)
+            if not isinstance(message.get('role'), str) or not (content is None or isinstance(content, str)):
+                raise ValueError(f'message {turn} needs a string role and a string (or null) content')
+        return messages
+
+    @model_validator(mode='after')
+    def _something(self) -> Prompt:
+        if self.input_ids is None and self.messages is None:
+            raise ValueError("a prompt needs 'input_ids' or 'messages'")
+        if any(t < 0 for t in self.input_ids or []):
+            raise ValueError('input_ids must be token ids >= 0')
+        return self
+
+
+class Operation(Wire):
+    """A request of ``POST /twinkle/v1/runs/{run_id}/ops/{name}``."""
+
+    #: Recorded per run and replayed when a released adapter comes back.
+    setup: ClassVar[bool] = False
+
+    def arguments(self) -> dict[str, Any]:
+        """The keyword arguments of the model method of the same name (JSON values)."""
+        return self.model_dump(exclude_none=True)
+
+
+class Configure(Operation):
+    """Picks a component by its registered name and builds it with ``options``."""
+
+    setup = True
+    #: The field that names the component.
+    component_field: ClassVar[str]
+    #: The component's constructor arguments (``lr``, ``betas``...), checked by the server against it.
+    options: dict[str, JsonValue] = Field(default_factory=dict)
+
+    @model_validator(mode='after')
+    def _options_apart(self) -> Configure:
+        clash = sorted(set(self.options) & set(type(self).model_fields))
+        if clash:
+            raise ValueError(f'options {clash} are fields of the request itself; set them there')
+        return self
+
+    def arguments(self) -> dict[str, Any]:
+        return {**self.model_dump(exclude={'options'}), **self.options}
+
+
+class SetOptimizer(Configure):
+    component_field = 'optimizer_cls'
+    optimizer_cls: str = 'AdamW'
+
+
+class SetLrScheduler(Configure):
+    component_field = 'scheduler_cls'
+    scheduler_cls: str
+
+
+class SetLoss(Configure):
+    component_field = 'loss_cls'
+    loss_cls: str
+
+
+class SetTemplate(Configure):
+    """The tokenizer is always the base model's: a ``model_id`` option is ignored."""
+
+    component_field = 'template_cls'
+    template_cls: str = 'Template'
+
+
+class SetProcessor(Configure):
+    component_field = 'processor_cls'
+    processor_cls: str = 'InputProcessor'
+
+
+class AddMetric(Configure):
+    component_field = 'metric'
+    metric: str
+    is_training: StrictBool = True
+
+
+class ForwardBackward(Operation):
+    inputs: list[InputRow] = Field(min_length=1)
+    #: Run ``inputs`` in chunks of this many rows (one accumulation step either way).
+    micro_batch_size: int | None = Field(None, gt=0)
+    #: Per-row inputs of the loss (``advantages``, ``old_logps``...), passed to it by name.
+    loss_inputs: dict[str, JsonValue] = Field(default_factory=dict)
+
+    @model_validator(mode='after')
+    def _loss_inputs_apart(self) -> ForwardBackward:
+        clash = sorted(set(self.loss_inputs) & {'inputs', 'micro_batch_size', 'adapter_name'})
+        if clash:
+            raise ValueError(f'loss_inputs {clash} are not loss inputs')
+        return self
+
+    def arguments(self) -> dict[str, Any]:
+        data: dict[str, Any] = {'inputs': [row.feature() for row in self.inputs], **self.loss_inputs}
+        if self.micro_batch_size is not None:
+            data['micro_batch_size'] = self.micro_batch_size
+        return data
+
+
+class ForwardOnly(Operation):
+    inputs: list[InputRow] = Field(min_length=1)
+    #: Score with the base model alone, the adapter off.
+    disable_lora: StrictBool = False
+
+    def arguments(self) -> dict[str, Any]:
+        return {'inputs': [row.feature() for row in self.inputs], 'disable_lora': self.disable_lora}
+
+
+class Sample(Operation):
+    inputs: list[Prompt] = Field(min_length=1)
+    #: ``twinkle.data_format.SamplingParams`` fields; the server checks them.
+    sampling_params: dict[str, JsonValue] | None = None
+    #: Sample the base model, every adapter off.
+    base_model: StrictBool = False
+
+
+class ClipGradNorm(Operation):
+    max_grad_norm: float = Field(1.0, gt=0)
+    norm_type: float = 2.0
+
+
+class ClipGradAndStep(Operation):
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class CalculateMetric(Operation):
+    is_training: StrictBool = True
+
+
+class Step(Operation):
+    pass
+
+
+class ZeroGrad(Operation):
+    pass
+
+
+class LrStep(Operation):
+    pass
+
+
+class GetTrainConfigs(Operation):
+    pass
+
+
+#: Every operation of ``POST /twinkle/v1/runs/{run_id}/ops/{name}``, by name.
+OPERATIONS: dict[str, type[Operation]] = {
+    'set_optimizer': SetOptimizer,
+    'set_lr_scheduler': SetLrScheduler,
+    'set_loss': SetLoss,
+    'set_template': SetTemplate,
+    'set_processor': SetProcessor,
+    'add_metric': AddMetric,
+    'forward_backward': ForwardBackward,
+    'forward_only': ForwardOnly,
+    'sample': Sample,
+    'clip_grad_norm': ClipGradNorm,
+    'step': Step,
+    'zero_grad': ZeroGrad,
+    'lr_step': LrStep,
+    'clip_grad_and_step': ClipGradAndStep,
+    'calculate_metric': CalculateMetric,
+    'get_train_configs': GetTrainConfigs,
+}
+
+
+# ---- checkpoint paths -----------------------------------------------------------------------------
+def parse_twinkle_path(path: str) -> tuple[str, str]:
+    """Split ``twinkle://<run_id>/checkpoints/<name>`` into ``(run_id, name)``.
+
+    >>> parse_twinkle_path('twinkle://run-1a2b3c/checkpoints/step-10')
+    ('run-1a2b3c', 'step-10')
+    """
+    run_id, _, name = parse_checkpoint_path(path)
+    if path != f'{TWINKLE_SCHEME}{run_id}/checkpoints/{name}':
+        raise DataError(f'Invalid checkpoint path {path!r}: expected twinkle://<run_id>/checkpoints/<name>')
+    return run_id, name
+
+
+def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
+    """``(run_id, kind, name)`` of a checkpoint path of either API: ``twinkle://<run>/checkpoints/<name>``,
+    ``tinker://<run>/weights/<name>`` (kind 'training') or ``tinker://<run>/sampler_weights/<name>``
+    (kind 'sampler'; ``twinkle://`` works with these folders too).
+
+    >>> parse_checkpoint_path('tinker://s-1:train:0/sampler_weights/step-10')
+    ('s-1:train:0', 'sampler', 'step-10')
+    """
+    scheme = next((s for s in (TWINKLE_SCHEME, TINKER_SCHEME) if isinstance(path, str) and path.startswith(s)), None)
+    parts = path[len(scheme) :].split('/') if scheme else []
+    valid = (
+        len(parts) == 3
+        and parts[1] in PATH_FOLDERS
+        and all(_PATH_PART.fullmatch(part) and '..' not in part for part in (parts[0], parts[2]))
+    )
+    if not valid:
+        raise DataError(
+            f'Invalid checkpoint path {path!r}: expected twinkle://<run_id>/checkpoints/<name>, '
+            'tinker://<run_id>/weights/<name> or tinker://<run_id>/sampler_weights/<name>, where run_id and name '
+            'use A-Z, a-z, 0-9, ".", "_", "-", ":" and do not start with "."'
+        )
+    return parts[0], PATH_FOLDERS[parts[1]], parts[2]
+
+
+__all__ = [
+    'FEATURE_FIELDS',
+    'LORA_FIELDS',
+    'OPERATIONS',
+    'PROMPT_FIELDS',
+    'CheckpointInfo',
+    'CheckpointList',
+    'Configure',
+    'CreateRun',
+    'Deleted',
+    'FutureAccepted',
+    'FutureInfo',
+    'InputRow',
+    'LoadRequest',
+    'Operation',
+    'Prompt',
+    'RunInfo',
+    'RunList',
+    'SaveRequest',
+    'ServerInfo',
+    'parse_checkpoint_path',
+    'parse_twinkle_path',
+]
