@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
+from twinkle.assets.models import qwen3_config
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
 from twinkle.dataset import Dataset, DatasetMeta
@@ -346,3 +347,15 @@ def test_a_sampler_sharing_the_trainers_model_samples_like_a_synced_copy_and_lea
     # Shared weights are never loaded into: a sync into this sampler is refused.
     with pytest.raises(StateError, match='shares its model'):
         CheckpointEngineManager(shared_model, shared).sync_weights(adapter_name='policy')
+
+
+def test_model_class_and_config_build_that_class() -> None:
+    # A model class has no public from_config (only the Auto classes do): this raised AttributeError.
+    config = qwen3_config('tiny-qwen3')
+    sampler = TorchSampler(model_cls=Qwen3ForCausalLM, config=config, device='cpu', dtype=torch.float32)
+    auto = TorchSampler(config=config, device='cpu', dtype=torch.float32)
+    assert type(sampler.model) is Qwen3ForCausalLM
+    assert {n: p.shape for n, p in sampler.model.named_parameters()} == {
+        n: p.shape for n, p in auto.model.named_parameters()
+    }
+    assert all(p.dtype == torch.float32 and not p.requires_grad for p in sampler.model.parameters())

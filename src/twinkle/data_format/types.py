@@ -42,6 +42,8 @@ class InputFeature(TypedDict):
     completion_mask: list[int]
     length: int
     user_data: NotRequired[dict[str, Any]]
+    #: The conversation the tokens encode, on a row a sampler made (its completion the last turn).
+    messages: NotRequired[list[Message]]
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Any
 
 from twinkle.data_format import (
     InputFeature,
+    Message,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -31,7 +32,7 @@ class Prompt:
     """One prompt to complete, and what its sequences carry back to the caller."""
 
     input_ids: list[int]
-    messages: list[dict[str, Any]] | None = None
+    messages: list[Message] | None = None
     user_data: Any = None
 
 
@@ -132,12 +133,12 @@ def training_feature(prompt: Prompt, tokens: list[int], decoded: str) -> InputFe
     """The prompt plus the completion ``tokens`` as an ``InputFeature`` whose labels are the
     completion (pre-shifted), with the conversation extended by the assistant's ``decoded``."""
     trained = [False] * len(prompt.input_ids) + [True] * len(tokens)
-    feature: dict[str, Any] = encoded_feature(prompt.input_ids + tokens, trained)
+    feature = encoded_feature(prompt.input_ids + tokens, trained)
     if prompt.messages is not None:
         feature['messages'] = [*prompt.messages, {'role': 'assistant', 'content': decoded}]
     if prompt.user_data is not None:
         feature['user_data'] = prompt.user_data
-    return feature  # type: ignore[return-value]
+    return feature
 
 
 SAMPLERS: Registry[Sampler] = Registry('sampler')

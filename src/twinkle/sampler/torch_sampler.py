@@ -63,12 +63,16 @@ class TorchSampler(Sampler):
         device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
         dtype = dtype or (torch.bfloat16 if device.type == 'cuda' else torch.float32)
         cls = model_cls or AutoModelForCausalLM
-        kwargs = {'dtype': dtype, 'attn_implementation': attn_implementation}
+        kwargs: dict[str, Any] = {'dtype': dtype, 'attn_implementation': attn_implementation}
+        model: PreTrainedModel
         if model_id is not None:
             model = cls.from_pretrained(resolve_model(model_id), **kwargs, **from_pretrained_kwargs)
-        else:
-            model = cls.from_config(config, **kwargs)
-        self._attach(model.to(device).eval().requires_grad_(False), model_id, device, max_batch_size, shared=False)
+        elif model_cls is None:
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        else:  # a model class has no public from_config; _from_config is what the Auto class calls
+            model = model_cls._from_config(config, **kwargs)
+        model.to(device)  # type: ignore[arg-type]  # transformers wraps to() in functools.wraps: self is not bound
+        self._attach(model.eval().requires_grad_(False), model_id, device, max_batch_size, shared=False)
 
     @classmethod
     def from_model(
@@ -136,9 +140,11 @@ class TorchSampler(Sampler):
         weights = None
         if isinstance(config_or_dir, str):
             path = resolve_model(config_or_dir)
-            config_or_dir = PeftConfig.from_pretrained(path)
+            config = PeftConfig.from_pretrained(path)
             weights = _read_adapter(path)
-        self._ensure_adapter(adapter_name, config_or_dir)
+        else:
+            config = config_or_dir
+        self._ensure_adapter(adapter_name, config)
         if weights is not None:
             self.load_adapter_weights(adapter_name, weights)
 
@@ -255,7 +261,10 @@ class TorchSampler(Sampler):
                 module.training = mode
 
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
-        vocab = self.model.get_input_embeddings().num_embeddings
+        embeddings = self.model.get_input_embeddings()
+        vocab = (
+            embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else self.model.config.vocab_size
+        )
         context = getattr(self.model.config, 'max_position_embeddings', None)
         for token in params.stop_token_ids:
             if token >= vocab:
@@ -352,16 +361,14 @@ class _Generation:
         logps = torch.log_softmax(logits.float(), dim=-1)
         chosen = logps.gather(-1, tokens[:, None]).squeeze(-1)
         k = self.params.logprobs or 0
-        top_values, top_ids = torch.topk(logps, k, dim=-1) if k else (None, None)
         tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
-        top_ids_l = top_ids.tolist() if k else None
-        top_values_l = top_values.tolist() if k else None
+        top: list[list[TokenLogprob]] = [[] for _ in tokens_l]
+        if k:
+            top_values, top_ids = torch.topk(logps, k, dim=-1)
+            top = [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
         for j, row in enumerate(active):
-            entry = [(tokens_l[j], chosen_l[j])]
-            if k:
-                entry += list(zip(top_ids_l[j], top_values_l[j], strict=True))
             out[row].tokens.append(tokens_l[j])
-            out[row].logprobs.append(entry)
+            out[row].logprobs.append([(tokens_l[j], chosen_l[j]), *top[j]])
 
     def _finished(self, completion: Completion, stop_ids: set[int], stop_strings: list[str], window: int) -> bool:
         if completion.tokens[-1] in stop_ids:
@@ -399,16 +406,16 @@ def _prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
     """Each prompt token's logprob given the tokens before it (``None`` for the first)."""
     logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     own = logps.gather(-1, ids[:, 1:, None]).squeeze(-1).tolist()
-    top_values, top_ids = torch.topk(logps, k, dim=-1) if k else (None, None)
+    top = torch.topk(logps, k, dim=-1) if k else None
     result = []
     for i, length in enumerate(mask.sum(-1).tolist()):
         start = ids.shape[1] - length  # the first real token; it has no logprob
         values = [None, *own[i][start:]]
         topk: list[list[TokenLogprob] | None] = [None]
-        if k:
+        if top is not None:
             topk += [
                 list(zip(t, v, strict=True))
-                for t, v in zip(top_ids[i, start:].tolist(), top_values[i, start:].tolist(), strict=True)
+                for t, v in zip(top.indices[i, start:].tolist(), top.values[i, start:].tolist(), strict=True)
             ]
         result.append(PromptLogprobs(logprobs=values, topk=topk))
     return result
