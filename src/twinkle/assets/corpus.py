@@ -37,7 +37,19 @@ def gerund(verb: str) -> str:
     return verb + 'ing'
 
 
-_UNCOUNTED = ('sheep', 'fish', 'rice', 'milk', 'juice', 'tea', 'coffee', 'bread', 'cheese', 'weather', 'air')
+_UNCOUNTED: tuple[str, ...] = (
+    'sheep',
+    'fish',
+    'rice',
+    'milk',
+    'juice',
+    'tea',
+    'coffee',
+    'bread',
+    'cheese',
+    'weather',
+    'air',
+)
 _UNCOUNTED += ('information', 'money', 'health', 'energy', 'knowledge', 'evidence', 'news', 'education')
 _IRREGULAR_PLURAL = {'child': 'children', 'life': 'lives', 'knife': 'knives', 'leaf': 'leaves'}
 

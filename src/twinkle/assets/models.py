@@ -106,10 +106,9 @@ def init_weights(model: Qwen3ForCausalLM, seed: int) -> None:
 
 def build_model(name: str) -> Qwen3ForCausalLM:
     """Model ``name`` in memory, with its seeded random weights (float32)."""
-    import torch
     from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM(qwen3_config(name)).to(torch.float32)
+    model = Qwen3ForCausalLM(qwen3_config(name)).float()
     init_weights(model, recipe(name).seed)
     return model.eval()
 
