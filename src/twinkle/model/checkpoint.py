@@ -1,20 +1,34 @@
 """Writing checkpoints so that a crash never leaves a half-written one.
 
-A checkpoint directory is assembled under a temporary name beside its destination, every file
-flushed to disk, then renamed into place in one step. A reader sees the old complete checkpoint
-or the new complete one, never a mixture.
+A checkpoint directory is assembled under a temporary name beside its destination
+(``.<name>.tmp-<id>``), every file flushed to disk, then moved into place. A reader sees the old
+complete checkpoint or the new complete one, never a mixture.
+
+Overwriting a name swaps two directories. On Linux, ``renameat2(RENAME_EXCHANGE)`` swaps them in
+one step, so the name always holds a whole checkpoint. Elsewhere the old one is parked
+(``.<name>.old-<id>``) and the new one renamed in: a crash between the two leaves the name
+missing, and ``recover`` (run by the next save or load of the name, and by a server at start)
+moves the parked one back. Either way a crash leaves the old or the new checkpoint under the
+name, and ``recover`` clears what the swap left beside it. One writer per name at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
+import ctypes.util
+import errno
+import functools
+import glob
 import json
 import os
 import random
+import re
 import shutil
+import sys
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +49,12 @@ RNG_STATE = 'rng_state.pt'
 CHECKPOINT_VERSION = 1
 
 
-@contextmanager
+@contextlib.contextmanager
 def atomic_directory(destination: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary directory; on success it replaces ``destination`` atomically."""
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
+    recover(destination)
     staging = destination.parent / f'.{destination.name}.tmp-{uuid.uuid4().hex[:8]}'
     staging.mkdir()
     try:
@@ -54,13 +69,81 @@ def atomic_directory(destination: str | os.PathLike) -> Iterator[Path]:
 def _replace(staging: Path, destination: Path) -> None:
     if not destination.exists():
         os.rename(staging, destination)
+    elif _exchange(staging, destination):
+        shutil.rmtree(staging, ignore_errors=True)  # it holds the old checkpoint now
     else:
-        # Swap: park the old checkpoint, move the new one in, then delete the old one.
+        # Park the old checkpoint, move the new one in, then delete the old one. A crash between
+        # the two renames leaves the name missing until ``recover`` moves the parked one back.
         parked = destination.parent / f'.{destination.name}.old-{uuid.uuid4().hex[:8]}'
         os.rename(destination, parked)
         os.rename(staging, destination)
         shutil.rmtree(parked, ignore_errors=True)
     _fsync_dir(destination.parent)
+
+
+#: ``renameat2`` flag: swap the two paths atomically (Linux 3.15+, most local file systems).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+#: errno of a system, C library or file system that cannot exchange: fall back to parking.
+_NO_EXCHANGE = {errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two directories in one step; False where the system cannot."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        return False
+    raise OSError(code, f'cannot swap {first} and {second}: {os.strerror(code)}')
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """glibc's ``renameat2`` (2.28+); None on other systems and C libraries."""
+    if not sys.platform.startswith('linux'):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library('c'), use_errno=True)
+    return getattr(libc, 'renameat2', None)
+
+
+#: What a save leaves beside checkpoint ``name`` when it crashes: ``.name.tmp-<id>``, ``.name.old-<id>``.
+_LEFTOVER = re.compile(r'\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{8}')
+
+
+def recover(destination: str | os.PathLike) -> None:
+    """Finish what a crash left of a save to ``destination``: if the name is missing and its old
+    checkpoint is parked, move it back; then delete the save's temporary and parked directories.
+    Assumes no other save of this name runs at the same time."""
+    destination = Path(destination)
+    leftovers = {}
+    for path in sorted(destination.parent.glob(f'.{glob.escape(destination.name)}.*-*')):
+        match = _LEFTOVER.fullmatch(path.name)
+        if match and match['name'] == destination.name:
+            leftovers[path] = match['kind']
+    parked = [path for path, kind in leftovers.items() if kind == 'old']
+    if parked and not destination.exists():
+        with contextlib.suppress(FileNotFoundError):  # another rank of the same job moved it back first
+            os.rename(parked[0], destination)
+            _fsync_dir(destination.parent)
+        del leftovers[parked[0]]
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def recover_all(root: str | os.PathLike) -> int:
+    """``recover`` every checkpoint under ``root`` that a crash left mid-save; how many there were."""
+    destinations = set()
+    for path in Path(root).rglob('.*-*'):
+        match = _LEFTOVER.fullmatch(path.name)
+        if match and path.is_dir():
+            destinations.add(path.parent / match['name'])
+    for destination in destinations:
+        recover(destination)
+    return len(destinations)
 
 
 def _fsync_tree(root: Path) -> None:

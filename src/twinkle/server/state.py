@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from twinkle.errors import NotFoundError, StateError, TwinkleError
+from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost, is_mixable, request_tokens
@@ -47,6 +48,7 @@ class Service:
         failed = self.store.fail_unfinished_futures('the server restarted before this request finished')
         if failed:
             logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
+        recover_all(config.checkpoint_dir)  # checkpoint saves that a crash cut short in their swap
         for run in self.store.idle_runs(older_than_s=0.0):  # their adapters died with the last process
             self.store.set_run_status(run.id, 'released')
         self.host: ModelHost | RemoteHost = host or build_host(config)

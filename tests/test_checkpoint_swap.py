@@ -1,0 +1,191 @@
+"""Overwriting a checkpoint name, killed with SIGKILL in the middle of the swap.
+
+A child process saves ``ck``, changes its weights, and saves ``ck`` again; a hook in the child
+(the test's, not the library's) stops it at the swap and tells the test, which kills it with
+SIGKILL. The name must then hold one whole checkpoint, the old or the new, and the next load (or
+a server's restart) clears what the swap left beside it.
+
+Two ways to swap are tried: Linux's ``renameat2(RENAME_EXCHANGE)``, stopped just after the
+exchange, and the portable one (park the old, move the new in), stopped between its two renames,
+where the name is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from peft import LoraConfig
+from server_helpers import add_key, free_port, server_command, start_server, wait_until_healthy
+
+from twinkle.model import TransformersModel
+from twinkle.server.store import Store
+from twinkle_client import TwinkleClient
+from twinkle_client.model import MultiLoraTransformersModel
+
+#: Seconds to wait for the child to reach the swap (it loads a model first).
+REACH_S = 300.0
+
+#: Patches the running process so that a save stops at the swap: writes ``window`` in the signal
+#: directory (with the digest of the checkpoint then under the name, if any) and sleeps.
+HOOK = r"""
+import hashlib, os, shutil, sys, time
+from pathlib import Path
+from twinkle.model import checkpoint as ckpt
+
+def _digest(path):
+    return hashlib.sha256((Path(path) / 'adapter_model.safetensors').read_bytes()).hexdigest()
+
+def _stop(signals, text=''):
+    (Path(signals) / 'window').write_text(text)
+    time.sleep(3600)
+
+def stop_at_swap(mode, signals):
+    if mode == 'park':
+        ckpt._exchange = lambda staging, destination: False  # as on a system without RENAME_EXCHANGE
+        rename = os.rename
+        def stopping_rename(source, destination):
+            destination = Path(destination)
+            parked = list(destination.parent.glob(f'.{destination.name}.old-*'))
+            if parked and not destination.exists():  # the old is parked, the new not yet in
+                _stop(signals)
+            rename(source, destination)
+        os.rename = stopping_rename
+    else:
+        exchange = ckpt._exchange
+        def stopping_exchange(staging, destination):
+            if not exchange(staging, destination):
+                (Path(signals) / 'unsupported').write_text('')
+                sys.exit(3)
+            _stop(signals, _digest(destination))  # the new is in; the old waits to be deleted
+        ckpt._exchange = stopping_exchange
+"""
+
+LIBRARY_CHILD = (
+    HOOK
+    + r"""
+import torch
+from peft import LoraConfig
+from twinkle.model import TransformersModel
+
+model_dir, out, mode = sys.argv[1:4]
+torch.manual_seed(0)
+model = TransformersModel(model_id=model_dir)
+lora = LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weights=False)
+model.add_adapter_to_model('default', lora)
+first = model.save('ck', output_dir=f'{out}/ckpts')
+(Path(out) / 'old').write_text(_digest(first))
+with torch.no_grad():
+    for parameter in model.model.parameters():
+        if parameter.requires_grad:
+            parameter.add_(1.0)
+stop_at_swap(mode, out)
+model.save('ck', output_dir=f'{out}/ckpts')
+"""
+)
+
+SERVER_CHILD = (
+    HOOK
+    + r"""
+from twinkle.server.cli import main
+stop_at_swap('park', sys.argv[1])
+main(sys.argv[2:])
+"""
+)
+
+
+def digest(checkpoint: Path) -> str:
+    return hashlib.sha256((checkpoint / 'adapter_model.safetensors').read_bytes()).hexdigest()
+
+
+def wait_for_window(process: subprocess.Popen, signals: Path) -> str:
+    deadline = time.monotonic() + REACH_S
+    while not (signals / 'window').exists():
+        if (signals / 'unsupported').exists():
+            process.wait()
+            pytest.skip('this filesystem cannot exchange two directories (RENAME_EXCHANGE)')
+        if process.poll() is not None:
+            raise AssertionError(f'the child ended before the swap: {process.stderr.read().decode()[-3000:]}')
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError('the child did not reach the swap')
+        time.sleep(0.1)
+    time.sleep(0.05)  # the file is written; the child is asleep in the window
+    return (signals / 'window').read_text()
+
+
+def kill_9(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def lora() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weights=False)
+
+
+@pytest.mark.parametrize('mode', ['exchange', 'park'])
+def test_a_save_killed_in_the_swap_leaves_one_whole_checkpoint(tmp_path, tiny_model_dir, mode):
+    child = [sys.executable, '-c', LIBRARY_CHILD, tiny_model_dir, str(tmp_path), mode]
+    process = subprocess.Popen(child, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        new = wait_for_window(process, tmp_path)
+    finally:
+        kill_9(process)
+    # Exchanged: the new one is under the name. Parked: the new one never moved in, the old comes back.
+    expected = new if mode == 'exchange' else (tmp_path / 'old').read_text()
+    model = TransformersModel(model_id=tiny_model_dir)
+    model.add_adapter_to_model('default', lora())
+    model.load('ck', str(tmp_path / 'ckpts'))
+    assert digest(tmp_path / 'ckpts' / 'ck') == expected
+    assert [p.name for p in (tmp_path / 'ckpts').iterdir()] == ['ck']  # nothing left beside it
+    # The next save of the name works as ever.
+    model.save('ck', output_dir=str(tmp_path / 'ckpts'))
+    assert [p.name for p in (tmp_path / 'ckpts').iterdir()] == ['ck']
+
+
+def test_a_server_killed_in_the_swap_restarts_with_rows_matching_whole_folders(tmp_path, tiny_model_dir):
+    data_dir, port, signals = tmp_path / 'data', free_port(), tmp_path / 'signals'
+    signals.mkdir()
+    key = add_key(tiny_model_dir, data_dir, 'alice')
+    command = [sys.executable, '-c', SERVER_CHILD, str(signals), *server_command(tiny_model_dir, data_dir, port)[3:]]
+    server = subprocess.Popen([*command, 'serve'], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until_healthy(server, port)
+        client = TwinkleClient(f'http://127.0.0.1:{port}', key)
+        model = MultiLoraTransformersModel(client=client)
+        run_id = model.add_adapter_to_model('default', lora(), seed=3)
+        saved = model.save('ck')  # acknowledged
+        folder = next((data_dir / 'checkpoints').glob(f'*/{run_id}/ck'))
+        old = digest(folder)
+        other = MultiLoraTransformersModel(client=client)
+        other.add_adapter_to_model('default', lora(), seed=4)
+        model.load(other.save('other'))  # new weights for the next save of 'ck'
+        client.submit(f'/twinkle/v1/runs/{run_id}/save', {'name': 'ck'})  # stops in the window
+        wait_for_window(server, signals)
+        assert not folder.exists()  # the window: the acknowledged checkpoint is parked
+    finally:
+        kill_9(server)
+
+    server = start_server(tiny_model_dir, data_dir, port)
+    try:
+        client = TwinkleClient(f'http://127.0.0.1:{port}', key)
+        assert [c.twinkle_path for c in client.list_checkpoints(run_id)] == [saved]  # the row of the old
+        assert digest(folder) == old  # the swap undone: the new one was never acknowledged
+        assert [p.name for p in folder.parent.iterdir() if p.name.startswith('.')] == []
+        resumed = MultiLoraTransformersModel(client=client)
+        resumed.add_adapter_to_model('default', lora())
+        assert resumed.load(saved) == saved
+    finally:
+        server.terminate()
+        server.wait()
+    with Store(data_dir / 'twinkle.db') as store:  # every row names a whole checkpoint
+        for tenant in store.list_tenants():
+            rows, _ = store.list_tenant_checkpoints(tenant.id)
+            assert rows and all((Path(row.path) / 'adapter_model.safetensors').is_file() for row in rows)
