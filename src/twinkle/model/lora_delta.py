@@ -47,7 +47,7 @@ def add_run_deltas(out: torch.Tensor, x: torch.Tensor, runs: list[Run], weights:
 
 class _RunDeltas(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, runs: list[Run], *weights: torch.Tensor):
+    def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, runs: list[Run], *weights: torch.Tensor) -> torch.Tensor:
         y = out.clone()
         saved = []
         for k, run in enumerate(runs):
@@ -67,13 +67,13 @@ class _RunDeltas(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         device, dtype, enabled = ctx.autocast
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             return _RunDeltas._backward(ctx, g)
 
     @staticmethod
-    def _backward(ctx: Any, g: torch.Tensor):
+    def _backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         n = len(ctx.runs)
         tensors = list(ctx.saved_tensors)
         weights, rest = tensors[: 2 * n], iter(tensors[2 * n :])

@@ -28,7 +28,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -151,7 +151,7 @@ class RowAssignment:
                 rows.setdefault(name, []).append(i)
         if len(rows) == 1 and len(next(iter(rows.values()))) == len(names):  # one adapter for the whole batch
             return cls(tuple(names), dict.fromkeys(rows))
-        indices = {name: torch.tensor(idx, dtype=torch.long) for name, idx in rows.items()}
+        indices: dict[str, torch.Tensor | None] = {n: torch.tensor(idx, dtype=torch.long) for n, idx in rows.items()}
         return cls(tuple(names), indices, _contiguous_runs(names))
 
     def rows_on(self, device: torch.device) -> dict[str, torch.Tensor | None]:
@@ -178,7 +178,7 @@ class MultiLoraLinear(nn.Module):
 
     The wrapped layer is ``base_layer``, as peft names it, so base-weight names map the same way."""
 
-    def __init__(self, base: nn.Linear):
+    def __init__(self, base: nn.Module):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise ConfigurationError(f'MultiLoraLinear wraps an nn.Linear, got {type(base).__name__}')
@@ -193,6 +193,10 @@ class MultiLoraLinear(nn.Module):
         adapter = LoraAdapter(self.base_layer, spec, generator)
         self.adapters[name] = adapter
         return adapter
+
+    def adapter(self, name: str) -> LoraAdapter:
+        """Adapter ``name`` of this layer (the module dict holds only what ``add_adapter`` put there)."""
+        return cast(LoraAdapter, self.adapters[name])
 
     def remove_adapter(self, name: str) -> None:
         if name not in self.adapters:
@@ -225,7 +229,7 @@ class MultiLoraLinear(nn.Module):
         for name, start, end in runs:
             if name is None or name not in self.adapters:
                 continue
-            adapter = self.adapters[name]
+            adapter = self.adapter(name)
             plan.append(Run(start, end, adapter.scaling, adapter.active_dropout))
             weights += [adapter.lora_A.weight, adapter.lora_B.weight]
         return add_run_deltas(out, x, plan, weights) if plan else out

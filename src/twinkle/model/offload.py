@@ -193,8 +193,9 @@ class OptimizerOffloader:
         """Where the optimizer with recency ``rank`` (0 = most recently used) may live at best."""
         if self.max_in_memory is not None and rank >= self.max_in_memory:
             return 'disk'
-        split = self.device.type != 'cpu' and self.max_on_device is not None
-        return 'cpu' if split and rank >= self.max_on_device else 'device'
+        if self.device.type != 'cpu' and self.max_on_device is not None and rank >= self.max_on_device:
+            return 'cpu'
+        return 'device'
 
     def _apply_limits(self) -> None:
         """Offload every optimizer living in a hotter tier than its rank allows; none is promoted
