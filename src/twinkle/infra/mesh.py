@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 
@@ -55,11 +55,11 @@ def normalize_device_type(device_type: str) -> str:
     return DEVICE_TYPES[key]
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int | np.integer]:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-@dataclass
+@dataclass(init=False)
 class DeviceGroup:
     """A named set of devices that one component runs on.
 
@@ -69,8 +69,8 @@ class DeviceGroup:
 
     # The name components refer to (``remote_group='model'``).
     name: str
-    # Device indices; an int ``n`` means ``[0, ..., n - 1]``.
-    ranks: int | list[int]
+    # Device indices; the constructor also takes a count ``n``, meaning ``[0, ..., n - 1]``.
+    ranks: list[int]
     # 'cuda' (or Ray's 'GPU'), 'cpu', 'npu', in any case; stored normalised.
     # The user's spelling stays in ``requested_device_type``.
     device_type: str = 'cuda'
@@ -79,12 +79,16 @@ class DeviceGroup:
     # The device type as the user wrote it.
     requested_device_type: str = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise ConfigurationError(f'DeviceGroup name must be a non-empty string, got {self.name!r}')
-        self.ranks = _as_rank_list(self.name, self.ranks)
-        self.requested_device_type = self.device_type
-        self.device_type = normalize_device_type(self.device_type)
+    def __init__(
+        self, name: str, ranks: int | Sequence[int], device_type: str = 'cuda', gpus_per_worker: int = 1
+    ) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigurationError(f'DeviceGroup name must be a non-empty string, got {name!r}')
+        self.name = name
+        self.ranks = _as_rank_list(name, ranks)
+        self.requested_device_type = device_type
+        self.device_type = normalize_device_type(device_type)
+        self.gpus_per_worker = gpus_per_worker
         if not _is_int(self.gpus_per_worker) or self.gpus_per_worker < 1:
             raise ConfigurationError(
                 f'DeviceGroup {self.name!r}: gpus_per_worker must be a positive integer, got {self.gpus_per_worker!r}'
@@ -180,8 +184,8 @@ class DeviceMesh:
         >>> DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2).world_size
         8
         """
-        sizes = {'fsdp': fsdp_size, 'pp': pp_size, 'dp': dp_size, 'cp': cp_size, 'tp': tp_size}
-        sizes = {dim: 1 if size is None else size for dim, size in sizes.items()}
+        given = {'fsdp': fsdp_size, 'pp': pp_size, 'dp': dp_size, 'cp': cp_size, 'tp': tp_size}
+        sizes = {dim: 1 if size is None else size for dim, size in given.items()}
         mesh = cls(
             **{f'{dim}_size': size for dim, size in sizes.items()},
             ep_size=1 if ep_size is None else ep_size,
