@@ -17,12 +17,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from twinkle.data_format import InputFeature, ModelOutput
-from twinkle.errors import ConfigurationError
+from twinkle.errors import ConfigurationError, DataError
 from twinkle.loss import LossOutput
 from twinkle.model import multi_lora
 from twinkle.model.base import AdapterCall
 from twinkle.model.group import FULL, Pending, TrainGroup
-from twinkle.model.passes import accumulate, check_trainable, chunks, loss_sums, record_call, with_logps
+from twinkle.model.passes import (
+    accumulate,
+    check_trainable,
+    chunks,
+    loss_sums,
+    non_finite,
+    record_call,
+    with_logps,
+)
 
 if TYPE_CHECKING:
     from twinkle.model.transformers import TransformersModel
@@ -33,13 +41,15 @@ class MixedPasses:
 
     def forward_backward_mixed(
         self: TransformersModel, calls: Sequence[AdapterCall], *, forward_only: bool = False
-    ) -> list[ModelOutput]:
+    ) -> list[ModelOutput | DataError]:
         """Several adapters' ``forward_backward`` (or ``forward_only``) calls as one pass: every
         call's rows go through the base model together, each row through its own adapter, and
         each adapter gets the loss, gradient, logprobs and counters it would get alone.
 
         The adapters must differ and share a collation (``batch_key``). ``forward_only`` leaves
-        each adapter's forward pending, as ``forward_only`` does, for ``calculate_loss``."""
+        each adapter's forward pending, as ``forward_only`` does, for ``calculate_loss``. A call
+        whose loss is NaN or infinite gets its ``DataError`` in place of its output, and nothing
+        of it is accumulated (gradients, metrics, counters); the others train as they would alone."""
         groups = [self._group(call.adapter_name) for call in calls]
         _check_mixable(groups, [self.batch_key(group.name) for group in groups])
         features = [self._features(group, call.inputs) for group, call in zip(groups, calls, strict=True)]
@@ -56,9 +66,17 @@ class MixedPasses:
             self._loss_value(group, part, out, call.loss_inputs)
             for group, call, (part, out) in zip(groups, calls, parts, strict=True)
         ]
-        for group, (part, out), loss in zip(groups, parts, losses, strict=True):
-            accumulate(group, part, out, loss, training=True)
-        return self._mixed_backward(groups, features, parts, losses, started)
+        errors = non_finite(groups, losses, self._parallel.sum_)
+        kept = [i for i, error in enumerate(errors) if error is None]
+        failed = [group for group, error in zip(groups, errors, strict=True) if error is not None]
+        for i in kept:
+            accumulate(groups[i], *parts[i], losses[i], training=True)
+        trained = []
+        if kept:
+            pick = [[items[i] for i in kept] for items in (groups, features, parts, losses)]
+            trained = self._mixed_backward(*pick, started, failed)
+        outputs = iter(trained)
+        return [error if error is not None else next(outputs) for error in errors]
 
     def batch_key(self: TransformersModel, adapter_name: str | None = None) -> tuple | None:
         """Adapters whose keys are equal can share a ``forward_backward_mixed`` pass (the same
@@ -94,12 +112,18 @@ class MixedPasses:
         parts: list[tuple[dict, dict]],
         losses: list[LossOutput],
         started: float,
+        failed: list[TrainGroup],
     ) -> list[ModelOutput]:
         """One backward of the summed losses: adapters share no parameter, so each gets the
-        gradient of its own loss; then each group's counters, as ``forward_backward`` keeps them."""
+        gradient of its own loss; then each group's counters, as ``forward_backward`` keeps them.
+        The ``failed`` groups' rows were in the forward: the backward reaches their adapters with
+        zeros (NaN, through non-finite weights), so their gradients are put back as they were."""
         for group, loss in zip(groups, losses, strict=True):
             check_trainable(group, loss)
+        kept_grads = [(p, p.grad if p.grad is None else p.grad.clone()) for group in failed for p in group.params]
         torch.stack([loss.loss for loss in losses]).sum().backward()
+        for param, grad in kept_grads:
+            param.grad = grad
         sums = torch.stack([loss_sums(loss, part) for loss, (part, _) in zip(losses, parts, strict=True)])
         sums = self._parallel.sum_(sums).tolist()  # the pass's one sync
         elapsed = time.perf_counter() - started

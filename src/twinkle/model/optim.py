@@ -3,7 +3,10 @@
 Every ``torch.optim`` optimizer and ``torch.optim.lr_scheduler`` scheduler is registered under
 its class name, plus the warmup schedules the reference release offers. Keyword arguments are
 checked against the constructor, so a typo fails with the accepted names instead of a bare
-``TypeError`` deep inside torch.
+``TypeError`` deep inside torch; a value the class refuses (``lr=-1``, ``lr='fast'``) is a
+``ConfigurationError`` naming the argument, its value and what is accepted.
+``check_optimizer_args`` / ``check_scheduler_args`` run the same checks over a one-number
+parameter, touching no model: a server calls them before it queues ``set_optimizer``.
 """
 
 from __future__ import annotations
@@ -107,16 +110,99 @@ def check_kwargs(kind: str, cls: type, kwargs: dict[str, Any], skip: Iterable[st
         raise ConfigurationError(f'{kind} {cls.__name__} does not take {unknown}. Accepted arguments are: {accepted}')
 
 
-def build_optimizer(spec: str | type[Optimizer], params: list[torch.nn.Parameter], kwargs: dict) -> Optimizer:
+#: What torch accepts for the common hyperparameters, for the errors that name one of them.
+ACCEPTED = {
+    'lr': 'a number >= 0',
+    'eps': 'a number >= 0',
+    'weight_decay': 'a number >= 0',
+    'momentum': 'a number >= 0',
+    'betas': 'two numbers in [0, 1)',
+    'num_warmup_steps': 'an integer >= 0',
+    'num_training_steps': 'an integer > 0',
+    'step_size': 'an integer > 0',
+    'gamma': 'a number',
+}
+#: What a constructor may raise for a value it refuses (an IndexError for betas=[0.9], say).
+_REFUSALS = (TypeError, ValueError, IndexError, KeyError, RuntimeError, ConfigurationError)
+
+
+def build_optimizer(spec: str | type[Optimizer], params: list[Any], kwargs: dict) -> Optimizer:
     cls = OPTIMIZERS.get(spec) if isinstance(spec, str) else _subclass(spec, Optimizer, 'optimizer')
     check_kwargs('optimizer', cls, kwargs, skip=('params',))
-    return cls(params, **kwargs)
+    return _refused_or('optimizer', cls, kwargs, lambda args: cls(params, **args))
 
 
 def build_scheduler(spec: str | type[LRScheduler], optimizer: Optimizer, kwargs: dict) -> LRScheduler:
     cls = SCHEDULERS.get(spec) if isinstance(spec, str) else _subclass(spec, LRScheduler, 'lr scheduler')
     check_kwargs('lr scheduler', cls, kwargs, skip=('optimizer',))
-    return cls(optimizer, **kwargs)
+    return _refused_or('lr scheduler', cls, kwargs, lambda args: cls(optimizer, **args))
+
+
+def check_optimizer_args(spec: str, kwargs: dict, device: torch.device | str = 'cpu') -> None:
+    """``ConfigurationError`` unless ``spec(**kwargs)`` builds and steps over one zero parameter
+    on ``device``: torch checks an optimizer's hyperparameters in ``__init__``, so this is the
+    exact check, touching no model."""
+    cls = OPTIMIZERS.get(spec)
+    check_kwargs('optimizer', cls, kwargs, skip=('params',))
+
+    def build_and_step(args: dict) -> None:
+        param = torch.nn.Parameter(torch.zeros(1, device=device))
+        optimizer = cls([param], **args)
+        param.grad = torch.zeros_like(param)
+        optimizer.step()
+
+    _refused_or('optimizer', cls, kwargs, build_and_step)
+
+
+def check_scheduler_args(spec: str, kwargs: dict) -> None:
+    """``ConfigurationError`` unless ``spec(**kwargs)`` builds over a plain SGD optimizer and
+    takes two steps (some schedulers read an argument only when they step)."""
+    cls = SCHEDULERS.get(spec)
+    check_kwargs('lr scheduler', cls, kwargs, skip=('optimizer',))
+
+    def build_and_step(args: dict) -> None:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = cls(optimizer, **args)
+        for _ in range(2):
+            optimizer.step()
+            scheduler.step()
+
+    _refused_or('lr scheduler', cls, kwargs, build_and_step)
+
+
+def _refused_or(kind: str, cls: type, kwargs: dict, build: Callable[[dict], Any]) -> Any:
+    """``build(kwargs)``; what it raises for a refused value becomes a ``ConfigurationError``
+    that names the argument, its value and what is accepted."""
+    try:
+        return build(kwargs)
+    except _REFUSALS as error:
+        culprit = _culprit(cls, kwargs, build)
+        if culprit is None:
+            raise ConfigurationError(
+                f'{kind} {cls.__name__}({_shown(kwargs)}) is refused ({type(error).__name__}: {error}); '
+                f'it accepts what torch documents for {cls.__name__}'
+            ) from error
+        accepted = ACCEPTED.get(culprit, f'what torch documents for {cls.__name__}')
+        raise ConfigurationError(
+            f'{kind} {cls.__name__} does not accept {culprit}={kwargs[culprit]!r} '
+            f'({type(error).__name__}: {error}); accepted {culprit}: {accepted}'
+        ) from error
+
+
+def _culprit(cls: type, kwargs: dict, build: Callable[[dict], Any]) -> str | None:
+    """The first argument refused beside the required ones alone (those first)."""
+    params = inspect.signature(cls).parameters
+    required = {n: v for n, v in kwargs.items() if n in params and params[n].default is inspect.Parameter.empty}
+    for name in [*required, *(n for n in kwargs if n not in required)]:
+        try:
+            build({**required, name: kwargs[name]})
+        except _REFUSALS:
+            return name
+    return None
+
+
+def _shown(kwargs: dict) -> str:
+    return ', '.join(f'{name}={value!r}' for name, value in kwargs.items())
 
 
 def _subclass(spec: Any, base: type, kind: str) -> type:

@@ -3,7 +3,8 @@ the mixed pass: micro-batch chunks, label logprobs, metrics, and the call's coun
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,33 @@ def check_trainable(group: TrainGroup, loss: LossOutput) -> None:
     """``StateError`` unless the loss can train the group (it requires grad)."""
     if not loss.loss.requires_grad:
         raise StateError(f'the loss of adapter {group.name!r} does not require grad: nothing would be trained')
+
+
+def check_finite(group: TrainGroup, loss: LossOutput, sum_: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``DataError`` if the loss is NaN or infinite (``non_finite`` of one call)."""
+    (error,) = non_finite([group], [loss], sum_)
+    if error is not None:
+        raise error
+
+
+def non_finite(
+    groups: Sequence[TrainGroup], losses: Sequence[LossOutput], sum_: Callable[[torch.Tensor], torch.Tensor]
+) -> list[DataError | None]:
+    """For each loss, a ``DataError`` if it is NaN or infinite, else None: checked before its
+    backward and its metrics, so nothing of a failed call is accumulated. ``sum_`` sums over the
+    ranks (``ModelParallel.sum_``): under a mesh every rank gets every rank's verdict."""
+    bad = sum_(torch.stack([~torch.isfinite(loss.loss.detach()) for loss in losses]).float()).tolist()
+    verdicts = zip(groups, losses, bad, strict=True)
+    return [_non_finite_error(group, loss) if count > 0 else None for group, loss, count in verdicts]
+
+
+def _non_finite_error(group: TrainGroup, loss: LossOutput) -> DataError:
+    value = float(loss.loss.detach())
+    where = value if not math.isfinite(value) else 'on another rank'
+    return DataError(
+        f'the loss of adapter {group.name!r} is not finite ({where}): its weights or these inputs hold NaN or '
+        'infinite values (a learning rate too high, say); nothing of this call was accumulated'
+    )
 
 
 def chunks(

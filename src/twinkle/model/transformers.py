@@ -32,6 +32,7 @@ from twinkle.model.optim import build_optimizer, build_scheduler
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.passes import (
     accumulate,
+    check_finite,
     check_positive,
     check_trainable,
     chunks,
@@ -256,6 +257,7 @@ class TransformersModel(MixedPasses, TwinkleModel):
         pending = group.pending
         if pending is None or pending.loss is None or not pending.training:
             raise StateError(f'backward() needs forward() then calculate_loss() first (adapter {group.name!r})')
+        check_finite(group, pending.loss, self._parallel.sum_)
         self._backward(group, pending.loss)
         group.micro_step += 1
         group.consumed_train_samples += pending.rows
@@ -271,16 +273,20 @@ class TransformersModel(MixedPasses, TwinkleModel):
     ) -> ModelOutput:
         """Forward, loss and backward over ``inputs`` (in chunks of ``micro_batch_size`` rows
         if given: one accumulation step either way). Returns the loss of these inputs (under a
-        mesh: of every rank's inputs together, the global batch)."""
+        mesh: of every rank's inputs together, the global batch). A loss that is NaN or infinite
+        raises ``DataError`` before its backward, leaving the gradients and metrics as they were
+        (with ``micro_batch_size``: the chunks before it have been accumulated)."""
         group = self._group(adapter_name)
         features = self._features(group, inputs)
         started, sums = time.perf_counter(), []
         for rows, chunk_inputs in chunks(features, micro_batch_size, loss_inputs):
             batch, outputs = self._run(group, rows, training=True)
-            loss = self._loss(group, batch, outputs, True, chunk_inputs)
+            loss = self._loss_value(group, batch, outputs, chunk_inputs)
+            check_finite(group, loss, self._parallel.sum_)  # before the metrics and the gradients see it
+            accumulate(group, batch, outputs, loss, training=True)
             self._backward(group, loss)
             sums.append(loss_sums(loss, batch))
-        call_sums = self._parallel.sum_(torch.stack(sums).sum(0)).tolist()  # the call's one sync
+        call_sums = self._parallel.sum_(torch.stack(sums).sum(0)).tolist()
         return record_call(group, features, call_sums, time.perf_counter() - started)
 
     # ---- optimizer ------------------------------------------------------------------------------

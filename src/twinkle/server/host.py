@@ -180,8 +180,11 @@ class ModelHost:
             _check_scalars(operation, options)
             calls.append(AdapterCall(adapter, self.features(kwargs['inputs']), options))
         outputs = self.model.forward_backward_mixed(calls, forward_only=forward_only)
-        if not forward_only:
-            return [{'loss': out.loss, 'num_tokens': out.num_tokens} for out in outputs]
+        if not forward_only:  # a call whose loss was not finite has its DataError in place of its output
+            return [
+                out if isinstance(out, TwinkleError) else {'loss': out.loss, 'num_tokens': out.num_tokens}
+                for out in outputs
+            ]
         return [
             {'loss': out.loss, 'num_tokens': out.num_tokens, 'logps': _row_logps(out, call.inputs)}
             for out, call in zip(outputs, calls, strict=True)

@@ -87,6 +87,9 @@ def run_forward_backward_many(
     outputs = model.forward_backward_mixed(calls, forward_only=forward_only)
     results = []
     for call, output, (loss, loss_inputs), datums in zip(calls, outputs, losses, rows, strict=True):
+        if isinstance(output, TwinkleError):  # its loss was not finite: nothing of it was accumulated
+            results.append(output)
+            continue
         try:
             if forward_only:
                 model.calculate_loss(adapter_name=call.adapter_name, **loss_inputs)
