@@ -74,8 +74,7 @@ def device(mesh: DeviceMesh) -> torch.device:
     if kind == 'cpu':
         return torch.device('cpu')
     backend = getattr(torch, kind, None)
-    available = backend is not None and backend.is_available()
-    count = backend.device_count() if available else 0
+    count = backend.device_count() if backend is not None and backend.is_available() else 0
     if local_rank() >= count:
         raise ConfigurationError(
             f'{mesh!r} asks for device_type={kind!r}, but local rank {local_rank()} has no {kind} device '

@@ -68,7 +68,17 @@ class TwinkleModel(ABC):
         return norm
 
     @abstractmethod
-    def save(self, name: str | None = None, output_dir: str = 'output', **options: Any) -> str: ...
+    def save(
+        self,
+        name: str | None = None,
+        output_dir: str = 'output',
+        *,
+        adapter_name: str | None = None,
+        save_optimizer: bool = False,
+        consumed_train_samples: int | None = None,
+    ) -> str: ...
 
     @abstractmethod
-    def load(self, name: str, output_dir: str | None = None, **options: Any) -> str: ...
+    def load(
+        self, name: str, output_dir: str | None = None, *, adapter_name: str | None = None, load_optimizer: bool = False
+    ) -> str: ...

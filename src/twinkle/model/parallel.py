@@ -59,11 +59,18 @@ class ModelParallel:
         # Set at the first forward: trained weights broadcast from rank 0, FSDP2 applied.
         self.prepared = False
         if self.enabled:
-            _check_mesh(mesh)
+            _check_mesh(self._mesh)
+
+    @property
+    def _mesh(self) -> DeviceMesh:
+        """The mesh of an ``enabled`` layout (more than one process)."""
+        if self.mesh is None:
+            raise StateError('a model in one process has no device mesh')
+        return self.mesh
 
     @property
     def fsdp(self) -> bool:
-        return self.enabled and self.mesh.fsdp_size > 1
+        return self.enabled and self._mesh.fsdp_size > 1
 
     @property
     def sharded(self) -> bool:
@@ -72,7 +79,7 @@ class ModelParallel:
 
     def default_device(self) -> torch.device | None:
         """The device this rank drives under the mesh (``cuda:LOCAL_RANK`` or the CPU); None without one."""
-        return distributed.device(self.mesh) if self.enabled else None
+        return distributed.device(self._mesh) if self.enabled else None
 
     def describe(self) -> str:
         if not self.enabled:
@@ -96,7 +103,7 @@ class ModelParallel:
         if self.sharded:
             raise StateError(
                 f'adapter {adapter_name!r} comes after the first forward, when FSDP2 (fsdp_size='
-                f'{self.mesh.fsdp_size}) has already sharded the model: add every adapter before training'
+                f'{self._mesh.fsdp_size}) has already sharded the model: add every adapter before training'
             )
 
     def adapter_added(self, group: TrainGroup) -> None:
@@ -111,7 +118,7 @@ class ModelParallel:
         dimensions are 1), so the ``(dp, fsdp)`` grid is the transpose."""
         from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
-        mesh = self.mesh
+        mesh = self._mesh
         grid = torch.arange(mesh.world_size).reshape(mesh.fsdp_size, mesh.dp_size)
         if mesh.dp_size == 1:
             return TorchDeviceMesh(mesh.device_type, grid.flatten(), mesh_dim_names=('fsdp',))
@@ -294,10 +301,11 @@ def _shard_like(param: DTensor, whole: torch.Tensor) -> DTensor:
 def _all_reduce_grads(params: list[torch.nn.Parameter], has_grad: list[bool]) -> None:
     grads = []
     for param, has in zip(params, has_grad, strict=True):
-        if has and param.grad is None:
+        if not has:
+            continue
+        if param.grad is None:
             param.grad = torch.zeros_like(param)
-        if has:
-            grads.append(param.grad)
+        grads.append(param.grad)
     for bucket in _buckets(grads):
         flat = distributed.all_reduce_sum(torch.cat([g.reshape(-1) for g in bucket]))
         offset = 0
