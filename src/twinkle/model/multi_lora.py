@@ -36,7 +36,7 @@ from torch import nn
 from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNameError, one_of
 from twinkle.model.lora_delta import Run, add_run_deltas
 
-_ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_-]+$')
+_ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_:-]+$')
 
 
 #: ``LoraSpec.init`` values: how a new adapter's A and B are drawn (peft's ``init_lora_weights``
@@ -240,7 +240,7 @@ class MultiLoraLinear(nn.Module):
 
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
-        raise ConfigurationError(f'Invalid adapter name {name!r}: use letters, digits, "_" and "-" only')
+        raise ConfigurationError(f'Invalid adapter name {name!r}: use letters, digits, "_", "-" and ":" only')
 
 
 def multi_lora_layers(model: nn.Module) -> dict[str, MultiLoraLinear]:

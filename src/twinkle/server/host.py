@@ -1,12 +1,12 @@
 """``ModelHost``: one base model, many tenants' adapters, and the operations a tenant may run.
 
 Every operation runs on the scheduler's worker thread (one step at a time on the device). A
-tenant's run maps to an adapter whose name the tenant never sees (``<tenant>--<run id>``), so one
-tenant cannot name another's adapter. Arguments arrive as JSON and are checked before they
-reach the model: names must be registered, classes cannot be passed, token ids must be in the
-vocabulary and a request may not exceed the token limit. ``sample`` runs a ``TorchSampler`` over
-the model's own weights (``TorchSampler.from_model``): a run samples its adapter as it is after
-its last step, with nothing to sync.
+tenant's run maps to an adapter named by its run id (what the tenant knows, so errors name it);
+a tenant names only its own runs, so it cannot reach another's adapter. Arguments arrive as
+JSON and are checked before they reach the model: names must be registered, classes cannot be
+passed, token ids must be in the vocabulary and a request may not exceed the token limit.
+``sample`` runs a ``TorchSampler`` over the model's own weights (``TorchSampler.from_model``): a
+run samples its adapter as it is after its last step, with nothing to sync.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import inspect
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -147,13 +148,15 @@ class ModelHost:
         group = self.model.groups[adapter]
         return group.pending is not None or any(param.grad is not None for param in group.params)
 
-    def restore_state(self, adapter: str, path: Path) -> None:
-        """Load a state ``save`` wrote (with the optimizer when the adapter has one) and its step counters."""
+    def restore_state(self, adapter: str, path: Path, shown_as: str | None = None) -> None:
+        """Load a state ``save`` wrote (with the optimizer when the adapter has one) and its step
+        counters; errors name ``shown_as`` for ``path`` (see ``load``)."""
         from twinkle.model import checkpoint as ckpt
 
         group = self.model.groups[adapter]
-        self.load(adapter, path, load_optimizer=group.optimizer is not None)
-        state = ckpt.read_trainer_state(path)
+        self.load(adapter, path, load_optimizer=group.optimizer is not None, shown_as=shown_as)
+        with shown_to_tenant(path, shown_as):
+            state = ckpt.read_trainer_state(path)
         group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
         group.consumed_train_samples = state['consumed_train_samples']
 
@@ -166,8 +169,12 @@ class ModelHost:
         self.forget_sampler_weights(Path(path))  # weights saved there before may be loaded for sampling
         return path
 
-    def load(self, adapter: str, path: Path, load_optimizer: bool) -> None:
-        self.model.load(str(path), adapter_name=adapter, load_optimizer=load_optimizer)
+    def load(self, adapter: str, path: Path, load_optimizer: bool, shown_as: str | None = None) -> None:
+        """Load a checkpoint's weights (and optimizer) into ``adapter``; its errors name
+        ``shown_as`` (the path the tenant gave: ``twinkle://...``, ``tinker://...``) for ``path``,
+        a directory of the server's."""
+        with shown_to_tenant(path, shown_as):
+            self.model.load(str(path), adapter_name=adapter, load_optimizer=load_optimizer)
 
     # ---- operations -----------------------------------------------------------------------------
     def run_mixed(self, operation: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
@@ -313,9 +320,10 @@ class ModelHost:
         sampler.weight_version = weight_version
         return sampler.sample(prompts, params, adapter_name=adapter)
 
-    def sampler_adapter(self, directory: Path) -> str:
+    def sampler_adapter(self, directory: Path, shown_as: str | None = None) -> str:
         """The adapter holding the saved weights in ``directory`` (a ``save`` of any adapter),
-        loaded on first use; at most ``MAX_SAMPLER_ADAPTERS`` stay loaded."""
+        loaded on first use; at most ``MAX_SAMPLER_ADAPTERS`` stay loaded. Errors name
+        ``shown_as`` (the tenant's path of the checkpoint) for ``directory``."""
         key = str(directory)
         if key in self._sampler_adapters:
             self._sampler_adapters.move_to_end(key)
@@ -324,7 +332,8 @@ class ModelHost:
             _, oldest = self._sampler_adapters.popitem(last=False)
             self.remove_adapter(oldest)
         adapter = f'{SAMPLER_PREFIX}{next(self._sampler_ids)}'
-        self.model.add_adapter_to_model(adapter, key)
+        with shown_to_tenant(directory, shown_as):
+            self.model.add_adapter_to_model(adapter, key)
         self._sampler_adapters[key] = adapter
         return adapter
 
@@ -441,6 +450,18 @@ def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Any], fill
     except TypeError as e:
         accepted = [n for n, p in signature.parameters.items() if n not in filled and p.kind not in (p.VAR_POSITIONAL,)]
         raise DataError(f'{what}: {e}; it accepts {accepted}') from None
+
+
+@contextmanager
+def shown_to_tenant(path: Path, shown_as: str | None) -> Iterator[None]:
+    """Errors raised inside name ``shown_as`` (what the tenant calls the checkpoint) where they
+    would name ``path``, the server's directory of it: a tenant never sees the data directory."""
+    try:
+        yield
+    except TwinkleError as error:
+        if shown_as is not None:
+            error.args = tuple(a.replace(str(path), shown_as) if isinstance(a, str) else a for a in error.args)
+        raise
 
 
 def is_mixable(operation: str, kwargs: Mapping[str, Any]) -> bool:

@@ -365,7 +365,7 @@ def _sample_chat(
     template = host.sampler().template
     prompt = _encode(template, row)
     params = _sampling_params(body, len(prompt), host.context, limit)
-    adapter = host.sampler_adapter(directory) if directory is not None else None
+    adapter = host.sampler_adapter(directory, body.model) if directory is not None else None
     response = host.generate([{'input_ids': prompt}], params, adapter)[0]
     return {'prompt_tokens': len(prompt), 'choices': [_choice(template, seq) for seq in response.sequences]}
 

@@ -128,8 +128,10 @@ class Service:
         return Batchable(('native', operation), request_tokens(kwargs['inputs']), (run, kwargs), run_many)
 
     def adapter_name(self, run: Run) -> str:
-        """The name of a run's adapter on the model: never shown to tenants, unique per run."""
-        return f'{run.tenant_id}--{run.id}'.replace(':', '-')
+        """The name of a run's adapter on the model: its run id, unique on the server (the store
+        makes it), so what the model's errors name is what the tenant knows. A tenant reaches an
+        adapter only through its own runs, so naming another tenant's run reaches nothing."""
+        return run.id
 
     def _on_start(self, job: Job) -> None:
         self.store.set_future_running(job.id)
@@ -144,9 +146,11 @@ class Service:
             self.store.finish_future(job.id, job.result)
         else:
             category = 'user' if isinstance(job.error, TwinkleError) else 'server'
-            if category == 'server':
+            message = f'{type(job.error).__name__}: {job.error}'
+            if category == 'server':  # its text may name server paths: the tenant gets the request id
                 logger.error(f'request {job.id} ({operation}) failed: {job.error!r}')
-            self.store.fail_future(job.id, f'{type(job.error).__name__}: {job.error}', category)
+                message = f'{type(job.error).__name__}: the server failed; its log has the details of request {job.id}'
+            self.store.fail_future(job.id, message, category)
         self.requests.labels(operation, job.status).inc()
         if job.started_at and job.finished_at:
             self.seconds.labels(operation).observe(job.finished_at - job.started_at)
@@ -220,7 +224,7 @@ class Service:
         try:
             for call in config.get('setup', []):
                 self.host.run(adapter, call['operation'], dict(call['kwargs']))
-            self.host.restore_state(adapter, path)
+            self.host.restore_state(adapter, path, f'the saved state of training run {run.id!r}')
         except BaseException:
             self.host.remove_adapter(adapter)
             raise
