@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch is pinned first so pip takes the CPU wheel instead of pulling CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup train grpo test lint bench clean
+.PHONY: setup train grpo test fuzz lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,9 @@ test: setup  ## lint, then the whole test suite (CPU only, offline)
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
+
+fuzz: setup  ## the schema-driven fuzz of every HTTP operation, 50 requests per operation and mode (make test runs 2)
+	TWINKLE_FUZZ_EXAMPLES=$${TWINKLE_FUZZ_EXAMPLES:-50} $(PY) -m pytest -q --timeout=3600 tests/test_schema_fuzz.py
 
 bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP (native and Tinker) vs local, Ray and torchrun vs one process, mixed-tenant passes
 	$(PY) benchmarks/lora_overhead.py
