@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -127,7 +127,7 @@ def apply_weights(sampler: TorchSampler, export: WeightExport, version: int) -> 
     if export.mode == 'merged':
         sampler.load_weights(export.update)
         sampler.default_adapter = None
-    elif export.mode == 'adapter':
+    elif export.adapter_name is not None:  # an adapter export: export_weights names its adapter
         sampler.load_adapter_weights(export.adapter_name, export.update, config=export.config)
         sampler.default_adapter = export.adapter_name
     sampler.weight_version = version
@@ -162,7 +162,7 @@ def _merged_weights(model: TransformersModel, adapter_name: str) -> dict[str, to
         for path, layer in multi_lora.multi_lora_layers(model.model).items():
             if adapter_name in layer.adapters:
                 base = layer.base_layer.weight
-                delta = layer.adapters[adapter_name].delta_weight()
+                delta = cast(multi_lora.LoraAdapter, layer.adapters[adapter_name]).delta_weight()
                 weights[canonical_name(f'{path}.weight')] = base + delta.to(base.dtype)
     return weights
 

@@ -9,7 +9,7 @@ This module imports no Ray.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinkle.infra.ray.dispatch import DEFAULT_DISPATCH, Dispatch
 
@@ -29,6 +29,10 @@ class RemoteHandle:
         """Run ``fn(component, *args, **kwargs)`` on the actors."""
         raise NotImplementedError
 
+    if TYPE_CHECKING:
+        # A handle forwards the component's methods and attributes to its actors.
+        def __getattr__(self, name: str) -> Any: ...
+
 
 def method_dispatch(cls: type, name: str) -> Dispatch:
     """How ``cls.name`` runs remotely: its declared ``Dispatch`` (inherited), else ``('all', 'first')``."""
@@ -37,7 +41,8 @@ def method_dispatch(cls: type, name: str) -> Dispatch:
 
 def accepts_argument(cls: type, name: str) -> bool:
     """Whether ``cls``'s own ``__init__`` names a parameter ``name`` (not merely ``**kwargs``)."""
-    init = getattr(cls, INIT_ATTR, cls.__init__)
+    constructor: Any = cls  # a class's own __init__, read off the class itself
+    init = getattr(cls, INIT_ATTR, constructor.__init__)
     return name in inspect.signature(init).parameters
 
 

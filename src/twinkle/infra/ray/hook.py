@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from twinkle.errors import ConfigurationError, UnknownNameError
 from twinkle.infra.ray.dispatch import Dispatch
 from twinkle.infra.ray.handle import INIT_ATTR, METHODS_ATTR
+from twinkle.infra.runtime import get_runtime
 
 T = TypeVar('T', bound=type)
 
@@ -48,7 +49,8 @@ def remote_class(cls: T, methods: Mapping[str, Dispatch | tuple[str, str]] | Non
         if not callable(getattr(cls, name, None)):
             raise UnknownNameError(f'method of {cls.__name__}', name, _public_methods(cls))
         table[name] = Dispatch.parse(spec)
-    original_init, original_new = cls.__init__, cls.__new__
+    patched: Any = cls  # its constructor is replaced below, which the type checker cannot follow
+    original_init, original_new = patched.__init__, patched.__new__
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, remote_group: str | None = None, **kwargs: Any) -> None:
@@ -56,8 +58,6 @@ def remote_class(cls: T, methods: Mapping[str, Dispatch | tuple[str, str]] | Non
 
     def __new__(klass: type, *args: Any, remote_group: str | None = None, **kwargs: Any) -> Any:
         if remote_group is not None:
-            from twinkle.infra.runtime import get_runtime
-
             runtime = get_runtime()
             if runtime.mode == 'ray':
                 from twinkle.infra.ray.proxy import build_remote
@@ -67,8 +67,8 @@ def remote_class(cls: T, methods: Mapping[str, Dispatch | tuple[str, str]] | Non
             return object.__new__(klass)
         return original_new(klass, *args, **kwargs)
 
-    cls.__init__ = __init__
-    cls.__new__ = staticmethod(__new__)
+    patched.__init__ = __init__
+    patched.__new__ = staticmethod(__new__)
     setattr(cls, METHODS_ATTR, table)
     setattr(cls, INIT_ATTR, original_init)
     return cls

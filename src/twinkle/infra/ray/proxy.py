@@ -27,13 +27,14 @@ import ray
 
 from twinkle.errors import ConfigurationError, StateError, WorkerError
 from twinkle.infra.mesh import DeviceGroup, DeviceMesh
-from twinkle.infra.ray.cluster import torchrun_env
+from twinkle.infra.ray.cluster import RayCluster, torchrun_env
 from twinkle.infra.ray.dispatch import COLLECTS, Dispatch
 from twinkle.infra.ray.handle import RemoteHandle, accepts_argument, method_dispatch
 from twinkle.infra.ray.worker import STOP, ComponentWorker, Deferred, Payload
 from twinkle.infra.runtime import Runtime
 
-_Worker = ray.remote(ComponentWorker)
+# Ray's types cannot follow a class made an actor (its methods gain .remote, their results are refs).
+_Worker: Any = ray.remote(ComponentWorker)
 _SCALARS = (type(None), bool, int, float, str, Deferred)
 
 
@@ -42,14 +43,14 @@ def build_remote(
 ) -> RemoteComponent:
     """``cls(*args, **kwargs)`` on every rank of device group ``group_name`` (called by the
     ``remote_class`` hook when a component is built with ``remote_group=`` in ray mode)."""
-    group = _group(runtime, group_name)
+    group, cluster = _group(runtime, group_name), _cluster(runtime)
     mesh = _mesh(cls, group, kwargs.get('device_mesh'))
     # A component that takes a mesh runs on it as under torchrun; another one only gets its data shards.
     mesh_aware = accepts_argument(cls, 'device_mesh')
     if not mesh_aware:
         kwargs = {k: v for k, v in kwargs.items() if k != 'device_mesh'}
     actors = [
-        _Worker.options(**runtime.cluster.actor_options(group, rank)).remote(
+        _Worker.options(**cluster.actor_options(group, rank)).remote(
             f'{cls.__name__} rank {rank} of group {group.name!r}', mesh.data_rank(rank), mesh.dp_world_size
         )
         for rank in range(mesh.world_size)
@@ -60,7 +61,7 @@ def build_remote(
         places = _fetch(handle, 'start-up', ranks, [actor.placement.remote() for actor in actors])
         payload = _encode(args, kwargs)
         envs = torchrun_env(group.device_type, places)
-        seed, component_mesh = runtime.cluster.seed, mesh if mesh_aware else None
+        seed, component_mesh = cluster.seed, mesh if mesh_aware else None
         pairs = [a.build.remote(cls, payload, env, seed, component_mesh) for a, env in zip(actors, envs, strict=True)]
         _Call(handle, '__init__', ranks, [s for s, _ in pairs], [v for _, v in pairs], 'first').check()
     except BaseException:
@@ -68,6 +69,15 @@ def build_remote(
             ray.kill(actor)
         raise
     return handle
+
+
+def _cluster(runtime: Runtime) -> RayCluster:
+    if runtime.cluster is None:
+        raise StateError(
+            "a remote component runs on the devices twinkle.initialize(mode='ray') reserves; "
+            f'the current {runtime.mode!r} runtime has reserved none'
+        )
+    return runtime.cluster
 
 
 def _group(runtime: Runtime, name: str) -> DeviceGroup:

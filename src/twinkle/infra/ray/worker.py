@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from twinkle.errors import StateError
 from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.ray.dispatch import COLLECTS, slice_inputs
 from twinkle.infra.runtime import Runtime, seed_everything, start_local
@@ -112,6 +113,8 @@ class ComponentWorker:
 
     @ray.method(num_returns=2)
     def next_item(self) -> tuple[bool | str, Any]:
+        if self._iterator is None:
+            raise StateError(f'{self.label}: next_item before start_iter (the proxy starts iterating first)')
         try:
             return DONE, next(self._iterator)
         except StopIteration:
