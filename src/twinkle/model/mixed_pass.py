@@ -36,102 +36,103 @@ if TYPE_CHECKING:
     from twinkle.model.transformers import TransformersModel
 
 
-class MixedPasses:
-    """``TransformersModel``'s mixed pass: ``forward_backward_mixed`` and ``batch_key``."""
+def forward_backward_mixed(
+    model: TransformersModel, calls: Sequence[AdapterCall], forward_only: bool
+) -> list[ModelOutput | DataError]:
+    """``TransformersModel.forward_backward_mixed``: every call's rows through one forward, then
+    one backward of the finite losses; a call with a non-finite loss gets its ``DataError``."""
+    groups = [model._group(call.adapter_name) for call in calls]
+    _check_mixable(groups, [batch_key(model, group.name) for group in groups])
+    features = [model._features(group, call.inputs) for group, call in zip(groups, calls, strict=True)]
+    for rows, call in zip(features, calls, strict=True):
+        next(chunks(rows, None, call.loss_inputs))  # per-row loss inputs match the rows
+    started = time.perf_counter()
+    parts = _mixed_forward(model, groups, features, forward_only)
+    if forward_only:
+        for group, rows, (part, out) in zip(groups, features, parts, strict=True):
+            group.pending = Pending(part, out, training=False, rows=len(rows))
+        return [with_logps(out['logits'], part) for part, out in parts]
+    # Every loss first, then the metrics: a loss that raises leaves no adapter half-counted.
+    losses = [
+        model._loss_value(group, part, out, call.loss_inputs)
+        for group, call, (part, out) in zip(groups, calls, parts, strict=True)
+    ]
+    errors = non_finite(groups, losses, model._parallel.sum_)
+    kept = [i for i, error in enumerate(errors) if error is None]
+    failed = [group for group, error in zip(groups, errors, strict=True) if error is not None]
+    for i in kept:
+        accumulate(groups[i], *parts[i], losses[i], training=True)
+    trained: list[ModelOutput] = []
+    if kept:
+        trained = _mixed_backward(
+            model,
+            [groups[i] for i in kept],
+            [features[i] for i in kept],
+            [parts[i] for i in kept],
+            [losses[i] for i in kept],
+            started,
+            failed,
+        )
+    outputs = iter(trained)
+    return [error if error is not None else next(outputs) for error in errors]
 
-    def forward_backward_mixed(
-        self: TransformersModel, calls: Sequence[AdapterCall], *, forward_only: bool = False
-    ) -> list[ModelOutput | DataError]:
-        """Several adapters' ``forward_backward`` (or ``forward_only``) calls as one pass: every
-        call's rows go through the base model together, each row through its own adapter, and
-        each adapter gets the loss, gradient, logprobs and counters it would get alone.
 
-        The adapters must differ and share a collation (``batch_key``). ``forward_only`` leaves
-        each adapter's forward pending, as ``forward_only`` does, for ``calculate_loss``. A call
-        whose loss is NaN or infinite gets its ``DataError`` in place of its output, and nothing
-        of it is accumulated (gradients, metrics, counters); the others train as they would alone."""
-        groups = [self._group(call.adapter_name) for call in calls]
-        _check_mixable(groups, [self.batch_key(group.name) for group in groups])
-        features = [self._features(group, call.inputs) for group, call in zip(groups, calls, strict=True)]
-        for rows, call in zip(features, calls, strict=True):
-            next(chunks(rows, None, call.loss_inputs))  # per-row loss inputs match the rows
-        started = time.perf_counter()
-        parts = self._mixed_forward(groups, features, forward_only)
-        if forward_only:
-            for group, rows, (part, out) in zip(groups, features, parts, strict=True):
-                group.pending = Pending(part, out, training=False, rows=len(rows))
-            return [with_logps(out['logits'], part) for part, out in parts]
-        # Every loss first, then the metrics: a loss that raises leaves no adapter half-counted.
-        losses = [
-            self._loss_value(group, part, out, call.loss_inputs)
-            for group, call, (part, out) in zip(groups, calls, parts, strict=True)
-        ]
-        errors = non_finite(groups, losses, self._parallel.sum_)
-        kept = [i for i, error in enumerate(errors) if error is None]
-        failed = [group for group, error in zip(groups, errors, strict=True) if error is not None]
-        for i in kept:
-            accumulate(groups[i], *parts[i], losses[i], training=True)
-        trained = []
-        if kept:
-            pick = [[items[i] for i in kept] for items in (groups, features, parts, losses)]
-            trained = self._mixed_backward(*pick, started, failed)
-        outputs = iter(trained)
-        return [error if error is not None else next(outputs) for error in errors]
+def batch_key(model: TransformersModel, adapter_name: str | None = None) -> tuple | None:
+    """``TransformersModel.batch_key``: the adapter's collation (processor, padding side, pad
+    token); None for rows that cannot be mixed (packed rows, the full model)."""
+    group = model._group(adapter_name)
+    processor = group.processor
+    if group.name == FULL or processor.padding_free:
+        return None
+    return (type(processor), processor.padding_side, model._template_for(group).pad_token_id)
 
-    def batch_key(self: TransformersModel, adapter_name: str | None = None) -> tuple | None:
-        """Adapters whose keys are equal can share a ``forward_backward_mixed`` pass (the same
-        collation); None: this adapter's rows cannot be mixed with others (packed rows)."""
-        group = self._group(adapter_name)
-        processor = group.processor
-        if group.name == FULL or processor.padding_free:
-            return None
-        return (type(processor), processor.padding_side, self._template_for(group).pad_token_id)
 
-    def _mixed_forward(
-        self: TransformersModel, groups: list[TrainGroup], features: list[list[InputFeature]], forward_only: bool
-    ) -> list[tuple[dict, dict]]:
-        """One forward of every call's rows; each call's (batch, outputs) part of it."""
-        self._parallel.prepare(self.model, self.groups.values())
-        self._set_mode(not forward_only)
-        flat = [row for rows in features for row in rows]
-        pad = self._template_for(groups[0]).pad_token_id
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in groups[0].processor(flat, pad).items()}
-        multi_lora.assign_rows(self.model, [g.name for g, rows in zip(groups, features, strict=True) for _ in rows])
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
-            logits = self._logits(batch)
-        # split, not slices: a slice's backward would write into zeros the size of all the logits
-        sizes = [len(rows) for rows in features]
-        columns = {k: v.split(sizes) for k, v in batch.items()}
-        pieces = enumerate(logits.split(sizes))
-        return [({k: v[i] for k, v in columns.items()}, {'logits': piece}) for i, piece in pieces]
+def _mixed_forward(
+    model: TransformersModel, groups: list[TrainGroup], features: list[list[InputFeature]], forward_only: bool
+) -> list[tuple[dict, dict]]:
+    """One forward of every call's rows; each call's (batch, outputs) part of it."""
+    model._parallel.prepare(model.model, model.groups.values())
+    model._set_mode(not forward_only)
+    flat = [row for rows in features for row in rows]
+    pad = model._template_for(groups[0]).pad_token_id
+    batch = {k: v.to(model.device, non_blocking=True) for k, v in groups[0].processor(flat, pad).items()}
+    multi_lora.assign_rows(model.model, [g.name for g, rows in zip(groups, features, strict=True) for _ in rows])
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        logits = model._logits(batch)
+    # split, not slices: a slice's backward would write into zeros the size of all the logits
+    sizes = [len(rows) for rows in features]
+    columns = {k: v.split(sizes) for k, v in batch.items()}
+    pieces = enumerate(logits.split(sizes))
+    return [({k: v[i] for k, v in columns.items()}, {'logits': piece}) for i, piece in pieces]
 
-    def _mixed_backward(
-        self: TransformersModel,
-        groups: list[TrainGroup],
-        features: list[list[InputFeature]],
-        parts: list[tuple[dict, dict]],
-        losses: list[LossOutput],
-        started: float,
-        failed: list[TrainGroup],
-    ) -> list[ModelOutput]:
-        """One backward of the summed losses: adapters share no parameter, so each gets the
-        gradient of its own loss; then each group's counters, as ``forward_backward`` keeps them.
-        The ``failed`` groups' rows were in the forward: the backward reaches their adapters with
-        zeros (NaN, through non-finite weights), so their gradients are put back as they were."""
-        for group, loss in zip(groups, losses, strict=True):
-            check_trainable(group, loss)
-        kept_grads = [(p, p.grad if p.grad is None else p.grad.clone()) for group in failed for p in group.params]
-        torch.stack([loss.loss for loss in losses]).sum().backward()
-        for param, grad in kept_grads:
-            param.grad = grad
-        sums = torch.stack([loss_sums(loss, part) for loss, (part, _) in zip(losses, parts, strict=True)])
-        sums = self._parallel.sum_(sums).tolist()  # the pass's one sync
-        elapsed = time.perf_counter() - started
-        outputs = []
-        for group, rows, loss, call_sums in zip(groups, features, losses, sums, strict=True):
-            group.pending_items = group.pending_items + loss.num_items.detach()
-            outputs.append(record_call(group, rows, call_sums, elapsed))
-        return outputs
+
+def _mixed_backward(
+    model: TransformersModel,
+    groups: list[TrainGroup],
+    features: list[list[InputFeature]],
+    parts: list[tuple[dict, dict]],
+    losses: list[LossOutput],
+    started: float,
+    failed: list[TrainGroup],
+) -> list[ModelOutput]:
+    """One backward of the summed losses: adapters share no parameter, so each gets the
+    gradient of its own loss; then each group's counters, as ``forward_backward`` keeps them.
+    The ``failed`` groups' rows were in the forward: the backward reaches their adapters with
+    zeros (NaN, through non-finite weights), so their gradients are put back as they were."""
+    for group, loss in zip(groups, losses, strict=True):
+        check_trainable(group, loss)
+    kept_grads = [(p, p.grad if p.grad is None else p.grad.clone()) for group in failed for p in group.params]
+    torch.stack([loss.loss for loss in losses]).sum().backward()
+    for param, grad in kept_grads:
+        param.grad = grad
+    sums_N = torch.stack([loss_sums(loss, part) for loss, (part, _) in zip(losses, parts, strict=True)])
+    sums = model._parallel.sum_(sums_N).tolist()  # the pass's one sync
+    elapsed = time.perf_counter() - started
+    outputs = []
+    for group, rows, loss, call_sums in zip(groups, features, losses, sums, strict=True):
+        group.pending_items = group.pending_items + loss.num_items.detach()
+        outputs.append(record_call(group, rows, call_sums, elapsed))
+    return outputs
 
 
 def _check_mixable(groups: list[TrainGroup], keys: list[tuple | None]) -> None:

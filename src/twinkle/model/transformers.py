@@ -9,10 +9,11 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from peft import LoraConfig, PeftConfig
+from torch.optim import Optimizer
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from twinkle.data_format import InputFeature, ModelOutput
@@ -23,10 +24,9 @@ from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss, LossOutput
 from twinkle.metric import METRICS, Metric, TrainMetric
 from twinkle.model import checkpoint as ckpt
-from twinkle.model import multi_lora
-from twinkle.model.base import Inputs, TwinkleModel
+from twinkle.model import mixed_pass, multi_lora
+from twinkle.model.base import AdapterCall, Inputs, TwinkleModel
 from twinkle.model.group import FULL, Pending, TrainGroup
-from twinkle.model.mixed_pass import MixedPasses
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import build_optimizer, build_scheduler
 from twinkle.model.parallel import ModelParallel
@@ -49,7 +49,7 @@ _ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_:-]+$')
 DEFAULT_OPTIMIZER = {'optimizer_cls': 'AdamW', 'lr': 1e-5}
 
 
-class TransformersModel(MixedPasses, TwinkleModel):
+class TransformersModel(TwinkleModel):
     """A causal LM from ``model_id`` (``ms://``, ``hf://`` or a local directory), or built from
     ``config`` with random weights.
 
@@ -96,12 +96,15 @@ class TransformersModel(MixedPasses, TwinkleModel):
         if self.mixed_precision not in ('no', 'bf16'):
             raise one_of('mixed_precision', self.mixed_precision, ['no', 'bf16'])
         cls = model_cls or AutoModelForCausalLM
-        kwargs = {'dtype': dtype or torch.float32, 'attn_implementation': attn_implementation}
+        kwargs: dict[str, Any] = {'dtype': dtype or torch.float32, 'attn_implementation': attn_implementation}
+        self.model: PreTrainedModel
         if model_id is not None:
             self.model = cls.from_pretrained(resolve_model(model_id), **kwargs, **from_pretrained_kwargs)
-        else:
-            self.model = cls.from_config(config, **kwargs)
-        self.model.to(self.device)
+        elif model_cls is None:
+            self.model = AutoModelForCausalLM.from_config(config, **kwargs)
+        else:  # a model class has no public from_config; _from_config is what the Auto class calls
+            self.model = model_cls._from_config(config, **kwargs)
+        self.model.to(self.device)  # type: ignore[arg-type]  # transformers wraps to() in functools.wraps: self is not bound
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
             self.model.enable_input_require_grads()
@@ -289,6 +292,24 @@ class TransformersModel(MixedPasses, TwinkleModel):
         call_sums = self._parallel.sum_(torch.stack(sums).sum(0)).tolist()
         return record_call(group, features, call_sums, time.perf_counter() - started)
 
+    def forward_backward_mixed(
+        self, calls: Sequence[AdapterCall], *, forward_only: bool = False
+    ) -> list[ModelOutput | DataError]:
+        """Several adapters' ``forward_backward`` (or ``forward_only``) calls as one pass: every
+        call's rows go through the base model together, each row through its own adapter, and
+        each adapter gets the loss, gradient, logprobs and counters it would get alone.
+
+        The adapters must differ and share a collation (``batch_key``). ``forward_only`` leaves
+        each adapter's forward pending, as ``forward_only`` does, for ``calculate_loss``. A call
+        whose loss is NaN or infinite gets its ``DataError`` in place of its output, and nothing
+        of it is accumulated (gradients, metrics, counters); the others train as they would alone."""
+        return mixed_pass.forward_backward_mixed(self, calls, forward_only)
+
+    def batch_key(self, adapter_name: str | None = None) -> tuple | None:
+        """Adapters whose keys are equal can share a ``forward_backward_mixed`` pass (the same
+        collation); None: this adapter's rows cannot be mixed with others (packed rows)."""
+        return mixed_pass.batch_key(self, adapter_name)
+
     # ---- optimizer ------------------------------------------------------------------------------
     def clip_grad_norm(
         self, max_grad_norm: float = 1.0, norm_type: float = 2.0, *, adapter_name: str | None = None
@@ -319,9 +340,10 @@ class TransformersModel(MixedPasses, TwinkleModel):
             return False
         if group.optimizer is None:
             logger.info(f'adapter {group.name!r} has no optimizer: using AdamW(lr={DEFAULT_OPTIMIZER["lr"]})')
-            self.set_optimizer(DEFAULT_OPTIMIZER['optimizer_cls'], adapter_name=group.name)
+            self.set_optimizer('AdamW', adapter_name=group.name)
+        optimizer = cast(Optimizer, group.optimizer)  # set_optimizer made one
         self._optimizer_ready(group)
-        group.optimizer.step()
+        optimizer.step()
         group.optim_step += 1
         group.last_grad_norm = None
         group.stats.accumulate(elapsed_s=time.perf_counter() - started, lr=group.current_lr(), stepped=True)
@@ -488,7 +510,7 @@ class TransformersModel(MixedPasses, TwinkleModel):
         if not rows:
             raise DataError('inputs is empty: pass at least one row')
         if all('input_ids' in row for row in rows):
-            features = rows
+            features = cast(list[InputFeature], rows)  # every row is encoded
         else:
             features = self._template_for(group).batch_encode(rows)
             if not features:
@@ -497,7 +519,10 @@ class TransformersModel(MixedPasses, TwinkleModel):
         return features
 
     def _check_tokens(self, features: Sequence[InputFeature]) -> None:
-        vocab = self.model.get_input_embeddings().num_embeddings
+        embeddings = self.model.get_input_embeddings()
+        vocab = (
+            embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else self.model.config.vocab_size
+        )
         for index, feature in enumerate(features):
             ids = feature['input_ids']
             if len(ids) == 0:
@@ -581,7 +606,7 @@ def _resolve_device(device: str | torch.device | None, parallel: ModelParallel) 
     device = torch.device(device)
     if mesh_device is not None and device.type != mesh_device.type:
         raise ConfigurationError(
-            f'device={str(device)!r} does not match the mesh device_type={parallel.mesh.device_type!r}; '
+            f'device={str(device)!r} does not match the mesh device_type={mesh_device.type!r}; '
             f'leave device out to use {str(mesh_device)!r}'
         )
     return device
