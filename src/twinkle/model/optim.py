@@ -99,7 +99,7 @@ def _check_steps(num_warmup_steps: int, num_training_steps: int) -> None:
         )
 
 
-def check_kwargs(kind: str, cls: type, kwargs: dict[str, Any], skip: Iterable[str]) -> None:
+def check_kwargs(kind: str, cls: Callable[..., Any], kwargs: dict[str, Any], skip: Iterable[str]) -> None:
     """Fail with the accepted argument names if ``kwargs`` has one ``cls`` does not take."""
     params = inspect.signature(cls).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
@@ -170,7 +170,7 @@ def check_scheduler_args(spec: str, kwargs: dict) -> None:
     _refused_or('lr scheduler', cls, kwargs, build_and_step)
 
 
-def _refused_or(kind: str, cls: type, kwargs: dict, build: Callable[[dict], Any]) -> Any:
+def _refused_or(kind: str, cls: Callable[..., Any], kwargs: dict, build: Callable[[dict], Any]) -> Any:
     """``build(kwargs)``; what it raises for a refused value becomes a ``ConfigurationError``
     that names the argument, its value and what is accepted."""
     try:
@@ -189,7 +189,7 @@ def _refused_or(kind: str, cls: type, kwargs: dict, build: Callable[[dict], Any]
         ) from error
 
 
-def _culprit(cls: type, kwargs: dict, build: Callable[[dict], Any]) -> str | None:
+def _culprit(cls: Callable[..., Any], kwargs: dict, build: Callable[[dict], Any]) -> str | None:
     """The first argument refused beside the required ones alone (those first)."""
     params = inspect.signature(cls).parameters
     required = {n: v for n, v in kwargs.items() if n in params and params[n].default is inspect.Parameter.empty}
