@@ -16,8 +16,15 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra='forbid')
 
-    #: Adapters (training runs) held on the base model at once, over all tenants.
+    #: Adapters (training runs) held on the base model at once, over all tenants. When it is
+    #: full, the least recently used adapter that waits for no optimizer step is released to
+    #: make room (it comes back on its next request).
     max_adapters: int = Field(32, gt=0)
+    #: Adapters one tenant may hold on the model at once (its runs that are not released);
+    #: past it, creating a run is a 429 until one of its adapters has been idle for
+    #: ``idle_release_s``. A released run that is used again takes the place of the tenant's
+    #: least recently used adapter.
+    max_adapters_per_tenant: int = Field(8, gt=0)
     #: Largest LoRA rank an adapter may have.
     max_lora_rank: int = Field(64, gt=0)
     #: Tokens (summed over rows) in one forward/backward or sampling request.
@@ -110,8 +117,9 @@ class ServerConfig(BaseModel):
     #: operating system (glibc ``malloc_trim``), so a server's resident set follows what it holds
     #: (None: never; the next pass then faults its pages back in, about 20 ms on small-qwen3).
     release_memory_after_idle_s: float | None = Field(2.0, gt=0)
-    #: Adapters idle this long are saved and released from the model (None: never).
-    idle_release_s: float | None = Field(None, gt=0)
+    #: Adapters idle this long are saved and released from the model, so a full pool frees
+    #: itself; the next request brings one back unchanged (None: never).
+    idle_release_s: float | None = Field(300.0, gt=0)
     api_keys_file: str | None = None
     tinker: TinkerSettings = Field(default_factory=TinkerSettings)
     #: Run the model in a Ray actor (on any node of a cluster); None: in the server's process.

@@ -99,6 +99,9 @@ class ModelHost:
         adapter a local ``torch.manual_seed(seed)`` then ``add_adapter_to_model`` gives), without
         touching the server's own random state."""
         self.check_adapter(lora)
+        limit = self.config.limits.max_adapters
+        if len([name for name in self.model.adapter_names if not name.startswith(SAMPLER_PREFIX)]) >= limit:
+            raise CapacityError(f'the server holds its limit of {limit} adapters (max_adapters); try again later')
         try:
             with torch.random.fork_rng(devices=[]):
                 if seed is not None:
@@ -112,11 +115,9 @@ class ModelHost:
             raise ConfigurationError(f'cannot add a LoRA adapter with {dict(lora)}: {type(e).__name__}: {e}') from e
 
     def check_adapter(self, lora: Mapping[str, Any]) -> None:
-        """Room for one more adapter, known LoRA fields, and a rank within the limit."""
+        """Known LoRA fields and a rank within the limit (room on the model is the service's
+        to make, ``Service.make_room``; ``add_adapter`` checks that it is there)."""
         limits = self.config.limits
-        trained = [name for name in self.model.adapter_names if not name.startswith(SAMPLER_PREFIX)]
-        if len(trained) >= limits.max_adapters:
-            raise CapacityError(f'the server holds its limit of {limits.max_adapters} adapters; try again later')
         unknown = sorted(set(lora) - LORA_FIELDS)
         if unknown:
             raise ConfigurationError(f'unknown LoRA fields {unknown}; accepted: {sorted(LORA_FIELDS)}')

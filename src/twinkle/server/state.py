@@ -8,6 +8,7 @@ state (``TinkerState``). Routes receive it typed; nothing is added to it after `
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from twinkle.errors import NotFoundError, StateError, TwinkleError
+from twinkle.errors import CapacityError, NotFoundError, StateError, TwinkleError
 from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
@@ -54,6 +55,7 @@ class Service:
         self.host: ModelHost | RemoteHost = host or build_host(config)
         self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
         self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
+        self._pinned: set[str] = set()  # runs the worker's current jobs use: not released to make room
         self.registry = CollectorRegistry()
         self.requests = Counter('twinkle_requests', 'Compute requests', ['operation', 'status'], registry=self.registry)
         self.seconds = Histogram('twinkle_request_seconds', 'Compute time', ['operation'], registry=self.registry)
@@ -141,6 +143,7 @@ class Service:
             self.memory_releases.inc()
 
     def _on_finish(self, job: Job) -> None:
+        self._pinned.clear()
         operation = getattr(job, 'operation', 'unknown')
         if job.error is None:
             self.store.finish_future(job.id, job.result)
@@ -176,6 +179,7 @@ class Service:
         """The run's adapter on the model, restored first if it was released (worker thread)."""
         if run.id not in self.adapters:
             self.restore(self.store.get_run_by_id(run.id))
+        self._pinned.add(run.id)
         return self.adapters[run.id]
 
     def touch(self, run_id: str) -> None:
@@ -220,6 +224,7 @@ class Service:
                 f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
                 'without saving it): load one of its checkpoints into a new run'
             )
+        self.make_room(run, restoring=True)
         self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
         try:
             for call in config.get('setup', []):
@@ -248,6 +253,64 @@ class Service:
                 tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
                 jobs.append(self.submit(tenant, run.id, 'release', lambda r=run: self.release(r)))
         return jobs
+
+    # ---- room on the model -----------------------------------------------------------------------
+    def check_quota(self, tenant: Tenant) -> None:
+        """At a route that adds an adapter: ``CapacityError`` (429) while the tenant holds
+        ``max_adapters_per_tenant`` adapters and none has been idle for ``idle_release_s``; its
+        Retry-After is when the least recently used one will have been (``make_room`` then
+        releases it at once)."""
+        held = self._held(tenant.id)
+        if len(held) >= self.config.limits.max_adapters_per_tenant and not self._idle(held):
+            raise self._quota_error(held)
+
+    def make_room(self, run: Run, restoring: bool = False) -> None:
+        """Before ``run``'s adapter is added (worker thread): keep its tenant within its quota
+        (releasing its least recently used adapter: an idle one for a new run, any for a released
+        run coming back) and the model within ``max_adapters`` (releasing the least recently used
+        of all). An adapter waiting for an optimizer step, or in use by the current jobs, stays."""
+        limits = self.config.limits
+        own = self._held(run.tenant_id, but=run.id)
+        releasable = own if restoring else self._idle(own)
+        if len(own) >= limits.max_adapters_per_tenant and not self._release_first(releasable):
+            raise self._quota_error(own)
+        everyone = self._held(None, but=run.id)
+        if len(everyone) >= limits.max_adapters and not self._release_first(everyone):
+            raise CapacityError(
+                f'the server holds its limit of {limits.max_adapters} adapters (max_adapters), each waiting for an '
+                'optimizer step or in use; one frees up after its step',
+                retry_after_s=5.0,
+            )
+
+    def _held(self, tenant_id: str | None, but: str | None = None) -> list[Run]:
+        """Runs (of a tenant, or of all) with an adapter on the model, least recently used first."""
+        return [run for run in self.store.active_runs(tenant_id) if run.id in self.adapters and run.id != but]
+
+    def _idle(self, runs: list[Run]) -> list[Run]:
+        """Those of ``runs`` idle for ``idle_release_s`` (none when idle adapters stay)."""
+        if self.config.idle_release_s is None:
+            return []
+        return [run for run in runs if run.last_request_at <= time.time() - self.config.idle_release_s]
+
+    def _release_first(self, runs: list[Run]) -> bool:
+        """Release the first of ``runs`` that can go; False if none could."""
+        return any(run.id not in self._pinned and self.release(run) for run in runs)
+
+    def _quota_error(self, held: list[Run]) -> CapacityError:
+        limit, idle = self.config.limits.max_adapters_per_tenant, self.config.idle_release_s
+        if idle is None:
+            retry = 60.0
+            hint = 'this server keeps idle adapters (idle_release_s is off): train with the runs you have'
+        else:  # whole seconds, rounded up: after Retry-After the oldest has been idle long enough
+            retry = float(max(1, math.ceil(held[0].last_request_at + idle - time.time())))
+            hint = (
+                f'an adapter with no request for idle_release_s={idle:g} s is released and frees its place '
+                f'(it comes back on its next request): your least recently used one in {retry:.0f} s'
+            )
+        return CapacityError(
+            f'you hold {len(held)} adapters on the model, the limit of max_adapters_per_tenant={limit}; {hint}',
+            retry_after_s=retry,
+        )
 
     def checkpoint_dir(self, tenant: Tenant, run_id: str) -> Path:
         return self.config.checkpoint_dir / tenant.id / run_id

@@ -491,6 +491,15 @@ class Store:
         bring a released adapter back)."""
         self._execute('UPDATE runs SET config_json = ? WHERE id = ?', (json.dumps(config), run_id))
 
+    def active_runs(self, tenant_id: str | None = None) -> list[Run]:
+        """Active runs (of one tenant, or of all), least recently used first."""
+        if tenant_id is None:
+            rows = self._query("SELECT * FROM runs WHERE status = 'active' ORDER BY last_request_at, rowid")
+        else:
+            sql = "SELECT * FROM runs WHERE status = 'active' AND tenant_id = ? ORDER BY last_request_at, rowid"
+            rows = self._query(sql, (tenant_id,))
+        return [_run(row) for row in rows]
+
     def idle_runs(self, older_than_s: float) -> list[Run]:
         """Active runs with no request in the last ``older_than_s`` seconds, longest idle first."""
         rows = self._query(
