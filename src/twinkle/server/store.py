@@ -315,7 +315,7 @@ class Store:
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
-            raise StateError(f'the store on {self.path} is closed')
+            raise StateError('the store is closed: the server is stopping')  # a tenant may read this: no path
         return self._conn
 
     @contextmanager
