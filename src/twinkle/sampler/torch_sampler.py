@@ -26,7 +26,7 @@ from twinkle.model import multi_lora
 from twinkle.sampler.base import SAMPLERS, Completion, Prompt, SampleInputs, Sampler
 from twinkle.sampler.logits import choose, processed_scores
 from twinkle.template import Template
-from twinkle.utils.weights import canonical_name
+from twinkle.utils.weights import canonical_name, vocab_size
 
 
 @SAMPLERS.register
@@ -261,10 +261,7 @@ class TorchSampler(Sampler):
                 module.training = mode
 
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
-        embeddings = self.model.get_input_embeddings()
-        vocab = (
-            embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else self.model.config.vocab_size
-        )
+        vocab = vocab_size(self.model)
         context = getattr(self.model.config, 'max_position_embeddings', None)
         for token in params.stop_token_ids:
             if token >= vocab:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 _PEFT_PREFIX = 'base_model.model.'
 
 
@@ -15,3 +20,9 @@ def canonical_name(name: str) -> str:
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX) :]
     return name.replace('.base_layer.', '.')
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    """How many token ids ``model`` embeds (the rows of its input embedding): valid ids are
+    ``[0, vocab_size)``."""
+    return model.get_input_embeddings().get_parameter('weight').shape[0]
