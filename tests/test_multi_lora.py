@@ -275,8 +275,12 @@ def test_one_name_applies_to_every_row(multi: nn.Module) -> None:
         listed = multi(ids).logits
     with torch.no_grad(), row_adapters(multi, 'c'):
         every = multi(ids).logits
-        assert torch.equal(multi(ids[:1]).logits, every[:1])  # any batch size
-    assert torch.equal(listed, every)
+        alone = multi(ids[:1]).logits  # any batch size
+    # Equal up to float32 rounding, not bitwise: a CPU matmul blocks (and so sums) a problem
+    # differently by its shape, so a batch of 1 and a batch of 3 may round apart; a list of
+    # names and one name take different paths through MultiLoraLinear to the same arithmetic.
+    torch.testing.assert_close(alone, every[:1], rtol=0, atol=TOL)
+    torch.testing.assert_close(listed, every, rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize('init', [True, 'gaussian', False])
