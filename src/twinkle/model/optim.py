@@ -205,6 +205,47 @@ def _shown(kwargs: dict) -> str:
     return ', '.join(f'{name}={value!r}' for name, value in kwargs.items())
 
 
+def set_hyperparams(optimizer: Optimizer, values: dict[str, Any]) -> None:
+    """Set ``values`` (``lr``, ``betas``, ``eps``, ``weight_decay``; None: unchanged) on every
+    parameter group of ``optimizer``, keeping its state. ``weight_decay`` goes only to groups
+    holding parameters of 2 or more dimensions: biases and norms keep none (``set_optimizer``)."""
+    values = {name: value for name, value in values.items() if value is not None}
+    _check_hyperparams(values)
+    has = set(optimizer.defaults)
+    missing = sorted(set(values) - has)
+    if missing:
+        raise ConfigurationError(
+            f'{type(optimizer).__name__} has no hyperparameters {missing}; its hyperparameters are {sorted(has)}'
+        )
+    if 'betas' in values:
+        values['betas'] = tuple(values['betas'])
+    for group in optimizer.param_groups:
+        decays = any(param.ndim >= 2 for param in group['params'])
+        group.update({k: v for k, v in values.items() if k != 'weight_decay' or decays})
+
+
+#: The values ``set_hyperparams`` takes (finite numbers only; torch's own bounds, see ``ACCEPTED``).
+HYPERPARAMS: dict[str, Callable[[float], bool]] = {
+    'lr': lambda value: value >= 0,
+    'betas': lambda value: 0 <= value < 1,
+    'eps': lambda value: value >= 0,
+    'weight_decay': lambda value: value >= 0,
+}
+
+
+def _check_hyperparams(values: dict[str, Any]) -> None:
+    betas = values.get('betas')
+    if betas is not None and (not isinstance(betas, (tuple, list)) or len(betas) != 2):
+        raise ConfigurationError(f'optimizer betas={betas!r} is refused; accepted betas: {ACCEPTED["betas"]}')
+    for name, value in values.items():
+        for number in betas if name == 'betas' else [value]:
+            is_number = isinstance(number, (int, float)) and not isinstance(number, bool)
+            if not (is_number and math.isfinite(number) and HYPERPARAMS[name](number)):
+                raise ConfigurationError(
+                    f'optimizer {name}={value!r} is refused; accepted {name}: {ACCEPTED[name]}, finite'
+                )
+
+
 def _subclass(spec: Any, base: type, kind: str) -> type:
     if isinstance(spec, type) and issubclass(spec, base):
         return spec

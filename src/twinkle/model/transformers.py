@@ -28,7 +28,7 @@ from twinkle.model import mixed_pass, multi_lora
 from twinkle.model.base import AdapterCall, Inputs, TwinkleModel
 from twinkle.model.group import FULL, Pending, TrainGroup
 from twinkle.model.offload import OptimizerOffloader
-from twinkle.model.optim import build_optimizer, build_scheduler
+from twinkle.model.optim import build_optimizer, build_scheduler, set_hyperparams
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.passes import (
     accumulate,
@@ -186,6 +186,23 @@ class TransformersModel(TwinkleModel):
         if group.optimizer is None:
             raise StateError(f'set_optimizer(...) before set_lr_scheduler(...) for adapter {group.name!r}')
         group.scheduler = build_scheduler(scheduler_cls, group.optimizer, kwargs)
+
+    def set_optimizer_hyperparams(
+        self,
+        *,
+        adapter_name: str | None = None,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+    ) -> None:
+        """Change the optimizer's hyperparameters for its next steps, keeping its state (moments,
+        step counts); those left None stay. A scheduler sets ``lr`` again at its next step."""
+        group = self._group(adapter_name)
+        if group.optimizer is None:
+            raise StateError(f'set_optimizer(...) before set_optimizer_hyperparams(...) for adapter {group.name!r}')
+        values = {'lr': lr, 'betas': betas, 'eps': eps, 'weight_decay': weight_decay}
+        set_hyperparams(group.optimizer, values)
 
     def set_loss(self, loss_cls: str | type[Loss] | Loss, *, adapter_name: str | None = None, **kwargs: Any) -> None:
         self._group(adapter_name).loss = LOSSES.build(loss_cls, Loss, **kwargs)

@@ -20,6 +20,7 @@ from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, 
 from twinkle.loss.tinker import TinkerLoss
 from twinkle.model import AdapterCall
 from twinkle.server.host import ModelHost
+from twinkle.server.remote_host import RemoteHost
 from twinkle.server.tinker.codec import ForwardBackwardCall, forward_backward_output
 
 #: Module names LoRA attaches to for each of Tinker's switches, by the parent module's name.
@@ -27,7 +28,7 @@ ATTENTION_PARENTS = ('self_attn', 'attn', 'attention', 'linear_attn')
 MLP_PARENTS = ('mlp', 'feed_forward', 'experts', 'shared_expert')
 
 
-def lora_config(host: ModelHost, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:
+def lora_config(host: ModelHost | RemoteHost, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:
     """The peft ``LoraConfig`` fields of a Tinker ``LoraConfig``: rank, no dropout, and the
     linear layers its ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches name."""
     targets = host.lora_targets(lora.train_attn, lora.train_mlp, lora.train_unembed)
@@ -155,12 +156,10 @@ def optim_step(host: ModelHost, adapter: str, params: types.AdamParams) -> dict[
     last step, clipped to ``grad_clip_norm`` first (0: no clipping); then the gradients are zeroed."""
     _check_adam(params)
     model = host.model
-    group = model.groups[adapter]
-    for param_group in group.optimizer.param_groups:
-        param_group.update(
-            lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
-            weight_decay=params.weight_decay,
-        )  # fmt: skip
+    model.set_optimizer_hyperparams(
+        adapter_name=adapter, lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+        weight_decay=params.weight_decay,
+    )  # fmt: skip
     norm = model.clip_grad_norm(params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf, adapter_name=adapter)
     stepped = model.step(adapter_name=adapter)
     model.zero_grad(adapter_name=adapter)
