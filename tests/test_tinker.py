@@ -22,7 +22,9 @@ from twinkle.server.store import Store
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir):
     tinker_settings = {'fwdbwd_max_chunk_len': 2, 'seq_gap_timeout_s': 2.0, 'retrieve_wait_s': 5.0}
-    with background_server(tmp_path_factory.mktemp('tinker'), tiny_model_dir, tinker=tinker_settings) as running:
+    limits = {'max_adapters_per_tenant': 64}  # alice makes a model per test; quotas: test_server_quota.py
+    data_dir = tmp_path_factory.mktemp('tinker')
+    with background_server(data_dir, tiny_model_dir, tinker=tinker_settings, limits=limits) as running:
         url, keys, background = running
         yield url, keys, background.app.state.service.config
 
@@ -385,3 +387,55 @@ def test_no_route_of_any_api_answers_a_body_too_deep_to_parse_with_a_5xx(server)
             assert answer.status_code < 500, (method, path, answer.text[:300])
             tried += 1
     assert tried >= len(JSON_ROUTES)
+
+
+def test_a_body_nested_deeper_than_the_server_keeps_is_a_400(server):
+    # 300 levels parse, but storing or answering them would fail (pydantic serializes 255 at most)
+    url, keys, _ = server
+    metadata: dict = {}
+    for _ in range(300):
+        metadata = {'a': metadata}
+    body = {'tags': [], 'user_metadata': metadata, 'sdk_version': '0.38.0', 'type': 'create_session'}
+    answer = httpx.post(f'{url}/api/v1/create_session', json=body, headers={'X-API-Key': keys['alice']})
+    assert answer.status_code == 400 and 'deeper than 32 levels' in answer.json()['detail'], answer.text[:300]
+
+
+def schema_of(document: dict, schema: dict) -> dict:
+    """``schema`` with its ``$ref`` (to ``#/components/schemas/...``) followed."""
+    while '$ref' in schema:
+        schema = document['components']['schemas'][schema['$ref'].rsplit('/', 1)[-1]]
+    return schema
+
+
+def error_detail_type(document: dict, path: str, status: int) -> str:
+    """The JSON type the schema gives ``detail`` in a ``status`` answer of POST ``path``."""
+    response = document['paths'][path]['post']['responses'][str(status)]
+    return schema_of(document, response['content']['application/json']['schema'])['properties']['detail']['type']
+
+
+def test_the_schema_declares_each_tinker_body_and_the_errors_as_they_are_answered(server):
+    url, keys, _ = server
+    document = httpx.get(f'{url}/openapi.json').json()
+    tinker_routes = [route for method, route in JSON_ROUTES if route.startswith('/api/v1/') and method == 'POST']
+    for route in tinker_routes:
+        operation = document['paths'][route]['post']
+        content = operation['requestBody']['content']
+        assert set(operation['responses']) >= {'200', '400', '401', '404', '422', '429'}, route
+        if route == '/api/v1/forward_backward':
+            assert list(content) == ['application/x-protobuf'], route
+            continue
+        assert schema_of(document, content['application/json']['schema'])['additionalProperties'] is False, route
+    assert schema_of(document, {'$ref': '#/components/schemas/CreateSessionRequest'})['required'] == [
+        'tags', 'user_metadata', 'sdk_version'
+    ]  # fmt: skip
+    # what the schema says a 422 holds is what one holds, on the Tinker and the OpenAI routes
+    headers = {'X-API-Key': keys['alice']}
+    body = {'tags': [], 'user_metadata': None, 'sdk_version': '0.38.0', 'type': 'create_session', 'colour': 'red'}
+    tinker_422 = httpx.post(f'{url}/api/v1/create_session', json=body, headers=headers)
+    openai_422 = httpx.post(f'{url}/v1/chat/completions', json={'model': 'm', 'messages': []}, headers=headers)
+    for path, answer in (('/api/v1/create_session', tinker_422), ('/v1/chat/completions', openai_422)):
+        assert answer.status_code == 422 and error_detail_type(document, path, 422) == 'string', answer.text
+        assert isinstance(answer.json()['detail'], str), answer.text
+    assert set(schema_of(document, {'$ref': '#/components/schemas/OpenAIErrorDetail'})['properties']) == {
+        'message', 'type', 'param', 'code'
+    }  # fmt: skip

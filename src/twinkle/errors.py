@@ -32,6 +32,16 @@ class DataError(TwinkleError, ValueError):
     """A row, a sample or a batch does not have the shape the component needs."""
 
 
+class FieldError(ConfigurationError):
+    """A request field holds what this server does not serve or accept. ``field`` names it as
+    the request spells it (``messages[0].content[0]``); ``code`` says why in a word, if one fits
+    (OpenAI's ``param`` and ``code``)."""
+
+    def __init__(self, message: str, field: str, code: str | None = None):
+        super().__init__(message)
+        self.field, self.code = field, code
+
+
 class SequenceTooLongError(DataError):
     """An encoded sequence is longer than ``max_length`` under ``truncation_strategy='raise'``."""
 

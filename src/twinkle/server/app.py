@@ -32,7 +32,9 @@ from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
 from twinkle.server.store import check_checkpoint_name, check_name, parse_twinkle_path
 from twinkle.server.tinker.rest import expire_checkpoints_periodically, rest_router
-from twinkle.server.tinker.routes import tinker_router
+from twinkle.server.tinker.sampling import sampling_router
+from twinkle.server.tinker.session import session_router
+from twinkle.server.tinker.training import training_router
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -94,7 +96,9 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
     app.state.service = service
     install_error_handlers(app)
     app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenant_for_key)
-    app.include_router(tinker_router(service))
+    app.include_router(session_router(service))
+    app.include_router(training_router(service))
+    app.include_router(sampling_router(service))
     app.include_router(openai_router(service))
     app.include_router(rest_router(service))
 

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
@@ -43,11 +43,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from twinkle.data_format import SampledSequence, SamplingParams
-from twinkle.errors import BusyError, DataError, SequenceTooLongError, TwinkleError
+from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
 from twinkle.server.deps import Who
-from twinkle.server.errors import status_of
+from twinkle.server.errors import MAX_LOCATION_CHARS, retry_after_header, status_of
 from twinkle.server.host import MAX_TOP_LOGPROBS, ModelHost
 from twinkle.server.scheduler import wait_job
+from twinkle.server.state import Service
 from twinkle.server.store import Checkpoint, Store, Tenant, parse_checkpoint_path
 from twinkle.template import Template
 from twinkle.utils.logger import get_logger
@@ -151,20 +152,42 @@ UNSUPPORTED: dict[str, Callable[[ChatCompletionRequest], bool]] = {
 
 
 # ---- errors -----------------------------------------------------------------------------------------
-class OpenAIError(HTTPException):
-    """An error answered as ``{"error": {message, type, param, code}}``; a 429 says in
-    ``retry_after_s`` when to try again."""
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description='invalid_request_error, authentication_error, rate_limit_error...')
+    param: str | None = Field(description='The request field at fault, as the request spells it')
+    code: str | None = Field(description='model_not_found, unsupported_parameter, context_length_exceeded...')
 
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None, retry_after_s: float = 5.0
-    ):
-        super().__init__(status, message)
-        self.param, self.code, self.retry_after_s = param, code, retry_after_s
+
+class OpenAIErrorBody(BaseModel):
+    """What every route of this API answers for an error."""
+
+    error: OpenAIErrorDetail
+    detail: str = Field(description="The message again, as the server's other APIs give it")
+
+
+#: OpenAI's ``param`` and ``code`` of the errors that do not name them themselves (a FieldError does).
+ERROR_FIELDS: tuple[tuple[type[TwinkleError], str | None, str | None], ...] = (
+    (NotFoundError, 'model', 'model_not_found'),  # a model is the one thing this API looks up
+    (SequenceTooLongError, 'messages', 'context_length_exceeded'),
+    (BusyError, None, 'rate_limit_exceeded'),
+)
+#: How the routes may fail, for the OpenAPI schema.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {'model': OpenAIErrorBody, 'description': description}
+    for status, description in {
+        400: 'The request asks for what this server does not serve, or holds a value it refuses',
+        401: 'No API key, or one the server does not know',
+        404: 'No such model for this tenant',
+        422: 'The body is not a chat completion request; param names the first bad field',
+        429: 'A limit that frees up with time; retry after Retry-After seconds',
+    }.items()
+}
 
 
 class OpenAIRoute(APIRoute):
     """A route whose every error (authentication, validation, refusals, the sampling job's)
-    is answered in OpenAI's error shape; the app's own handlers answer the other APIs."""
+    is answered in OpenAI's error shape, with the status of the server's one table."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -180,60 +203,48 @@ class OpenAIRoute(APIRoute):
 
 def error_response(error: Exception) -> JSONResponse:
     """``error`` as OpenAI would answer it: a 4xx for the client's mistakes, 429 to retry later."""
-    error = _as_openai_error(error)
-    body = {
-        'message': error.detail,
-        'type': ERROR_TYPES.get(error.status_code, 'invalid_request_error'),
-        'param': error.param,
-        'code': error.code,
-    }
-    headers = {}
-    if error.status_code == 429:
-        headers['Retry-After'] = str(max(1, round(error.retry_after_s)))
-    # ``detail`` too, as every other route of the server answers an error
-    return JSONResponse({'error': body, 'detail': error.detail}, status_code=error.status_code, headers=headers)
+    status, message, param, code = _described(error)
+    detail = OpenAIErrorDetail(
+        message=message, type=ERROR_TYPES.get(status, 'invalid_request_error'), param=param, code=code
+    )
+    headers = retry_after_header(error) if isinstance(error, TwinkleError) else {}
+    body = OpenAIErrorBody(error=detail, detail=message)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def _as_openai_error(error: Exception) -> OpenAIError:
-    if isinstance(error, OpenAIError):
-        return error
+def _described(error: Exception) -> tuple[int, str, str | None, str | None]:
+    """(status, message, param, code) of an error."""
     if isinstance(error, RequestValidationError):
         problems = error.errors()
         where = [_location(problem['loc']) for problem in problems]
         message = '; '.join(f'{loc or "body"}: {problem["msg"]}' for loc, problem in zip(where, problems, strict=True))
-        return OpenAIError(422, f'invalid request: {message}', where[0] if where else None)
-    if isinstance(error, StarletteHTTPException):  # FastAPI's own (401, 404) and Starlette's (a body it cannot read)
-        return OpenAIError(error.status_code, str(error.detail))
-    if isinstance(error, BusyError):
-        return OpenAIError(429, str(error), code='rate_limit_exceeded', retry_after_s=error.retry_after_s)
-    if isinstance(error, SequenceTooLongError):
-        return OpenAIError(400, str(error), 'messages', 'context_length_exceeded')
+        return 422, f'invalid request: {message}', where[0] if where else None, None
+    if isinstance(error, StarletteHTTPException):  # FastAPI's own: a body it cannot read
+        return error.status_code, str(error.detail), None, None
+    if isinstance(error, FieldError):
+        return status_of(error), str(error), error.field, error.code
     if isinstance(error, TwinkleError):
-        return OpenAIError(status_of(error), str(error))  # the server's one table (twinkle.server.errors)
+        param, code = next(((p, c) for kind, p, c in ERROR_FIELDS if isinstance(error, kind)), (None, None))
+        return status_of(error), str(error), param, code
     logger.exception('an OpenAI API request failed', exc_info=error)
-    return OpenAIError(500, f'the server failed to answer: {type(error).__name__}')
+    return 500, f'the server failed to answer: {type(error).__name__}', None, None
 
 
 def _location(loc: tuple[Any, ...]) -> str:
     """A pydantic error location as a parameter name: ``('body', 'messages', 0, 'role')`` -> ``messages.0.role``."""
-    return '.'.join(str(part) for part in loc if part != 'body')
-
-
-def _model_not_found(model: str) -> OpenAIError:
-    message = f'model {model!r} does not exist or you do not have access to it; GET /v1/models lists yours'
-    return OpenAIError(404, message, 'model', 'model_not_found')
+    return '.'.join(str(part)[:MAX_LOCATION_CHARS] for part in loc if part != 'body')
 
 
 # ---- the routes -------------------------------------------------------------------------------------
-def openai_router(service: Any) -> APIRouter:
+def openai_router(service: Service) -> APIRouter:
     """The OpenAI-compatible routes, over ``service`` (see ``twinkle.server.app``)."""
-    router = APIRouter(prefix=PREFIX, route_class=OpenAIRoute)
+    router = APIRouter(prefix=PREFIX, route_class=OpenAIRoute, responses=ERROR_RESPONSES)
     _model_routes(router, service)
     _chat_routes(router, service)
     return router
 
 
-def _model_routes(router: APIRouter, service: Any) -> None:
+def _model_routes(router: APIRouter, service: Service) -> None:
     @router.get('/models')
     async def list_models(who: Who) -> dict[str, Any]:
         checkpoints = _tenant_checkpoints(service.store, who)
@@ -246,7 +257,7 @@ def _model_routes(router: APIRouter, service: Any) -> None:
         return _model_json(service, who, checkpoint, model)
 
 
-def _chat_routes(router: APIRouter, service: Any) -> None:
+def _chat_routes(router: APIRouter, service: Service) -> None:
     @router.post('/chat/completions', response_model=None)
     async def chat_completions(body: ChatCompletionRequest, who: Who) -> dict[str, Any] | StreamingResponse:
         checkpoint = _resolve_model(service, who, body.model)
@@ -271,13 +282,13 @@ def _chat_routes(router: APIRouter, service: Any) -> None:
 
 
 # ---- models -----------------------------------------------------------------------------------------
-def _base_names(service: Any) -> set[str]:
+def _base_names(service: Service) -> set[str]:
     """What names the base model: its configured id, that id without a hub scheme, its local path."""
     hosted = service.config.base_model
     return {hosted, _bare(hosted), service.host.model_id}
 
 
-def _resolve_model(service: Any, who: Tenant, model: str) -> Checkpoint | None:
+def _resolve_model(service: Service, who: Tenant, model: str) -> Checkpoint | None:
     """The checkpoint ``model`` names (None for the base model), if this tenant may read it; else 404."""
     if model in _base_names(service):
         return None
@@ -289,6 +300,10 @@ def _resolve_model(service: Any, who: Tenant, model: str) -> Checkpoint | None:
     if found is None or not Path(found.path).is_dir():
         raise _model_not_found(model)
     return found
+
+
+def _model_not_found(model: str) -> NotFoundError:
+    return NotFoundError(f'model {model!r} does not exist or you do not have access to it; GET /v1/models lists yours')
 
 
 def _tenant_checkpoints(store: Store, who: Tenant, page: int = 500) -> list[Checkpoint]:
@@ -303,7 +318,7 @@ def _tenant_checkpoints(store: Store, who: Tenant, page: int = 500) -> list[Chec
 
 
 def _model_json(
-    service: Any, who: Tenant, checkpoint: Checkpoint | None = None, model_id: str | None = None
+    service: Service, who: Tenant, checkpoint: Checkpoint | None = None, model_id: str | None = None
 ) -> dict[str, Any]:
     """The base model (no ``checkpoint``) or a checkpoint as an OpenAI model; ``owned_by`` of a
     checkpoint names the tenant, or is 'published' for another tenant's."""
@@ -330,29 +345,25 @@ def _check_options(body: ChatCompletionRequest) -> None:
     """Refuse what this server would answer wrongly: unimplemented options, too many choices."""
     used = [name for name, uses in UNSUPPORTED.items() if uses(body)]
     if used:
-        raise OpenAIError(
-            400,
-            f'{used[0]} is not supported by this server (options it refuses: {sorted(UNSUPPORTED)})',
-            used[0],
-            'unsupported_parameter',
-        )
+        message = f'{used[0]} is not supported by this server (options it refuses: {sorted(UNSUPPORTED)})'
+        raise FieldError(message, used[0], 'unsupported_parameter')
     if (body.n or 1) > MAX_CHOICES:
-        raise OpenAIError(400, f'n={body.n} is over the limit of {MAX_CHOICES} choices per request', 'n')
+        raise FieldError(f'n={body.n} is over the limit of {MAX_CHOICES} choices per request', 'n')
     if body.top_logprobs is not None and not body.logprobs:
-        raise OpenAIError(400, 'top_logprobs needs logprobs set to true', 'top_logprobs')
+        raise FieldError('top_logprobs needs logprobs set to true', 'top_logprobs')
 
 
 def _message(index: int, message: ChatMessage) -> dict[str, Any]:
     """A message as the chat template takes it: text content, the template's role names."""
     where = f'messages[{index}]'
     if message.tool_calls:
-        raise OpenAIError(400, f'{where}.tool_calls: tool calls are not supported by this server', where)
+        raise FieldError(f'{where}.tool_calls: tool calls are not supported by this server', where)
     content = message.content
     if isinstance(content, list):
         for part_index, part in enumerate(content):
             if part.type != 'text' or part.text is None:
                 param = f'{where}.content[{part_index}]'
-                raise OpenAIError(400, f'{param}: content of type {part.type!r} is not supported; send text', param)
+                raise FieldError(f'{param}: content of type {part.type!r} is not supported; send text', param)
         content = '\n'.join(part.text or '' for part in content)
     return {'role': ROLE_ALIASES.get(message.role, message.role), 'content': content or ''}
 

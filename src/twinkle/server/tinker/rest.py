@@ -24,14 +24,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from twinkle.errors import DataError, StateError
+from twinkle.errors import ConfigurationError, DataError, NotFoundError, QueueFullError, StateError
 from twinkle.server.deps import Who
-from twinkle.server.scheduler import QueueFullError
-from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Store, Tenant, check_name
-from twinkle.server.tinker.routes import PREFIX, TinkerAPI, _bare
+from twinkle.server.host import ModelHost
+from twinkle.server.remote_host import RemoteHost
+from twinkle.server.state import Service
+from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Session, Store, Tenant, check_name
+from twinkle.server.tinker.api import TinkerAPI, bare, router
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -64,21 +66,21 @@ class WeightsInfoRequest(BaseModel):
     tinker_path: str
 
 
-def rest_router(service: Any) -> APIRouter:
-    """The REST routes of the Tinker API, over ``service`` (see ``twinkle.server.app``)."""
-    router = APIRouter(prefix=PREFIX)
-    _run_routes(router, service)
-    _checkpoint_routes(router, service)  # before the catch-all of a checkpoint id that holds a '/'
-    _delete_route(router, service)
-    _session_routes(router, service)
-    _refused_routes(router, service.store)
-    return router
+def rest_router(service: Service) -> APIRouter:
+    """The REST routes of the Tinker API (what the SDK's ``RestClient`` calls)."""
+    routes = router()
+    _run_routes(routes, service)
+    _checkpoint_routes(routes, service)  # before the catch-all of a checkpoint id that holds a '/'
+    _delete_route(routes, service)
+    _session_routes(routes, service)
+    _refused_routes(routes, service.store)
+    return routes
 
 
 # ---- training runs --------------------------------------------------------------------------------
-def _run_routes(router: APIRouter, service: Any) -> None:
+def _run_routes(router: APIRouter, service: Service) -> None:
     store: Store = service.store
-    targets = _module_targets(service.host)
+    api, targets = TinkerAPI(service), _module_targets(service.host)
 
     @router.get('/training_runs')
     async def list_training_runs(
@@ -99,18 +101,20 @@ def _run_routes(router: APIRouter, service: Any) -> None:
     @router.post('/weights_info')
     async def weights_info(body: WeightsInfoRequest, who: Who) -> dict[str, Any]:
         """What loading a checkpoint needs; answered for published checkpoints of others too."""
-        checkpoint = TinkerAPI(service).checkpoint(who, body.tinker_path, kinds=('training', 'sampler'))
+        checkpoint = api.checkpoint(who, body.tinker_path, kinds=('training', 'sampler'))
         run = store.get_run_by_id(checkpoint.run_id)
+        if run is None:  # deleted between the two reads
+            raise NotFoundError(f'checkpoint {body.tinker_path!r} not found')
         tinker = run.config.get('tinker_lora') or {}
         derived = _switches(run.config.get('lora') or {}, targets)
-        info = {'base_model': _bare(run.base_model), 'is_lora': True, 'lora_rank': _lora_rank(run)}
+        info = {'base_model': bare(run.base_model), 'is_lora': True, 'lora_rank': _lora_rank(run)}
         return {**info, **{name: tinker.get(name, derived.get(name)) for name in SWITCHES}}
 
 
 def _own_run(store: Store, who: Tenant, run_id: str) -> Run:
     run = store.get_run(who.id, run_id)
     if run is None or run.status == 'deleted':
-        raise HTTPException(404, f'training run {run_id!r} not found')
+        raise NotFoundError(f'training run {run_id!r} not found')
     return run
 
 
@@ -126,7 +130,7 @@ def _run_json(store: Store, run: Run, owner: str) -> dict[str, Any]:
     latest = {c.kind: c for c in store.list_checkpoints(run.tenant_id, run.id)}  # oldest first
     return {
         'training_run_id': run.id,
-        'base_model': _bare(run.base_model),
+        'base_model': bare(run.base_model),
         'model_owner': owner,
         'is_lora': True,
         'lora_rank': _lora_rank(run),
@@ -143,7 +147,7 @@ def _lora_rank(run: Run) -> int:
     return tinker.get('rank') or (run.config.get('lora') or {}).get('r', 8)  # peft's default rank is 8
 
 
-def _module_targets(host: Any) -> dict[str, set[str]]:
+def _module_targets(host: ModelHost | RemoteHost) -> dict[str, set[str]]:
     """The linear layers each of Tinker's switches trains, by leaf name."""
     flags = {
         'train_attn': (True, False, False),
@@ -166,7 +170,7 @@ def _switches(lora: dict[str, Any], targets: dict[str, set[str]]) -> dict[str, b
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------
-def _checkpoint_routes(router: APIRouter, service: Any) -> None:
+def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     store: Store = service.store
 
     @router.get('/training_runs/{run_id}/checkpoints')
@@ -204,16 +208,16 @@ def _checkpoint_routes(router: APIRouter, service: Any) -> None:
     @router.get('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls')
     async def external_weights_urls(run_id: str, checkpoint_id: str, who: Who) -> None:
         _own_run(store, who, run_id)
-        raise HTTPException(404, f'checkpoint {checkpoint_id!r} not found: this server keeps no external weights')
+        raise NotFoundError(f'checkpoint {checkpoint_id!r} not found: this server keeps no external weights')
 
 
-def _delete_route(router: APIRouter, service: Any) -> None:
+def _delete_route(router: APIRouter, service: Service) -> None:
     @router.delete('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}')
     async def delete(run_id: str, checkpoint_id: str, who: Who) -> dict[str, Any]:
         return await delete_checkpoint(service, who, run_id, checkpoint_id)
 
 
-async def delete_checkpoint(service: Any, who: Tenant, run_id: str, checkpoint_id: str) -> dict[str, Any]:
+async def delete_checkpoint(service: Service, who: Tenant, run_id: str, checkpoint_id: str) -> dict[str, Any]:
     """Forget the tenant's checkpoint and remove its files."""
     checkpoint = _own_checkpoint(service.store, who, run_id, checkpoint_id)
     await asyncio.to_thread(service.store.delete_checkpoint, who.id, run_id, checkpoint.name, checkpoint.kind)
@@ -230,14 +234,13 @@ def _own_checkpoint(store: Store, who: Tenant, run_id: str, checkpoint_id: str) 
         kind = KINDS[folder]
         check_name('checkpoint', name)
     except (KeyError, DataError):
-        raise HTTPException(
-            400,
+        raise DataError(
             f'Invalid checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>, where '
             'name is 1 to 64 of A-Z, a-z, 0-9, ".", "_", "-" starting with a letter or digit',
         ) from None
     checkpoint = store.get_checkpoint(who.id, run_id, name, kind)
     if checkpoint is None:
-        raise HTTPException(404, f'checkpoint {checkpoint_id!r} of training run {run_id!r} not found')
+        raise NotFoundError(f'checkpoint {checkpoint_id!r} of training run {run_id!r} not found')
     return checkpoint
 
 
@@ -256,7 +259,7 @@ def _checkpoint_json(checkpoint: Checkpoint) -> dict[str, Any]:
 
 
 # ---- expiry ---------------------------------------------------------------------------------------
-def discard_files(service: Any, checkpoints: list[Checkpoint]) -> None:
+def discard_files(service: Service, checkpoints: list[Checkpoint]) -> None:
     """Remove the files of checkpoints already forgotten by the store, and have the worker thread
     unload their weights where sampling loaded them (no sampling job can be using them there)."""
     paths = [Path(c.path) for c in checkpoints]
@@ -277,14 +280,14 @@ def discard_files(service: Any, checkpoints: list[Checkpoint]) -> None:
     job.operation = 'forget_sampler_weights'  # type: ignore[attr-defined]
 
 
-def expire_checkpoints(service: Any) -> list[Checkpoint]:
+def expire_checkpoints(service: Service) -> list[Checkpoint]:
     """Delete every checkpoint past its TTL, files included; the deleted ones."""
     expired = service.store.pop_expired_checkpoints()
     discard_files(service, expired)
     return expired
 
 
-async def expire_checkpoints_periodically(service: Any) -> None:
+async def expire_checkpoints_periodically(service: Service) -> None:
     """Enforce checkpoint TTLs every ``tinker.checkpoint_expiry_interval_s`` seconds (and at start,
     for those that expired while the server was down)."""
     while True:
@@ -299,7 +302,7 @@ async def expire_checkpoints_periodically(service: Any) -> None:
 
 
 # ---- sessions -------------------------------------------------------------------------------------
-def _session_routes(router: APIRouter, service: Any) -> None:
+def _session_routes(router: APIRouter, service: Service) -> None:
     store: Store = service.store
 
     @router.get('/sessions')
@@ -318,15 +321,15 @@ def _session_routes(router: APIRouter, service: Any) -> None:
         }
 
 
-def _own_session(store: Store, who: Tenant, session_id: str) -> Any:
+def _own_session(store: Store, who: Tenant, session_id: str) -> Session:
     session = store.get_session(who.id, session_id)
     if session is None:
-        raise HTTPException(404, f'session {session_id!r} not found')
+        raise NotFoundError(f'session {session_id!r} not found')
     return session
 
 
 def _own_run_or_none(store: Store, who: Tenant, run_id: str) -> Run | None:
-    with contextlib.suppress(HTTPException):
+    with contextlib.suppress(NotFoundError):
         return _own_run(store, who, run_id)
     return None
 
@@ -335,8 +338,7 @@ def _own_run_or_none(store: Store, who: Tenant, run_id: str) -> Run | None:
 def _refused_routes(router: APIRouter, store: Store) -> None:
     @router.post('/copy_weights')
     async def copy_weights(who: Who) -> None:
-        raise HTTPException(
-            400,
+        raise ConfigurationError(
             'copy_weights is not supported: this server has no projects. Load the checkpoint into a new '
             'training run with create_training_client_from_state (another tenant can once it is published)',
         )
@@ -344,16 +346,16 @@ def _refused_routes(router: APIRouter, store: Store) -> None:
     @router.put('/sessions/{session_id}/project')
     async def assign_project(session_id: str, who: Who) -> None:
         _own_session(store, who, session_id)
-        raise HTTPException(400, 'assign_session_project is not supported: this server has no projects')
+        raise ConfigurationError('assign_session_project is not supported: this server has no projects')
 
     @router.get('/sessions/{session_id}/trace_export')
     async def trace_export(session_id: str, who: Who) -> None:
         _own_session(store, who, session_id)
-        raise HTTPException(400, 'export_session_trace is not supported by this server; see its /metrics')
+        raise ConfigurationError('export_session_trace is not supported by this server; see its /metrics')
 
     @router.post('/sessions/search')
     async def search_sessions(who: Who) -> None:
-        raise HTTPException(400, 'search_sessions is not supported by this server: use list_sessions and get_session')
+        raise ConfigurationError('search_sessions is not supported by this server: use list_sessions and get_session')
 
 
 # ---- helpers --------------------------------------------------------------------------------------

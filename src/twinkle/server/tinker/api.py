@@ -1,0 +1,220 @@
+"""What the Tinker routers share: how a request is read, accepted as a future and answered, and
+the lookups every route makes (a tenant's models, sessions, checkpoints, the base model).
+
+Every route is under ``/api/v1`` and reads its body once, as the SDK's own request type (strict:
+an unknown field is a 422). A body that is not JSON, or is nested deeper than ``MAX_JSON_DEPTH``,
+is a 400; a body that fails validation is a 422 whose ``detail`` is one sentence naming each bad
+field. Other errors are the exception tree's, answered by ``twinkle.server.errors``.
+
+Compute requests are accepted at once as futures that ``retrieve_future`` long-polls. A training
+client's requests start in ``seq_id`` order (:mod:`.sequencer`), and a retried ``(model_id,
+seq_id)`` gets the request id it got the first time. A Tinker model is a run of the native API
+(``model_id`` is its run id) and a Tinker key is a tenant's key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import JsonValue
+
+from twinkle.errors import DataError, NotFoundError, QueueFullError
+from twinkle.server.errors import ErrorBody, error_responses, validation_problems
+from twinkle.server.scheduler import Batchable
+from twinkle.server.state import Service
+from twinkle.server.store import Checkpoint, Run, Session, Tenant, parse_checkpoint_path
+from twinkle.server.tinker.codec import ForwardBackwardCall
+from twinkle.server.tinker.train import run_forward_backward_many
+
+PREFIX = '/api/v1'
+#: A JSON object, as routes answer and futures store it.
+JsonObject = dict[str, JsonValue]
+PROTO = 'application/x-protobuf'
+#: A future result that is protobuf bytes is stored as ``{PROTO_KEY: base64}``.
+PROTO_KEY = 'protobuf_base64'
+#: Request ids kept for answering retries of (model, seq_id); a retry comes within seconds.
+REMEMBERED_REQUESTS = 100_000
+#: Deepest nesting of lists and objects a body may have: the SDK's requests need 5 levels, and a
+#: deeper body (user metadata nested hundreds deep) would fail later, when it is stored or sent back.
+MAX_JSON_DEPTH = 32
+#: How the Tinker routes may fail, for the OpenAPI schema (every body is an ``ErrorBody``).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **error_responses(400, 401, 404, 429),
+    422: {'model': ErrorBody, 'description': 'The body is not the type the route takes; detail names each field'},
+}
+
+
+class TinkerRoute(APIRoute):
+    """A Tinker route: its JSON body is parsed once and checked for depth before FastAPI
+    validates it as the route's request type; a validation failure is a 422 in one sentence."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        body_type = self.body_field.field_info.annotation if self.body_field is not None else None
+        name = getattr(body_type, '__name__', 'the request')
+
+        async def handle(request: Request) -> Response:
+            if body_type is not None:
+                await read_json(request, name)  # FastAPI reuses what Request.json() parsed
+            try:
+                return await handler(request)
+            except RequestValidationError as error:
+                return invalid_request(name, error)
+
+        return handle
+
+
+def router() -> APIRouter:
+    """An empty router of the Tinker API: its prefix, route class and error responses."""
+    return APIRouter(prefix=PREFIX, route_class=TinkerRoute, strict_content_type=False, responses=ERROR_RESPONSES)
+
+
+async def read_json(request: Request, name: str) -> Any:
+    """The body as JSON; ``DataError`` (a 400) if it cannot be parsed or nests too deep."""
+    try:
+        data = await request.json()
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested deeper than the parser goes
+        raise DataError(f'the body must be JSON for {name}') from None
+    if _nesting_over(data, MAX_JSON_DEPTH):
+        raise DataError(f'the body of {name} nests lists and objects deeper than {MAX_JSON_DEPTH} levels')
+    return data
+
+
+def invalid_request(name: str, error: RequestValidationError) -> JSONResponse:
+    """A 422 whose ``detail`` names each bad field: ``invalid X: a.b: Field required; ...``."""
+    problems = []
+    for problem in validation_problems(error):
+        where = '.'.join(str(part) for part in problem['loc'] if part != 'body') or 'body'
+        problems.append(f'{where}: {problem["msg"]}')
+    body = ErrorBody(detail=f'invalid {name}: {"; ".join(problems)}', error='RequestValidationError')
+    return JSONResponse(body.model_dump(), status_code=422)
+
+
+def _nesting_over(value: Any, limit: int) -> bool:
+    """Whether lists and objects in ``value`` nest deeper than ``limit`` (level by level, no recursion)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        level = [
+            child
+            for item in level
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, (dict, list))
+        ]
+        if not level:
+            return False
+    return True
+
+
+class TinkerAPI:
+    """The Tinker routes' view of the service: accepting requests as futures, and the lookups."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self.settings = service.tinker.settings
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def accept(
+        self,
+        who: Tenant,
+        run_id: str | None,
+        seq_id: int | None,
+        operation: str,
+        fn: Callable[[], Any],
+        batch: Batchable | None = None,
+    ) -> str:
+        """Record a future for ``fn`` and start it in its model's turn; the future's id. With
+        ``batch`` it may share a pass with other tenants' requests."""
+        service, requests = self.service, self.service.tinker.requests
+        key = (who.id, run_id or '', seq_id) if seq_id is not None else None
+        if key is not None and key in requests:
+            return requests[key]  # a retry of a request already accepted
+        limit = service.config.limits.max_queued_per_tenant
+        if service.scheduler.queued(who.id) >= limit:
+            raise QueueFullError(who.name, limit, retry_after_s=2.0)
+        if run_id is not None:
+            await asyncio.to_thread(service.touch, run_id)  # an active run is not idle
+        record = await asyncio.to_thread(service.store.create_future, who.id, run_id, operation)
+        if key is not None:
+            requests[key] = record.id
+            if len(requests) > REMEMBERED_REQUESTS:
+                requests.popitem(last=False)
+
+        def start() -> None:
+            with contextlib.suppress(QueueFullError):  # enqueue failed the future with the reason
+                service.enqueue(who, record.id, operation, fn, batch)
+
+        def fail(message: str) -> None:
+            service.store.fail_future(record.id, message, 'user')
+
+        if run_id is None:
+            start()  # sampling: no model order to keep
+        else:
+            service.tinker.sequencer.add(run_id, seq_id, start, fail)
+        return record.id
+
+    def mixable(self, run: Run, call: ForwardBackwardCall) -> Batchable | None:
+        """How a ``forward_backward`` (or ``forward``) call can share a pass with other models'."""
+        service = self.service
+        if not service.config.mixed_batches:
+            return None
+
+        def run_many(payloads: list[tuple[Run, ForwardBackwardCall]]) -> list[dict[str, str] | Exception]:
+            requests = [(service.loaded(run), call) for run, call in payloads]
+            outputs = service.host.call(run_forward_backward_many, requests)
+            return [o if isinstance(o, Exception) else proto_result(o) for o in outputs]
+
+        tokens = sum(len(datum.tokens) for datum in call.data)
+        return Batchable(('tinker', call.forward_only), tokens, (run, call), run_many)
+
+    # ---- lookups --------------------------------------------------------------------------------
+    def run_of(self, who: Tenant, model_id: str) -> Run:
+        run = self.service.store.get_run(who.id, model_id)
+        if run is None or run.status == 'deleted':
+            raise NotFoundError(f'model {model_id!r} not found')
+        return run
+
+    def session_of(self, who: Tenant, session_id: str) -> Session:
+        session = self.service.store.get_session(who.id, session_id)
+        if session is None:
+            raise NotFoundError(f'session {session_id!r} not found')
+        return session
+
+    def base_model(self, name: str | None) -> str:
+        """The hosted base model if ``name`` names it (its id, with or without ``ms://`` or
+        ``hf://``, or its local path); 404 otherwise."""
+        hosted = self.service.config.base_model
+        if name not in {hosted, bare(hosted), self.service.host.model_id}:
+            raise NotFoundError(f'base model {name!r} is not served here; this server hosts {bare(hosted)!r}')
+        return hosted
+
+    def checkpoint(self, who: Tenant, path: str, kinds: tuple[str, ...]) -> Checkpoint:
+        """The checkpoint a ``tinker://`` path names, if this tenant may read it; else 404."""
+        run_id, kind, name = parse_checkpoint_path(path)  # a malformed path is a DataError (400)
+        found = self.service.store.get_readable_checkpoint(who.id, run_id, name, kind)
+        if found is None or kind not in kinds:
+            raise NotFoundError(f'checkpoint {path!r} not found')
+        return found
+
+
+def proto_result(output: bytes) -> dict[str, str]:
+    """A protobuf result as a future stores it (JSON)."""
+    return {PROTO_KEY: base64.b64encode(output).decode()}
+
+
+def bare(model_id: str) -> str:
+    """A model id without its hub scheme: ``ms://Qwen/Qwen3-4B`` -> ``Qwen/Qwen3-4B``."""
+    for scheme in ('ms://', 'hf://'):
+        if model_id.startswith(scheme):
+            return model_id[len(scheme) :]
+    return model_id
+
+
+__all__ = ['PREFIX', 'PROTO', 'PROTO_KEY', 'JsonObject', 'TinkerAPI', 'TinkerRoute', 'bare', 'proto_result', 'router']

@@ -1,0 +1,139 @@
+"""The Tinker sampling routes: what a ``SamplingClient`` calls to sample the base model, or saved
+sampler (or training) weights of a run the tenant may read.
+
+A sampling request is a future like any other, with no model order to keep. Options this server
+does not implement are refused with a 400 naming them, never ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import cast
+
+from fastapi import APIRouter
+from tinker import types
+
+from twinkle.data_format import SamplingParams
+from twinkle.errors import DataError, NotFoundError
+from twinkle.server.deps import Who
+from twinkle.server.state import Service
+from twinkle.server.store import Tenant
+from twinkle.server.tinker import codec
+from twinkle.server.tinker.api import JsonObject, TinkerAPI, bare, proto_result, router
+
+
+def sampling_router(service: Service) -> APIRouter:
+    """The routes of a Tinker sampling client."""
+    api, routes = TinkerAPI(service), router()
+    _session_routes(routes, api)
+    _sample_route(routes, api)
+    return routes
+
+
+def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
+    store = api.service.store
+
+    @routes.post('/create_sampling_session')
+    async def create_sampling_session(body: types.CreateSamplingSessionRequest, who: Who) -> JsonObject:
+        api.session_of(who, body.session_id)
+        base, path = _sampling_target(api, who, body.base_model, body.model_path)
+        sampling_id = f'{body.session_id}:sample:{body.sampling_session_seq_id}'
+        await asyncio.to_thread(store.create_sampling_session, who.id, sampling_id, body.session_id, base, path)
+        return {'type': 'create_sampling_session', 'sampling_session_id': sampling_id}
+
+    @routes.get('/samplers/{sampler_id}')
+    async def get_sampler(sampler_id: str, who: Who) -> JsonObject:
+        sampler = store.get_sampling_session(who.id, sampler_id)
+        if sampler is None:
+            raise NotFoundError(f'sampler {sampler_id!r} not found')
+        return {'sampler_id': sampler.id, 'base_model': bare(sampler.base_model), 'model_path': sampler.model_path}
+
+
+def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
+    service = api.service
+
+    @routes.post('/asample')
+    async def asample(body: types.SampleRequest, who: Who) -> JsonObject:
+        if body.sampling_session_id is not None:
+            sampler = service.store.get_sampling_session(who.id, body.sampling_session_id)
+            if sampler is None:
+                raise NotFoundError(f'sampling session {body.sampling_session_id!r} not found')
+            path = sampler.model_path
+        else:
+            _, path = _sampling_target(api, who, body.base_model, body.model_path)
+        directory = Path(api.checkpoint(who, path, kinds=('sampler', 'training')).path) if path else None
+        prompt, params = _sample_request(body, api.settings.default_max_tokens)
+        service.host.check_sampling_params(params)
+
+        def sample() -> dict[str, str]:
+            adapter = service.host.sampler_adapter(directory, path) if directory is not None else None
+            response = service.host.generate([{'input_ids': prompt}], params, adapter)[0]
+            return proto_result(
+                codec.sample_response(
+                    response,
+                    topk_sample_logprobs=body.topk_sample_logprobs,
+                    topk_prompt_logprobs=body.topk_prompt_logprobs,
+                )
+            )
+
+        request_id = await api.accept(who, None, None, 'sample', sample)
+        return {
+            'request_id': request_id,
+            'sample_sequence_ids': [f'{request_id}:{i}' for i in range(params.num_samples)],
+        }
+
+
+def _sampling_target(
+    api: TinkerAPI, who: Tenant, base_model: str | None, model_path: str | None
+) -> tuple[str, str | None]:
+    """(base model, sampler weights path or None) of a sampling request."""
+    if model_path is not None:
+        checkpoint = api.checkpoint(who, model_path, kinds=('sampler', 'training'))
+        source = api.service.store.get_run_by_id(checkpoint.run_id)
+        if source is None:  # deleted between the two reads
+            raise NotFoundError(f'checkpoint {model_path!r} not found')
+        return source.base_model, model_path
+    if base_model is None:
+        raise DataError('sampling needs a base_model or a model_path')
+    return api.base_model(base_model), None
+
+
+def _sample_request(body: types.SampleRequest, default_max_tokens: int) -> tuple[list[int], SamplingParams]:
+    """The prompt's tokens and twinkle's sampling parameters (a ``ConfigurationError`` for bad
+    ones); features this server does not implement are refused, never ignored."""
+    unsupported = {
+        'prompt_alt_tokens_k': body.prompt_alt_tokens_k,
+        'target_prompt_logprobs': body.target_prompt_logprobs is not None,
+        'prompt_logprobs_last_n': body.prompt_logprobs_last_n is not None,
+        'record_stability_info': bool(body.record_stability_info),
+    }
+    refused = sorted(name for name, value in unsupported.items() if value)
+    if refused:
+        raise DataError(f'sampling options {refused} are not supported by this server')
+    tokens = []
+    for chunk in body.prompt.chunks:
+        if not isinstance(chunk, types.EncodedTextChunk):
+            raise DataError(f'prompt chunks of type {getattr(chunk, "type", None)!r} are not supported')
+        tokens += list(chunk.tokens)
+    if not tokens:
+        raise DataError('the prompt has no tokens')
+    given = body.sampling_params
+    stop = given.stop if isinstance(given.stop, str) or given.stop is None else cast(list[str | int], list(given.stop))
+    params = SamplingParams(
+        max_tokens=given.max_tokens if given.max_tokens is not None else default_max_tokens,
+        temperature=given.temperature,
+        top_k=given.top_k,
+        top_p=given.top_p,
+        seed=given.seed,
+        stop=stop or None,
+        ignore_eos=stop == [],  # Tinker's stop=[]: not even EOS stops a sequence
+        num_samples=body.num_samples,
+        logprobs=body.topk_sample_logprobs or None,
+        prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
+        topk_prompt_logprobs=body.topk_prompt_logprobs,
+    )
+    return tokens, params
+
+
+__all__ = ['sampling_router']

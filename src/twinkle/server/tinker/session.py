@@ -1,0 +1,118 @@
+"""The Tinker routes every client calls, training or sampling: the client's configuration, its
+session and heartbeat, and ``retrieve_future``, which long-polls every request's result."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from tinker import types
+
+from twinkle.errors import NotFoundError
+from twinkle.server.deps import Who
+from twinkle.server.errors import ErrorBody
+from twinkle.server.scheduler import wait_job
+from twinkle.server.state import Service
+from twinkle.server.tinker.api import PROTO, PROTO_KEY, TinkerAPI, bare, router
+
+#: A heartbeat for a finished session: the SDK stops its heartbeat loop on a 410.
+GONE: dict[int | str, dict[str, Any]] = {
+    410: {'model': ErrorBody, 'description': 'The session is finished; stop sending heartbeats'}
+}
+#: ``retrieve_future`` answers JSON, or protobuf bytes for forward, forward_backward and sample.
+FUTURE_RESULTS: dict[int | str, dict[str, Any]] = {
+    200: {'content': {'application/json': {}, PROTO: {'schema': {'type': 'string', 'format': 'binary'}}}}
+}
+
+
+def session_router(service: Service) -> APIRouter:
+    """Configuration, sessions and futures of the Tinker API."""
+    api, routes = TinkerAPI(service), router()
+    _client_routes(routes, api)
+    _session_routes(routes, api)
+    _future_routes(routes, api)
+    return routes
+
+
+def _client_routes(routes: APIRouter, api: TinkerAPI) -> None:
+    @routes.post('/client/config')
+    async def client_config(who: Who) -> dict[str, Any]:
+        return {
+            'pjwt_auth_enabled': False,
+            'use_pyqwest_transport': False,
+            'parallel_fwdbwd_chunks': True,
+            'proto_compress_fwdbwd': False,
+            'fwdbwd_max_chunk_len': api.settings.fwdbwd_max_chunk_len,
+        }
+
+    @routes.get('/healthz')
+    async def healthz() -> dict[str, str]:
+        return {'status': 'ok'}
+
+    @routes.get('/get_server_capabilities')
+    async def capabilities(who: Who) -> dict[str, Any]:
+        model = {'model_name': bare(api.service.config.base_model), 'trainable': True, 'sampleable': True}
+        return {'supported_models': [{**model, 'max_context_length': api.service.host.context}]}
+
+    @routes.post('/telemetry')
+    async def telemetry(who: Who) -> dict[str, str]:
+        return {'status': 'accepted'}  # the server keeps its own metrics (/metrics)
+
+
+def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
+    store = api.service.store
+
+    @routes.post('/create_session')
+    async def create_session(body: types.CreateSessionRequest, who: Who) -> dict[str, Any]:
+        info = body.model_dump(mode='json', exclude={'type'})
+        session = await asyncio.to_thread(store.create_session, who.id, info)
+        return {'type': 'create_session', 'session_id': session.id}
+
+    @routes.post('/session_heartbeat', responses=GONE, response_model=None)
+    async def heartbeat(body: types.SessionHeartbeatRequest, who: Who) -> dict[str, Any] | JSONResponse:
+        session = api.session_of(who, body.session_id)
+        if session.status != 'active':
+            gone = ErrorBody(detail=f'session {body.session_id!r} is finished', error='StateError')
+            return JSONResponse(gone.model_dump(), status_code=410)
+        await asyncio.to_thread(store.heartbeat, session.id)
+        return {'type': 'session_heartbeat'}
+
+    @routes.post('/sessions/{session_id}/finish')
+    async def finish(session_id: str, who: Who) -> dict[str, Any]:
+        api.session_of(who, session_id)
+        await asyncio.to_thread(store.finish_session, session_id)
+        return {'session_id': session_id, 'status': 'finished'}
+
+
+def _future_routes(routes: APIRouter, api: TinkerAPI) -> None:
+    service = api.service
+
+    @routes.post('/retrieve_future', responses=FUTURE_RESULTS, response_model=None)
+    async def retrieve_future(body: types.FutureRetrieveRequest, who: Who) -> Any:
+        """The request's result once it is done; ``try_again`` after ``retrieve_wait_s`` if not;
+        ``{error, category}`` if it failed."""
+        record = service.store.get_future(who.id, body.request_id)
+        if record is None:
+            raise NotFoundError(f'request {body.request_id!r} not found')
+        deadline = time.monotonic() + api.settings.retrieve_wait_s
+        while not record.finished and time.monotonic() < deadline:
+            job = service.scheduler.get(record.id)
+            if job is not None:
+                await wait_job(job, max(0.0, deadline - time.monotonic()))
+            else:
+                await asyncio.sleep(0.05)  # waiting for its turn in the model's seq_id order
+            record = service.store.get_future(who.id, body.request_id) or record
+        if not record.finished:
+            return {'type': 'try_again', 'request_id': record.id, 'queue_state': 'active'}
+        if record.status == 'failed':
+            return {'error': record.error, 'category': record.category}
+        if isinstance(record.result, dict) and PROTO_KEY in record.result:
+            return Response(base64.b64decode(record.result[PROTO_KEY]), media_type=PROTO)
+        return record.result
+
+
+__all__ = ['session_router']

@@ -1,0 +1,277 @@
+"""The Tinker training routes: what a ``TrainingClient`` calls to create a LoRA model, run
+``forward_backward`` and ``optim_step``, and save and load its weights.
+
+Each compute request is accepted at once as a future and runs in its model's ``seq_id`` order
+(see :mod:`.api`); what a request does to the model is in :mod:`.train`. A request the model
+refuses fails its future (``{error, category}``), so its number is still consumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from pydantic import JsonValue
+from tinker import types
+
+from twinkle.errors import ConfigurationError, DataError, NotFoundError, TwinkleError
+from twinkle.server.deps import Who
+from twinkle.server.state import Service
+from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name
+from twinkle.server.tinker import codec
+from twinkle.server.tinker.api import PROTO, JsonObject, TinkerAPI, bare, proto_result, router
+from twinkle.server.tinker.train import lora_config, optim_step, run_forward_backward
+
+#: ``forward_backward`` takes a protobuf ``ForwardBackwardRequest`` (FastAPI cannot declare it).
+PROTOBUF_BODY = {
+    'requestBody': {
+        'required': True,
+        'description': 'A ForwardBackwardRequest of the tinker_public protobuf package, optionally zstd-compressed',
+        'content': {PROTO: {'schema': {'type': 'string', 'format': 'binary'}}},
+    }
+}
+#: The optimizer a new model starts with; each ``optim_step`` then sets its hyperparameters.
+ADAMW: JsonObject = {'optimizer_cls': 'AdamW', 'lr': 1e-4, 'betas': [0.9, 0.95]}
+
+
+def training_router(service: Service) -> APIRouter:
+    """The routes of a Tinker training client."""
+    api, routes = TinkerAPI(service), router()
+    _model_routes(routes, api)
+    _step_routes(routes, api)
+    _checkpoint_routes(routes, api)
+    return routes
+
+
+# ---- models ---------------------------------------------------------------------------------------
+def _model_routes(routes: APIRouter, api: TinkerAPI) -> None:
+    service = api.service
+
+    @routes.post('/create_model')
+    async def create_model(body: types.CreateModelRequest, who: Who) -> JsonObject:
+        api.session_of(who, body.session_id)
+        base = api.base_model(body.base_model)
+        if body.lora_config is None:
+            raise ConfigurationError('this server trains LoRA adapters only: send a lora_config')
+        _check_optimizer(body.optimizer_config)
+        model_id = f'{body.session_id}:train:{body.model_seq_id}'
+        lora = lora_config(service.host, body.lora_config, api.settings.lora_alpha)
+        service.host.check_adapter(lora)
+        loras = (lora, body.lora_config.model_dump(mode='json'))
+        request_id = await _create_run(api, who, model_id, base, loras, body.session_id, body.user_metadata)
+        return {'request_id': request_id, 'model_id': model_id}
+
+    @routes.post('/get_info')
+    async def get_info(body: types.GetInfoRequest, who: Who) -> JsonObject:
+        run = api.run_of(who, body.model_id)
+        host, name = service.host, bare(run.base_model)
+        return {
+            'type': 'get_info',
+            'model_id': run.id,
+            'model_data': {'arch': host.architecture, 'model_name': name, 'tokenizer_id': host.model_id},
+            'is_lora': True,
+            'lora_rank': run.config.get('lora', {}).get('r'),
+            'model_name': name,
+        }
+
+
+async def _create_run(
+    api: TinkerAPI,
+    who: Tenant,
+    model_id: str,
+    base: str,
+    loras: tuple[JsonObject, JsonObject],
+    session_id: str,
+    metadata: dict[str, JsonValue] | None,
+    then: Callable[[str], JsonObject] | None = None,
+) -> str:
+    """Create the run ``model_id`` (seq 0 of its model) with a LoRA adapter (``loras``: its peft
+    config and the Tinker config it came from) and AdamW; ``then``
+    runs on the new adapter (loading a checkpoint) and gives the result. A retry gets the first
+    request's id."""
+    service, requests = api.service, api.service.tinker.requests
+    if (who.id, model_id, 0) in requests:
+        return requests[(who.id, model_id, 0)]
+    service.check_quota(who)  # a 429 while the tenant holds its max_adapters_per_tenant, none idle
+    service.check_quota(who)
+    lora, tinker_lora = loras
+    setup: JsonObject = {'operation': 'set_optimizer', 'kwargs': ADAMW}
+    config: JsonObject = {
+        'api': 'tinker', 'lora': lora, 'tinker_lora': tinker_lora, 'setup': [setup], 'user_metadata': metadata or {}
+    }  # fmt: skip
+    try:
+        run = await asyncio.to_thread(
+            service.store.create_run, who.id, base, 'default', config, run_id=model_id, session_id=session_id
+        )
+    except TwinkleError as e:  # a 400, not the store's 409: the SDK retries a 409 for minutes
+        raise DataError(f'model {model_id!r} cannot be created: {e}') from None
+
+    def create() -> JsonObject:
+        adapter = service.adapter_name(run)
+        try:
+            service.make_room(run)
+            seed = tinker_lora.get('seed')
+            service.host.add_adapter(adapter, lora, 1, seed if isinstance(seed, int) else None)
+            service.host.run(adapter, 'set_optimizer', dict(ADAMW))
+            created: JsonObject = {'model_id': model_id, 'type': 'create_model'}
+            result = then(adapter) if then is not None else created
+        except BaseException:
+            service.host.remove_adapter(adapter)
+            service.store.set_run_status(run.id, 'deleted')
+            raise
+        service.adapters[run.id] = adapter
+        return result
+
+    return await api.accept(who, model_id, 0, 'create_model', create)
+
+
+def _check_optimizer(config: types.OptimizerConfig | None) -> None:
+    if config is not None and getattr(config, 'type', 'adamw') != 'adamw':
+        raise ConfigurationError(f'optimizer {config.type!r} is not supported; this server runs adamw')
+
+
+# ---- forward, backward and step -------------------------------------------------------------------
+def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
+    service = api.service
+
+    @routes.post('/forward_backward', openapi_extra=PROTOBUF_BODY)
+    async def forward_backward(request: Request, who: Who) -> JsonObject:
+        try:
+            call = codec.parse_forward_backward(await request.body(), request.headers.get('content-encoding'))
+        except DataError as e:
+            raise DataError(f'malformed ForwardBackwardRequest: {e}') from None
+        if call.seq_id <= 0:
+            raise DataError(f'forward_backward needs a seq_id >= 1 (the model is seq 0); got {call.seq_id}')
+        run = api.run_of(who, call.model_id)
+
+        def compute() -> dict[str, str]:
+            return proto_result(service.host.call(run_forward_backward, service.loaded(run), call))
+
+        operation = 'forward' if call.forward_only else 'forward_backward'
+        request_id = await api.accept(who, run.id, call.seq_id, operation, compute, api.mixable(run, call))
+        return {'request_id': request_id, 'model_id': run.id}
+
+    @routes.post('/optim_step')
+    async def step(body: types.OptimStepRequest, who: Who) -> JsonObject:
+        run = api.run_of(who, body.model_id)
+        params = body.optim_params
+        if not isinstance(params, types.AdamParams):
+            raise ConfigurationError(f'optimizer {params.type!r} is not supported; this server runs adamw')
+
+        def compute() -> JsonObject:
+            return service.host.call(optim_step, service.loaded(run), params)
+
+        request_id = await api.accept(who, run.id, body.seq_id, 'optim_step', compute)
+        return {'request_id': request_id, 'model_id': run.id}
+
+
+# ---- saving and loading ---------------------------------------------------------------------------
+def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
+    service = api.service
+
+    @routes.post('/save_weights')
+    async def save_weights(body: types.SaveWeightsRequest, who: Who) -> JsonObject:
+        run = api.run_of(who, body.model_id)
+        name = _checkpoint_name(body.path, body.seq_id)
+        expires = _expiry(body.ttl_seconds)
+
+        def save() -> JsonObject:
+            if not body.overwrite and service.store.get_checkpoint(who.id, run.id, name) is not None:
+                raise ConfigurationError(f'checkpoint weights/{name} exists; save with overwrite=True to replace it')
+            checkpoint = _save(service, who, run, name, 'training', expires)
+            return {'path': checkpoint.tinker_path, 'type': 'save_weights'}
+
+        request_id = await api.accept(who, run.id, body.seq_id, 'save_weights', save)
+        return {'request_id': request_id, 'model_id': run.id}
+
+    @routes.post('/save_weights_for_sampler')
+    async def save_for_sampler(body: types.SaveWeightsForSamplerRequest, who: Who) -> JsonObject:
+        run = api.run_of(who, body.model_id)
+        named = body.path is not None
+        name = _checkpoint_name(body.path, body.seq_id) if named else f'sampler-{body.sampling_session_seq_id}'
+        expires = _expiry(body.ttl_seconds)
+
+        def save() -> JsonObject:
+            checkpoint = _save(service, who, run, name, 'sampler', expires)
+            result: JsonObject = {'path': checkpoint.tinker_path, 'type': 'save_weights_for_sampler'}
+            if not named:
+                if run.session_id is None:
+                    raise DataError(f'run {run.id!r} was made by the native API: save its sampler weights by name')
+                sampling_id = f'{run.session_id}:sample:{body.sampling_session_seq_id}'
+                service.store.create_sampling_session(
+                    who.id, sampling_id, run.session_id, run.base_model, checkpoint.tinker_path
+                )
+                result['sampling_session_id'] = sampling_id
+            return result
+
+        request_id = await api.accept(who, run.id, body.seq_id, 'save_weights_for_sampler', save)
+        return {'request_id': request_id, 'model_id': run.id}
+
+    @routes.post('/load_weights')
+    async def load_weights(body: types.LoadWeightsRequest, who: Who) -> JsonObject:
+        checkpoint = api.checkpoint(who, body.path, kinds=('training',))
+        if body.model_id is None:
+            return await _create_from_checkpoint(api, who, body, checkpoint)
+        run = api.run_of(who, body.model_id)
+
+        def load() -> JsonObject:
+            service.host.load(service.loaded(run), Path(checkpoint.path), body.optimizer, body.path)
+            return {'path': body.path, 'model_id': run.id, 'type': 'load_weights'}
+
+        request_id = await api.accept(who, run.id, body.seq_id, 'load_weights', load)
+        return {'request_id': request_id, 'model_id': run.id}
+
+
+async def _create_from_checkpoint(
+    api: TinkerAPI, who: Tenant, body: types.LoadWeightsRequest, checkpoint: Checkpoint
+) -> JsonObject:
+    """A new model from a training checkpoint: its source run's LoRA config, its weights, and
+    with ``optimizer`` its AdamW state."""
+    if body.session_id is None or body.model_seq_id is None:
+        raise DataError('load_weights needs a model_id, or a session_id and model_seq_id to create one')
+    api.session_of(who, body.session_id)
+    _check_optimizer(body.optimizer_config)
+    source = api.service.store.get_run_by_id(checkpoint.run_id)
+    if source is None:  # deleted between the two reads
+        raise NotFoundError(f'checkpoint {body.path!r} not found')
+    base = api.base_model(bare(source.base_model) if body.base_model is None else body.base_model)
+    model_id = f'{body.session_id}:train:{body.model_seq_id}'
+    lora = source.config['lora']
+    tinker_lora = source.config.get('tinker_lora') or {'rank': lora.get('r')}  # a native run's: its rank
+
+    def load(adapter: str) -> JsonObject:
+        api.service.host.load(adapter, Path(checkpoint.path), body.optimizer, body.path)
+        return {'path': body.path, 'model_id': model_id, 'type': 'load_weights'}
+
+    loras = (lora, tinker_lora)
+    request_id = await _create_run(api, who, model_id, base, loras, body.session_id, body.user_metadata, load)
+    return {'request_id': request_id, 'model_id': model_id}
+
+
+def _save(service: Service, who: Tenant, run: Run, name: str, kind: str, expires_at: float | None) -> Checkpoint:
+    """Save the run's adapter (with the optimizer for training checkpoints) atomically, then record it."""
+    directory = service.checkpoint_dir(who, run.id)
+    if kind == 'sampler':
+        directory = directory / 'sampler_weights'
+    path = Path(service.host.save(service.loaded(run), directory, name, save_optimizer=kind == 'training'))
+    size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
+    return service.store.add_checkpoint(who.id, run.id, name, str(path), kind, size, expires_at=expires_at)
+
+
+def _checkpoint_name(path: str | None, seq_id: int | None) -> str:
+    name = path if path is not None else f'step-{seq_id if seq_id is not None else int(time.time())}'
+    return check_checkpoint_name(name)  # a DataError (400) naming what a name may hold
+
+
+def _expiry(ttl_seconds: int | None) -> float | None:
+    if ttl_seconds is None:
+        return None
+    if ttl_seconds <= 0:
+        raise DataError(f'ttl_seconds must be positive; got {ttl_seconds}')
+    return time.time() + ttl_seconds
+
+
+__all__ = ['training_router']
