@@ -15,6 +15,7 @@ tensor([2., 3.])
 from __future__ import annotations
 
 import atexit
+import gc
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -104,8 +105,30 @@ def init_process_group(mesh: DeviceMesh) -> bool:
 
 
 def _destroy() -> None:
+    """At exit: destroy the process group, and let its C++ worker threads end while Python runs.
+
+    ``destroy_process_group`` drops only torch's own references to the groups. A torch device
+    mesh keeps its groups too (``_pg_registry``), and FSDP2's meshes outlive the model: DTensor's
+    sharding caches hold them. The gloo group, with its worker threads, then lived on into
+    interpreter finalization, where a worker that frees a finished collective's tensor takes the
+    GIL, is ended by CPython, and aborts the process ("terminate called without an active
+    exception", pytorch#190489). Dropping the meshes' references frees the group here: its
+    destructor waits for the work in flight and joins its threads. (Also when the script
+    destroyed the group itself: the meshes hold it all the same.)"""
     if is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # cyclic garbage (a model built in a function) that still holds a mesh
+    _release_mesh_groups()
+
+
+def _release_mesh_groups() -> None:
+    """Clear the process groups every live torch device mesh holds (the process is exiting)."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    for obj in gc.get_objects():
+        registry = getattr(obj, '_pg_registry', None) if isinstance(obj, TorchDeviceMesh) else None
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 def barrier() -> None:
