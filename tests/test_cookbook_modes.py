@@ -114,6 +114,8 @@ def test_grpo_recipe_in_every_runtime_gives_the_numbers_of_one_process(grpo_one,
     # group. Sampling seeds follow the prompt and step only, so the samples, rewards and losses
     # are those of one process.
     history = grpo_history(runtime, tmp_path)
-    assert [r['total_reward'] for r in history] == [r['total_reward'] for r in grpo_one]
+    # The same samples give the same rewards; their mean is merged over the ranks (summed in
+    # another order), so it agrees to float rounding.
+    assert [r['total_reward'] for r in history] == pytest.approx([r['total_reward'] for r in grpo_one], abs=1e-6)
     assert_close([r['loss'] for r in history], [r['loss'] for r in grpo_one])
     assert_close([r['kl'] for r in history], [r['kl'] for r in grpo_one])

@@ -182,7 +182,14 @@ def test_a_tenant_whose_loss_is_not_finite_fails_alone_in_a_shared_tinker_pass(t
     assert isinstance(good, bytes)
     assert isinstance(bad, DataError) and 'not finite' in str(bad)
     (twin,) = run_forward_backward_many(host, [('twin', call(-1.0))])
-    assert twin == good
+    # A pass of 2 rows against one of 1 row: equal up to float rounding (CPU matmuls block by shape).
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    twin_out, good_out = deserialize_forward_backward_output(twin), deserialize_forward_backward_output(good)
+    assert twin_out.metrics == pytest.approx(good_out.metrics, rel=TOL, abs=TOL)
+    assert twin_out.loss_fn_outputs[0]['logprobs'].tolist() == pytest.approx(
+        good_out.loss_fn_outputs[0]['logprobs'].tolist(), abs=TOL
+    )
     groups = host.model.groups
     for p, q in zip(groups['good'].params, groups['twin'].params, strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

@@ -60,7 +60,8 @@ def test_a_model_in_a_ray_actor_trains_exactly_like_one_in_process(local_ray, tm
     local, key = serve(tmp_path / 'local', tiny_model_dir)
     with local as url:
         in_process = losses(url, key, tiny_model_dir)
-    assert through_ray == pytest.approx(in_process, rel=1e-6)  # fp32 sums; the actor runs on 1 thread
+    # The actor runs on 1 thread, this process on more: fp32 matmuls sum in another order.
+    assert through_ray == pytest.approx(in_process, rel=1e-5)
     assert through_ray[-1] < through_ray[0]
 
 
