@@ -175,9 +175,11 @@ def test_bad_requests_get_a_4xx_that_names_the_problem_and_the_server_keeps_serv
     bad_row = {**batches[0][0], 'input_ids': [5000, *batches[0][0]['input_ids'][1:]]}
     cases = [
         ('POST', f'{ops}/set_loss', {'loss_cls': 'NoSuchLoss'}, 400, "Unknown loss 'NoSuchLoss'"),
-        ('POST', f'{ops}/set_optimizer', {'optimizer_cls': 'AdamW', 'lr': float('nan')}, 400, 'finite'),
+        ('POST', f'{ops}/set_optimizer', {'optimizer_cls': 'AdamW', 'options': {'lr': float('nan')}}, 422, 'finite'),
+        ('POST', f'{ops}/set_optimizer', {'optimizer_cls': 'AdamW', 'lr': 1e-3}, 422, 'extra_forbidden'),
         ('POST', f'{ops}/forward_backward', {'inputs': [bad_row]}, 400, 'token id 5000, outside the vocabulary'),
-        ('POST', f'{ops}/forward_backward', {'inputs': []}, 400, 'non-empty list'),
+        ('POST', f'{ops}/forward_backward', {'inputs': []}, 422, 'at least 1 item'),
+        ('POST', f'{ops}/step', {'surprise': 1}, 422, 'surprise'),
         ('POST', f'{ops}/no_such_op', {}, 400, "Unknown operation 'no_such_op'"),
         ('POST', '/twinkle/v1/runs', {'lora': {'r': 999}}, 400, 'rank r=999'),
         ('POST', '/twinkle/v1/runs', {'lora': {'r': 4}, 'surprise': 1}, 422, 'surprise'),

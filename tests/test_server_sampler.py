@@ -11,7 +11,7 @@ from server_helpers import background_server
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SampledSequence, SampleResponse, SamplingParams
 from twinkle.dataset import DatasetMeta
-from twinkle.errors import StateError
+from twinkle.errors import DataError, StateError
 from twinkle.model import TransformersModel
 from twinkle.sampler import TorchSampler as LocalSampler
 from twinkle.template import Template
@@ -164,17 +164,27 @@ def test_bad_sample_requests_are_a_400_that_names_the_problem(server, tiny_model
         ([{'input_ids': [1, 2]}], {'max_tokens': context}, f'exceed the model context of {context} tokens'),
         # 3 prompts x 200 samples x (2 prompt tokens + max_tokens 8) = 6000 tokens, over 4096.
         ([{'input_ids': [1, 2]}] * 3, {'max_tokens': 8, 'num_samples': 200}, 'over the limit of 4096'),
-        ([{'prompt': 'hi'}], None, "prompt 0 must be an object with 'input_ids' or 'messages'"),
-        ([{'messages': [{'role': 'user'}]}], None, 'message 0 needs a string role and content'),
     ]
     for prompts, params, message in cases:
         with pytest.raises(RemoteError) as error:
             sampler.sample(prompts, params)
         assert error.value.status == 400, (params, str(error.value))
         assert message in str(error.value), (params, str(error.value))
-    with pytest.raises(RemoteError, match='base_model must be true or false') as error:
+    # A prompt's shape is the wire's (twinkle.wire.Prompt): the client refuses it before sending.
+    shapes = [
+        ([{'prompt': 'hi'}], "inputs.0: Value error, a prompt needs 'input_ids' or 'messages'"),
+        ([{'messages': [{'role': 'user'}]}], 'inputs.0.messages: Value error, message 0 needs a string role'),
+    ]
+    for prompts, message in shapes:
+        with pytest.raises(DataError) as refused:
+            sampler.sample(prompts)
+        assert message in str(refused.value), str(refused.value)
+    # ... and the server's route, for a request that did not come through the client: a 422 naming the field.
+    with pytest.raises(
+        RemoteError, match=r"'loc': \['body', 'base_model'\], 'msg': 'Input should be a valid boolean'"
+    ) as error:
         model.client.submit(f'/twinkle/v1/runs/{model.runs["policy"]}/ops/sample', {'inputs': PROMPTS, 'base_model': 1})
-    assert error.value.status == 400
+    assert error.value.status == 422
     # A role the template refuses is only found when encoding, on the worker: that request fails alone.
     with pytest.raises(RemoteError, match="role 'robot'") as error:
         sampler.sample([{'messages': [{'role': 'robot', 'content': 'hi'}]}])

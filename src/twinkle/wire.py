@@ -17,10 +17,20 @@ server (``ModelHost._<name>``, or the model's method of the same name).
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from twinkle.data_format import IGNORE_INDEX
 from twinkle.errors import DataError
@@ -42,6 +52,19 @@ _PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._:-]*')
 INT64 = 2**63
 
 
+def _finite(value: JsonValue) -> JsonValue:
+    """No NaN or infinity anywhere in ``value``: JSON has none, but Python's ``json`` writes them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f'{value} is not a finite number')
+    for item in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        _finite(item)
+    return value
+
+
+#: Any JSON value without NaN or infinity (``allow_inf_nan`` does not reach inside ``JsonValue``).
+FiniteJson = Annotated[JsonValue, AfterValidator(_finite)]
+
+
 class Wire(BaseModel):
     """Strict JSON: no unknown fields, no '1' for 1 or 1 for true, no NaN or infinity."""
 
@@ -54,7 +77,7 @@ class CreateRun(Wire):
 
     adapter_name: str = 'default'
     #: peft ``LoraConfig`` fields (``LORA_FIELDS``); the server checks the values it allows.
-    lora: dict[str, JsonValue] = Field(default_factory=dict)
+    lora: dict[str, FiniteJson] = Field(default_factory=dict)
     gradient_accumulation_steps: int = Field(1, gt=0)
     #: Must name the server's base model when given.
     base_model: str | None = None
@@ -150,7 +173,10 @@ class ServerInfo(Answer):
 
 # ---- operations ---------------------------------------------------------------------------------------
 class InputRow(Wire):
-    """One encoded row to train or score on: token ids with labels (``IGNORE_INDEX`` where not trained)."""
+    """One encoded row to train or score on: token ids with labels (``IGNORE_INDEX`` where not
+    trained). Other keys of a dataset's row (``messages``, ``user_data``...) are dropped."""
+
+    model_config = ConfigDict(extra='ignore')
 
     input_ids: list[int] = Field(min_length=1)
     labels: list[int]
@@ -177,15 +203,18 @@ class InputRow(Wire):
 
 
 class Prompt(Wire):
-    """A prompt to sample from: encoded ``input_ids``, or ``messages`` the run's template encodes."""
+    """A prompt to sample from: encoded ``input_ids``, or ``messages`` the run's template encodes.
+    Other keys of a dataset's row (``user_data``...) are dropped."""
+
+    model_config = ConfigDict(extra='ignore')
 
     input_ids: list[int] | None = Field(None, min_length=1)
-    messages: list[dict[str, JsonValue]] | None = Field(None, min_length=1)
-    tools: list[dict[str, JsonValue]] | None = None
+    messages: list[dict[str, FiniteJson]] | None = Field(None, min_length=1)
+    tools: list[dict[str, FiniteJson]] | None = None
 
     @field_validator('messages')
     @classmethod
-    def _turns(cls, messages: list[dict[str, JsonValue]] | None) -> list[dict[str, JsonValue]] | None:
+    def _turns(cls, messages: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         for turn, message in enumerate(messages or []):
             content = message.get('content', ...)
             if not isinstance(message.get('role'), str) or not (content is None or isinstance(content, str)):
@@ -219,7 +248,7 @@ class Configure(Operation):
     #: The field that names the component.
     component_field: ClassVar[str]
     #: The component's constructor arguments (``lr``, ``betas``...), checked by the server against it.
-    options: dict[str, JsonValue] = Field(default_factory=dict)
+    options: dict[str, FiniteJson] = Field(default_factory=dict)
 
     @model_validator(mode='after')
     def _options_apart(self) -> Configure:
@@ -270,7 +299,7 @@ class ForwardBackward(Operation):
     #: Run ``inputs`` in chunks of this many rows (one accumulation step either way).
     micro_batch_size: int | None = Field(None, gt=0)
     #: Per-row inputs of the loss (``advantages``, ``old_logps``...), passed to it by name.
-    loss_inputs: dict[str, JsonValue] = Field(default_factory=dict)
+    loss_inputs: dict[str, FiniteJson] = Field(default_factory=dict)
 
     @model_validator(mode='after')
     def _loss_inputs_apart(self) -> ForwardBackward:
@@ -298,7 +327,7 @@ class ForwardOnly(Operation):
 class Sample(Operation):
     inputs: list[Prompt] = Field(min_length=1)
     #: ``twinkle.data_format.SamplingParams`` fields; the server checks them.
-    sampling_params: dict[str, JsonValue] | None = None
+    sampling_params: dict[str, FiniteJson] | None = None
     #: Sample the base model, every adapter off.
     base_model: StrictBool = False
 

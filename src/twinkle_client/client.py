@@ -3,15 +3,26 @@ server's message."""
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ValidationError
 
-from twinkle.errors import TwinkleError
+from twinkle.errors import DataError, TwinkleError
+from twinkle.wire import (
+    CheckpointInfo,
+    CheckpointList,
+    FutureAccepted,
+    FutureInfo,
+    RunInfo,
+    RunList,
+    parse_twinkle_path,
+)
 
 PREFIX = '/twinkle/v1'
+Wire = TypeVar('Wire', bound=BaseModel)
 _default: TwinkleClient | None = None
 
 
@@ -24,26 +35,10 @@ class RemoteError(TwinkleError, RuntimeError):
         self.status, self.category = status, category
 
 
-class TrainingRun(BaseModel):
-    model_config = ConfigDict(extra='ignore')
-
-    training_run_id: str
-    base_model: str
-    adapter_name: str
-    status: str
-    created_at: float
-    last_request_at: float
-
-
-class Checkpoint(BaseModel):
-    model_config = ConfigDict(extra='ignore')
-
-    name: str
-    run_id: str
-    twinkle_path: str
-    kind: str
-    size_bytes: int
-    created_at: float
+#: A training run as the server describes it (``twinkle.wire.RunInfo``).
+TrainingRun = RunInfo
+#: A saved checkpoint as the server describes it (``twinkle.wire.CheckpointInfo``).
+Checkpoint = CheckpointInfo
 
 
 class TwinkleClient:
@@ -72,19 +67,23 @@ class TwinkleClient:
             raise RemoteError(_detail(response), response.status_code)
         return response.json()
 
-    def submit(self, path: str, body: dict[str, Any]) -> str:
-        return self.request('POST', path, json=body)['future_id']
+    def submit(self, path: str, body: BaseModel | dict[str, Any]) -> str:
+        """Queue a compute request (a ``twinkle.wire`` model, or its JSON); its future id."""
+        content = body.model_dump(mode='json') if isinstance(body, BaseModel) else body
+        return FutureAccepted.model_validate(self.request('POST', path, json=content)).future_id
 
     def result(self, future_id: str) -> Any:
         """Wait for a compute request; its result, or ``RemoteError`` if it failed."""
         while True:
-            record = self.request('GET', f'{PREFIX}/futures/{future_id}', params={'wait': 30})
-            if record['status'] == 'done':
-                return record['result']
-            if record['status'] == 'failed':
-                raise RemoteError(record['error'], 200, record.get('category') or 'server')
+            record = FutureInfo.model_validate(
+                self.request('GET', f'{PREFIX}/futures/{future_id}', params={'wait': 30})
+            )
+            if record.status == 'done':
+                return record.result
+            if record.status == 'failed':
+                raise RemoteError(record.error or 'the request failed', 200, record.category or 'server')
 
-    def call(self, path: str, body: dict[str, Any]) -> Any:
+    def call(self, path: str, body: BaseModel | dict[str, Any]) -> Any:
         return self.result(self.submit(path, body))
 
     def close(self) -> None:
@@ -99,20 +98,17 @@ class TwinkleClient:
 
     def list_training_runs(self, limit: int = 100, offset: int = 0) -> list[TrainingRun]:
         data = self.request('GET', f'{PREFIX}/runs', params={'limit': limit, 'offset': offset})
-        return [TrainingRun(**run) for run in data['runs']]
+        return RunList.model_validate(data).runs
 
     def get_training_run(self, run_id: str) -> TrainingRun:
-        return TrainingRun(**self.request('GET', f'{PREFIX}/runs/{run_id}'))
+        return RunInfo.model_validate(self.request('GET', f'{PREFIX}/runs/{run_id}'))
 
     def list_checkpoints(self, run_id: str) -> list[Checkpoint]:
-        data = self.request('GET', f'{PREFIX}/runs/{run_id}/checkpoints')
-        return [Checkpoint(**checkpoint) for checkpoint in data['checkpoints']]
+        return CheckpointList.model_validate(self.request('GET', f'{PREFIX}/runs/{run_id}/checkpoints')).checkpoints
 
     def delete_checkpoint(self, run_id_or_path: str, name: str | None = None) -> None:
         """Delete by ``twinkle://run/checkpoints/name`` or by run id and name."""
         if name is None:
-            from twinkle.server.store import parse_twinkle_path
-
             run_id_or_path, name = parse_twinkle_path(run_id_or_path)
         self.request('DELETE', f'{PREFIX}/runs/{run_id_or_path}/checkpoints/{name}')
 
@@ -128,6 +124,21 @@ def default_client() -> TwinkleClient:
     if _default is None:
         raise TwinkleError('no twinkle client: call init_twinkle_client(base_url, api_key) or pass client=')
     return _default
+
+
+def build(model: type[Wire], fields: dict[str, Any]) -> Wire:
+    """A ``twinkle.wire`` request from Python values (tuples as lists, as JSON has them), or a
+    ``DataError`` saying which field is wrong, before anything is sent."""
+    try:
+        return model.model_validate(json.loads(json.dumps(fields)))
+    except (TypeError, ValueError) as e:  # a value JSON cannot carry (a tensor, a set), or a bad field
+        raise DataError(f'{model.__name__}: {_problems(e)}') from None
+
+
+def _problems(error: Exception) -> str:
+    if not isinstance(error, ValidationError):
+        return str(error)
+    return '; '.join(f'{".".join(map(str, p["loc"])) or "body"}: {p["msg"]}' for p in error.errors())
 
 
 def _detail(response: httpx.Response) -> str:

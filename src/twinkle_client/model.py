@@ -15,8 +15,8 @@ from peft import LoraConfig
 
 from twinkle.data_format import ModelOutput
 from twinkle.errors import ConfigurationError, UnknownNameError
-from twinkle.server.host import FEATURE_FIELDS, LORA_FIELDS
-from twinkle_client.client import PREFIX, TwinkleClient, default_client
+from twinkle.wire import FEATURE_FIELDS, LORA_FIELDS, OPERATIONS, CreateRun, LoadRequest, RunInfo, SaveRequest
+from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
 
 
 class MultiLoraTransformersModel:
@@ -33,15 +33,16 @@ class MultiLoraTransformersModel:
         adapter's initial weights."""
         if adapter_name in self.runs:
             raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {list(self.runs)}')
-        body = {
+        fields = {
             'adapter_name': adapter_name,
             'lora': _lora_fields(config),
             'gradient_accumulation_steps': gradient_accumulation_steps,
             'seed': seed,
         }
-        run = self.client.request('POST', f'{PREFIX}/runs', json=body)
-        self.runs[adapter_name] = run['training_run_id']
-        return run['training_run_id']
+        body = build(CreateRun, fields).model_dump(mode='json')
+        run = RunInfo.model_validate(self.client.request('POST', f'{PREFIX}/runs', json=body))
+        self.runs[adapter_name] = run.training_run_id
+        return run.training_run_id
 
     def attach(self, run_id: str, adapter_name: str = 'default') -> None:
         """Continue an existing training run of this tenant under ``adapter_name``."""
@@ -50,29 +51,33 @@ class MultiLoraTransformersModel:
 
     # ---- the local API --------------------------------------------------------------------------
     def set_optimizer(self, optimizer_cls: str = 'AdamW', *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        self._op('set_optimizer', adapter_name, optimizer_cls=_name(optimizer_cls), **kwargs)
+        self._op('set_optimizer', adapter_name, optimizer_cls=_name(optimizer_cls), options=kwargs)
 
     def set_lr_scheduler(self, scheduler_cls: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        self._op('set_lr_scheduler', adapter_name, scheduler_cls=_name(scheduler_cls), **kwargs)
+        self._op('set_lr_scheduler', adapter_name, scheduler_cls=_name(scheduler_cls), options=kwargs)
 
     def set_loss(self, loss_cls: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        self._op('set_loss', adapter_name, loss_cls=_name(loss_cls), **kwargs)
+        self._op('set_loss', adapter_name, loss_cls=_name(loss_cls), options=kwargs)
 
     def set_template(self, template_cls: str = 'Template', *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        self._op('set_template', adapter_name, template_cls=_name(template_cls), **kwargs)
+        self._op('set_template', adapter_name, template_cls=_name(template_cls), options=kwargs)
 
     def set_processor(
         self, processor_cls: str = 'InputProcessor', *, adapter_name: str | None = None, **kwargs: Any
     ) -> None:
-        self._op('set_processor', adapter_name, processor_cls=_name(processor_cls), **kwargs)
+        self._op('set_processor', adapter_name, processor_cls=_name(processor_cls), options=kwargs)
 
     def add_metric(
         self, metric: str, *, is_training: bool = True, adapter_name: str | None = None, **kwargs: Any
     ) -> None:
-        self._op('add_metric', adapter_name, metric=_name(metric), is_training=is_training, **kwargs)
+        self._op('add_metric', adapter_name, metric=_name(metric), is_training=is_training, options=kwargs)
 
-    def forward_backward(self, *, inputs: Any, adapter_name: str | None = None, **kwargs: Any) -> ModelOutput:
-        result = self._op('forward_backward', adapter_name, inputs=_rows(inputs), **kwargs)
+    def forward_backward(
+        self, *, inputs: Any, adapter_name: str | None = None, micro_batch_size: int | None = None, **loss_inputs: Any
+    ) -> ModelOutput:
+        """``loss_inputs`` (``advantages``, ``old_logps``...) go to the run's loss by name."""
+        fields = {'inputs': _rows(inputs), 'micro_batch_size': micro_batch_size, 'loss_inputs': loss_inputs}
+        result = self._op('forward_backward', adapter_name, **fields)
         return ModelOutput(loss=result['loss'], num_tokens=result['num_tokens'])
 
     def forward_only(self, *, inputs: Any, adapter_name: str | None = None, disable_lora: bool = False) -> ModelOutput:
@@ -103,13 +108,14 @@ class MultiLoraTransformersModel:
     def save(self, name: str, *, adapter_name: str | None = None, save_optimizer: bool = False) -> str:
         """Save on the server; returns ``twinkle://<run id>/checkpoints/<name>``."""
         run_id = self._run(adapter_name)
-        body = {'name': name, 'save_optimizer': save_optimizer}
+        body = build(SaveRequest, {'name': name, 'save_optimizer': save_optimizer})
         return self.client.call(f'{PREFIX}/runs/{run_id}/save', body)
 
     def load(self, path: str, *, adapter_name: str | None = None, load_optimizer: bool = False) -> str:
         """Load a ``twinkle://`` checkpoint of this tenant into the adapter."""
         run_id = self._run(adapter_name)
-        return self.client.call(f'{PREFIX}/runs/{run_id}/load', {'path': path, 'load_optimizer': load_optimizer})
+        body = build(LoadRequest, {'path': path, 'load_optimizer': load_optimizer})
+        return self.client.call(f'{PREFIX}/runs/{run_id}/load', body)
 
     # ---- internals ------------------------------------------------------------------------------
     def _run(self, adapter_name: str | None) -> str:
@@ -123,9 +129,10 @@ class MultiLoraTransformersModel:
             raise UnknownNameError('adapter', adapter_name, list(self.runs))
         return self.runs[adapter_name]
 
-    def _op(self, operation: str, adapter_name: str | None, **kwargs: Any) -> Any:
+    def _op(self, operation: str, adapter_name: str | None, **fields: Any) -> Any:
+        """Run ``operation`` (its request built from ``twinkle.wire.OPERATIONS``) and wait for it."""
         run_id = self._run(adapter_name)
-        return self.client.call(f'{PREFIX}/runs/{run_id}/ops/{operation}', kwargs)
+        return self.client.call(f'{PREFIX}/runs/{run_id}/ops/{operation}', build(OPERATIONS[operation], fields))
 
 
 def _lora_fields(config: LoraConfig) -> dict[str, Any]:
@@ -145,6 +152,7 @@ def _name(spec: Any) -> str:
     raise ConfigurationError(f'a server component is named by a string; got {spec!r}')
 
 
-def _rows(inputs: Any) -> list[dict[str, Any]]:
+def _rows(inputs: Any) -> list[dict[str, list[int]]]:
+    """The rows' InputFeature fields as lists of ints (from lists, tensors or arrays); other keys stay here."""
     rows = [inputs] if isinstance(inputs, Mapping) else list(inputs) if isinstance(inputs, Sequence) else inputs
-    return [{key: list(row[key]) for key in FEATURE_FIELDS if key in row} for row in rows]
+    return [{key: [int(v) for v in row[key]] for key in FEATURE_FIELDS if key in row} for row in rows]

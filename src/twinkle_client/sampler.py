@@ -26,9 +26,9 @@ from typing import Any
 
 from twinkle.data_format import SampledSequence, SampleResponse, SamplingParams, TokenLogprob
 from twinkle.errors import ConfigurationError, DataError, StateError
-from twinkle.server.host import PROMPT_FIELDS
 from twinkle.template import Template
-from twinkle_client.client import PREFIX, TwinkleClient, default_client
+from twinkle.wire import PROMPT_FIELDS, Sample
+from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
 from twinkle_client.model import MultiLoraTransformersModel
 
 
@@ -91,14 +91,13 @@ class TorchSampler:
             )
         run_id = self.model._run(adapter_name or self.adapter_name)  # the model's errors name its adapters
         rows = [inputs] if isinstance(inputs, Mapping) else list(inputs)
-        body: dict[str, Any] = {'inputs': [_prompt_json(index, row) for index, row in enumerate(rows)]}
-        if isinstance(sampling_params, SamplingParams):
-            body['sampling_params'] = asdict(sampling_params)
-        elif sampling_params is not None:
-            body['sampling_params'] = sampling_params  # checked by the server, whose 400 names a bad field
-        if base_model:
-            body['base_model'] = True
-        result = self.client.call(f'{PREFIX}/runs/{run_id}/ops/sample', body)
+        params = asdict(sampling_params) if isinstance(sampling_params, SamplingParams) else sampling_params
+        fields = {
+            'inputs': [_prompt_json(index, row) for index, row in enumerate(rows)],
+            'sampling_params': params,  # checked by the server, whose 400 names a bad field
+            'base_model': base_model,
+        }
+        result = self.client.call(f'{PREFIX}/runs/{run_id}/ops/sample', build(Sample, fields))
         return [_response(data, row.get('user_data')) for data, row in zip(result, rows, strict=True)]
 
 

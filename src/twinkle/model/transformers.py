@@ -488,13 +488,20 @@ class TransformersModel(TwinkleModel):
             self._optimizer_ready(group)
             ckpt.load_optimizer_state(group, path, self._parallel.shard_optimizer_state)
             ckpt.set_rng_state(torch.load(path / ckpt.RNG_STATE, weights_only=False))
-            group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
             group.gradient_accumulation_steps = state['gradient_accumulation_steps']
-            group.consumed_train_samples = state['consumed_train_samples']
+            self.restore_counters(state, adapter_name=group.name)
         return {
             key: state[key]
             for key in ('cur_step', 'optim_step', 'consumed_train_samples', 'gradient_accumulation_steps')
         }
+
+    def restore_counters(self, state: Mapping[str, int], *, adapter_name: str | None = None) -> None:
+        """Set the adapter's step counters from a trainer state ``save`` wrote (``cur_step``,
+        ``optim_step``, ``consumed_train_samples``; ``checkpoint.read_trainer_state`` reads it),
+        leaving the process's random state alone: how a server brings a released adapter back."""
+        group = self._group(adapter_name)
+        group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
+        group.consumed_train_samples = state['consumed_train_samples']
 
     # ---- internals ------------------------------------------------------------------------------
     def _group(self, adapter_name: str | None) -> TrainGroup:

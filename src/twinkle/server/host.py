@@ -39,16 +39,13 @@ from twinkle.model import AdapterCall, TransformersModel
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, check_optimizer_args, check_scheduler_args
 from twinkle.processor import PROCESSORS
+from twinkle.registry import Registry
 from twinkle.sampler import TorchSampler
 from twinkle.server.config import ServerConfig
 from twinkle.template import TEMPLATES, Template
 from twinkle.utils.memory import release_free_memory
+from twinkle.wire import LORA_FIELDS, OPERATIONS, Configure
 
-#: InputFeature fields a client may send; anything else in a row is dropped before the model.
-FEATURE_FIELDS = ('input_ids', 'attention_mask', 'position_ids', 'labels', 'completion_mask')
-LORA_FIELDS = {'r', 'lora_alpha', 'lora_dropout', 'target_modules', 'bias', 'use_rslora', 'init_lora_weights'}
-#: Fields of a prompt to sample from; anything else (``user_data`` included) is dropped.
-PROMPT_FIELDS = ('input_ids', 'messages', 'tools')
 #: Most top-k logprobs per token a sampling request may ask for (vLLM's default ``max_logprobs``).
 MAX_TOP_LOGPROBS = 20
 #: Saved sampler weights kept loaded as adapters at once; the least recently used one goes first.
@@ -78,17 +75,9 @@ class ModelHost:
         self._sampler: TorchSampler | None = None
         self._sampler_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint directory -> adapter
         self._sampler_ids = itertools.count()
+        # The handler of each wire operation: the method ``_<name>`` here, else the model's ``<name>``.
         self.operations: dict[str, Callable[..., Any]] = {
-            'set_optimizer': self._set_optimizer,
-            'set_lr_scheduler': self._set_lr_scheduler,
-            'set_loss': self._set_loss,
-            'set_template': self._set_template,
-            'set_processor': self._set_processor,
-            'add_metric': self._add_metric,
-            'forward_backward': self._forward_backward,
-            'forward_only': self._forward_only,
-            'sample': self._sample,
-            **{name: self._simple(name) for name in _SIMPLE_OPERATIONS},
+            name: getattr(self, f'_{name}', None) or self._simple(name) for name in OPERATIONS
         }
 
     # ---- adapters -------------------------------------------------------------------------------
@@ -158,8 +147,7 @@ class ModelHost:
         self.load(adapter, path, load_optimizer=group.optimizer is not None, shown_as=shown_as)
         with shown_to_tenant(path, shown_as):
             state = ckpt.read_trainer_state(path)
-        group.micro_step, group.optim_step = state['cur_step'], state['optim_step']
-        group.consumed_train_samples = state['consumed_train_samples']
+        self.model.restore_counters(state, adapter_name=adapter)
 
     def remove_adapter(self, adapter: str) -> None:
         if adapter in self.model.adapter_names:
@@ -204,7 +192,7 @@ class ModelHost:
             raise ConfigurationError(f'unknown operation {operation!r}; accepted: {sorted(self.operations)}')
         if not isinstance(kwargs, dict):
             raise DataError(f'arguments of {operation} must be an object; got {type(kwargs).__name__}')
-        if operation not in _NAMED_ARGUMENTS and operation not in _SIMPLE_OPERATIONS:
+        if not _builds_components(operation):
             return self.operations[operation](adapter, **kwargs)
         try:
             return self.operations[operation](adapter, **kwargs)
@@ -213,36 +201,23 @@ class ModelHost:
         except (TypeError, ValueError, IndexError, KeyError) as e:  # a component refusing a value's type
             raise ConfigurationError(f'{operation}({_brief(kwargs)}) failed: {type(e).__name__}: {e}') from e
 
-    def validate(self, operation: str, kwargs: Any) -> None:
-        """The checks that need no model: the operation, argument types, registered names, and
-        the rows of ``inputs``. The server runs them before queueing, so bad input is a 4xx."""
-        if operation not in self.operations:
-            raise UnknownNameError('operation', operation, self.operations)
-        if not isinstance(kwargs, dict):
-            raise DataError(f'arguments of {operation} must be an object; got {type(kwargs).__name__}')
-        self._bind(operation, kwargs)
-        for key, registry in _NAMED_ARGUMENTS.get(operation, {}).items():
-            _check_name(registry.kind, kwargs.get(key, _DEFAULT_NAMES.get(key)), registry.names())
-            component = registry.get(kwargs.get(key, _DEFAULT_NAMES.get(key)))
-            options = {k: v for k, v in kwargs.items() if k not in (key, 'is_training', 'model_id')}
-            _bind(f'{registry.kind} {component.__name__}', component, options, _COMPONENT_SLOTS.get(operation, {}))
+    def validate(self, operation: str, kwargs: dict[str, Any]) -> None:
+        """What the request's wire model (``twinkle.wire.OPERATIONS[operation]``, checked at the
+        route) cannot check: a registered component that takes these options, token ids in the
+        vocabulary, lengths within the context and the request limits. The server runs it before
+        queueing, so bad input is a 4xx and not a failed future."""
+        spec = OPERATIONS[operation]
+        if issubclass(spec, Configure):
+            _check_component(spec, kwargs)
         if operation == 'sample':
-            self.sample_request(kwargs['inputs'], kwargs.get('sampling_params'), kwargs.get('base_model', False))
+            self.sample_request(kwargs['inputs'], kwargs.get('sampling_params'))
         elif 'inputs' in kwargs:
             self.features(kwargs['inputs'])
-        _check_scalars(operation, {k: v for k, v in kwargs.items() if k != 'inputs'})
         if operation == 'set_optimizer':  # lr=-1 or lr='fast': a 4xx now, not a failed future at the step
             options = {k: v for k, v in kwargs.items() if k != 'optimizer_cls'}
             check_optimizer_args(kwargs.get('optimizer_cls', 'AdamW'), options, self.model.device)
         elif operation == 'set_lr_scheduler':
             check_scheduler_args(kwargs['scheduler_cls'], {k: v for k, v in kwargs.items() if k != 'scheduler_cls'})
-
-    def _bind(self, operation: str, kwargs: dict[str, Any]) -> None:
-        """The arguments fit the operation: no unknown ones, none missing."""
-        if operation in _SIMPLE_OPERATIONS:
-            _bind(operation, getattr(self.model, operation), kwargs, {'adapter_name': 'x'})
-        else:
-            _bind(operation, self.operations[operation], kwargs, {'adapter': 'x'})
 
     def _simple(self, method: str) -> Callable[..., Any]:
         def call(adapter: str, **kwargs: Any) -> Any:
@@ -299,7 +274,7 @@ class ModelHost:
         adapter off); one ``SampleResponse`` per prompt, as a dict. ``messages`` prompts are
         encoded with the run's template (``set_template``), else the base model's. A sequence's
         ``weight_version`` is the adapter's optimizer step count (0 for the base model)."""
-        prompts, params = self.sample_request(inputs, sampling_params, base_model)
+        prompts, params = self.sample_request(inputs, sampling_params)
         sampler = self.sampler()
         group = self.model.groups[adapter]
         template = group.template or sampler.template
@@ -351,20 +326,16 @@ class ModelHost:
         return self._sampler
 
     def sample_request(
-        self, inputs: Any, sampling_params: Any, base_model: Any = False
+        self, inputs: list[dict[str, Any]], sampling_params: dict[str, Any] | None
     ) -> tuple[list[dict[str, Any]], SamplingParams]:
-        """The prompts and parameters of a ``sample`` request, checked: known parameters with
-        valid values, prompt token ids in the vocabulary, and (for prompts given as token ids;
-        ``messages`` are counted once encoded, on the worker) each prompt plus ``max_tokens``
-        within the model context and the request within the token limit."""
-        if not isinstance(base_model, bool):
-            raise DataError(f'base_model must be true or false; got {base_model!r}')
+        """The prompts (``twinkle.wire.Prompt`` s) and parameters of a ``sample`` request,
+        checked: known parameters with valid values, prompt token ids in the vocabulary, and
+        (for prompts given as token ids; ``messages`` are counted once encoded, on the worker)
+        each prompt plus ``max_tokens`` within the model context and the request within the
+        token limit."""
         params = SamplingParams.from_dict(sampling_params)
         self.check_sampling_params(params)
-        rows = [inputs] if isinstance(inputs, Mapping) else inputs
-        if not isinstance(rows, list) or not rows:
-            raise DataError("inputs must be a non-empty list of prompts: {'input_ids': [...]} or {'messages': [...]}")
-        prompts = [_prompt(index, row, self.vocab_size) for index, row in enumerate(rows)]
+        prompts = [_prompt(index, row, self.vocab_size) for index, row in enumerate(inputs)]
         self._check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
         return prompts, params
 
@@ -398,14 +369,11 @@ class ModelHost:
                 f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
             )
 
-    def features(self, inputs: Any) -> list[dict[str, Any]]:
-        """Encoded rows from JSON, checked: fields, integer token ids in the vocabulary, equal
-        lengths, and the request's token total within the limit."""
-        rows = [inputs] if isinstance(inputs, Mapping) else inputs
-        if not isinstance(rows, list) or not rows:
-            raise DataError('inputs must be a non-empty list of encoded rows (input_ids, labels, ...)')
+    def features(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
+        labels in the vocabulary, and the request's token total within the limit."""
         features, total = [], 0
-        for index, row in enumerate(rows):
+        for index, row in enumerate(inputs):
             feature = _feature(index, row, self.vocab_size)
             total += len(feature['input_ids'])
             features.append(feature)
@@ -415,32 +383,39 @@ class ModelHost:
         return features
 
 
-_NAMED_ARGUMENTS = {
-    'set_optimizer': {'optimizer_cls': OPTIMIZERS},
-    'set_lr_scheduler': {'scheduler_cls': SCHEDULERS},
-    'set_loss': {'loss_cls': LOSSES},
-    'set_template': {'template_cls': TEMPLATES},
-    'set_processor': {'processor_cls': PROCESSORS},
-    'add_metric': {'metric': METRICS},
+#: The registry of the component each ``twinkle.wire.Configure`` field names.
+_REGISTRIES: dict[str, Registry[Any]] = {
+    'optimizer_cls': OPTIMIZERS,
+    'scheduler_cls': SCHEDULERS,
+    'loss_cls': LOSSES,
+    'template_cls': TEMPLATES,
+    'processor_cls': PROCESSORS,
+    'metric': METRICS,
 }
-
-
-_SIMPLE_OPERATIONS = (
-    'clip_grad_norm',
-    'step',
-    'zero_grad',
-    'lr_step',
-    'clip_grad_and_step',
-    'calculate_metric',
-    'get_train_configs',
-)
-_DEFAULT_NAMES = {'optimizer_cls': 'AdamW', 'template_cls': 'Template', 'processor_cls': 'InputProcessor'}
 #: Constructor parameters the model fills in itself (the parameters, the optimizer, the model id).
-_COMPONENT_SLOTS = {
-    'set_optimizer': {'params': None},
-    'set_lr_scheduler': {'optimizer': None},
-    'set_template': {'model_id': 'x'},
+_COMPONENT_SLOTS: dict[str, dict[str, Any]] = {
+    'optimizer_cls': {'params': None},
+    'scheduler_cls': {'optimizer': None},
+    'template_cls': {'model_id': 'x'},
 }
+
+
+def _builds_components(operation: str) -> bool:
+    """Whether ``operation`` hands its arguments to a component or a model method, whose
+    ``TypeError`` / ``ValueError`` then means a bad argument (the user's error)."""
+    return issubclass(OPERATIONS[operation], Configure) or not hasattr(ModelHost, f'_{operation}')
+
+
+def _check_component(spec: type[Configure], kwargs: Mapping[str, Any]) -> None:
+    """The component ``kwargs`` names is registered and its constructor takes the options."""
+    field = spec.component_field
+    registry = _REGISTRIES[field]
+    name = kwargs.get(field, spec.model_fields[field].default)
+    _check_name(registry.kind, name, registry.names())
+    slots = _COMPONENT_SLOTS.get(field, {})
+    options = {k: v for k, v in kwargs.items() if k not in spec.model_fields and k not in slots}
+    component = registry.get(name)
+    _bind(f'{registry.kind} {component.__name__}', component, options, slots)
 
 
 def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Any], filled: Mapping[str, Any]) -> None:
@@ -487,56 +462,25 @@ def _brief(kwargs: Mapping[str, Any]) -> str:
     return ', '.join(f'{k}={str(v)[:40]}' for k, v in kwargs.items())
 
 
-def _feature(index: int, row: Any, vocab: int) -> dict[str, Any]:
-    if not isinstance(row, Mapping) or 'input_ids' not in row:
-        raise DataError(f'input row {index} must be an object with input_ids (and labels); got {str(row)[:80]}')
-    feature = {key: row[key] for key in FEATURE_FIELDS if key in row}
-    length = len(feature['input_ids']) if isinstance(feature['input_ids'], list) else -1
-    for key, values in feature.items():
-        if not isinstance(values, list) or len(values) != length:
-            raise DataError(f'input row {index}: {key} must be a list as long as input_ids ({length})')
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise DataError(f'input row {index}: {key} must hold integers')
-    if length == 0:
-        raise DataError(f'input row {index} has no tokens')
-    bad = next((t for t in feature['input_ids'] if not 0 <= t < vocab), None)
+def _feature(index: int, row: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """A row the wire checked (``twinkle.wire.InputRow``: integer ids >= 0, labels, equal
+    lengths), checked against the vocabulary."""
+    bad = next((t for t in row['input_ids'] if t >= vocab), None)
     if bad is not None:
         raise DataError(f'input row {index} has token id {bad}, outside the vocabulary [0, {vocab})')
-    if 'labels' not in feature:
-        raise DataError(f'input row {index} has no labels: encode it with a template first')
-    bad = next((t for t in feature['labels'] if t != IGNORE_INDEX and not 0 <= t < vocab), None)
+    bad = next((t for t in row['labels'] if t >= vocab), None)
     if bad is not None:
         raise DataError(f'input row {index} has label {bad}: labels are {IGNORE_INDEX} or token ids in [0, {vocab})')
-    return feature
+    return row
 
 
-def _prompt(index: int, row: Any, vocab: int) -> dict[str, Any]:
-    """A prompt row from JSON: integer ``input_ids`` in the vocabulary, or ``messages``."""
-    if not isinstance(row, Mapping) or not ('input_ids' in row or 'messages' in row):
-        raise DataError(f"prompt {index} must be an object with 'input_ids' or 'messages'; got {str(row)[:80]}")
-    prompt = {key: row[key] for key in PROMPT_FIELDS if key in row}
-    if 'input_ids' in prompt:
-        ids = prompt['input_ids']
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise DataError(f'prompt {index}: input_ids must be a non-empty list of integers')
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise DataError(f'prompt {index} has token id {bad}, outside the vocabulary [0, {vocab})')
-    if 'messages' in prompt:
-        _check_messages(index, prompt['messages'])
+def _prompt(index: int, prompt: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """A prompt the wire checked (``twinkle.wire.Prompt``), its token ids in the vocabulary;
+    the template checks the roles of ``messages`` when it encodes them."""
+    bad = next((t for t in prompt.get('input_ids') or [] if t >= vocab), None)
+    if bad is not None:
+        raise DataError(f'prompt {index} has token id {bad}, outside the vocabulary [0, {vocab})')
     return prompt
-
-
-def _check_messages(index: int, messages: Any) -> None:
-    """A list of turns with a string role and a string (or null) content; the template checks
-    the roles when it encodes them."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"prompt {index}: messages must be a non-empty list of {{'role', 'content'}} objects")
-    for turn, message in enumerate(messages):
-        fields = message if isinstance(message, Mapping) else {}
-        content_ok = 'content' in fields and (fields['content'] is None or isinstance(fields['content'], str))
-        if not isinstance(fields.get('role'), str) or not content_ok:
-            raise DataError(f'prompt {index}: message {turn} needs a string role and content; got {str(message)[:80]}')
 
 
 def _encoded_prompt(template: Template, index: int, prompt: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,223 @@
+"""The native API under ``/twinkle/v1``: runs, their operations, checkpoints and futures.
+
+Every request body is a model of ``twinkle.wire``, validated once by FastAPI at its route (a 422
+that names the field otherwise); the host then checks what needs the model (component names,
+token ids in the vocabulary, lengths). Each operation of ``twinkle.wire.OPERATIONS`` is its own
+route, ``POST /twinkle/v1/runs/{run_id}/ops/{name}``, with its own schema in ``/openapi.json``.
+A compute request is answered at once with a future id (202); ``GET /twinkle/v1/futures/{id}``
+returns its state, waiting up to ``wait`` seconds for it to finish without holding the event
+loop. A tenant sees only its own runs, checkpoints and futures: anything else is a 404.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from twinkle.errors import ConfigurationError, NotFoundError, UnknownNameError
+from twinkle.server.deps import Who
+from twinkle.server.errors import error_responses
+from twinkle.server.scheduler import wait_job
+from twinkle.server.state import Service
+from twinkle.server.store import Checkpoint, Run, check_checkpoint_name, check_name
+from twinkle.wire import (
+    OPERATIONS,
+    CheckpointList,
+    CreateRun,
+    Deleted,
+    FutureAccepted,
+    FutureInfo,
+    LoadRequest,
+    Operation,
+    RunInfo,
+    RunList,
+    SaveRequest,
+    ServerInfo,
+    parse_twinkle_path,
+)
+
+PREFIX = '/twinkle/v1'
+#: SQLite integers are 64-bit; a larger page size or offset must be a 422, not an overflow.
+SQLITE_INT_LIMIT = 2**63
+#: Longest ``wait`` of a future poll, in seconds.
+MAX_WAIT_S = 60.0
+Page = Annotated[int, Query(ge=0, lt=SQLITE_INT_LIMIT)]
+
+
+def native_router(service: Service) -> APIRouter:
+    """The routes of the native API over ``service``."""
+    router = APIRouter(prefix=PREFIX, tags=['native'], responses=error_responses(400, 401, 404, 409, 429))
+    _run_routes(router, service)
+    for name, spec in OPERATIONS.items():
+        router.add_api_route(
+            f'/runs/{{run_id}}/ops/{name}',
+            _operation_endpoint(service, name, spec),
+            methods=['POST'],
+            status_code=202,
+            response_model=FutureAccepted,
+            name=name,
+            summary=f'Queue {name} on the run',
+        )
+    _unknown_operation_route(router, service)
+    _checkpoint_routes(router, service)
+    _future_routes(router, service)
+    return router
+
+
+# ---- runs -------------------------------------------------------------------------------------------
+def _run_routes(router: APIRouter, service: Service) -> None:
+    config = service.config
+
+    @router.get('/server', response_model=ServerInfo)
+    async def server_info(who: Who) -> dict[str, Any]:
+        return {'base_model': config.base_model, 'limits': config.limits.model_dump(), 'tenant': who.name}
+
+    @router.post('/runs', status_code=201, response_model=RunInfo)
+    async def create_run(body: CreateRun, who: Who) -> dict[str, Any]:
+        check_name('adapter name', body.adapter_name)
+        service.host.check_adapter(body.lora)
+        if body.base_model is not None and body.base_model != config.base_model:
+            raise ConfigurationError(f'this server hosts {config.base_model!r}; got base_model {body.base_model!r}')
+        run = service.store.create_run(who.id, config.base_model, body.adapter_name, body.model_dump())
+        adapter = service.adapter_name(run)
+
+        def add() -> None:
+            service.make_room(run)
+            service.host.add_adapter(adapter, body.lora, body.gradient_accumulation_steps, body.seed)
+            service.adapters[run.id] = adapter
+
+        job = await service.submit_async(who, run.id, 'create_run', add)
+        await wait_job(job, None)
+        if job.error is not None:
+            service.store.set_run_status(run.id, 'deleted')
+            raise job.error
+        return _run_json(_own_run(service, who.id, run.id))
+
+    @router.get('/runs', response_model=RunList)
+    async def list_runs(who: Who, limit: Page = 100, offset: Page = 0) -> dict[str, Any]:
+        runs, total = service.store.list_runs(who.id, limit=limit, offset=offset)
+        return {'runs': [_run_json(r) for r in runs], 'total': total}
+
+    @router.get('/runs/{run_id}', response_model=RunInfo)
+    async def get_run(run_id: str, who: Who) -> dict[str, Any]:
+        return _run_json(_own_run(service, who.id, run_id))
+
+
+# ---- operations ---------------------------------------------------------------------------------------
+def _operation_endpoint(service: Service, name: str, spec: type[Operation]) -> Callable[..., Awaitable[FutureAccepted]]:
+    """The endpoint of operation ``name``, its body typed as ``spec`` for FastAPI and the schema."""
+
+    async def operation(run_id: str, body: Operation, who: Who) -> FutureAccepted:
+        run = await service.adapter_of(who, run_id)
+        kwargs = body.arguments()
+        service.host.validate(name, kwargs)  # names, token ids, sizes: a 4xx now, not a failed future
+
+        def compute() -> Any:
+            result = service.host.run(service.loaded(run), name, kwargs)
+            if spec.setup:
+                service.remember_setup(run_id, name, kwargs)
+            return result
+
+        batch = service.mixable(run, name, kwargs)
+        return FutureAccepted(future_id=(await service.submit_async(who, run_id, name, compute, batch)).id)
+
+    signature = inspect.signature(operation)
+    body = signature.parameters['body'].replace(annotation=spec)
+    operation.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[body if p.name == 'body' else p for p in signature.parameters.values()]
+    )
+    operation.__name__ = name
+    return operation
+
+
+def _unknown_operation_route(router: APIRouter, service: Service) -> None:
+    @router.post('/runs/{run_id}/ops/{operation}', include_in_schema=False)
+    async def unknown_operation(run_id: str, operation: str, who: Who) -> None:
+        await service.adapter_of(who, run_id)  # another tenant's run is a 404 whatever the operation
+        raise UnknownNameError('operation', operation, OPERATIONS)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+def _checkpoint_routes(router: APIRouter, service: Service) -> None:
+    store = service.store
+
+    @router.post('/runs/{run_id}/save', status_code=202, response_model=FutureAccepted)
+    async def save(run_id: str, body: SaveRequest, who: Who) -> FutureAccepted:
+        run = await service.adapter_of(who, run_id)
+        check_checkpoint_name(body.name)
+        directory = service.checkpoint_dir(who, run_id)
+
+        def write() -> str:
+            path = Path(service.host.save(service.loaded(run), directory, body.name, body.save_optimizer))
+            size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
+            return store.add_checkpoint(who.id, run_id, body.name, str(path), 'training', size).twinkle_path
+
+        return FutureAccepted(future_id=(await service.submit_async(who, run_id, 'save', write)).id)
+
+    @router.post('/runs/{run_id}/load', status_code=202, response_model=FutureAccepted)
+    async def load(run_id: str, body: LoadRequest, who: Who) -> FutureAccepted:
+        run = await service.adapter_of(who, run_id)
+        source_run, name = parse_twinkle_path(body.path)
+        checkpoint = store.get_checkpoint(who.id, source_run, name)
+        if checkpoint is None:
+            raise NotFoundError(f'checkpoint {body.path!r} not found')
+
+        def read() -> str:
+            service.host.load(service.loaded(run), Path(checkpoint.path), body.load_optimizer, body.path)
+            return checkpoint.twinkle_path
+
+        return FutureAccepted(future_id=(await service.submit_async(who, run_id, 'load', read)).id)
+
+    @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
+    async def list_checkpoints(run_id: str, who: Who) -> dict[str, Any]:
+        _own_run(service, who.id, run_id)
+        return {'checkpoints': [_checkpoint_json(c) for c in store.list_checkpoints(who.id, run_id)]}
+
+    @router.delete('/runs/{run_id}/checkpoints/{name}', response_model=Deleted)
+    async def delete_checkpoint(run_id: str, name: str, who: Who) -> Deleted:
+        checkpoint = store.get_checkpoint(who.id, run_id, name)
+        if checkpoint is None:
+            raise NotFoundError(f'checkpoint {name!r} of run {run_id!r} not found')
+        store.delete_checkpoint(who.id, run_id, name)
+        shutil.rmtree(checkpoint.path, ignore_errors=True)
+        return Deleted(deleted=True)
+
+
+# ---- futures --------------------------------------------------------------------------------------
+def _future_routes(router: APIRouter, service: Service) -> None:
+    @router.get('/futures/{future_id}', response_model=FutureInfo)
+    async def get_future(future_id: str, who: Who, wait: float = 0.0) -> dict[str, Any]:
+        record = service.store.get_future(who.id, future_id)
+        if record is None:
+            raise NotFoundError(f'request {future_id!r} not found')
+        job = service.scheduler.get(future_id)
+        if job is not None and wait > 0:
+            await wait_job(job, min(wait, MAX_WAIT_S))
+            record = service.store.get_future(who.id, future_id) or record
+        return asdict(record)
+
+
+def _own_run(service: Service, tenant_id: str, run_id: str) -> Run:
+    run = service.store.get_run(tenant_id, run_id)
+    if run is None:
+        raise NotFoundError(f'training run {run_id!r} not found')
+    return run
+
+
+def _run_json(run: Run) -> dict[str, Any]:
+    return {**asdict(run), 'training_run_id': run.id}
+
+
+def _checkpoint_json(checkpoint: Checkpoint) -> dict[str, Any]:
+    data = asdict(checkpoint)
+    data.pop('path', None)  # server paths stay on the server
+    return {**data, 'twinkle_path': checkpoint.twinkle_path}
+
+
+__all__ = ['PREFIX', 'native_router']
