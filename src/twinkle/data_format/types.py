@@ -33,14 +33,17 @@ class InputFeature(TypedDict):
     ``labels`` are pre-shifted: ``labels[i]`` is the token position ``i`` must predict (that is
     ``input_ids[i + 1]``) or ``IGNORE_INDEX``. ``completion_mask[i]`` is 1 exactly where
     ``labels[i]`` is trained on, so ``logits[i]`` scores a completion token.
+
+    A template's rows have every field; a row encoded elsewhere (a client's, say) needs only
+    ``input_ids`` and ``labels``, and the collator pads the other token fields it has.
     """
 
     input_ids: list[int]
-    attention_mask: list[int]
-    position_ids: list[int]
     labels: list[int]
-    completion_mask: list[int]
-    length: int
+    attention_mask: NotRequired[list[int]]
+    position_ids: NotRequired[list[int]]
+    completion_mask: NotRequired[list[int]]
+    length: NotRequired[int]
     user_data: NotRequired[dict[str, Any]]
     #: The conversation the tokens encode, on a row a sampler made (its completion the last turn).
     messages: NotRequired[list[Message]]

@@ -238,7 +238,7 @@ def _check_hyperparams(values: dict[str, Any]) -> None:
     if betas is not None and (not isinstance(betas, (tuple, list)) or len(betas) != 2):
         raise ConfigurationError(f'optimizer betas={betas!r} is refused; accepted betas: {ACCEPTED["betas"]}')
     for name, value in values.items():
-        for number in betas if name == 'betas' else [value]:
+        for number in value if name == 'betas' else [value]:
             is_number = isinstance(number, (int, float)) and not isinstance(number, bool)
             if not (is_number and math.isfinite(number) and HYPERPARAMS[name](number)):
                 raise ConfigurationError(
