@@ -296,6 +296,8 @@ class Scheduler:
             self._idle()
 
     def _idle(self) -> None:
+        if self.on_idle is None:
+            return
         try:
             self.on_idle()
         except Exception:
@@ -344,8 +346,9 @@ class Scheduler:
         for job in jobs:
             if self.on_start is not None:
                 _call_guarded(self.on_start, job, 'on_start')
+        batches = [job.batch for job in jobs if job.batch is not None]  # every job of a shared pass has one
         try:
-            results = jobs[0].batch.run_many([job.batch.payload for job in jobs])
+            results = batches[0].run_many([batch.payload for batch in batches])
         except Exception as error:
             logger.info(f'a pass of {len(jobs)} jobs failed ({error!r}); running them one by one')
             for job in jobs:

@@ -255,7 +255,7 @@ RESERVED_CHECKPOINT_NAMES = ('released-state', 'sampler_weights')
 
 def check_checkpoint_name(name: object) -> str:
     """A safe checkpoint name (``check_name``) that is not one of the run directory's own folders."""
-    check_name('checkpoint', name)
+    name = check_name('checkpoint', name)
     if name in RESERVED_CHECKPOINT_NAMES:
         raise DataError(f'checkpoint name {name!r} is reserved; use another than {list(RESERVED_CHECKPOINT_NAMES)}')
     return name
