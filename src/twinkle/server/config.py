@@ -21,9 +21,9 @@ class Limits(BaseModel):
     #: make room (it comes back on its next request).
     max_adapters: int = Field(32, gt=0)
     #: Adapters one tenant may hold on the model at once (its runs that are not released);
-    #: past it, creating a run is a 429 until one of its adapters has been idle for
-    #: ``idle_release_s``. A released run that is used again takes the place of the tenant's
-    #: least recently used adapter.
+    #: a new run, or a released one used again, takes the place of the tenant's least recently
+    #: used adapter (released: it comes back on its next request). A 429 only while each of them
+    #: holds gradients waiting for an optimizer step.
     max_adapters_per_tenant: int = Field(8, gt=0)
     #: Largest LoRA rank an adapter may have.
     max_lora_rank: int = Field(64, gt=0)

@@ -8,7 +8,6 @@ state (``TinkerState``). Routes receive it typed; nothing is added to it after `
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -224,7 +223,7 @@ class Service:
                 f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
                 'without saving it): load one of its checkpoints into a new run'
             )
-        self.make_room(run, restoring=True)
+        self.make_room(run)
         self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
         try:
             for call in config.get('setup', []):
@@ -255,30 +254,26 @@ class Service:
         return jobs
 
     # ---- room on the model -----------------------------------------------------------------------
-    def check_quota(self, tenant: Tenant) -> None:
-        """At a route that adds an adapter: ``CapacityError`` (429) while the tenant holds
-        ``max_adapters_per_tenant`` adapters and none has been idle for ``idle_release_s``; its
-        Retry-After is when the least recently used one will have been (``make_room`` then
-        releases it at once)."""
-        held = self._held(tenant.id)
-        if len(held) >= self.config.limits.max_adapters_per_tenant and not self._idle(held):
-            raise self._quota_error(held)
-
-    def make_room(self, run: Run, restoring: bool = False) -> None:
-        """Before ``run``'s adapter is added (worker thread): keep its tenant within its quota
-        (releasing its least recently used adapter: an idle one for a new run, any for a released
-        run coming back) and the model within ``max_adapters`` (releasing the least recently used
-        of all). An adapter waiting for an optimizer step, or in use by the current jobs, stays."""
+    def make_room(self, run: Run) -> None:
+        """Before ``run``'s adapter is added (worker thread): a tenant holding its
+        ``max_adapters_per_tenant`` adapters gives up its least recently used one, and a model
+        holding ``max_adapters`` the least recently used of all; a released adapter comes back
+        on its next request, unchanged. An adapter waiting for an optimizer step, or used by the
+        current jobs, stays: if every candidate does, ``CapacityError`` (429) says what frees one."""
         limits = self.config.limits
         own = self._held(run.tenant_id, but=run.id)
-        releasable = own if restoring else self._idle(own)
-        if len(own) >= limits.max_adapters_per_tenant and not self._release_first(releasable):
-            raise self._quota_error(own)
+        if len(own) >= limits.max_adapters_per_tenant and not self._release_first(own):
+            raise CapacityError(
+                f'you hold {len(own)} adapters on the model, the limit of max_adapters_per_tenant='
+                f'{limits.max_adapters_per_tenant}, and each holds gradients waiting for an optimizer step: once '
+                'one of them steps, it makes room for this one',
+                retry_after_s=5.0,
+            )
         everyone = self._held(None, but=run.id)
         if len(everyone) >= limits.max_adapters and not self._release_first(everyone):
             raise CapacityError(
                 f'the server holds its limit of {limits.max_adapters} adapters (max_adapters), each waiting for an '
-                'optimizer step or in use; one frees up after its step',
+                'optimizer step; one makes room after its step',
                 retry_after_s=5.0,
             )
 
@@ -286,31 +281,9 @@ class Service:
         """Runs (of a tenant, or of all) with an adapter on the model, least recently used first."""
         return [run for run in self.store.active_runs(tenant_id) if run.id in self.adapters and run.id != but]
 
-    def _idle(self, runs: list[Run]) -> list[Run]:
-        """Those of ``runs`` idle for ``idle_release_s`` (none when idle adapters stay)."""
-        if self.config.idle_release_s is None:
-            return []
-        return [run for run in runs if run.last_request_at <= time.time() - self.config.idle_release_s]
-
     def _release_first(self, runs: list[Run]) -> bool:
         """Release the first of ``runs`` that can go; False if none could."""
         return any(run.id not in self._pinned and self.release(run) for run in runs)
-
-    def _quota_error(self, held: list[Run]) -> CapacityError:
-        limit, idle = self.config.limits.max_adapters_per_tenant, self.config.idle_release_s
-        if idle is None:
-            retry = 60.0
-            hint = 'this server keeps idle adapters (idle_release_s is off): train with the runs you have'
-        else:  # whole seconds, rounded up: after Retry-After the oldest has been idle long enough
-            retry = float(max(1, math.ceil(held[0].last_request_at + idle - time.time())))
-            hint = (
-                f'an adapter with no request for idle_release_s={idle:g} s is released and frees its place '
-                f'(it comes back on its next request): your least recently used one in {retry:.0f} s'
-            )
-        return CapacityError(
-            f'you hold {len(held)} adapters on the model, the limit of max_adapters_per_tenant={limit}; {hint}',
-            retry_after_s=retry,
-        )
 
     def checkpoint_dir(self, tenant: Tenant, run_id: str) -> Path:
         return self.config.checkpoint_dir / tenant.id / run_id
