@@ -95,8 +95,6 @@ async def _create_run(
     service, requests = api.service, api.service.tinker.requests
     if (who.id, model_id, 0) in requests:
         return requests[(who.id, model_id, 0)]
-    service.check_quota(who)  # a 429 while the tenant holds its max_adapters_per_tenant, none idle
-    service.check_quota(who)
     lora, tinker_lora = loras
     setup: JsonObject = {'operation': 'set_optimizer', 'kwargs': ADAMW}
     config: JsonObject = {
