@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import LoraConfig
 
-from twinkle.data_format import IGNORE_INDEX, SamplingParams
+from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput, SamplingParams
 from twinkle.errors import (
     CapacityError,
     ConfigurationError,
@@ -44,6 +44,7 @@ from twinkle.sampler import TorchSampler
 from twinkle.server.config import ServerConfig
 from twinkle.template import TEMPLATES, Template
 from twinkle.utils.memory import release_free_memory
+from twinkle.utils.weights import vocab_size
 from twinkle.wire import LORA_FIELDS, OPERATIONS, Configure
 
 #: Most top-k logprobs per token a sampling request may ask for (vLLM's default ``max_logprobs``).
@@ -70,7 +71,7 @@ class ModelHost:
             self.model.offloader = OptimizerOffloader(
                 self.model.device, config.spill_dir, limits.max_optimizers_on_device, limits.max_optimizers_in_memory
             )
-        self.vocab_size = self.model.model.get_input_embeddings().num_embeddings
+        self.vocab_size = vocab_size(self.model.model)
         self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
         self._sampler: TorchSampler | None = None
         self._sampler_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint directory -> adapter
@@ -170,21 +171,22 @@ class ModelHost:
         """Several adapters' ``forward_backward`` (or ``forward_only``) requests as one pass
         (``is_mixable`` ones); each result is what ``run`` would return for that request."""
         forward_only = operation == 'forward_only'
-        calls = []
+        calls, rows = [], []
         for adapter, kwargs in requests:
             options = {k: v for k, v in kwargs.items() if k not in ('inputs', 'disable_lora')}
             _check_scalars(operation, options)
-            calls.append(AdapterCall(adapter, self.features(kwargs['inputs']), options))
+            rows.append(self.features(kwargs['inputs']))
+            calls.append(AdapterCall(adapter, rows[-1], options))
         outputs = self.model.forward_backward_mixed(calls, forward_only=forward_only)
-        if not forward_only:  # a call whose loss was not finite has its DataError in place of its output
-            return [
-                out if isinstance(out, TwinkleError) else {'loss': out.loss, 'num_tokens': out.num_tokens}
-                for out in outputs
-            ]
-        return [
-            {'loss': out.loss, 'num_tokens': out.num_tokens, 'logps': _row_logps(out, call.inputs)}
-            for out, call in zip(outputs, calls, strict=True)
-        ]
+        results: list[Any] = []
+        for out, features in zip(outputs, rows, strict=True):
+            if isinstance(out, TwinkleError):  # its loss was not finite: its DataError in place of its output
+                results.append(out)
+            elif forward_only:
+                results.append({'loss': out.loss, 'num_tokens': out.num_tokens, 'logps': _row_logps(out, features)})
+            else:
+                results.append({'loss': out.loss, 'num_tokens': out.num_tokens})
+        return results
 
     def run(self, adapter: str, operation: str, kwargs: dict[str, Any]) -> Any:
         """Run a tenant's ``operation`` on its adapter; the result is JSON-ready."""
@@ -369,7 +371,7 @@ class ModelHost:
                 f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
             )
 
-    def features(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def features(self, inputs: list[dict[str, Any]]) -> list[InputFeature]:
         """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
         labels in the vocabulary, and the request's token total within the limit."""
         features, total = [], 0
@@ -454,7 +456,7 @@ def request_tokens(inputs: Any) -> int:
     return sum(len(row['input_ids']) for row in rows)
 
 
-def _row_logps(output: Any, features: list[dict[str, Any]]) -> list[list[float]]:
+def _row_logps(output: ModelOutput, features: list[InputFeature]) -> list[list[float]]:
     return [output.logps[i, : len(f['input_ids'])].tolist() for i, f in enumerate(features)]
 
 
@@ -462,7 +464,7 @@ def _brief(kwargs: Mapping[str, Any]) -> str:
     return ', '.join(f'{k}={str(v)[:40]}' for k, v in kwargs.items())
 
 
-def _feature(index: int, row: dict[str, Any], vocab: int) -> dict[str, Any]:
+def _feature(index: int, row: dict[str, Any], vocab: int) -> InputFeature:
     """A row the wire checked (``twinkle.wire.InputRow``: integer ids >= 0, labels, equal
     lengths), checked against the vocabulary."""
     bad = next((t for t in row['input_ids'] if t >= vocab), None)
@@ -471,7 +473,7 @@ def _feature(index: int, row: dict[str, Any], vocab: int) -> dict[str, Any]:
     bad = next((t for t in row['labels'] if t >= vocab), None)
     if bad is not None:
         raise DataError(f'input row {index} has label {bad}: labels are {IGNORE_INDEX} or token ids in [0, {vocab})')
-    return row
+    return cast(InputFeature, row)  # an InputRow's fields: input_ids, labels and the token fields it has
 
 
 def _prompt(index: int, prompt: dict[str, Any], vocab: int) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from twinkle.errors import StateError
+from twinkle.errors import ConfigurationError, StateError
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost
 
@@ -49,12 +49,15 @@ class RemoteHost:
         import ray
 
         settings = config.ray
+        if settings is None:
+            raise ConfigurationError('a RemoteHost needs the ray section of the config (ray: {address: auto})')
         if not ray.is_initialized():
             ray.init(address=settings.address, include_dashboard=False, log_to_driver=False)
         num_gpus = settings.num_gpus
         if num_gpus is None:
             num_gpus = 1 if (config.device or '').startswith('cuda') else 0
-        actor = ray.remote(_HostActor).options(
+        # Any: the handle's methods are Ray ActorMethods (``.remote``), which ray types as the plain methods.
+        actor: Any = ray.remote(_HostActor).options(
             num_cpus=settings.num_cpus, num_gpus=num_gpus, max_concurrency=ACTOR_CONCURRENCY
         )
         self.config = config
