@@ -316,8 +316,9 @@ def test_a_refused_option_is_named_in_the_message(server, tiny_model_dir):
 
 
 def test_bodies_that_are_not_a_request_are_4xx(server, tiny_model_dir):
+    response = post(server, None, content='not json')  # not JSON at all: a 400, as OpenAI answers it
+    assert response.status_code == 400 and 'not valid JSON' in response.json()['error']['message'], response.text
     for content in (
-        'not json',
         '[1, 2]',
         '{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": NaN}',
     ):

@@ -192,8 +192,17 @@ def test_bad_requests_get_a_4xx_that_names_the_problem_and_the_server_keeps_serv
         response = client.http.request(method, route, content=content, headers={'Content-Type': 'application/json'})
         assert response.status_code == status, (route, body, response.text)
         assert message in response.text, (route, response.text)
+    # A body that is not JSON at all is a 400, in the one error shape.
     malformed = client.http.post(f'{ops}/step', content=b'{not json', headers={'Content-Type': 'application/json'})
-    assert malformed.status_code == 422
+    assert malformed.status_code == 400, malformed.text
+    assert malformed.json()['error'] == 'DataError' and 'not valid JSON' in malformed.json()['detail']
+    # So are the framework's own refusals: an unknown path, a method a route does not take.
+    for method, route, status, error in (
+        ('GET', '/twinkle/v1/nowhere', 404, 'NotFoundError'),
+        ('PUT', '/twinkle/v1/runs', 405, ''),
+    ):
+        answer = client.http.request(method, route)
+        assert answer.status_code == status and answer.json()['error'] == (error or 'TwinkleError'), answer.text
     # A failure while running fails that request alone.
     with pytest.raises(RemoteError, match='CrossEntropyLoss takes no loss arguments') as error:
         model.forward_backward(inputs=batches[0], surprise=[1.0] * len(batches[0]))

@@ -72,6 +72,14 @@ class UnauthorizedError(TwinkleError, PermissionError):
     """A request without an API key, or with one the server does not know."""
 
 
+class RequestTooLargeError(DataError):
+    """A request body over the server's size limit for its route."""
+
+
+class RequestTimeoutError(TwinkleError, TimeoutError):
+    """A request body that stopped arriving before it was whole."""
+
+
 class BusyError(TwinkleError, RuntimeError):
     """A limit that frees up with time (a queue, a request rate, the adapters held); the same
     request may succeed after ``retry_after_s`` seconds."""

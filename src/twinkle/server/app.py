@@ -74,7 +74,7 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
     async def healthz() -> dict[str, str]:
         return {'status': 'ok'}
 
-    @app.get('/metrics')
+    @app.get('/metrics', response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 

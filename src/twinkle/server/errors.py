@@ -3,7 +3,9 @@
 Routes raise the classes of ``twinkle.errors``; ``install_error_handlers`` answers each with
 ``{'detail': message, 'error': class name}`` and the status of its first matching row in
 ``STATUSES`` (a 429 also with ``Retry-After``). A request that fails validation is a 422 that
-says where and what, without the values sent.
+says where and what, without the values sent; a body that is not JSON at all is a 400. The
+framework's own refusals (a path or method that does not exist, a body it cannot read, one over
+its size limit) are answered in the same shape, under the tree's class of the same meaning.
 
 >>> from twinkle.errors import DataError, NotFoundError, QueueFullError
 >>> [status_of(e) for e in (NotFoundError('run x not found'), DataError('bad row'), QueueFullError('a', 2, 7.4))]
@@ -20,17 +22,37 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
 
-from twinkle.errors import BusyError, NotFoundError, StateError, TwinkleError, UnauthorizedError
+from twinkle.errors import (
+    BusyError,
+    DataError,
+    NotFoundError,
+    RequestTimeoutError,
+    RequestTooLargeError,
+    StateError,
+    TwinkleError,
+    UnauthorizedError,
+)
 
 #: The first row whose class the error is an instance of gives its status; TwinkleError is the rest.
 STATUSES: tuple[tuple[type[TwinkleError], int], ...] = (
     (BusyError, 429),
+    (RequestTooLargeError, 413),
+    (RequestTimeoutError, 408),
     (UnauthorizedError, 401),
     (NotFoundError, 404),
     (StateError, 409),
     (TwinkleError, 400),
 )
+#: The tree's class for each status the framework answers by itself (other statuses: TwinkleError).
+FRAMEWORK_ERRORS: dict[int, type[TwinkleError]] = {
+    400: DataError,
+    401: UnauthorizedError,
+    404: NotFoundError,
+    408: RequestTimeoutError,
+    413: RequestTooLargeError,
+}
 #: Longest location part (a field name the client sent) repeated in a 422.
 MAX_LOCATION_CHARS = 64
 
@@ -56,6 +78,23 @@ def retry_after_header(error: TwinkleError) -> dict[str, str]:
 def error_response(error: TwinkleError) -> JSONResponse:
     body = ErrorBody(detail=str(error), error=type(error).__name__)
     return JSONResponse(body.model_dump(), status_code=status_of(error), headers=retry_after_header(error))
+
+
+def answer_framework_error(error: HTTPException) -> JSONResponse:
+    """A refusal raised by FastAPI or Starlette (an unknown path, a body it cannot read, one
+    ``http_limits`` cut off) in the error shape, under the tree's class of the same meaning."""
+    body = ErrorBody(detail=str(error.detail), error=FRAMEWORK_ERRORS.get(error.status_code, TwinkleError).__name__)
+    return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
+
+
+def unparsable(error: RequestValidationError) -> DataError | None:
+    """A ``DataError`` when the body is not JSON at all (nothing to validate field by field): a
+    400, as any body that cannot be parsed; None for a JSON body whose fields are wrong (a 422)."""
+    problems = error.errors()
+    if problems and all(problem['type'] == 'json_invalid' for problem in problems):
+        reason = problems[0].get('ctx', {}).get('error', problems[0]['msg'])
+        return DataError(f'the body is not valid JSON: {reason}')
+    return None
 
 
 def validation_problems(error: RequestValidationError) -> list[dict[str, Any]]:
@@ -91,7 +130,9 @@ _DESCRIPTIONS = {
     400: 'The request is not valid (a bad value, an unknown name, a malformed path)',
     401: 'No API key, or one the server does not know',
     404: 'No such run, checkpoint or request for this tenant',
+    408: 'The body stopped arriving before it was whole (limits.body_read_timeout_s)',
     409: 'The run is not in a state to do this',
+    413: 'The body is over the size limit of its route (limits.max_body_bytes, limits.max_other_body_bytes)',
     429: 'A limit that frees up with time; retry after Retry-After seconds',
 }
 
@@ -105,19 +146,30 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def invalid_request(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
+        not_json = unparsable(error)
+        if not_json is not None:
+            return error_response(not_json)
         return JSONResponse({'detail': validation_problems(error)}, status_code=422)
+
+    async def refused(request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, HTTPException)
+        return answer_framework_error(error)
 
     app.add_exception_handler(TwinkleError, handle)
     app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(HTTPException, refused)
 
 
 __all__ = [
+    'FRAMEWORK_ERRORS',
     'STATUSES',
     'ErrorBody',
+    'answer_framework_error',
     'error_response',
     'error_responses',
     'install_error_handlers',
     'retry_after_header',
     'status_of',
+    'unparsable',
     'validation_problems',
 ]

@@ -19,7 +19,6 @@ Each refusal closes the connection (``Connection: close``), so the unread rest i
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -30,6 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from twinkle.server.auth import key_from_headers
 from twinkle.server.config import Limits
+from twinkle.server.errors import answer_framework_error
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -155,7 +155,7 @@ class _Request:
         return [(b'connection', b'close')] if unread else []
 
     async def answer(self, refusal: RequestRefused) -> None:
-        body = json.dumps({'detail': refusal.detail}).encode()
+        body = answer_framework_error(refusal).body
         headers = [(b'content-type', b'application/json'), (b'content-length', str(len(body)).encode())]
         self.started = True
         await self._send(

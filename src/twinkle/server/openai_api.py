@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from twinkle.data_format import SampledSequence, SamplingParams
 from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
 from twinkle.server.deps import Who
-from twinkle.server.errors import MAX_LOCATION_CHARS, retry_after_header, status_of
+from twinkle.server.errors import MAX_LOCATION_CHARS, retry_after_header, status_of, unparsable
 from twinkle.server.host import MAX_TOP_LOGPROBS, ModelHost
 from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
@@ -214,6 +214,8 @@ def error_response(error: Exception) -> JSONResponse:
 
 def _described(error: Exception) -> tuple[int, str, str | None, str | None]:
     """(status, message, param, code) of an error."""
+    if isinstance(error, RequestValidationError) and (not_json := unparsable(error)) is not None:
+        return 400, str(not_json), None, None
     if isinstance(error, RequestValidationError):
         problems = error.errors()
         where = [_location(problem['loc']) for problem in problems]
