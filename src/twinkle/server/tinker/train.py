@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 from tinker import types
+from transformers import PreTrainedModel
 
-from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, TwinkleError
+from twinkle.data_format import InputFeature
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, TwinkleError
 from twinkle.loss.tinker import TinkerLoss
 from twinkle.model import AdapterCall
 from twinkle.server.host import ModelHost
@@ -39,7 +41,7 @@ def lora_config(host: ModelHost | RemoteHost, lora: types.LoraConfig, alpha: flo
     return {'r': lora.rank, 'lora_alpha': alpha, 'lora_dropout': 0.0, 'target_modules': targets}
 
 
-def lora_targets(model: torch.nn.Module, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+def lora_targets(model: PreTrainedModel, attn: bool, mlp: bool, unembed: bool) -> list[str]:
     """Leaf names of the linear layers under attention blocks, MLP blocks, and the output head
     (a layer another adapter already wraps counts by the wrapper's name)."""
     head = model.get_output_embeddings()
@@ -86,22 +88,24 @@ def run_forward_backward_many(
         losses.append((loss, loss_inputs))
         rows.append(datums)
     outputs = model.forward_backward_mixed(calls, forward_only=forward_only)
-    results = []
-    for call, output, (loss, loss_inputs), datums in zip(calls, outputs, losses, rows, strict=True):
+    results: list[bytes | TwinkleError] = []
+    for adapter_call, output, (loss, loss_inputs), datums in zip(calls, outputs, losses, rows, strict=True):
         if isinstance(output, TwinkleError):  # its loss was not finite: nothing of it was accumulated
             results.append(output)
             continue
         try:
             if forward_only:
-                model.calculate_loss(adapter_name=call.adapter_name, **loss_inputs)
+                model.calculate_loss(adapter_name=adapter_call.adapter_name, **loss_inputs)
             logps = output.logps if forward_only else loss.last_logps
+            if logps is None:
+                raise StateError(f'the loss kept no logprobs for model {adapter_call.adapter_name!r}')
             results.append(_output(datums, logps, loss))
         except TwinkleError as error:
             results.append(error)
     return results
 
 
-def _output(rows: list[dict[str, Any]], logps: torch.Tensor, loss: TinkerLoss) -> bytes:
+def _output(rows: list[InputFeature], logps: torch.Tensor, loss: TinkerLoss) -> bytes:
     outputs = [{'logprobs': logps[i, : len(row['input_ids'])].float().cpu()} for i, row in enumerate(rows)]
     metrics = {name: float(value) for name, value in loss.last_metrics.items()}
     if not all(math.isfinite(v) for v in metrics.values()):
@@ -109,12 +113,13 @@ def _output(rows: list[dict[str, Any]], logps: torch.Tensor, loss: TinkerLoss) -
     return forward_backward_output(outputs, metrics)
 
 
-def datum_rows(host: ModelHost, call: ForwardBackwardCall) -> tuple[list[dict[str, Any]], dict[str, list]]:
+def datum_rows(host: ModelHost, call: ForwardBackwardCall) -> tuple[list[InputFeature], dict[str, list[torch.Tensor]]]:
     """Rows for the model and per-row loss inputs, checked: tokens in the vocabulary, inputs as
     long as the datum, lengths within the context and the request within the token limit."""
     if not call.data:
         raise DataError('forward_backward needs at least one datum')
-    rows, inputs, total = [], {}, 0
+    rows, total = [], 0
+    inputs: dict[str, list[torch.Tensor]] = {}
     for index, datum in enumerate(call.data):
         rows.append(_row(host, index, datum.tokens, datum.loss_fn_inputs))
         total += len(datum.tokens)
@@ -130,7 +135,7 @@ def datum_rows(host: ModelHost, call: ForwardBackwardCall) -> tuple[list[dict[st
     return rows, inputs
 
 
-def _row(host: ModelHost, index: int, tokens: list[int], inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def _row(host: ModelHost, index: int, tokens: list[int], inputs: Mapping[str, torch.Tensor]) -> InputFeature:
     length = len(tokens)
     if length == 0:
         raise DataError(f'datum {index} has no tokens')
@@ -186,4 +191,4 @@ def _numbers(config: Mapping[str, float | str]) -> dict[str, float]:
     text = {k: v for k, v in config.items() if isinstance(v, str)}
     if text:
         raise ConfigurationError(f'loss_fn_config values must be numbers; got text for {sorted(text)}')
-    return dict(config)
+    return {k: v for k, v in config.items() if not isinstance(v, str)}
