@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import (
     AfterValidator,
@@ -197,7 +197,7 @@ class InputRow(Wire):
             raise ValueError(f'labels must be token ids >= 0 or {IGNORE_INDEX} (not trained on)')
         return self
 
-    def feature(self) -> dict[str, list[int]]:
+    def feature(self) -> dict[str, JsonValue]:
         """The row as the model takes it: the fields it has."""
         return self.model_dump(exclude_none=True)
 
@@ -214,7 +214,7 @@ class Prompt(Wire):
 
     @field_validator('messages')
     @classmethod
-    def _turns(cls, messages: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    def _turns(cls, messages: list[dict[str, JsonValue]] | None) -> list[dict[str, JsonValue]] | None:
         for turn, message in enumerate(messages or []):
             content = message.get('content', ...)
             if not isinstance(message.get('role'), str) or not (content is None or isinstance(content, str)):
@@ -236,7 +236,7 @@ class Operation(Wire):
     #: Recorded per run and replayed when a released adapter comes back.
     setup: ClassVar[bool] = False
 
-    def arguments(self) -> dict[str, Any]:
+    def arguments(self) -> dict[str, JsonValue]:
         """The keyword arguments of the model method of the same name (JSON values)."""
         return self.model_dump(exclude_none=True)
 
@@ -257,7 +257,7 @@ class Configure(Operation):
             raise ValueError(f'options {clash} are fields of the request itself; set them there')
         return self
 
-    def arguments(self) -> dict[str, Any]:
+    def arguments(self) -> dict[str, JsonValue]:
         return {**self.model_dump(exclude={'options'}), **self.options}
 
 
@@ -308,8 +308,8 @@ class ForwardBackward(Operation):
             raise ValueError(f'loss_inputs {clash} are not loss inputs')
         return self
 
-    def arguments(self) -> dict[str, Any]:
-        data: dict[str, Any] = {'inputs': [row.feature() for row in self.inputs], **self.loss_inputs}
+    def arguments(self) -> dict[str, JsonValue]:
+        data: dict[str, JsonValue] = {'inputs': [row.feature() for row in self.inputs], **self.loss_inputs}
         if self.micro_batch_size is not None:
             data['micro_batch_size'] = self.micro_batch_size
         return data
@@ -320,7 +320,7 @@ class ForwardOnly(Operation):
     #: Score with the base model alone, the adapter off.
     disable_lora: StrictBool = False
 
-    def arguments(self) -> dict[str, Any]:
+    def arguments(self) -> dict[str, JsonValue]:
         return {'inputs': [row.feature() for row in self.inputs], 'disable_lora': self.disable_lora}
 
 
