@@ -8,11 +8,15 @@ twinkle-server keys list --config server.yaml
 from __future__ import annotations
 
 import argparse
+import atexit
 import sys
 import threading
 from typing import Any
 
 from twinkle.server.config import ServerConfig
+
+#: Seconds ``BackgroundServer.stop`` waits for the server thread: its adapters are saved first.
+STOP_TIMEOUT_S = 30.0
 
 
 def load_config(args: argparse.Namespace) -> ServerConfig:
@@ -57,7 +61,10 @@ class BackgroundServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> str:
-        """Serve on the thread; the base URL once the server answers."""
+        """Serve on the thread; the base URL once the server answers. A server not stopped by
+        the script is stopped at interpreter exit, as a graceful stop: its adapters' state is
+        saved, its worker thread joined and its store closed before the process ends."""
+        atexit.register(self.stop)
         self.thread.start()
         while not self.server.started:
             if not self.thread.is_alive():
@@ -68,8 +75,10 @@ class BackgroundServer:
         return self.url
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
         self.server.should_exit = True
-        self.thread.join(30)
+        if self.thread.is_alive():
+            self.thread.join(STOP_TIMEOUT_S)
 
     def __enter__(self) -> str:
         return self.start()
