@@ -16,12 +16,10 @@ its size limit) are answered in the same shape, under the tree's class of the sa
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, JsonValue
 from starlette.exceptions import HTTPException
 
 from twinkle.errors import (
@@ -97,7 +95,7 @@ def unparsable(error: RequestValidationError) -> DataError | None:
     return None
 
 
-def validation_problems(error: RequestValidationError) -> list[dict[str, Any]]:
+def validation_problems(error: RequestValidationError) -> list[dict[str, JsonValue]]:
     """Where each problem is and what it is, without the input: a 6 MB body is not sent back,
     and NaN, infinities or bytes in it cannot break the answer. A location part that is a
     field name the client chose is cut to ``MAX_LOCATION_CHARS`` and made encodable."""
@@ -107,18 +105,18 @@ def validation_problems(error: RequestValidationError) -> list[dict[str, Any]]:
     ]
 
 
-def _location_part(part: Any) -> str | int:
+def _location_part(part: int | str) -> str | int:
     if isinstance(part, int):
         return part
     text = str(part)[:MAX_LOCATION_CHARS]
     return text.encode('utf-8', errors='replace').decode('utf-8')  # a lone surrogate in a JSON key
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def error_responses(*statuses: int) -> dict[int | str, dict[str, object]]:
     """The ``responses=`` of a router whose routes may answer these statuses, for the OpenAPI schema."""
-    described: dict[int | str, dict[str, Any]] = {}
+    described: dict[int | str, dict[str, object]] = {}
     for status in statuses:
-        response: dict[str, Any] = {'model': ErrorBody, 'description': _DESCRIPTIONS[status]}
+        response: dict[str, object] = {'model': ErrorBody, 'description': _DESCRIPTIONS[status]}
         if status == 429:
             seconds = {'description': 'Seconds to wait before trying again', 'schema': {'type': 'string'}}
             response['headers'] = {'Retry-After': seconds}

@@ -16,16 +16,17 @@ import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import JsonValue
 
 from twinkle.errors import ConfigurationError, NotFoundError, UnknownNameError
 from twinkle.server.deps import Who
 from twinkle.server.errors import error_responses
 from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
-from twinkle.server.store import Checkpoint, Run, check_checkpoint_name, check_name
+from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name, check_name
 from twinkle.wire import (
     OPERATIONS,
     CheckpointList,
@@ -75,11 +76,11 @@ def _run_routes(router: APIRouter, service: Service) -> None:
     config = service.config
 
     @router.get('/server', response_model=ServerInfo)
-    async def server_info(who: Who) -> dict[str, Any]:
+    async def server_info(who: Who) -> dict[str, JsonValue]:
         return {'base_model': config.base_model, 'limits': config.limits.model_dump(), 'tenant': who.name}
 
     @router.post('/runs', status_code=201, response_model=RunInfo)
-    async def create_run(body: CreateRun, who: Who) -> dict[str, Any]:
+    async def create_run(body: CreateRun, who: Who) -> dict[str, JsonValue]:
         check_name('adapter name', body.adapter_name)
         service.host.check_adapter(body.lora)
         if body.base_model is not None and body.base_model != config.base_model:
@@ -100,17 +101,19 @@ def _run_routes(router: APIRouter, service: Service) -> None:
         return _run_json(_own_run(service, who.id, run.id))
 
     @router.get('/runs', response_model=RunList)
-    async def list_runs(who: Who, limit: Page = 100, offset: Page = 0) -> dict[str, Any]:
+    async def list_runs(who: Who, limit: Page = 100, offset: Page = 0) -> dict[str, JsonValue]:
         runs, total = service.store.list_runs(who.id, limit=limit, offset=offset)
         return {'runs': [_run_json(r) for r in runs], 'total': total}
 
     @router.get('/runs/{run_id}', response_model=RunInfo)
-    async def get_run(run_id: str, who: Who) -> dict[str, Any]:
+    async def get_run(run_id: str, who: Who) -> dict[str, JsonValue]:
         return _run_json(_own_run(service, who.id, run_id))
 
 
 # ---- operations ---------------------------------------------------------------------------------------
-def _operation_endpoint(service: Service, name: str, spec: type[Operation]) -> Callable[..., Awaitable[FutureAccepted]]:
+def _operation_endpoint(
+    service: Service, name: str, spec: type[Operation]
+) -> Callable[[str, Operation, Tenant], Awaitable[FutureAccepted]]:
     """The endpoint of operation ``name``, its body typed as ``spec`` for FastAPI and the schema."""
 
     async def operation(run_id: str, body: Operation, who: Who) -> FutureAccepted:
@@ -118,7 +121,7 @@ def _operation_endpoint(service: Service, name: str, spec: type[Operation]) -> C
         kwargs = body.arguments()
         service.host.validate(name, kwargs)  # names, token ids, sizes: a 4xx now, not a failed future
 
-        def compute() -> Any:
+        def compute() -> JsonValue:
             result = service.host.run(service.loaded(run), name, kwargs)
             if spec.setup:
                 service.remember_setup(run_id, name, kwargs)
@@ -175,7 +178,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         return FutureAccepted(future_id=(await service.submit_async(who, run_id, 'load', read)).id)
 
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
-    async def list_checkpoints(run_id: str, who: Who) -> dict[str, Any]:
+    async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
         _own_run(service, who.id, run_id)
         return {'checkpoints': [_checkpoint_json(c) for c in store.list_checkpoints(who.id, run_id)]}
 
@@ -192,7 +195,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 # ---- futures --------------------------------------------------------------------------------------
 def _future_routes(router: APIRouter, service: Service) -> None:
     @router.get('/futures/{future_id}', response_model=FutureInfo)
-    async def get_future(future_id: str, who: Who, wait: float = 0.0) -> dict[str, Any]:
+    async def get_future(future_id: str, who: Who, wait: float = 0.0) -> dict[str, JsonValue]:
         record = service.store.get_future(who.id, future_id)
         if record is None:
             raise NotFoundError(f'request {future_id!r} not found')
@@ -210,11 +213,11 @@ def _own_run(service: Service, tenant_id: str, run_id: str) -> Run:
     return run
 
 
-def _run_json(run: Run) -> dict[str, Any]:
+def _run_json(run: Run) -> dict[str, JsonValue]:
     return {**asdict(run), 'training_run_id': run.id}
 
 
-def _checkpoint_json(checkpoint: Checkpoint) -> dict[str, Any]:
+def _checkpoint_json(checkpoint: Checkpoint) -> dict[str, JsonValue]:
     data = asdict(checkpoint)
     data.pop('path', None)  # server paths stay on the server
     return {**data, 'twinkle_path': checkpoint.twinkle_path}
