@@ -72,6 +72,8 @@ class Job:
     id: str
     tenant: str
     fn: Callable[[], Any] = field(repr=False)
+    # What the job does (``forward_backward``, ``save``...), for the metrics and the log.
+    operation: str = 'unknown'
     submitted_at: float = field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
@@ -225,14 +227,19 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------------
 
     def submit(
-        self, tenant: str, fn: Callable[[], Any], job_id: str | None = None, batch: Batchable | None = None
+        self,
+        tenant: str,
+        fn: Callable[[], Any],
+        job_id: str | None = None,
+        batch: Batchable | None = None,
+        operation: str = 'unknown',
     ) -> Job:
         """Queue ``fn`` for ``tenant`` and return its pending Job at once (thread-safe). With
         ``batch`` the job may instead run in a pass shared with other tenants' jobs.
 
         Raises QueueFullError when the tenant already has ``max_queued_per_tenant`` jobs waiting.
         """
-        job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, fn=fn, batch=batch)
+        job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, fn=fn, operation=operation, batch=batch)
         with self._cond:
             if self._stopping:
                 raise StateError(f'The scheduler is stopped; job for tenant {tenant!r} was not accepted')

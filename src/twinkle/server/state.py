@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import JsonValue
 
 from twinkle.errors import CapacityError, NotFoundError, StateError, TwinkleError
 from twinkle.model.checkpoint import recover_all
@@ -85,7 +86,7 @@ class Service:
         tenant: Tenant,
         run_id: str | None,
         operation: str,
-        fn: Callable[[], Any],
+        fn: Callable[[], object],
         batch: Batchable | None = None,
     ) -> Job:
         """``submit`` from a route: the future's row is written (and fsynced) off the event loop."""
@@ -96,33 +97,32 @@ class Service:
         tenant: Tenant,
         run_id: str | None,
         operation: str,
-        fn: Callable[[], Any],
+        fn: Callable[[], object],
         batch: Batchable | None = None,
     ) -> Job:
         record = self.store.create_future(tenant.id, run_id, operation)
         return self.enqueue(tenant, record.id, operation, fn, batch)
 
     def enqueue(
-        self, tenant: Tenant, future_id: str, operation: str, fn: Callable[[], Any], batch: Batchable | None = None
+        self, tenant: Tenant, future_id: str, operation: str, fn: Callable[[], object], batch: Batchable | None = None
     ) -> Job:
         """Queue ``fn`` as the job of the future ``future_id`` (already recorded); with
         ``batch`` it may share a pass with other tenants' jobs."""
         try:
-            job = self.scheduler.submit(tenant.id, fn, job_id=future_id, batch=batch)
+            job = self.scheduler.submit(tenant.id, fn, job_id=future_id, batch=batch, operation=operation)
         except QueueFullError as e:
             self.store.fail_future(future_id, str(e), 'user')
             raise
-        job.operation = operation  # type: ignore[attr-defined]
         self.queued.set(self.scheduler.queued())
         return job
 
-    def mixable(self, run: Run, operation: str, kwargs: dict[str, Any]) -> Batchable | None:
+    def mixable(self, run: Run, operation: str, kwargs: dict[str, JsonValue]) -> Batchable | None:
         """How a native ``forward_backward`` / ``forward_only`` request can share a pass with
         other tenants' (None for other operations, micro-batched ones, and the base model alone)."""
         if not self.config.mixed_batches or not is_mixable(operation, kwargs):
             return None
 
-        def run_many(payloads: list[tuple[Run, dict[str, Any]]]) -> list[Any]:
+        def run_many(payloads: list[tuple[Run, dict[str, JsonValue]]]) -> list[object]:
             requests = [(self.loaded(run), kwargs) for run, kwargs in payloads]
             return self.host.call(ModelHost.run_mixed, operation, requests)
 
@@ -143,7 +143,7 @@ class Service:
 
     def _on_finish(self, job: Job) -> None:
         self._pinned.clear()
-        operation = getattr(job, 'operation', 'unknown')
+        operation = job.operation
         if job.error is None:
             self.store.finish_future(job.id, job.result)
         else:
@@ -177,9 +177,16 @@ class Service:
     def loaded(self, run: Run) -> str:
         """The run's adapter on the model, restored first if it was released (worker thread)."""
         if run.id not in self.adapters:
-            self.restore(self.store.get_run_by_id(run.id))
+            self.restore(self._stored_run(run.id))
         self._pinned.add(run.id)
         return self.adapters[run.id]
+
+    def _stored_run(self, run_id: str) -> Run:
+        """The run as the store has it now (its latest config and status)."""
+        run = self.store.get_run_by_id(run_id)
+        if run is None:
+            raise NotFoundError(f'training run {run_id!r} not found')
+        return run
 
     def touch(self, run_id: str) -> None:
         """Record the run's last request; at most once a second, as each write syncs the disk."""
@@ -189,10 +196,9 @@ class Service:
             self.store.touch_run(run_id)
 
     # ---- releasing idle adapters ----------------------------------------------------------------
-    def remember_setup(self, run_id: str, operation: str, kwargs: dict[str, Any]) -> None:
+    def remember_setup(self, run_id: str, operation: str, kwargs: dict[str, JsonValue]) -> None:
         """Record a configuration call, to replay when the adapter is brought back."""
-        run = self.store.get_run_by_id(run_id)
-        config = dict(run.config)
+        config = dict(self._stored_run(run_id).config)
         config['setup'] = [*config.get('setup', []), {'operation': operation, 'kwargs': kwargs}]
         self.store.set_run_config(run_id, config)
 
@@ -237,9 +243,9 @@ class Service:
 
     def release_all(self, timeout: float = 600.0) -> None:
         for run_id in list(self.adapters):
-            run = self.store.get_run_by_id(run_id)
+            run = self._stored_run(run_id)
             tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
-            self.submit(tenant, run_id, 'release', lambda r=run: self.release(r))
+            self.submit(tenant, run_id, 'release', partial(self.release, run))
         self.scheduler.drain(timeout)
 
     def release_idle(self) -> list[Job]:
@@ -250,7 +256,7 @@ class Service:
         for run in self.store.idle_runs(self.config.idle_release_s):
             if run.id in self.adapters:
                 tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
-                jobs.append(self.submit(tenant, run.id, 'release', lambda r=run: self.release(r)))
+                jobs.append(self.submit(tenant, run.id, 'release', partial(self.release, run)))
         return jobs
 
     # ---- room on the model -----------------------------------------------------------------------

@@ -273,11 +273,9 @@ def discard_files(service: Service, checkpoints: list[Checkpoint]) -> None:
             service.host.forget_sampler_weights(path)
 
     try:
-        job = service.scheduler.submit(HOUSEKEEPING, forget)
+        service.scheduler.submit(HOUSEKEEPING, forget, operation='forget_sampler_weights')
     except (QueueFullError, StateError) as e:  # stopping, or flooded: saving there again unloads them
         logger.warning(f'deleted checkpoints stay loaded for sampling until evicted: {e}')
-        return
-    job.operation = 'forget_sampler_weights'  # type: ignore[attr-defined]
 
 
 def expire_checkpoints(service: Service) -> list[Checkpoint]:
