@@ -16,10 +16,12 @@ its size limit) are answered in the same shape, under the tree's class of the sa
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, JsonValue
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from twinkle.errors import (
@@ -53,6 +55,14 @@ FRAMEWORK_ERRORS: dict[int, type[TwinkleError]] = {
 }
 #: Longest location part (a field name the client sent) repeated in a 422.
 MAX_LOCATION_CHARS = 64
+
+
+class ValidationProblem(TypedDict):
+    """One problem of a 422: where it is (``loc``), what it is (``msg``) and its kind, not the input."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
 
 
 class ErrorBody(BaseModel):
@@ -95,7 +105,7 @@ def unparsable(error: RequestValidationError) -> DataError | None:
     return None
 
 
-def validation_problems(error: RequestValidationError) -> list[dict[str, JsonValue]]:
+def validation_problems(error: RequestValidationError) -> list[ValidationProblem]:
     """Where each problem is and what it is, without the input: a 6 MB body is not sent back,
     and NaN, infinities or bytes in it cannot break the answer. A location part that is a
     field name the client chose is cut to ``MAX_LOCATION_CHARS`` and made encodable."""
@@ -162,6 +172,7 @@ __all__ = [
     'FRAMEWORK_ERRORS',
     'STATUSES',
     'ErrorBody',
+    'ValidationProblem',
     'answer_framework_error',
     'error_response',
     'error_responses',
