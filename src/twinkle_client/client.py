@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import TypeVar
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, JsonValue, ValidationError
 
 from twinkle.errors import DataError, TwinkleError
 from twinkle.wire import (
@@ -55,11 +56,13 @@ class TwinkleClient:
         self.max_retries = max_retries
 
     # ---- plumbing -------------------------------------------------------------------------------
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def request(
+        self, method: str, path: str, *, json: JsonValue = None, params: Mapping[str, str | int | float] | None = None
+    ) -> JsonValue:
         """JSON in, JSON out; a 429 is retried after its ``Retry-After``; other errors raise
         ``RemoteError`` with the server's message."""
         for _ in range(self.max_retries):
-            response = self.http.request(method, path, **kwargs)
+            response = self.http.request(method, path, json=json, params=params)
             if response.status_code != 429:
                 break
             time.sleep(float(response.headers.get('Retry-After', '1')))
@@ -67,12 +70,12 @@ class TwinkleClient:
             raise RemoteError(_detail(response), response.status_code)
         return response.json()
 
-    def submit(self, path: str, body: BaseModel | dict[str, Any]) -> str:
+    def submit(self, path: str, body: BaseModel | dict[str, JsonValue]) -> str:
         """Queue a compute request (a ``twinkle.wire`` model, or its JSON); its future id."""
         content = body.model_dump(mode='json') if isinstance(body, BaseModel) else body
         return FutureAccepted.model_validate(self.request('POST', path, json=content)).future_id
 
-    def result(self, future_id: str) -> Any:
+    def result(self, future_id: str) -> JsonValue:
         """Wait for a compute request; its result, or ``RemoteError`` if it failed."""
         while True:
             record = FutureInfo.model_validate(
@@ -83,7 +86,7 @@ class TwinkleClient:
             if record.status == 'failed':
                 raise RemoteError(record.error or 'the request failed', 200, record.category or 'server')
 
-    def call(self, path: str, body: BaseModel | dict[str, Any]) -> Any:
+    def call(self, path: str, body: BaseModel | dict[str, JsonValue]) -> JsonValue:
         return self.result(self.submit(path, body))
 
     def close(self) -> None:
@@ -113,10 +116,10 @@ class TwinkleClient:
         self.request('DELETE', f'{PREFIX}/runs/{run_id_or_path}/checkpoints/{name}')
 
 
-def init_twinkle_client(base_url: str, api_key: str, **kwargs: Any) -> TwinkleClient:
+def init_twinkle_client(base_url: str, api_key: str, *, timeout: float = 120.0, max_retries: int = 20) -> TwinkleClient:
     """A client for ``base_url``, also made the default for components built without ``client=``."""
     global _default
-    _default = TwinkleClient(base_url, api_key, **kwargs)
+    _default = TwinkleClient(base_url, api_key, timeout=timeout, max_retries=max_retries)
     return _default
 
 
@@ -126,7 +129,7 @@ def default_client() -> TwinkleClient:
     return _default
 
 
-def build(model: type[Wire], fields: dict[str, Any]) -> Wire:
+def build(model: type[Wire], fields: Mapping[str, object]) -> Wire:
     """A ``twinkle.wire`` request from Python values (tuples as lists, as JSON has them), or a
     ``DataError`` saying which field is wrong, before anything is sent."""
     try:

@@ -8,15 +8,34 @@ server has run them and return what the local method returns (``forward_backward
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 from peft import LoraConfig
+from pydantic import JsonValue, TypeAdapter
+from typing_extensions import NotRequired, TypedDict
 
 from twinkle.data_format import ModelOutput
-from twinkle.errors import ConfigurationError, UnknownNameError
+from twinkle.errors import ConfigurationError, DataError, UnknownNameError
 from twinkle.wire import FEATURE_FIELDS, LORA_FIELDS, OPERATIONS, CreateRun, LoadRequest, RunInfo, SaveRequest
 from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
+
+#: A row of ``inputs``: its ``FEATURE_FIELDS`` (lists, tensors or arrays of ints) are sent, other keys stay here.
+Row = Mapping[str, object]
+
+
+class ForwardResult(TypedDict):
+    """What the server answers for ``forward_backward`` (and, with ``logps``, ``forward_only``)."""
+
+    loss: float | None
+    num_tokens: int
+    logps: NotRequired[list[list[float]]]
+
+
+_FORWARD = TypeAdapter(ForwardResult)
+_NORM: TypeAdapter[float | None] = TypeAdapter(float | None)
+_STEPPED = TypeAdapter(bool)
+_METRICS = TypeAdapter(dict[str, float])
+_TEXT = TypeAdapter(str)
 
 
 class MultiLoraTransformersModel:
@@ -50,45 +69,55 @@ class MultiLoraTransformersModel:
         self.runs[adapter_name] = run_id
 
     # ---- the local API --------------------------------------------------------------------------
-    def set_optimizer(self, optimizer_cls: str = 'AdamW', *, adapter_name: str | None = None, **kwargs: Any) -> None:
+    def set_optimizer(self, optimizer_cls: str = 'AdamW', *, adapter_name: str | None = None, **kwargs: object) -> None:
         self._op('set_optimizer', adapter_name, optimizer_cls=_name(optimizer_cls), options=kwargs)
 
-    def set_lr_scheduler(self, scheduler_cls: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+    def set_lr_scheduler(self, scheduler_cls: str, *, adapter_name: str | None = None, **kwargs: object) -> None:
         self._op('set_lr_scheduler', adapter_name, scheduler_cls=_name(scheduler_cls), options=kwargs)
 
-    def set_loss(self, loss_cls: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+    def set_loss(self, loss_cls: str, *, adapter_name: str | None = None, **kwargs: object) -> None:
         self._op('set_loss', adapter_name, loss_cls=_name(loss_cls), options=kwargs)
 
-    def set_template(self, template_cls: str = 'Template', *, adapter_name: str | None = None, **kwargs: Any) -> None:
+    def set_template(
+        self, template_cls: str = 'Template', *, adapter_name: str | None = None, **kwargs: object
+    ) -> None:
         self._op('set_template', adapter_name, template_cls=_name(template_cls), options=kwargs)
 
     def set_processor(
-        self, processor_cls: str = 'InputProcessor', *, adapter_name: str | None = None, **kwargs: Any
+        self, processor_cls: str = 'InputProcessor', *, adapter_name: str | None = None, **kwargs: object
     ) -> None:
         self._op('set_processor', adapter_name, processor_cls=_name(processor_cls), options=kwargs)
 
     def add_metric(
-        self, metric: str, *, is_training: bool = True, adapter_name: str | None = None, **kwargs: Any
+        self, metric: str, *, is_training: bool = True, adapter_name: str | None = None, **kwargs: object
     ) -> None:
         self._op('add_metric', adapter_name, metric=_name(metric), is_training=is_training, options=kwargs)
 
     def forward_backward(
-        self, *, inputs: Any, adapter_name: str | None = None, micro_batch_size: int | None = None, **loss_inputs: Any
+        self,
+        *,
+        inputs: Row | Iterable[Row],
+        adapter_name: str | None = None,
+        micro_batch_size: int | None = None,
+        **loss_inputs: object,
     ) -> ModelOutput:
         """``loss_inputs`` (``advantages``, ``old_logps``...) go to the run's loss by name."""
         fields = {'inputs': _rows(inputs), 'micro_batch_size': micro_batch_size, 'loss_inputs': loss_inputs}
-        result = self._op('forward_backward', adapter_name, **fields)
+        result = _FORWARD.validate_python(self._op('forward_backward', adapter_name, **fields))
         return ModelOutput(loss=result['loss'], num_tokens=result['num_tokens'])
 
-    def forward_only(self, *, inputs: Any, adapter_name: str | None = None, disable_lora: bool = False) -> ModelOutput:
-        result = self._op('forward_only', adapter_name, inputs=_rows(inputs), disable_lora=disable_lora)
-        return ModelOutput(loss=result['loss'], num_tokens=result['num_tokens'], logps=result['logps'])
+    def forward_only(
+        self, *, inputs: Row | Iterable[Row], adapter_name: str | None = None, disable_lora: bool = False
+    ) -> ModelOutput:
+        answer = self._op('forward_only', adapter_name, inputs=_rows(inputs), disable_lora=disable_lora)
+        result = _FORWARD.validate_python(answer)
+        return ModelOutput(loss=result['loss'], num_tokens=result['num_tokens'], logps=result.get('logps'))
 
     def clip_grad_norm(self, max_grad_norm: float = 1.0, *, adapter_name: str | None = None) -> float | None:
-        return self._op('clip_grad_norm', adapter_name, max_grad_norm=max_grad_norm)
+        return _NORM.validate_python(self._op('clip_grad_norm', adapter_name, max_grad_norm=max_grad_norm))
 
     def step(self, *, adapter_name: str | None = None) -> bool:
-        return self._op('step', adapter_name)
+        return _STEPPED.validate_python(self._op('step', adapter_name))
 
     def zero_grad(self, *, adapter_name: str | None = None) -> None:
         self._op('zero_grad', adapter_name)
@@ -97,25 +126,25 @@ class MultiLoraTransformersModel:
         self._op('lr_step', adapter_name)
 
     def clip_grad_and_step(self, max_grad_norm: float = 1.0, *, adapter_name: str | None = None) -> float | None:
-        return self._op('clip_grad_and_step', adapter_name, max_grad_norm=max_grad_norm)
+        return _NORM.validate_python(self._op('clip_grad_and_step', adapter_name, max_grad_norm=max_grad_norm))
 
     def calculate_metric(self, is_training: bool = True, *, adapter_name: str | None = None) -> dict[str, float]:
-        return self._op('calculate_metric', adapter_name, is_training=is_training)
+        return _METRICS.validate_python(self._op('calculate_metric', adapter_name, is_training=is_training))
 
     def get_train_configs(self, *, adapter_name: str | None = None) -> str:
-        return self._op('get_train_configs', adapter_name)
+        return _TEXT.validate_python(self._op('get_train_configs', adapter_name))
 
     def save(self, name: str, *, adapter_name: str | None = None, save_optimizer: bool = False) -> str:
         """Save on the server; returns ``twinkle://<run id>/checkpoints/<name>``."""
         run_id = self._run(adapter_name)
         body = build(SaveRequest, {'name': name, 'save_optimizer': save_optimizer})
-        return self.client.call(f'{PREFIX}/runs/{run_id}/save', body)
+        return _TEXT.validate_python(self.client.call(f'{PREFIX}/runs/{run_id}/save', body))
 
     def load(self, path: str, *, adapter_name: str | None = None, load_optimizer: bool = False) -> str:
         """Load a ``twinkle://`` checkpoint of this tenant into the adapter."""
         run_id = self._run(adapter_name)
         body = build(LoadRequest, {'path': path, 'load_optimizer': load_optimizer})
-        return self.client.call(f'{PREFIX}/runs/{run_id}/load', body)
+        return _TEXT.validate_python(self.client.call(f'{PREFIX}/runs/{run_id}/load', body))
 
     # ---- internals ------------------------------------------------------------------------------
     def _run(self, adapter_name: str | None) -> str:
@@ -129,14 +158,14 @@ class MultiLoraTransformersModel:
             raise UnknownNameError('adapter', adapter_name, list(self.runs))
         return self.runs[adapter_name]
 
-    def _op(self, operation: str, adapter_name: str | None, **fields: Any) -> Any:
+    def _op(self, operation: str, adapter_name: str | None, **fields: object) -> JsonValue:
         """Run ``operation`` (its request built from ``twinkle.wire.OPERATIONS``) and wait for it."""
         run_id = self._run(adapter_name)
         return self.client.call(f'{PREFIX}/runs/{run_id}/ops/{operation}', build(OPERATIONS[operation], fields))
 
 
-def _lora_fields(config: LoraConfig) -> dict[str, Any]:
-    fields = {}
+def _lora_fields(config: LoraConfig) -> dict[str, object]:
+    fields: dict[str, object] = {}
     for key in sorted(LORA_FIELDS):
         value = getattr(config, key, None)
         if value is not None:
@@ -144,7 +173,7 @@ def _lora_fields(config: LoraConfig) -> dict[str, Any]:
     return fields
 
 
-def _name(spec: Any) -> str:
+def _name(spec: object) -> str:
     if isinstance(spec, str):
         return spec
     if isinstance(spec, type):
@@ -152,7 +181,13 @@ def _name(spec: Any) -> str:
     raise ConfigurationError(f'a server component is named by a string; got {spec!r}')
 
 
-def _rows(inputs: Any) -> list[dict[str, list[int]]]:
+def _rows(inputs: Row | Iterable[Row]) -> list[dict[str, list[int]]]:
     """The rows' InputFeature fields as lists of ints (from lists, tensors or arrays); other keys stay here."""
-    rows = [inputs] if isinstance(inputs, Mapping) else list(inputs) if isinstance(inputs, Sequence) else inputs
-    return [{key: [int(v) for v in row[key]] for key in FEATURE_FIELDS if key in row} for row in rows]
+    rows = [inputs] if isinstance(inputs, Mapping) else list(inputs)
+    return [{key: _ints(key, row[key]) for key in FEATURE_FIELDS if key in row} for row in rows]
+
+
+def _ints(key: str, values: object) -> list[int]:
+    if not isinstance(values, Iterable):
+        raise DataError(f'{key} must be a sequence of token ids; got {type(values).__name__}')
+    return [int(v) for v in values]

@@ -22,14 +22,43 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import cast
 
-from twinkle.data_format import SampledSequence, SampleResponse, SamplingParams, TokenLogprob
+from pydantic import JsonValue, TypeAdapter
+from typing_extensions import NotRequired, TypedDict
+
+from twinkle.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, TokenLogprob
+from twinkle.data_format.sampling import StopReason
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.template import Template
 from twinkle.wire import PROMPT_FIELDS, Sample
 from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
-from twinkle_client.model import MultiLoraTransformersModel
+from twinkle_client.model import MultiLoraTransformersModel, Row
+
+
+class _SequenceJson(TypedDict):
+    """A ``SampledSequence`` as the server sends it."""
+
+    stop_reason: StopReason
+    tokens: list[int]
+    logprobs: list[list[TokenLogprob]]
+    decoded: str
+    new_input_feature: dict[str, JsonValue]
+    weight_version: NotRequired[int]
+
+
+class _ResponseJson(TypedDict):
+    """A ``SampleResponse`` as the server sends it."""
+
+    sequences: list[_SequenceJson]
+    prompt_token_ids: list[int]
+    prompt_logprobs: NotRequired[list[float | None] | None]
+    topk_prompt_logprobs: NotRequired[list[list[TokenLogprob] | None] | None]
+    extra: NotRequired[dict[str, JsonValue] | None]
+
+
+#: The answer of a ``sample`` request, checked (and ``(token, logprob)`` pairs made tuples).
+_RESPONSES = TypeAdapter(list[_ResponseJson])
 
 
 class TorchSampler:
@@ -58,9 +87,9 @@ class TorchSampler:
         self.model = model
         self.client = model.client if model is not None else client or default_client()
         self.adapter_name = adapter_name
-        self.requested_template: tuple[Any, dict[str, Any]] | None = None  # see set_template
+        self.requested_template: tuple[str | type[Template] | Template, dict[str, object]] | None = None
 
-    def set_template(self, template_cls: str | type[Template] | Template = 'Template', **kwargs: Any) -> None:
+    def set_template(self, template_cls: str | type[Template] | Template = 'Template', **kwargs: object) -> None:
         """Kept for parity with the local sampler and otherwise ignored: the server encodes
         ``messages`` prompts with the run's template (``model.set_template``), else the base
         model's, and always with the base model's tokenizer."""
@@ -72,8 +101,8 @@ class TorchSampler:
 
     def sample(
         self,
-        inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        inputs: Row | Sequence[Row],
+        sampling_params: SamplingParams | dict[str, JsonValue] | None = None,
         *,
         adapter_name: str | None = None,
         base_model: bool = False,
@@ -97,7 +126,9 @@ class TorchSampler:
             'sampling_params': params,  # checked by the server, whose 400 names a bad field
             'base_model': base_model,
         }
-        result = self.client.call(f'{PREFIX}/runs/{run_id}/ops/sample', build(Sample, fields))
+        result = _RESPONSES.validate_python(
+            self.client.call(f'{PREFIX}/runs/{run_id}/ops/sample', build(Sample, fields))
+        )
         return [_response(data, row.get('user_data')) for data, row in zip(result, rows, strict=True)]
 
 
@@ -105,7 +136,7 @@ class TorchSampler:
 vLLMSampler = TorchSampler
 
 
-def _prompt_json(index: int, row: Any) -> dict[str, Any]:
+def _prompt_json(index: int, row: object) -> dict[str, object]:
     if not isinstance(row, Mapping):
         raise DataError(f'prompt {index} must be a dict with input_ids or messages; got {type(row).__name__}')
     prompt = {key: row[key] for key in PROMPT_FIELDS if key in row}
@@ -116,35 +147,30 @@ def _prompt_json(index: int, row: Any) -> dict[str, Any]:
     return prompt
 
 
-def _response(data: Mapping[str, Any], user_data: Any) -> SampleResponse:
-    """A ``SampleResponse`` rebuilt from its JSON (lists back to ``(token, logprob)`` tuples)."""
+def _response(data: _ResponseJson, user_data: object) -> SampleResponse:
+    """A ``SampleResponse`` rebuilt from its JSON, with the prompt's ``user_data`` put back."""
     sequences = []
     for seq in data['sequences']:
-        feature = dict(seq['new_input_feature'])
+        feature: dict[str, object] = dict(seq['new_input_feature'])
         if user_data is not None:
-            feature['user_data'] = user_data
+            feature['user_data'] = user_data  # it stayed here, as any Python value
         sequences.append(
             SampledSequence(
                 stop_reason=seq['stop_reason'],
-                tokens=list(seq['tokens']),
-                logprobs=[_pairs(entry) for entry in seq['logprobs']],
+                tokens=seq['tokens'],
+                logprobs=seq['logprobs'],
                 decoded=seq['decoded'],
-                new_input_feature=feature,  # type: ignore[arg-type]
+                new_input_feature=cast(InputFeature, feature),  # the server's training_feature, as JSON
                 weight_version=seq.get('weight_version', 0),
             )
         )
-    topk = data.get('topk_prompt_logprobs')
     return SampleResponse(
         sequences=sequences,
-        prompt_token_ids=list(data['prompt_token_ids']),
+        prompt_token_ids=data['prompt_token_ids'],
         prompt_logprobs=data.get('prompt_logprobs'),
-        topk_prompt_logprobs=None if topk is None else [None if e is None else _pairs(e) for e in topk],
+        topk_prompt_logprobs=data.get('topk_prompt_logprobs'),
         extra=dict(data.get('extra') or {}),
     )
-
-
-def _pairs(entry: Sequence[Sequence[Any]]) -> list[TokenLogprob]:
-    return [(int(token), float(logprob)) for token, logprob in entry]
 
 
 __all__ = ['TorchSampler', 'vLLMSampler']
