@@ -28,13 +28,16 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNameError, one_of
 from twinkle.model.lora_delta import Run, add_run_deltas
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_:-]+$')
 
@@ -489,3 +492,27 @@ def _peft_targets(targets: Any, model: nn.Module) -> tuple[str, ...] | str:
     if isinstance(targets, str):
         return targets
     return tuple(sorted(targets))
+
+
+#: Module names LoRA attaches to for each block kind (attention, MLP), by the parent module's name.
+ATTENTION_PARENTS = ('self_attn', 'attn', 'attention', 'linear_attn')
+MLP_PARENTS = ('mlp', 'feed_forward', 'experts', 'shared_expert')
+
+
+def lora_targets(model: PreTrainedModel, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+    """Leaf names of the linear layers under attention blocks, MLP blocks, and the output head
+    (a layer another adapter already wraps counts by the wrapper's name)."""
+    head = model.get_output_embeddings()
+    head_leaf = next(name for name, module in model.named_modules() if module is head).split('.')[-1]
+    names: set[str] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or 'lora_' in name:
+            continue
+        *parents, leaf = name.split('.')
+        if leaf == 'base_layer':
+            *parents, leaf = parents
+        in_attention = any(p in ATTENTION_PARENTS for p in parents)
+        in_mlp = any(p in MLP_PARENTS for p in parents)
+        if unembed if leaf == head_leaf else (attn and in_attention) or (mlp and in_mlp):
+            names.add(leaf)
+    return sorted(names)

@@ -36,6 +36,7 @@ from twinkle.errors import (
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model import AdapterCall, TransformersModel
+from twinkle.model.multi_lora import lora_targets
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, check_optimizer_args, check_scheduler_args
 from twinkle.processor import PROCESSORS
@@ -126,8 +127,6 @@ class ModelHost:
 
     def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
         """Leaf names of the linear layers under attention, MLP blocks and the output head."""
-        from twinkle.server.tinker.train import lora_targets
-
         return lora_targets(self.model.model, attn, mlp, unembed)
 
     @property

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from tinker import types
-from transformers import PreTrainedModel
 
 from twinkle.data_format import InputFeature
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, TwinkleError
@@ -24,10 +23,6 @@ from twinkle.model import AdapterCall
 from twinkle.server.host import ModelHost
 from twinkle.server.remote_host import RemoteHost
 from twinkle.server.tinker.codec import ForwardBackwardCall, forward_backward_output
-
-#: Module names LoRA attaches to for each of Tinker's switches, by the parent module's name.
-ATTENTION_PARENTS = ('self_attn', 'attn', 'attention', 'linear_attn')
-MLP_PARENTS = ('mlp', 'feed_forward', 'experts', 'shared_expert')
 
 
 def lora_config(host: ModelHost | RemoteHost, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:
@@ -39,25 +34,6 @@ def lora_config(host: ModelHost | RemoteHost, lora: types.LoraConfig, alpha: flo
             'the LoRA config trains nothing: set at least one of train_attn, train_mlp, train_unembed'
         )
     return {'r': lora.rank, 'lora_alpha': alpha, 'lora_dropout': 0.0, 'target_modules': targets}
-
-
-def lora_targets(model: PreTrainedModel, attn: bool, mlp: bool, unembed: bool) -> list[str]:
-    """Leaf names of the linear layers under attention blocks, MLP blocks, and the output head
-    (a layer another adapter already wraps counts by the wrapper's name)."""
-    head = model.get_output_embeddings()
-    head_leaf = next(name for name, module in model.named_modules() if module is head).split('.')[-1]
-    names: set[str] = set()
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or 'lora_' in name:
-            continue
-        *parents, leaf = name.split('.')
-        if leaf == 'base_layer':
-            *parents, leaf = parents
-        in_attention = any(p in ATTENTION_PARENTS for p in parents)
-        in_mlp = any(p in MLP_PARENTS for p in parents)
-        if unembed if leaf == head_leaf else (attn and in_attention) or (mlp and in_mlp):
-            names.add(leaf)
-    return sorted(names)
 
 
 def run_forward_backward(host: ModelHost, adapter: str, call: ForwardBackwardCall) -> bytes:
