@@ -125,7 +125,9 @@ class TransformersModel(TwinkleModel):
         weights are loaded. The layers are this project's (``twinkle.model.multi_lora``): every
         adapter stays in the model, and one forward pass can run each row through its own."""
         if not isinstance(adapter_name, str) or not _ADAPTER_NAME.match(adapter_name):
-            raise ConfigurationError(f'adapter name {adapter_name!r} must be non-empty letters, digits, "_", "-" or ":"')
+            raise ConfigurationError(
+                f'adapter name {adapter_name!r} must be non-empty letters, digits, "_", "-" or ":"'
+            )
         if adapter_name in self.groups:
             raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {self.adapter_names}')
         check_positive('gradient_accumulation_steps', gradient_accumulation_steps)
