@@ -21,10 +21,11 @@ train: setup  ## LoRA SFT of the embedded tiny model, with a progress bar
 grpo: setup  ## GRPO from scratch on the embedded tiny model: watch the reward rise
 	$(PY) cookbook/grpo_letter_words.py
 
-test: setup  ## lint, then the whole test suite (CPU only, offline)
+test: setup  ## lint, layer contracts, types (mypy over src/), then the whole test suite (CPU only, offline)
 	$(VENV)/bin/ruff check src tests cookbook benchmarks
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 fuzz: setup  ## the schema-driven fuzz of every HTTP operation, 50 requests per operation and mode (make test runs 2)
