@@ -70,6 +70,11 @@ def test_the_argument_checks_touch_no_model():
         check_optimizer_args('AdamW', {'eps': -1.0})
     with pytest.raises(ConfigurationError, match=r"does not take \['nope'\]"):
         check_optimizer_args('AdamW', {'nope': 1})
+    # Muon takes only matrices (as LoRA's A and B are): the check's parameter is one, so Muon passes ...
+    check_optimizer_args('Muon', {'lr': 1e-3})
+    # ... and an optimizer that refuses it whatever the arguments is not said to refuse an argument.
+    with pytest.raises(ConfigurationError, match=r'SparseAdam\(lr=0\.001\) is refused \(RuntimeError'):
+        check_optimizer_args('SparseAdam', {'lr': 1e-3})
 
 
 # ---- a non-finite loss ----------------------------------------------------------------------------

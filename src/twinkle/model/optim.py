@@ -139,14 +139,15 @@ def build_scheduler(spec: str | type[LRScheduler], optimizer: Optimizer, kwargs:
 
 
 def check_optimizer_args(spec: str, kwargs: dict, device: torch.device | str = 'cpu') -> None:
-    """``ConfigurationError`` unless ``spec(**kwargs)`` builds and steps over one zero parameter
-    on ``device``: torch checks an optimizer's hyperparameters in ``__init__``, so this is the
-    exact check, touching no model."""
+    """``ConfigurationError`` unless ``spec(**kwargs)`` builds and steps over one zero 2x2
+    parameter on ``device`` (a matrix, as every optimizer takes: Muon takes nothing else): torch
+    checks an optimizer's hyperparameters in ``__init__``, so this is the exact check, touching
+    no model."""
     cls = OPTIMIZERS.get(spec)
     check_kwargs('optimizer', cls, kwargs, skip=('params',))
 
     def build_and_step(args: dict) -> None:
-        param = torch.nn.Parameter(torch.zeros(1, device=device))
+        param = torch.nn.Parameter(torch.zeros(2, 2, device=device))
         optimizer = cls([param], **args)
         param.grad = torch.zeros_like(param)
         optimizer.step()
@@ -193,6 +194,10 @@ def _culprit(cls: Callable[..., Any], kwargs: dict, build: Callable[[dict], Any]
     """The first argument refused beside the required ones alone (those first)."""
     params = inspect.signature(cls).parameters
     required = {n: v for n, v in kwargs.items() if n in params and params[n].default is inspect.Parameter.empty}
+    try:
+        build(required)
+    except _REFUSALS:
+        return None  # refused with the required arguments alone: no optional one is to blame
     for name in [*required, *(n for n in kwargs if n not in required)]:
         try:
             build({**required, name: kwargs[name]})

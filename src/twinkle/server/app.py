@@ -87,7 +87,10 @@ async def _release_periodically(service: Service) -> None:
         return
     while True:
         await asyncio.sleep(min(max(idle / 4, 0.05), 30.0))
-        service.release_idle()
+        try:
+            service.release_idle()
+        except Exception:  # a chore that dies stops every later release: log it and go on
+            logger.exception('queueing the release of idle adapters failed; trying again later')
 
 
 async def _expire_gaps(service: Service) -> None:

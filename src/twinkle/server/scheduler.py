@@ -233,11 +233,14 @@ class Scheduler:
         job_id: str | None = None,
         batch: Batchable | None = None,
         operation: str = 'unknown',
+        internal: bool = False,
     ) -> Job:
         """Queue ``fn`` for ``tenant`` and return its pending Job at once (thread-safe). With
         ``batch`` the job may instead run in a pass shared with other tenants' jobs.
 
-        Raises QueueFullError when the tenant already has ``max_queued_per_tenant`` jobs waiting.
+        Raises QueueFullError when the tenant already has ``max_queued_per_tenant`` jobs waiting,
+        unless the job is ``internal``: the server's own work on the tenant's behalf (releasing
+        an idle adapter), which the tenant's requests must not crowd out.
         """
         job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, fn=fn, operation=operation, batch=batch)
         with self._cond:
@@ -246,7 +249,7 @@ class Scheduler:
             if job.id in self._jobs:
                 raise ConfigurationError(f'Job id {job.id!r} is already in use; pass a new id or none')
             queue = self._queues.setdefault(tenant, deque())
-            if len(queue) >= self.max_queued_per_tenant:
+            if len(queue) >= self.max_queued_per_tenant and not internal:
                 raise QueueFullError(tenant, self.max_queued_per_tenant, self._retry_after(len(queue)))
             queue.append(job)
             job.passes_before = self._passes

@@ -99,17 +99,27 @@ class Service:
         operation: str,
         fn: Callable[[], object],
         batch: Batchable | None = None,
+        internal: bool = False,
     ) -> Job:
         record = self.store.create_future(tenant.id, run_id, operation)
-        return self.enqueue(tenant, record.id, operation, fn, batch)
+        return self.enqueue(tenant, record.id, operation, fn, batch, internal)
 
     def enqueue(
-        self, tenant: Tenant, future_id: str, operation: str, fn: Callable[[], object], batch: Batchable | None = None
+        self,
+        tenant: Tenant,
+        future_id: str,
+        operation: str,
+        fn: Callable[[], object],
+        batch: Batchable | None = None,
+        internal: bool = False,
     ) -> Job:
         """Queue ``fn`` as the job of the future ``future_id`` (already recorded); with
-        ``batch`` it may share a pass with other tenants' jobs."""
+        ``batch`` it may share a pass with other tenants' jobs. An ``internal`` job (the server's
+        own, such as releasing an idle adapter) is not held to the tenant's queue limit."""
         try:
-            job = self.scheduler.submit(tenant.id, fn, job_id=future_id, batch=batch, operation=operation)
+            job = self.scheduler.submit(
+                tenant.id, fn, job_id=future_id, batch=batch, operation=operation, internal=internal
+            )
         except QueueFullError as e:
             self.store.fail_future(future_id, str(e), 'user')
             raise
@@ -245,7 +255,7 @@ class Service:
         for run_id in list(self.adapters):
             run = self._stored_run(run_id)
             tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
-            self.submit(tenant, run_id, 'release', partial(self.release, run))
+            self.submit(tenant, run_id, 'release', partial(self.release, run), internal=True)
         self.scheduler.drain(timeout)
 
     def release_idle(self) -> list[Job]:
@@ -256,7 +266,7 @@ class Service:
         for run in self.store.idle_runs(self.config.idle_release_s):
             if run.id in self.adapters:
                 tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
-                jobs.append(self.submit(tenant, run.id, 'release', partial(self.release, run)))
+                jobs.append(self.submit(tenant, run.id, 'release', partial(self.release, run), internal=True))
         return jobs
 
     # ---- room on the model -----------------------------------------------------------------------
