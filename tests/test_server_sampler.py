@@ -180,9 +180,7 @@ def test_bad_sample_requests_are_a_400_that_names_the_problem(server, tiny_model
             sampler.sample(prompts)
         assert message in str(refused.value), str(refused.value)
     # ... and the server's route, for a request that did not come through the client: a 422 naming the field.
-    with pytest.raises(
-        RemoteError, match=r"'loc': \['body', 'base_model'\], 'msg': 'Input should be a valid boolean'"
-    ) as error:
+    with pytest.raises(RemoteError, match=r'HTTP 422: base_model: Input should be a valid boolean$') as error:
         model.client.submit(f'/twinkle/v1/runs/{model.runs["policy"]}/ops/sample', {'inputs': PROMPTS, 'base_model': 1})
     assert error.value.status == 422
     # A role the template refuses is only found when encoding, on the worker: that request fails alone.

@@ -145,8 +145,18 @@ def _problems(error: Exception) -> str:
 
 
 def _detail(response: httpx.Response) -> str:
+    """The server's message: its ``detail``, a 422's problems as ``field.path: message``."""
     try:
         detail = response.json().get('detail', response.text)
     except ValueError:
         detail = response.text
+    if isinstance(detail, list):  # a 422: where and what, one problem each
+        detail = '; '.join(_located(problem) for problem in detail)
     return f'HTTP {response.status_code}: {detail}'
+
+
+def _located(problem: object) -> str:
+    if not isinstance(problem, dict):
+        return str(problem)
+    where = '.'.join(str(part) for part in problem.get('loc', []) if part != 'body') or 'body'
+    return f'{where}: {problem.get("msg", problem)}'

@@ -132,6 +132,7 @@ def _operation_endpoint(
 
     signature = inspect.signature(operation)
     body = signature.parameters['body'].replace(annotation=spec)
+    # FastAPI reads the body's model from the signature; functions have no declared __signature__
     operation.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[body if p.name == 'body' else p for p in signature.parameters.values()]
     )
