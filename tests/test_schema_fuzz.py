@@ -12,8 +12,10 @@ raised at the first, so one run lists them all.
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -28,6 +30,8 @@ from schemathesis.specs.openapi.checks import (
 )
 from server_helpers import background_server
 
+#: Operations that answer without an API key; every other one must answer 401 without a known key.
+PUBLIC = {'GET /healthz', 'GET /metrics', 'GET /api/v1/healthz'}
 #: Requests per operation and generation mode (fitting the schema, and not).
 EXAMPLES = int(os.environ.get('TWINKLE_FUZZ_EXAMPLES', '2'))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -95,3 +99,25 @@ def test_every_operation_answers_within_its_schema(server):
         f'{problem} (HTTP {", ".join(sorted(statuses))})' for problem, statuses in sorted(problems.items())
     )
     assert not problems, f'{len(problems)} problems:\n{listed}'
+
+
+@pytest.mark.parametrize('auth', [{}, {'Authorization': 'Bearer tml-not-a-key-of-anyone-here-0123456789'}])
+def test_every_operation_that_needs_a_key_answers_401_without_one(server, auth):
+    # One request per operation (path parameters filled in, an empty JSON object as the body): the
+    # key is checked before anything else, so the answer is a 401 whatever the rest of the request.
+    url, _, _ = server
+    schema = schemathesis.openapi.from_url(f'{url}/openapi.json')
+    operations = [result.ok() for result in schema.get_all_operations()]
+    wrong: dict[str, str] = {}
+    for operation in operations:
+        label = f'{operation.method.upper()} {operation.path}'
+        if label in PUBLIC:
+            continue
+        path = re.sub(r'\{[^}]+\}', 'x', operation.path)
+        response = httpx.request(
+            operation.method.upper(), f'{url}{path}', json={}, headers=auth, timeout=REQUEST_TIMEOUT_S
+        )
+        if response.status_code != 401:
+            wrong[label] = f'{response.status_code} {response.text[:120]}'
+    assert len(operations) - len(PUBLIC) > 30
+    assert not wrong, '\n'.join(f'{label}: {answer}' for label, answer in sorted(wrong.items()))

@@ -12,9 +12,9 @@ from twinkle.server.state import Service
 from twinkle.server.store import Tenant
 
 
-async def tenant_of(request: Request) -> Tenant:
+def key_holder(request: Request) -> Tenant:
     """The tenant whose API key the request carries (``Authorization: Bearer <key>`` or
-    ``X-API-Key: <key>``); 401 without a known one; 429 over the tenant's request rate."""
+    ``X-API-Key: <key>``); 401 without a known one. A route may call it before it reads the body."""
     key = key_from_headers(request.headers)
     if not key:
         raise UnauthorizedError('missing API key: send "Authorization: Bearer <key>" or "X-API-Key: <key>"')
@@ -22,6 +22,14 @@ async def tenant_of(request: Request) -> Tenant:
     found = service.store.tenant_for_key(key)
     if found is None:
         raise UnauthorizedError('unknown API key')
+    return found
+
+
+async def tenant_of(request: Request) -> Tenant:
+    """The tenant whose API key the request carries (see ``key_holder``); 401 without a known
+    one; 429 over the tenant's request rate."""
+    found = key_holder(request)
+    service: Service = request.app.state.service
     if service.limiter is not None:
         service.limiter.acquire(found.id, found.name)
     return found

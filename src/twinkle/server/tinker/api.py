@@ -27,6 +27,7 @@ from fastapi.routing import APIRoute
 from pydantic import JsonValue
 
 from twinkle.errors import DataError, NotFoundError, QueueFullError
+from twinkle.server.deps import key_holder
 from twinkle.server.errors import ErrorBody, error_responses, validation_problems
 from twinkle.server.scheduler import Batchable
 from twinkle.server.state import Service
@@ -53,8 +54,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class TinkerRoute(APIRoute):
-    """A Tinker route: its JSON body is parsed once and checked for depth before FastAPI
-    validates it as the route's request type; a validation failure is a 422 in one sentence."""
+    """A Tinker route: the API key is checked before the body is read (a missing or unknown key
+    is a 401, whatever the body); the JSON body is then parsed once and checked for depth before
+    FastAPI validates it as the route's request type; a validation failure is a 422 in one sentence."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -63,6 +65,7 @@ class TinkerRoute(APIRoute):
 
         async def handle(request: Request) -> Response:
             if body_type is not None:
+                key_holder(request)  # every Tinker route with a body needs a key (its Who)
                 await read_json(request, name)  # FastAPI reuses what Request.json() parsed
             try:
                 return await handler(request)
