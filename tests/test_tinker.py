@@ -306,6 +306,7 @@ def test_sessions_heartbeat_until_finished(server):
     assert httpx.post(f'{url}/api/v1/session_heartbeat', json=beat, headers=headers).status_code == 410
     unknown = httpx.post(f'{url}/api/v1/create_session', json={**body, 'colour': 'red'}, headers=headers)
     assert unknown.status_code == 422 and 'colour' in unknown.json()['detail']
+    assert unknown.json()['error'] == 'DataError'  # a class of twinkle.errors, as every error body names
 
 
 def test_lora_switches_rank_and_seed_are_honoured(server, alice, tiny_model_dir):

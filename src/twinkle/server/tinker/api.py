@@ -97,7 +97,7 @@ def invalid_request(name: str, error: RequestValidationError) -> JSONResponse:
     for problem in validation_problems(error):
         where = '.'.join(str(part) for part in problem['loc'] if part != 'body') or 'body'
         problems.append(f'{where}: {problem["msg"]}')
-    body = ErrorBody(detail=f'invalid {name}: {"; ".join(problems)}', error='RequestValidationError')
+    body = ErrorBody(detail=f'invalid {name}: {"; ".join(problems)}', error=DataError.__name__)
     return JSONResponse(body.model_dump(), status_code=422)
 
 
