@@ -18,6 +18,7 @@ import pytest
 from server_helpers import background_server
 
 from twinkle.server.config import Limits
+from twinkle.server.http_limits import TOKEN_ROUTES
 
 #: Seconds a test socket waits for an answer or a close; the server's own timeouts are 0.5 s.
 PATIENCE_S = 30.0
@@ -183,3 +184,14 @@ def test_the_default_cap_fits_a_forward_backward_of_the_token_limit():
     body = {'inputs': [row], 'advantages': [-0.12345678901234567] * n, 'old_logps': [-12.345678901234567] * n}
     size = len(json.dumps(body).encode())
     assert size < limits.max_body_bytes
+
+
+def test_the_token_routes_are_routes_of_the_app(server):
+    # Each route the larger cap is for exists, and no other published route gets it: a renamed route
+    # would otherwise fall silently under the smaller cap. The native operations are published one by one.
+    url, _, _ = server
+    published = set(httpx.get(f'{url}/openapi.json', timeout=PATIENCE_S).json()['paths'])
+    tokens = {path for path in published if TOKEN_ROUTES.fullmatch(path)}
+    native_ops = {path for path in tokens if path.startswith('/twinkle/v1/runs/{run_id}/ops/')}
+    assert '/twinkle/v1/runs/{run_id}/ops/forward_backward' in native_ops
+    assert tokens - native_ops == {'/api/v1/forward_backward', '/api/v1/asample', '/v1/chat/completions'}

@@ -37,11 +37,13 @@ Receive = Callable[[], Any]
 Send = Callable[[Message], Any]
 ASGIApp = Callable[[Scope, Receive, Send], Any]
 
-#: Routes whose bodies carry tokens and take up to ``max_body_bytes``.
+#: Routes whose bodies carry tokens and take up to ``max_body_bytes``: the native operations
+#: (forward_backward, sample, ...), Tinker's forward_backward (``forward`` too, as a flag in its
+#: body) and asample, and OpenAI chat completions.
 TOKEN_ROUTES = re.compile(
     r'/twinkle/v1/runs/[^/]+/ops/[^/]+'
-    r'|/api/v1/(forward_backward|forward|asample|sample)'
-    r'|/v1/(chat/)?completions'
+    r'|/api/v1/(forward_backward|asample)'
+    r'|/v1/chat/completions'
 )
 #: Bytes in a request head (request line and headers); h11's own default, made explicit.
 MAX_HEAD_BYTES = 16 * 1024
@@ -185,6 +187,8 @@ class IdleClosingH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.head_deadline: asyncio.TimerHandle | None = None
 
+    # override: asyncio.Protocol takes a BaseTransport; uvicorn's H11Protocol narrows it to the Transport
+    # it is always given (with this same ignore), and this override keeps its signature.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.await_head()
