@@ -21,21 +21,16 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn, TypedDict
 
 import h11
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from twinkle.server.auth import key_from_headers
 from twinkle.server.config import Limits
 from twinkle.server.errors import answer_framework_error
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Any]
-Send = Callable[[Message], Any]
-ASGIApp = Callable[[Scope, Receive, Send], Any]
 
 #: Routes whose bodies carry tokens and take up to ``max_body_bytes``: the native operations
 #: (forward_backward, sample, ...), Tinker's forward_backward (``forward`` too, as a flag in its
@@ -183,9 +178,8 @@ class IdleClosingH11Protocol(H11Protocol):
     head and stops. (uvicorn by itself times only the wait between two requests, and any byte
     ends that wait.)"""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.head_deadline: asyncio.TimerHandle | None = None
+    #: When the awaited request head is given up on; None while no head is awaited.
+    head_deadline: asyncio.TimerHandle | None = None
 
     # override: asyncio.Protocol takes a BaseTransport; uvicorn's H11Protocol narrows it to the Transport
     # it is always given (with this same ignore), and this override keeps its signature.
@@ -220,10 +214,19 @@ class IdleClosingH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def uvicorn_options(limits: Limits) -> dict[str, Any]:
+class UvicornOptions(TypedDict):
+    """What ``uvicorn_options`` sets: the protocol class, seconds of idling, bytes of a request head."""
+
+    http: type[IdleClosingH11Protocol]
+    timeout_keep_alive: int  # as uvicorn annotates it; see uvicorn_options
+    h11_max_incomplete_event_size: int
+
+
+def uvicorn_options(limits: Limits) -> UvicornOptions:
     """Keyword arguments of ``uvicorn.run`` / ``uvicorn.Config`` that bound idle and oversized connections."""
     return {
         'http': IdleClosingH11Protocol,
-        'timeout_keep_alive': limits.idle_connection_timeout_s,
+        # uvicorn annotates int, but only hands the value to loop.call_later, which takes seconds as a float.
+        'timeout_keep_alive': limits.idle_connection_timeout_s,  # type: ignore[typeddict-item]
         'h11_max_incomplete_event_size': MAX_HEAD_BYTES,
     }
