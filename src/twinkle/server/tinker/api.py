@@ -18,7 +18,6 @@ import asyncio
 import base64
 import contextlib
 from collections.abc import Callable, Coroutine
-from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -47,7 +46,7 @@ REMEMBERED_REQUESTS = 100_000
 #: deeper body (user metadata nested hundreds deep) would fail later, when it is stored or sent back.
 MAX_JSON_DEPTH = 32
 #: How the Tinker routes may fail, for the OpenAPI schema (every body is an ``ErrorBody``).
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     **error_responses(400, 401, 404, 429),
     422: {'model': ErrorBody, 'description': 'The body is not the type the route takes; detail names each field'},
 }
@@ -58,7 +57,7 @@ class TinkerRoute(APIRoute):
     is a 401, whatever the body); the JSON body is then parsed once and checked for depth before
     FastAPI validates it as the route's request type; a validation failure is a 422 in one sentence."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[object, None, Response]]:
         handler = super().get_route_handler()
         body_type = self.body_field.field_info.annotation if self.body_field is not None else None
         name = getattr(body_type, '__name__', 'the request')
@@ -80,7 +79,7 @@ def router() -> APIRouter:
     return APIRouter(prefix=PREFIX, route_class=TinkerRoute, strict_content_type=False, responses=ERROR_RESPONSES)
 
 
-async def read_json(request: Request, name: str) -> Any:
+async def read_json(request: Request, name: str) -> JsonValue:
     """The body as JSON; ``DataError`` (a 400) if it cannot be parsed or nests too deep."""
     try:
         data = await request.json()
@@ -101,7 +100,7 @@ def invalid_request(name: str, error: RequestValidationError) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=422)
 
 
-def _nesting_over(value: Any, limit: int) -> bool:
+def _nesting_over(value: JsonValue, limit: int) -> bool:
     """Whether lists and objects in ``value`` nest deeper than ``limit`` (level by level, no recursion)."""
     level = [value] if isinstance(value, (dict, list)) else []
     for _ in range(limit):
@@ -130,7 +129,7 @@ class TinkerAPI:
         run_id: str | None,
         seq_id: int | None,
         operation: str,
-        fn: Callable[[], Any],
+        fn: Callable[[], object],
         batch: Batchable | None = None,
     ) -> str:
         """Record a future for ``fn`` and start it in its model's turn; the future's id. With

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
+from pydantic import JsonValue
 from tinker import types
 
 from twinkle.errors import NotFoundError
@@ -17,14 +17,14 @@ from twinkle.server.deps import Who
 from twinkle.server.errors import ErrorBody
 from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
-from twinkle.server.tinker.api import PROTO, PROTO_KEY, TinkerAPI, bare, router
+from twinkle.server.tinker.api import PROTO, PROTO_KEY, JsonObject, TinkerAPI, bare, router
 
 #: A heartbeat for a finished session: the SDK stops its heartbeat loop on a 410.
-GONE: dict[int | str, dict[str, Any]] = {
+GONE: dict[int | str, dict[str, object]] = {
     410: {'model': ErrorBody, 'description': 'The session is finished; stop sending heartbeats'}
 }
 #: ``retrieve_future`` answers JSON, or protobuf bytes for forward, forward_backward and sample.
-FUTURE_RESULTS: dict[int | str, dict[str, Any]] = {
+FUTURE_RESULTS: dict[int | str, dict[str, object]] = {
     200: {'content': {'application/json': {}, PROTO: {'schema': {'type': 'string', 'format': 'binary'}}}}
 }
 
@@ -40,7 +40,7 @@ def session_router(service: Service) -> APIRouter:
 
 def _client_routes(routes: APIRouter, api: TinkerAPI) -> None:
     @routes.post('/client/config')
-    async def client_config(who: Who) -> dict[str, Any]:
+    async def client_config(who: Who) -> JsonObject:
         return {
             'pjwt_auth_enabled': False,
             'use_pyqwest_transport': False,
@@ -54,8 +54,8 @@ def _client_routes(routes: APIRouter, api: TinkerAPI) -> None:
         return {'status': 'ok'}
 
     @routes.get('/get_server_capabilities')
-    async def capabilities(who: Who) -> dict[str, Any]:
-        model = {'model_name': bare(api.service.config.base_model), 'trainable': True, 'sampleable': True}
+    async def capabilities(who: Who) -> JsonObject:
+        model: JsonObject = {'model_name': bare(api.service.config.base_model), 'trainable': True, 'sampleable': True}
         return {'supported_models': [{**model, 'max_context_length': api.service.host.context}]}
 
     @routes.post('/telemetry')
@@ -67,13 +67,13 @@ def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
     store = api.service.store
 
     @routes.post('/create_session')
-    async def create_session(body: types.CreateSessionRequest, who: Who) -> dict[str, Any]:
+    async def create_session(body: types.CreateSessionRequest, who: Who) -> JsonObject:
         info = body.model_dump(mode='json', exclude={'type'})
         session = await asyncio.to_thread(store.create_session, who.id, info)
         return {'type': 'create_session', 'session_id': session.id}
 
     @routes.post('/session_heartbeat', responses=GONE, response_model=None)
-    async def heartbeat(body: types.SessionHeartbeatRequest, who: Who) -> dict[str, Any] | JSONResponse:
+    async def heartbeat(body: types.SessionHeartbeatRequest, who: Who) -> JsonObject | JSONResponse:
         session = api.session_of(who, body.session_id)
         if session.status != 'active':
             gone = ErrorBody(detail=f'session {body.session_id!r} is finished', error='StateError')
@@ -82,7 +82,7 @@ def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
         return {'type': 'session_heartbeat'}
 
     @routes.post('/sessions/{session_id}/finish')
-    async def finish(session_id: str, who: Who) -> dict[str, Any]:
+    async def finish(session_id: str, who: Who) -> JsonObject:
         api.session_of(who, session_id)
         await asyncio.to_thread(store.finish_session, session_id)
         return {'session_id': session_id, 'status': 'finished'}
@@ -92,7 +92,7 @@ def _future_routes(routes: APIRouter, api: TinkerAPI) -> None:
     service = api.service
 
     @routes.post('/retrieve_future', responses=FUTURE_RESULTS, response_model=None)
-    async def retrieve_future(body: types.FutureRetrieveRequest, who: Who) -> Any:
+    async def retrieve_future(body: types.FutureRetrieveRequest, who: Who) -> JsonValue | Response:
         """The request's result once it is done; ``try_again`` after ``retrieve_wait_s`` if not;
         ``{error, category}`` if it failed."""
         record = service.store.get_future(who.id, body.request_id)
