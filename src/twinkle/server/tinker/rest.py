@@ -22,10 +22,10 @@ import shutil
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, QueueFullError, StateError
 from twinkle.server.deps import Who
@@ -33,7 +33,7 @@ from twinkle.server.host import ModelHost
 from twinkle.server.remote_host import RemoteHost
 from twinkle.server.state import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Session, Store, Tenant, check_name
-from twinkle.server.tinker.api import TinkerAPI, bare, router
+from twinkle.server.tinker.api import JsonObject, TinkerAPI, bare, router
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -85,21 +85,21 @@ def _run_routes(router: APIRouter, service: Service) -> None:
     @router.get('/training_runs')
     async def list_training_runs(
         who: Who, limit: Page = 20, offset: Page = 0, access_scope: Scope = 'owned', project_id: str | None = None
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         if project_id is None:
             runs, total = store.list_runs(who.id, limit=limit, offset=offset)
         else:
             matching = _project_runs(store, who, project_id)
             runs, total = matching[offset : offset + limit], len(matching)
-        cursor = {'offset': offset, 'limit': limit, 'total_count': total}
+        cursor: JsonObject = {'offset': offset, 'limit': limit, 'total_count': total}
         return {'training_runs': [_run_json(store, run, who.name) for run in runs], 'cursor': cursor}
 
     @router.get('/training_runs/{run_id}')
-    async def get_training_run(run_id: str, who: Who, access_scope: Scope = 'owned') -> dict[str, Any]:
+    async def get_training_run(run_id: str, who: Who, access_scope: Scope = 'owned') -> JsonObject:
         return _run_json(store, _own_run(store, who, run_id), who.name)
 
     @router.post('/weights_info')
-    async def weights_info(body: WeightsInfoRequest, who: Who) -> dict[str, Any]:
+    async def weights_info(body: WeightsInfoRequest, who: Who) -> JsonObject:
         """What loading a checkpoint needs; answered for published checkpoints of others too."""
         checkpoint = api.checkpoint(who, body.tinker_path, kinds=('training', 'sampler'))
         run = store.get_run_by_id(checkpoint.run_id)
@@ -107,7 +107,7 @@ def _run_routes(router: APIRouter, service: Service) -> None:
             raise NotFoundError(f'checkpoint {body.tinker_path!r} not found')
         tinker = run.config.get('tinker_lora') or {}
         derived = _switches(run.config.get('lora') or {}, targets)
-        info = {'base_model': bare(run.base_model), 'is_lora': True, 'lora_rank': _lora_rank(run)}
+        info: JsonObject = {'base_model': bare(run.base_model), 'is_lora': True, 'lora_rank': _lora_rank(run)}
         return {**info, **{name: tinker.get(name, derived.get(name)) for name in SWITCHES}}
 
 
@@ -125,7 +125,7 @@ def _project_runs(store: Store, who: Tenant, project_id: str) -> list[Run]:
     return [run for run in runs if run.session_id in sessions]
 
 
-def _run_json(store: Store, run: Run, owner: str) -> dict[str, Any]:
+def _run_json(store: Store, run: Run, owner: str) -> JsonObject:
     """A ``tinker.types.TrainingRun``: its LoRA rank, last request and latest checkpoints."""
     latest = {c.kind: c for c in store.list_checkpoints(run.tenant_id, run.id)}  # oldest first
     return {
@@ -157,7 +157,7 @@ def _module_targets(host: ModelHost | RemoteHost) -> dict[str, set[str]]:
     return {name: set(host.lora_targets(*flag)) for name, flag in flags.items()}
 
 
-def _switches(lora: dict[str, Any], targets: dict[str, set[str]]) -> dict[str, bool]:
+def _switches(lora: JsonObject, targets: dict[str, set[str]]) -> dict[str, bool]:
     """Tinker's switches of a native run's peft config, where its ``target_modules`` tell them
     (a list of layer names, or 'all-linear', which leaves out the output head); {} otherwise."""
     modules = lora.get('target_modules')
@@ -174,24 +174,24 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     store: Store = service.store
 
     @router.get('/training_runs/{run_id}/checkpoints')
-    async def list_checkpoints(run_id: str, who: Who) -> dict[str, Any]:
+    async def list_checkpoints(run_id: str, who: Who) -> JsonObject:
         _own_run(store, who, run_id)
         return {'checkpoints': [_checkpoint_json(c) for c in store.list_checkpoints(who.id, run_id)]}
 
     @router.get('/checkpoints')
-    async def list_user_checkpoints(who: Who, limit: Page = 100, offset: Page = 0) -> dict[str, Any]:
+    async def list_user_checkpoints(who: Who, limit: Page = 100, offset: Page = 0) -> JsonObject:
         checkpoints, total = store.list_tenant_checkpoints(who.id, limit=limit, offset=offset)
-        cursor = {'offset': offset, 'limit': limit, 'total_count': total}
+        cursor: JsonObject = {'offset': offset, 'limit': limit, 'total_count': total}
         return {'checkpoints': [_checkpoint_json(c) for c in checkpoints], 'cursor': cursor}
 
     @router.post('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish')
-    async def publish(run_id: str, checkpoint_id: str, who: Who) -> dict[str, Any]:
+    async def publish(run_id: str, checkpoint_id: str, who: Who) -> JsonObject:
         checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
         await asyncio.to_thread(store.set_checkpoint_public, checkpoint.id, True)
         return {'tinker_path': checkpoint.tinker_path, 'public': True}
 
     @router.delete('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish')
-    async def unpublish(run_id: str, checkpoint_id: str, who: Who) -> dict[str, Any]:
+    async def unpublish(run_id: str, checkpoint_id: str, who: Who) -> JsonObject:
         if '/' not in checkpoint_id:  # DELETE .../weights/publish: the checkpoint named 'publish'
             return await delete_checkpoint(service, who, run_id, f'{checkpoint_id}/publish')
         checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
@@ -199,7 +199,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         return {'tinker_path': checkpoint.tinker_path, 'public': False}
 
     @router.put('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl')
-    async def set_ttl(run_id: str, checkpoint_id: str, body: TTLRequest, who: Who) -> dict[str, Any]:
+    async def set_ttl(run_id: str, checkpoint_id: str, body: TTLRequest, who: Who) -> JsonObject:
         checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
         expires_at = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
         await asyncio.to_thread(store.set_checkpoint_expiry, checkpoint.id, expires_at)
@@ -213,11 +213,11 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
 def _delete_route(router: APIRouter, service: Service) -> None:
     @router.delete('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}')
-    async def delete(run_id: str, checkpoint_id: str, who: Who) -> dict[str, Any]:
+    async def delete(run_id: str, checkpoint_id: str, who: Who) -> JsonObject:
         return await delete_checkpoint(service, who, run_id, checkpoint_id)
 
 
-async def delete_checkpoint(service: Service, who: Tenant, run_id: str, checkpoint_id: str) -> dict[str, Any]:
+async def delete_checkpoint(service: Service, who: Tenant, run_id: str, checkpoint_id: str) -> JsonObject:
     """Forget the tenant's checkpoint and remove its files."""
     checkpoint = _own_checkpoint(service.store, who, run_id, checkpoint_id)
     await asyncio.to_thread(service.store.delete_checkpoint, who.id, run_id, checkpoint.name, checkpoint.kind)
@@ -244,7 +244,7 @@ def _own_checkpoint(store: Store, who: Tenant, run_id: str, checkpoint_id: str) 
     return checkpoint
 
 
-def _checkpoint_json(checkpoint: Checkpoint) -> dict[str, Any]:
+def _checkpoint_json(checkpoint: Checkpoint) -> JsonObject:
     """A ``tinker.types.Checkpoint`` (its server path stays on the server)."""
     return {
         'checkpoint_id': checkpoint.checkpoint_id,
@@ -304,16 +304,19 @@ def _session_routes(router: APIRouter, service: Service) -> None:
     store: Store = service.store
 
     @router.get('/sessions')
-    async def list_sessions(who: Who, limit: Page = 20, offset: Page = 0, access_scope: Scope = 'owned') -> Any:
+    async def list_sessions(who: Who, limit: Page = 20, offset: Page = 0, access_scope: Scope = 'owned') -> JsonObject:
         return {'sessions': [s.id for s in store.list_sessions(who.id, limit=limit, offset=offset)]}
 
     @router.get('/sessions/{session_id}')
-    async def get_session(session_id: str, who: Who, access_scope: Scope = 'owned') -> dict[str, Any]:
+    async def get_session(session_id: str, who: Who, access_scope: Scope = 'owned') -> JsonObject:
         session = _own_session(store, who, session_id)
-        runs = [r for r in store.session_runs(who.id, session_id) if _own_run_or_none(store, who, r) is not None]
+        runs: list[JsonValue] = [
+            r for r in store.session_runs(who.id, session_id) if _own_run_or_none(store, who, r) is not None
+        ]
+        samplers: list[JsonValue] = [*store.session_samplers(who.id, session_id)]
         return {
             'training_run_ids': runs,
-            'sampler_ids': store.session_samplers(who.id, session_id),
+            'sampler_ids': samplers,
             'user_metadata': _strings(session.info.get('user_metadata')),
             'display_name': session.info.get('display_name'),
         }
@@ -362,7 +365,7 @@ def _iso(timestamp: float | None) -> str | None:
     return None if timestamp is None else datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()
 
 
-def _strings(metadata: dict[str, Any] | None) -> dict[str, str] | None:
+def _strings(metadata: JsonObject | None) -> JsonObject | None:
     """User metadata as the SDK's ``dict[str, str]``: other values as JSON."""
     if not metadata:
         return None
