@@ -33,16 +33,16 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twinkle.data_format import SampledSequence, SamplingParams
+from twinkle.data_format import SampledSequence, SamplingParams, StopReason
 from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
 from twinkle.server.deps import Who
 from twinkle.server.errors import MAX_LOCATION_CHARS, retry_after_header, status_of, unparsable
@@ -83,7 +83,7 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     # Tool calls of an earlier assistant turn: refused, as this server has no tool calling.
-    tool_calls: list[Any] | None = None
+    tool_calls: list[JsonValue] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -120,18 +120,58 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     repetition_penalty: float | None = Field(None, gt=0)
     # ---- accepted only to be refused when used
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[JsonValue] | None = None
+    tool_choice: str | dict[str, JsonValue] | None = None
+    functions: list[JsonValue] | None = None
+    function_call: str | dict[str, JsonValue] | None = None
+    response_format: dict[str, JsonValue] | None = None
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     modalities: list[str] | None = None
-    audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
-    web_search_options: dict[str, Any] | None = None
+    audio: dict[str, JsonValue] | None = None
+    prediction: dict[str, JsonValue] | None = None
+    web_search_options: dict[str, JsonValue] | None = None
+
+
+# ---- what the routes pass around --------------------------------------------------------------------
+#: A JSON object, as the routes answer it.
+JsonObject = dict[str, JsonValue]
+
+
+class ChatTurn(TypedDict):
+    """A message as the chat template takes it."""
+
+    role: str
+    content: str
+
+
+class ChatRow(TypedDict):
+    messages: list[ChatTurn]
+
+
+class ReplyToken(TypedDict):
+    """One sampled token: the text it adds to the reply (``piece``), its own text, its logprob,
+    and the most likely tokens with theirs."""
+
+    piece: str
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+class ReplyChoice(TypedDict):
+    text: str
+    finish_reason: StopReason
+    completion_tokens: int
+    tokens: list[ReplyToken]
+
+
+class ChatReply(TypedDict):
+    """What sampling on the worker thread gives the route: the prompt's length and each choice."""
+
+    prompt_tokens: int
+    choices: list[ReplyChoice]
 
 
 #: Options this server does not implement, with how to tell that a request uses them.
@@ -173,7 +213,7 @@ ERROR_FIELDS: tuple[tuple[type[TwinkleError], str | None, str | None], ...] = (
     (BusyError, None, 'rate_limit_exceeded'),
 )
 #: How the routes may fail, for the OpenAPI schema.
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     status: {'model': OpenAIErrorBody, 'description': description}
     for status, description in {
         400: 'The request asks for what this server does not serve, or holds a value it refuses',
@@ -189,7 +229,7 @@ class OpenAIRoute(APIRoute):
     """A route whose every error (authentication, validation, refusals, the sampling job's)
     is answered in OpenAI's error shape, with the status of the server's one table."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[object, None, Response]]:
         handler = super().get_route_handler()
 
         async def handle(request: Request) -> Response:
@@ -232,7 +272,7 @@ def _described(error: Exception) -> tuple[int, str, str | None, str | None]:
     return 500, f'the server failed to answer: {type(error).__name__}', None, None
 
 
-def _location(loc: tuple[Any, ...]) -> str:
+def _location(loc: tuple[int | str, ...]) -> str:
     """A pydantic error location as a parameter name: ``('body', 'messages', 0, 'role')`` -> ``messages.0.role``."""
     return '.'.join(str(part)[:MAX_LOCATION_CHARS] for part in loc if part != 'body')
 
@@ -248,39 +288,40 @@ def openai_router(service: Service) -> APIRouter:
 
 def _model_routes(router: APIRouter, service: Service) -> None:
     @router.get('/models')
-    async def list_models(who: Who) -> dict[str, Any]:
+    async def list_models(who: Who) -> JsonObject:
         checkpoints = _tenant_checkpoints(service.store, who)
-        models = [_model_json(service, who, checkpoint) for checkpoint in [None, *checkpoints]]
+        models: list[JsonValue] = [_model_json(service, who, checkpoint) for checkpoint in [None, *checkpoints]]
         return {'object': 'list', 'data': models}
 
     @router.get('/models/{model:path}')
-    async def get_model(model: str, who: Who) -> dict[str, Any]:
+    async def get_model(model: str, who: Who) -> JsonObject:
         checkpoint = _resolve_model(service, who, model)
         return _model_json(service, who, checkpoint, model)
 
 
 def _chat_routes(router: APIRouter, service: Service) -> None:
     @router.post('/chat/completions', response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, who: Who) -> dict[str, Any] | StreamingResponse:
+    async def chat_completions(body: ChatCompletionRequest, who: Who) -> JsonObject | StreamingResponse:
         checkpoint = _resolve_model(service, who, body.model)
         _check_options(body)
-        row = {'messages': [_message(index, message) for index, message in enumerate(body.messages)]}
+        row: ChatRow = {'messages': [_message(index, message) for index, message in enumerate(body.messages)]}
         directory = Path(checkpoint.path) if checkpoint is not None else None
         limit = service.config.limits.max_tokens_per_request
 
-        def compute() -> dict[str, Any]:
+        def compute() -> ChatReply:
             return service.host.call(_sample_chat, directory, row, body, limit)
 
         job = await service.submit_async(who, None, 'chat_completion', compute)
         await wait_job(job, None)
         if job.error is not None:
             raise job.error
-        head = {'id': f'chatcmpl-{job.id}', 'created': int(time.time()), 'model': body.model}
+        reply: ChatReply = job.result
+        head: JsonObject = {'id': f'chatcmpl-{job.id}', 'created': int(time.time()), 'model': body.model}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _events(head, job.result, bool(body.logprobs), include_usage)
+            events = _events(head, reply, bool(body.logprobs), include_usage)
             return StreamingResponse(events, media_type='text/event-stream', headers={'Cache-Control': 'no-cache'})
-        return _completion_json(head, job.result, bool(body.logprobs))
+        return _completion_json(head, reply, bool(body.logprobs))
 
 
 # ---- models -----------------------------------------------------------------------------------------
@@ -321,11 +362,18 @@ def _tenant_checkpoints(store: Store, who: Tenant, page: int = 500) -> list[Chec
 
 def _model_json(
     service: Service, who: Tenant, checkpoint: Checkpoint | None = None, model_id: str | None = None
-) -> dict[str, Any]:
+) -> JsonObject:
     """The base model (no ``checkpoint``) or a checkpoint as an OpenAI model; ``owned_by`` of a
     checkpoint names the tenant, or is 'published' for another tenant's."""
     base = _bare(service.config.base_model)
-    model = {'id': base, 'object': 'model', 'created': 0, 'owned_by': 'twinkle', 'root': base, 'parent': None}
+    model: JsonObject = {
+        'id': base,
+        'object': 'model',
+        'created': 0,
+        'owned_by': 'twinkle',
+        'root': base,
+        'parent': None,
+    }
     model['max_model_len'] = service.host.context
     if checkpoint is None:
         return model
@@ -355,7 +403,7 @@ def _check_options(body: ChatCompletionRequest) -> None:
         raise FieldError('top_logprobs needs logprobs set to true', 'top_logprobs')
 
 
-def _message(index: int, message: ChatMessage) -> dict[str, Any]:
+def _message(index: int, message: ChatMessage) -> ChatTurn:
     """A message as the chat template takes it: text content, the template's role names."""
     where = f'messages[{index}]'
     if message.tool_calls:
@@ -372,8 +420,8 @@ def _message(index: int, message: ChatMessage) -> dict[str, Any]:
 
 # ---- sampling (on the worker thread) ----------------------------------------------------------------
 def _sample_chat(
-    host: ModelHost, directory: Path | None, row: dict[str, Any], body: ChatCompletionRequest, limit: int
-) -> dict[str, Any]:
+    host: ModelHost, directory: Path | None, row: ChatRow, body: ChatCompletionRequest, limit: int
+) -> ChatReply:
     """Encode the messages, sample the choices, and split each reply at its tokens (JSON-ready)."""
     template = host.sampler().template
     prompt = _encode(template, row)
@@ -383,7 +431,7 @@ def _sample_chat(
     return {'prompt_tokens': len(prompt), 'choices': [_choice(template, seq) for seq in response.sequences]}
 
 
-def _encode(template: Template, row: dict[str, Any]) -> list[int]:
+def _encode(template: Template, row: ChatRow) -> list[int]:
     try:
         feature = template.encode(row, add_generation_prompt=True)
     except TwinkleError:
@@ -422,15 +470,15 @@ def _sampling_params(
     )
 
 
-def _choice(template: Template, sequence: SampledSequence) -> dict[str, Any]:
+def _choice(template: Template, sequence: SampledSequence) -> ReplyChoice:
     text = sequence.decoded
     pieces = _token_pieces(template, sequence.tokens, text)
-    tokens = [
+    tokens: list[ReplyToken] = [
         {
             'piece': piece,
             'token': template.decode([token]),
             'logprob': _logprob(entries[0][1]),
-            'top': [[template.decode([top]), _logprob(value)] for top, value in entries[1:]],
+            'top': [(template.decode([top]), _logprob(value)) for top, value in entries[1:]],
         }
         for piece, token, entries in zip(pieces, sequence.tokens, sequence.logprobs, strict=False)
     ]
@@ -471,8 +519,8 @@ def _logprob(value: float) -> float:
 
 
 # ---- the reply --------------------------------------------------------------------------------------
-def _completion_json(head: dict[str, Any], reply: dict[str, Any], logprobs: bool) -> dict[str, Any]:
-    choices = [
+def _completion_json(head: JsonObject, reply: ChatReply, logprobs: bool) -> JsonObject:
+    choices: list[JsonValue] = [
         {
             'index': index,
             'message': {'role': 'assistant', 'content': choice['text'], 'refusal': None},
@@ -484,33 +532,35 @@ def _completion_json(head: dict[str, Any], reply: dict[str, Any], logprobs: bool
     return {**head, 'object': 'chat.completion', 'system_fingerprint': None, 'choices': choices, 'usage': _usage(reply)}
 
 
-def _logprobs_json(tokens: list[dict[str, Any]]) -> dict[str, Any]:
-    def entry(token: str, logprob: float) -> dict[str, Any]:
+def _logprobs_json(tokens: list[ReplyToken]) -> JsonObject:
+    def entry(token: str, logprob: float) -> JsonObject:
         return {'token': token, 'logprob': logprob, 'bytes': list(token.encode('utf-8'))}
 
-    content = [{**entry(t['token'], t['logprob']), 'top_logprobs': [entry(*top) for top in t['top']]} for t in tokens]
+    content: list[JsonValue] = [
+        {**entry(t['token'], t['logprob']), 'top_logprobs': [entry(*top) for top in t['top']]} for t in tokens
+    ]
     return {'content': content, 'refusal': None}
 
 
-def _usage(reply: dict[str, Any]) -> dict[str, int]:
+def _usage(reply: ChatReply) -> JsonObject:
     completion = sum(choice['completion_tokens'] for choice in reply['choices'])
     prompt = reply['prompt_tokens']
     return {'prompt_tokens': prompt, 'completion_tokens': completion, 'total_tokens': prompt + completion}
 
 
-async def _events(
-    head: dict[str, Any], reply: dict[str, Any], logprobs: bool, include_usage: bool
-) -> AsyncIterator[str]:
+async def _events(head: JsonObject, reply: ChatReply, logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
     """The reply as server-sent events: per choice a role chunk, one chunk per token, and a
     chunk with the finish reason; then the usage (if asked for) and ``[DONE]``."""
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+    def chunk(choices: list[JsonValue], **extra: JsonValue) -> str:
         data = {**head, 'object': 'chat.completion.chunk', 'system_fingerprint': None, 'choices': choices, **extra}
         if include_usage:
             data.setdefault('usage', None)
         return f'data: {json.dumps(data)}\n\n'
 
-    def delta(index: int, content: dict[str, Any], finish: str | None = None, tokens: Any = None) -> dict[str, Any]:
+    def delta(
+        index: int, content: JsonObject, finish: str | None = None, tokens: list[ReplyToken] | None = None
+    ) -> JsonObject:
         chosen = _logprobs_json(tokens) if logprobs and tokens is not None else None
         return {'index': index, 'delta': content, 'logprobs': chosen, 'finish_reason': finish}
 
