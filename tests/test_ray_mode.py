@@ -29,6 +29,7 @@ from twinkle.data_format import SamplingParams
 from twinkle.dataloader import DataLoader
 from twinkle.errors import ConfigurationError, DataError, StateError, WorkerError
 from twinkle.infra.ray import dispatch, hook, remote_class
+from twinkle.infra.ray.cluster import LOCAL_SYSTEM_CONFIG
 from twinkle.model import TransformersModel
 from twinkle.sampler import TorchSampler
 
@@ -92,7 +93,7 @@ CPU = 'cpu'
 @pytest.fixture(scope='module', autouse=True)
 def local_ray():
     """One small Ray for the module; the actors import this test module by value (it is not on their path)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     twinkle.initialize(mode='local', seed=None)

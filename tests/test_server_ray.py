@@ -12,6 +12,7 @@ from tinker import types
 
 ray = pytest.importorskip('ray')
 
+from twinkle.infra.ray.cluster import LOCAL_SYSTEM_CONFIG  # noqa: E402
 from twinkle.server.cli import BackgroundServer  # noqa: E402
 from twinkle.server.config import ServerConfig  # noqa: E402
 from twinkle.server.remote_host import RemoteHost  # noqa: E402
@@ -20,7 +21,7 @@ from twinkle.server.store import Store  # noqa: E402
 
 @pytest.fixture(scope='module')
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
     yield
     ray.shutdown()
 

@@ -33,6 +33,12 @@ RESERVE_TIMEOUT_S = 60.0
 _NOT_RUNNING = 'Could not find any running Ray instance'
 
 
+#: Settings of a Ray instance this process starts itself. Ray runs its workers at niceness 15,
+#: below every ordinary process; here the workers are the training, so on a host busy with other
+#: work they would get almost no CPU. They run at the driver's priority instead.
+LOCAL_SYSTEM_CONFIG = {'worker_niceness': 0}
+
+
 def connect() -> None:
     """Join Ray: the cluster ``RAY_ADDRESS`` names; else one already running on this machine
     (``ray start --head``); else a new single-node one on 127.0.0.1, without the dashboard.
@@ -50,10 +56,16 @@ def connect() -> None:
         except ConnectionError as exc:
             if _NOT_RUNNING not in str(exc):
                 raise
-        ray.init(include_dashboard=False, _node_ip_address='127.0.0.1')
+        start_local()
         logger.info('started a local Ray instance (no cluster was running and RAY_ADDRESS is not set)')
     except ConnectionError as exc:
         raise ConfigurationError(_connect_hint(address, exc)) from exc
+
+
+def start_local() -> None:
+    """Start a single-node Ray on 127.0.0.1 for this process, without the dashboard, its
+    workers at the driver's priority (``LOCAL_SYSTEM_CONFIG``)."""
+    ray.init(include_dashboard=False, _node_ip_address='127.0.0.1', _system_config=LOCAL_SYSTEM_CONFIG)
 
 
 def _connect_hint(address: str | None, exc: Exception) -> str:
