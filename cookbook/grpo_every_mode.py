@@ -97,9 +97,9 @@ def start_local_ray(num_cpus: int) -> None:
     """Without ``RAY_ADDRESS``: a new local Ray with ``num_cpus`` logical CPUs, one per rank, however
     many cores the machine has (``twinkle.initialize`` then uses it; with ``RAY_ADDRESS`` it joins)."""
     if DEVICE == 'cpu' and not os.environ.get('RAY_ADDRESS'):
-        import ray
+        from twinkle.infra.ray.cluster import start_local
 
-        ray.init(address='local', num_cpus=num_cpus, include_dashboard=False, _node_ip_address='127.0.0.1')
+        start_local(num_cpus)  # its workers at this process's priority, not Ray's niceness 15
 
 
 def build(config: ModeConfig, mesh: DeviceMesh | None) -> tuple[TransformersModel, TorchSampler]:

@@ -62,10 +62,17 @@ def connect() -> None:
         raise ConfigurationError(_connect_hint(address, exc)) from exc
 
 
-def start_local() -> None:
+def start_local(num_cpus: int | None = None) -> None:
     """Start a single-node Ray on 127.0.0.1 for this process, without the dashboard, its
-    workers at the driver's priority (``LOCAL_SYSTEM_CONFIG``)."""
-    ray.init(include_dashboard=False, _node_ip_address='127.0.0.1', _system_config=LOCAL_SYSTEM_CONFIG)
+    workers at the driver's priority (``LOCAL_SYSTEM_CONFIG``); ``num_cpus`` logical CPUs (None:
+    the machine's cores)."""
+    ray.init(
+        address='local',
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address='127.0.0.1',
+        _system_config=LOCAL_SYSTEM_CONFIG,
+    )
 
 
 def _connect_hint(address: str | None, exc: Exception) -> str:
