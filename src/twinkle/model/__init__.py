@@ -1,7 +1,7 @@
 """Models: the methods a training loop calls, over a Hugging Face model with named adapters."""
 
 from twinkle.infra.ray import remote_class
-from twinkle.model.base import AdapterCall, TwinkleModel
+from twinkle.model.base import AdapterCall, StepCall, StepResult, TwinkleModel
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, CosineWarmupScheduler, LinearWarmupScheduler
 from twinkle.model.transformers import TransformersModel
 
@@ -24,6 +24,8 @@ __all__ = [
     'AdapterCall',
     'CosineWarmupScheduler',
     'LinearWarmupScheduler',
+    'StepCall',
+    'StepResult',
     'TransformersModel',
     'TwinkleModel',
 ]

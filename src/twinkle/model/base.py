@@ -27,6 +27,25 @@ class AdapterCall:
     loss_inputs: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepCall:
+    """One adapter's ``clip_grad_and_step(max_grad_norm, adapter_name=...)`` in
+    ``clip_grad_and_step_many``; ``math.inf`` for no clipping."""
+
+    adapter_name: str
+    max_grad_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one adapter's ``clip_grad_and_step`` did: the gradient norm before clipping (None
+    between accumulation boundaries) and whether the optimizer stepped (a step with a NaN or
+    infinite gradient norm is skipped)."""
+
+    grad_norm: float | None
+    stepped: bool
+
+
 class TwinkleModel(ABC):
     @abstractmethod
     def forward(self, *, inputs: Inputs, adapter_name: str | None = None) -> ModelOutput: ...
@@ -66,6 +85,19 @@ class TwinkleModel(ABC):
         self.zero_grad(adapter_name=adapter_name)
         self.lr_step(adapter_name=adapter_name)
         return norm
+
+    def clip_grad_and_step_many(self, calls: Sequence[StepCall]) -> list[StepResult]:
+        """``clip_grad_and_step`` of several adapters, one result per call, in order. A model may
+        step them together (``TransformersModel`` does); the numbers are those of the calls made
+        one by one."""
+        results = []
+        for call in calls:
+            norm = self.clip_grad_norm(call.max_grad_norm, adapter_name=call.adapter_name)
+            stepped = self.step(adapter_name=call.adapter_name)
+            self.zero_grad(adapter_name=call.adapter_name)
+            self.lr_step(adapter_name=call.adapter_name)
+            results.append(StepResult(norm, stepped))
+        return results
 
     @abstractmethod
     def save(

@@ -73,6 +73,13 @@ class TrainGroup:
         self._done.add(operation)
         return True
 
+    def at_open_boundary(self) -> bool:
+        """Whether the group is at an accumulation boundary where neither ``clip`` nor ``step``
+        has run yet (``at_boundary`` without marking anything done)."""
+        if self.micro_step == 0 or self.micro_step % self.gradient_accumulation_steps:
+            return False
+        return self._done_at != self.micro_step or not self._done & {'clip', 'step'}
+
     def normalize_grads(self, reduce: GradientReducer | None = None) -> None:
         """Divide the summed gradient by the number of loss items of the whole step.
 

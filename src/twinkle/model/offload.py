@@ -167,6 +167,15 @@ class OptimizerOffloader:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._lock = threading.RLock()
 
+    @property
+    def hot_capacity(self) -> int | None:
+        """How many optimizers can have their state on ``device`` at once (None: no limit)."""
+        limits = [self.max_in_memory]
+        if self.device.type != 'cpu':
+            limits.append(self.max_on_device)
+        counts = [limit for limit in limits if limit is not None]
+        return min(counts) if counts else None
+
     def _path(self, name: str) -> Path:
         """The spill file of ``name``; the name is checked so it cannot escape ``spill_dir``."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):

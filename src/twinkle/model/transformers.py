@@ -24,8 +24,8 @@ from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss, LossOutput
 from twinkle.metric import METRICS, Metric, TrainMetric
 from twinkle.model import checkpoint as ckpt
-from twinkle.model import mixed_pass, multi_lora
-from twinkle.model.base import AdapterCall, Inputs, TwinkleModel
+from twinkle.model import mixed_pass, multi_lora, multi_step
+from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, TwinkleModel
 from twinkle.model.group import FULL, Pending, TrainGroup
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import build_optimizer, build_scheduler, set_hyperparams
@@ -341,9 +341,7 @@ class TransformersModel(TwinkleModel):
         started = time.perf_counter()
         group.normalize_grads(self._parallel.reduce_gradients)
         norm = torch.nn.utils.clip_grad_norm_(group.params, max_grad_norm, norm_type=norm_type)
-        group.last_grad_norm = self._parallel.norm_value(norm)
-        group.stats.accumulate(grad_norm=group.last_grad_norm, elapsed_s=time.perf_counter() - started)
-        return group.last_grad_norm
+        return self._clipped(group, norm, time.perf_counter() - started)
 
     def step(self, *, adapter_name: str | None = None) -> bool:
         """At an accumulation boundary, take an optimizer step; returns whether it did. A step
@@ -352,21 +350,35 @@ class TransformersModel(TwinkleModel):
         if not group.at_boundary('step'):
             return False
         started = time.perf_counter()
-        group.normalize_grads(self._parallel.reduce_gradients)
-        if group.last_grad_norm is not None and not math.isfinite(group.last_grad_norm):
-            logger.warning(f'adapter {group.name!r}: gradient norm is {group.last_grad_norm}; step skipped')
-            group.last_grad_norm = None
+        if not self._ready_to_step(group):
             return False
-        if group.optimizer is None:
-            logger.info(f'adapter {group.name!r} has no optimizer: using AdamW(lr={DEFAULT_OPTIMIZER["lr"]})')
-            self.set_optimizer('AdamW', adapter_name=group.name)
-        optimizer = cast(Optimizer, group.optimizer)  # set_optimizer made one
-        self._optimizer_ready(group)
-        optimizer.step()
-        group.optim_step += 1
-        group.last_grad_norm = None
-        group.stats.accumulate(elapsed_s=time.perf_counter() - started, lr=group.current_lr(), stepped=True)
+        cast(Optimizer, group.optimizer).step()  # _ready_to_step made one
+        self._stepped(group, time.perf_counter() - started)
         return True
+
+    def clip_grad_and_step_many(self, calls: Sequence[StepCall]) -> list[StepResult]:
+        """``clip_grad_and_step`` of several adapters, one result per call, in order. The adapters
+        at an accumulation boundary whose optimizers allow it (``multi_step.fusable``: Adam or
+        AdamW after their first step) are clipped and stepped together, with multi-tensor
+        kernels over all their tensors; their numbers are those of one-by-one calls, bit for bit."""
+        groups = [self._group(call.adapter_name) for call in calls]
+        if len({group.name for group in groups}) < len(groups):
+            raise ConfigurationError(f'each adapter may step once per call; got {[g.name for g in groups]}')
+        results: dict[int, StepResult] = {}
+        ready = [i for i, group in enumerate(groups) if group.at_open_boundary() and group.optimizer is not None]
+        if not self._parallel.sharded:
+            size = self._hot_optimizers(len(ready))
+            for chunk in (ready[start : start + size] for start in range(0, len(ready), size)):
+                for i in chunk:
+                    self._optimizer_ready(groups[i])
+                together = [i for i in chunk if multi_step.fusable(groups[i].optimizer)]
+                if len(together) > 1:
+                    stepped = self._step_together([groups[i] for i in together], [calls[i] for i in together])
+                    results.update(zip(together, stepped, strict=True))
+        for i, call in enumerate(calls):
+            if i not in results:
+                results[i] = super().clip_grad_and_step_many([call])[0]
+        return [results[i] for i in range(len(calls))]
 
     def zero_grad(self, *, adapter_name: str | None = None) -> None:
         group = self._group(adapter_name)
@@ -516,6 +528,58 @@ class TransformersModel(TwinkleModel):
         except KeyError:
             valid = self.adapter_names or ['(none: no adapter was added)']
             raise UnknownNameError('adapter', adapter_name, valid) from None
+
+    def _clipped(self, group: TrainGroup, norm: torch.Tensor, elapsed_s: float) -> float:
+        """Book a clip: the norm before clipping is the group's ``last_grad_norm``, returned."""
+        group.last_grad_norm = self._parallel.norm_value(norm)
+        group.stats.accumulate(grad_norm=group.last_grad_norm, elapsed_s=elapsed_s)
+        return group.last_grad_norm
+
+    def _ready_to_step(self, group: TrainGroup) -> bool:
+        """Before a step: normalised gradients and an optimizer whose state is on the device
+        (AdamW with the default ``lr`` if none was set); False, the step skipped, when the
+        gradient norm is NaN or infinite."""
+        group.normalize_grads(self._parallel.reduce_gradients)
+        if group.last_grad_norm is not None and not math.isfinite(group.last_grad_norm):
+            logger.warning(f'adapter {group.name!r}: gradient norm is {group.last_grad_norm}; step skipped')
+            group.last_grad_norm = None
+            return False
+        if group.optimizer is None:
+            logger.info(f'adapter {group.name!r} has no optimizer: using AdamW(lr={DEFAULT_OPTIMIZER["lr"]})')
+            self.set_optimizer('AdamW', adapter_name=group.name)
+        self._optimizer_ready(group)
+        return True
+
+    def _stepped(self, group: TrainGroup, elapsed_s: float) -> None:
+        group.optim_step += 1
+        group.last_grad_norm = None
+        group.stats.accumulate(elapsed_s=elapsed_s, lr=group.current_lr(), stepped=True)
+
+    def _step_together(self, groups: list[TrainGroup], calls: list[StepCall]) -> list[StepResult]:
+        """``clip_grad_and_step`` of groups at an open boundary with ``fusable`` optimizers on
+        the device, as one clip and one optimizer update; each group books an equal share of the time."""
+        started = time.perf_counter()
+        for group in groups:
+            group.at_boundary('clip')
+            group.normalize_grads(self._parallel.reduce_gradients)
+        norms = multi_step.clip_together([g.params for g in groups], [c.max_grad_norm for c in calls])
+        share = (time.perf_counter() - started) / len(groups)
+        grad_norms = [self._clipped(group, norm, share) for group, norm in zip(groups, norms, strict=True)]
+        started = time.perf_counter()
+        stepping = [group for group in groups if group.at_boundary('step') and self._ready_to_step(group)]
+        multi_step.step_together([cast(Optimizer, group.optimizer) for group in stepping])
+        share = (time.perf_counter() - started) / max(len(stepping), 1)
+        for group in stepping:
+            self._stepped(group, share)
+        for group in groups:
+            self.zero_grad(adapter_name=group.name)
+            self.lr_step(adapter_name=group.name)
+        return [StepResult(norm, group in stepping) for norm, group in zip(grad_norms, groups, strict=True)]
+
+    def _hot_optimizers(self, wanted: int) -> int:
+        """How many optimizers may be on the device at once to step together (the offloader's limit)."""
+        capacity = None if self.offloader is None else self.offloader.hot_capacity
+        return max(1, wanted if capacity is None else min(wanted, capacity))
 
     def _optimizer_ready(self, group: TrainGroup) -> None:
         """The group's optimizer state back on the device, if the offloader moved it away."""
