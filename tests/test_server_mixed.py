@@ -79,14 +79,20 @@ def _models(url: str, keys: dict[str, str]) -> dict[str, MultiLoraTransformersMo
     return models
 
 
-def _submit(model: MultiLoraTransformersModel, operation: str, inputs: list[dict]) -> str:
-    return model.client.submit(f'{PREFIX}/runs/{model.runs["mixed"]}/ops/{operation}', {'inputs': inputs})
+def _submit(model: MultiLoraTransformersModel, operation: str, body: dict[str, Any]) -> str:
+    return model.client.submit(f'{PREFIX}/runs/{model.runs["mixed"]}/ops/{operation}', body)
 
 
-def _together(service: Any, models: dict[str, MultiLoraTransformersModel], operation: str) -> dict[str, Any]:
-    """Each tenant's 'mixed' run sends ``operation`` while the worker is held; results by tenant."""
+def _together(
+    service: Any, models: dict[str, MultiLoraTransformersModel], operation: str, body: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Each tenant's 'mixed' run sends ``operation`` (with ``body``, else its rows) while the
+    worker is held; results by tenant."""
     gate = Gate(service.scheduler)
-    futures = {tenant: _submit(model, operation, ROWS[tenant]) for tenant, model in models.items()}
+    futures = {
+        tenant: _submit(model, operation, body if body is not None else {'inputs': ROWS[tenant]})
+        for tenant, model in models.items()
+    }
     gate.open()
     results = {tenant: models[tenant].client.result(future) for tenant, future in futures.items()}
     jobs = [service.scheduler.get(future) for future in futures.values()]
@@ -124,6 +130,24 @@ def test_three_tenants_in_one_pass_get_their_numbers_alone(server):
         alone = model.forward_only(inputs=ROWS[tenant], adapter_name='alone')
         worst = (_logps(mixed[tenant]) - torch.cat([torch.tensor(r) for r in alone.logps])).abs().max().item()
         assert worst <= TOL, (tenant, worst)
+
+
+def test_three_tenants_step_together_and_get_the_numbers_of_their_steps_alone(server):
+    # Twin runs: 'mixed' steps in one update shared by the three tenants, 'alone' steps alone.
+    # Round 1 makes the optimizers' state; round 2 steps the three in one multi-tensor update.
+    url, keys, background = server
+    service = background.app.state.service
+    models = _models(url, keys)
+    for _ in range(2):
+        for tenant, model in models.items():
+            for name in ('mixed', 'alone'):
+                model.forward_backward(inputs=ROWS[tenant], adapter_name=name)
+        norms = _together(service, models, 'clip_grad_and_step', {'max_grad_norm': 0.5})
+        for tenant, model in models.items():
+            assert norms[tenant] == model.clip_grad_and_step(0.5, adapter_name='alone'), tenant
+    for tenant, model in models.items():
+        twins = [model.forward_only(inputs=ROWS[tenant], adapter_name=name) for name in ('mixed', 'alone')]
+        assert twins[0].loss == twins[1].loss and twins[0].logps == twins[1].logps, tenant
 
 
 def test_a_flood_delays_a_lone_request_by_at_most_one_pass(server):

@@ -378,3 +378,52 @@ def test_a_raising_on_idle_does_not_stop_the_worker(make_scheduler):
     assert job.wait(TIMEOUT) and job.result == 2
     with pytest.raises(ConfigurationError, match='idle_after_s must be positive, got 0'):
         Scheduler(idle_after_s=0)
+
+
+def test_a_job_that_can_share_waits_for_the_companions_of_its_last_pass(make_scheduler, gate):
+    # alice, bob and carol shared a pass; alice's next job, first to arrive, waits for theirs
+    # (up to mix_wait_s, here far longer than the test) instead of starting alone.
+    scheduler = make_scheduler(mix_wait_s=60.0)
+    gate.hold(scheduler)
+
+    def run_many(payloads: list[str]) -> list[Any]:
+        return payloads
+
+    def submit(name: str) -> Job:
+        return scheduler.submit(name, lambda: name, batch=Batchable('fb', 1, name, run_many))
+
+    first = [submit(name) for name in ('alice', 'bob', 'carol')]
+    gate.opened.set()
+    assert all(job.wait(TIMEOUT) for job in first) and {job.pass_size for job in first} == {3}
+    lead = submit('alice')
+    time.sleep(0.3)  # what the worker does meanwhile: wait
+    assert lead.status == 'pending'
+    second = [lead, submit('bob'), submit('carol')]
+    assert all(job.wait(TIMEOUT) for job in second)
+    assert {(job.pass_id, job.pass_size) for job in second} == {(first[0].pass_id + 1, 3)}
+
+
+def test_the_wait_for_companions_ends_after_mix_wait_s_and_a_lone_tenant_does_not_wait(make_scheduler, gate):
+    wait_s = 2.0
+    scheduler = make_scheduler(mix_wait_s=wait_s)
+    gate.hold(scheduler)
+
+    def submit(name: str) -> Job:
+        return scheduler.submit(name, lambda: name, batch=Batchable('fb', 1, name, lambda p: p))
+
+    pair = [submit('alice'), submit('bob')]
+    gate.opened.set()
+    assert all(job.wait(TIMEOUT) for job in pair) and pair[0].pass_size == 2
+    alone = submit('alice')  # bob sends nothing more: alice waits mix_wait_s, then runs alone
+    assert alone.wait(TIMEOUT) and alone.pass_size == 1
+    assert alone.started_at is not None and alone.started_at - alone.submitted_at >= wait_s
+    again = submit('alice')  # her last pass held one job: nothing to wait for
+    assert again.wait(TIMEOUT) and again.started_at is not None
+    assert again.started_at - again.submitted_at < wait_s
+    plain = [scheduler.submit('carol', lambda: 'c'), scheduler.submit('dave', lambda: 'd')]
+    assert all(job.wait(TIMEOUT) for job in plain)  # jobs that cannot share never wait
+
+
+def test_mix_wait_must_not_be_negative():
+    with pytest.raises(ConfigurationError, match='mix_wait_s must be 0 or more, got -1'):
+        Scheduler(mix_wait_s=-1)

@@ -76,3 +76,32 @@ def test_the_tinker_optim_step_is_adamw_with_the_requests_hyperparameters(tiny_m
     optim_step(SimpleNamespace(model=model), 'a', adam)  # a ModelHost's model is all it reads
     for param, (value, grad) in zip(params, before, strict=True):
         torch.testing.assert_close(param.detach(), first_adamw_step(value, grad, 0.01, 1e-3, 0.1))
+
+
+def test_optim_steps_of_several_models_equal_their_steps_alone(tiny_model_dir):
+    # Three models' optim_steps as one update (two share hyperparameters, one has its own; one
+    # clips, one does not), against twins stepped one at a time: the same weights, bit for bit.
+    from twinkle.server.tinker.train import optim_step, optim_steps
+
+    model = TransformersModel(tiny_model_dir, device='cpu')
+    adams = {
+        'a': types.AdamParams(learning_rate=0.01, grad_clip_norm=0.1),
+        'b': types.AdamParams(learning_rate=0.01),
+        'c': types.AdamParams(learning_rate=0.003, beta1=0.5, eps=1e-6, weight_decay=0.1, grad_clip_norm=1.0),
+    }
+    for name in adams:
+        for twin in (name, f'{name}-alone'):
+            torch.manual_seed(len(name))
+            model.add_adapter_to_model(twin, LoraConfig(r=2, target_modules='all-linear', init_lora_weights=False))
+            model.set_optimizer('AdamW', lr=1e-5, adapter_name=twin)
+    host = SimpleNamespace(model=model)  # a ModelHost's model is all they read
+    for step in range(3):
+        for twin in model.adapter_names:
+            row = [3 + step, 5, 7 + ord(twin[0]) % 50, 9]  # twins train on the same row
+            model.forward_backward(inputs=[{'input_ids': row, 'labels': row[1:] + [2]}], adapter_name=twin)
+        together = optim_steps(host, list(adams.items()))
+        alone = [optim_step(host, f'{name}-alone', adam) for name, adam in adams.items()]
+        assert together == alone
+    for name in adams:
+        pairs = zip(model.groups[name].params, model.groups[f'{name}-alone'].params, strict=True)
+        assert all(torch.equal(p, q) for p, q in pairs), name

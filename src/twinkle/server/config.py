@@ -113,6 +113,10 @@ class ServerConfig(BaseModel):
     #: Run the forward_backward / forward requests of different tenants that wait at the same
     #: moment as one pass, each row through its own adapter (False: one adapter per pass).
     mixed_batches: bool = True
+    #: With ``mixed_batches``: how long a request that can share a pass (or an optimizer update)
+    #: waits for the other tenants whose requests the last such pass held, when they are not all
+    #: there yet (their next requests are usually a round trip behind). 0: never wait.
+    mix_wait_ms: float = Field(10.0, ge=0, le=1000)
     #: When the model has had no request for this long, freed heap memory goes back to the
     #: operating system (glibc ``malloc_trim``), so a server's resident set follows what it holds
     #: (None: never; the next pass then faults its pages back in, about 20 ms on small-qwen3).

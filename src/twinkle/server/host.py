@@ -35,7 +35,7 @@ from twinkle.errors import (
 )
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
-from twinkle.model import AdapterCall, TransformersModel
+from twinkle.model import AdapterCall, StepCall, TransformersModel
 from twinkle.model.multi_lora import lora_targets
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, check_optimizer_args, check_scheduler_args
@@ -186,6 +186,15 @@ class ModelHost:
             else:
                 results.append({'loss': out.loss, 'num_tokens': out.num_tokens})
         return results
+
+    def run_steps(self, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+        """Several adapters' ``clip_grad_and_step`` requests as one update
+        (``clip_grad_and_step_many``); each result is what ``run`` would return for that request."""
+        calls = []
+        for adapter, kwargs in requests:
+            _check_scalars('clip_grad_and_step', kwargs)
+            calls.append(StepCall(adapter, kwargs.get('max_grad_norm', 1.0)))
+        return [result.grad_norm for result in self.model.clip_grad_and_step_many(calls)]
 
     def run(self, adapter: str, operation: str, kwargs: dict[str, Any]) -> Any:
         """Run a tenant's ``operation`` on its adapter; the result is JSON-ready."""
@@ -442,8 +451,11 @@ def shown_to_tenant(path: Path, shown_as: str | None) -> Iterator[None]:
 
 
 def is_mixable(operation: str, kwargs: Mapping[str, Any]) -> bool:
-    """Whether a request can share a pass: ``forward_backward`` without micro-batches, or
-    ``forward_only`` through the adapter (not the base model alone)."""
+    """Whether a request can share a pass with other adapters' requests: ``forward_backward``
+    without micro-batches, ``forward_only`` through the adapter (not the base model alone), or
+    ``clip_grad_and_step`` (stepped together, ``ModelHost.run_steps``)."""
+    if operation == 'clip_grad_and_step':
+        return True
     if operation == 'forward_backward':
         return 'micro_batch_size' not in kwargs
     return operation == 'forward_only' and not kwargs.get('disable_lora', False)

@@ -14,8 +14,15 @@ Mixing: a job may say it can share a pass (:class:`Batchable`). When the device 
 the worker takes the job at the head of the rotation and, if it can share, the first waiting job
 of each following tenant with the same ``key``, while the pass stays within ``max_tokens_per_pass``;
 they run as one pass (each tenant's rows through its own adapter). Only the first waiting job of
-a tenant is ever taken, so a tenant's order, and its optimizer steps between passes, hold. There
-is no cycle to wait for: a job on an idle server starts at once, alone if nothing else waits.
+a tenant is ever taken, so a tenant's order, and its optimizer steps between passes, hold.
+
+Waiting for companions: tenants training in step with each other send their next requests
+within a few milliseconds of one another, so the first to arrive would start alone on the idle
+worker and the others wait a whole pass for it. With ``mix_wait_s`` the worker holds a job that
+can share a pass until as many tenants have a job for it as the last pass of its kind held, or
+``mix_wait_s`` passed, whichever comes first. A tenant alone never waits (its last pass held one
+job), and a tenant that stops sending costs the others one wait, after which the smaller pass is
+what is expected. ``mix_wait_s=0`` starts every job at once.
 
 >>> scheduler = Scheduler()
 >>> scheduler.start()
@@ -158,6 +165,7 @@ class Scheduler:
         max_tokens_per_pass: int = 16_384,
         on_idle: Callable[[], None] | None = None,
         idle_after_s: float = 2.0,
+        mix_wait_s: float = 0.0,
     ):
         if max_queued_per_tenant < 1:
             raise ConfigurationError(f'max_queued_per_tenant must be at least 1, got {max_queued_per_tenant}')
@@ -165,6 +173,11 @@ class Scheduler:
             raise ConfigurationError(f'keep_finished must be 0 or more, got {keep_finished}')
         if idle_after_s <= 0:
             raise ConfigurationError(f'idle_after_s must be positive, got {idle_after_s}')
+        if mix_wait_s < 0:
+            raise ConfigurationError(f'mix_wait_s must be 0 or more, got {mix_wait_s}')
+        # Longest a job that can share a pass waits for the companions its last pass had.
+        self.mix_wait_s = mix_wait_s
+        self._last_pass_size: dict[Hashable, int] = {}
         if max_tokens_per_pass < 1:
             raise ConfigurationError(f'max_tokens_per_pass must be at least 1, got {max_tokens_per_pass}')
         # Tokens several jobs may bring to one shared pass (a job alone may bring more).
@@ -301,6 +314,7 @@ class Scheduler:
             with self._cond:
                 timeout = None if self._idle_called or self.on_idle is None else self.idle_after_s
                 if self._cond.wait_for(lambda: self._stopping or self._ring, timeout):
+                    self._wait_for_companions()
                     return self._take_pass()
                 self._idle_called = True
             self._idle()
@@ -313,6 +327,27 @@ class Scheduler:
         except Exception:
             logger.exception(f'on_idle {self.on_idle!r} raised')
 
+    def _wait_for_companions(self) -> None:
+        """With the lock held and work queued: if the head job can share a pass, wait up to
+        ``mix_wait_s`` until as many tenants have a job for it as the last such pass held."""
+        if self._stopping or self.mix_wait_s <= 0:
+            return
+        head = self._queues[self._ring[0]][0]
+        if head.batch is None:
+            return
+        key = head.batch.key
+        expected = self._last_pass_size.get(key, 1)
+        deadline = time.monotonic() + self.mix_wait_s
+        while not self._stopping and self._sharing(key) < expected:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _sharing(self, key: Hashable) -> int:
+        """Tenants whose next job could join a pass of ``key``."""
+        return sum(1 for tenant in self._ring if (b := self._queues[tenant][0].batch) is not None and b.key == key)
+
     def _take_pass(self) -> list[Job]:
         """With the lock held: the next pass's jobs, marked running (empty once stopping)."""
         if self._stopping:
@@ -320,6 +355,7 @@ class Scheduler:
         jobs = [self._queues[self._ring.popleft()].popleft()]
         if jobs[0].batch is not None:
             jobs += self._companions(jobs[0].batch)
+            self._last_pass_size[jobs[0].batch.key] = len(jobs)
         self._passes += 1
         self._idle_called = False
         now = time.time()

@@ -77,6 +77,7 @@ class Service:
             max_tokens_per_pass=config.limits.max_tokens_per_pass,
             on_idle=None if config.release_memory_after_idle_s is None else self._on_idle,
             idle_after_s=config.release_memory_after_idle_s or 2.0,
+            mix_wait_s=config.mix_wait_ms / 1000 if config.mixed_batches else 0.0,
         )
         self.tinker = TinkerState(config.tinker)
 
@@ -128,15 +129,20 @@ class Service:
 
     def mixable(self, run: Run, operation: str, kwargs: dict[str, JsonValue]) -> Batchable | None:
         """How a native ``forward_backward`` / ``forward_only`` request can share a pass with
-        other tenants' (None for other operations, micro-batched ones, and the base model alone)."""
+        other tenants', and a ``clip_grad_and_step`` their optimizer update (None for other
+        operations, micro-batched ones, and the base model alone)."""
         if not self.config.mixed_batches or not is_mixable(operation, kwargs):
             return None
+        stepping = operation == 'clip_grad_and_step'
 
         def run_many(payloads: list[tuple[Run, dict[str, JsonValue]]]) -> list[object]:
             requests = [(self.loaded(run), kwargs) for run, kwargs in payloads]
+            if stepping:
+                return self.host.call(ModelHost.run_steps, requests)
             return self.host.call(ModelHost.run_mixed, operation, requests)
 
-        return Batchable(('native', operation), request_tokens(kwargs['inputs']), (run, kwargs), run_many)
+        tokens = 0 if stepping else request_tokens(kwargs['inputs'])
+        return Batchable(('native', operation), tokens, (run, kwargs), run_many)
 
     def adapter_name(self, run: Run) -> str:
         """The name of a run's adapter on the model: its run id, unique on the server (the store

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import JsonValue
+from tinker import types
 
 from twinkle.errors import DataError, NotFoundError, QueueFullError
 from twinkle.server.deps import key_holder
@@ -32,7 +33,7 @@ from twinkle.server.scheduler import Batchable
 from twinkle.server.state import Service
 from twinkle.server.store import Checkpoint, Run, Session, Tenant, parse_checkpoint_path
 from twinkle.server.tinker.codec import ForwardBackwardCall
-from twinkle.server.tinker.train import run_forward_backward_many
+from twinkle.server.tinker.train import optim_steps, run_forward_backward_many
 
 PREFIX = '/api/v1'
 #: A JSON object, as routes answer and futures store it.
@@ -175,6 +176,17 @@ class TinkerAPI:
 
         tokens = sum(len(datum.tokens) for datum in call.data)
         return Batchable(('tinker', call.forward_only), tokens, (run, call), run_many)
+
+    def steppable(self, run: Run, params: types.AdamParams) -> Batchable | None:
+        """How an ``optim_step`` can share one optimizer update with other models' steps."""
+        service = self.service
+        if not service.config.mixed_batches:
+            return None
+
+        def run_many(payloads: list[tuple[Run, types.AdamParams]]) -> list[JsonObject]:
+            return service.host.call(optim_steps, [(service.loaded(run), params) for run, params in payloads])
+
+        return Batchable(('tinker', 'optim_step'), 0, (run, params), run_many)
 
     # ---- lookups --------------------------------------------------------------------------------
     def run_of(self, who: Tenant, model_id: str) -> Run:

@@ -19,7 +19,7 @@ from tinker import types
 from twinkle.data_format import InputFeature
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, TwinkleError
 from twinkle.loss.tinker import TinkerLoss
-from twinkle.model import AdapterCall
+from twinkle.model import AdapterCall, StepCall, StepResult
 from twinkle.server.host import ModelHost
 from twinkle.server.remote_host import RemoteHost
 from twinkle.server.tinker.codec import ForwardBackwardCall, forward_backward_output
@@ -135,17 +135,28 @@ def _row(host: ModelHost, index: int, tokens: list[int], inputs: Mapping[str, to
 def optim_step(host: ModelHost, adapter: str, params: types.AdamParams) -> dict[str, Any]:
     """One AdamW step with the request's hyperparameters on the gradients accumulated since the
     last step, clipped to ``grad_clip_norm`` first (0: no clipping); then the gradients are zeroed."""
-    _check_adam(params)
+    return optim_steps(host, [(adapter, params)])[0]
+
+
+def optim_steps(host: ModelHost, requests: list[tuple[str, types.AdamParams]]) -> list[dict[str, Any]]:
+    """Several models' ``optim_step`` as one optimizer update (``clip_grad_and_step_many``): the
+    numbers of each model's step taken alone. Every request is checked before any is applied."""
+    for _, params in requests:
+        _check_adam(params)
     model = host.model
-    model.set_optimizer_hyperparams(
-        adapter_name=adapter, lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
-        weight_decay=params.weight_decay,
-    )  # fmt: skip
-    norm = model.clip_grad_norm(params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf, adapter_name=adapter)
-    stepped = model.step(adapter_name=adapter)
-    model.zero_grad(adapter_name=adapter)
+    for adapter, params in requests:
+        model.set_optimizer_hyperparams(
+            adapter_name=adapter, lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+            weight_decay=params.weight_decay,
+        )  # fmt: skip
+    calls = [StepCall(adapter, p.grad_clip_norm if p.grad_clip_norm > 0 else math.inf) for adapter, p in requests]
+    return [_step_metrics(result) for result in model.clip_grad_and_step_many(calls)]
+
+
+def _step_metrics(result: StepResult) -> dict[str, Any]:
+    norm = result.grad_norm
     metrics = {'grad_norm:mean': norm} if norm is not None and math.isfinite(norm) else {}
-    if not stepped:
+    if not result.stepped:
         metrics['skipped_steps:sum'] = 1.0
     return {'metrics': metrics}
 

@@ -162,7 +162,7 @@ def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
         def compute() -> JsonObject:
             return service.host.call(optim_step, service.loaded(run), params)
 
-        request_id = await api.accept(who, run.id, body.seq_id, 'optim_step', compute)
+        request_id = await api.accept(who, run.id, body.seq_id, 'optim_step', compute, api.steppable(run, params))
         return {'request_id': request_id, 'model_id': run.id}
 
 
