@@ -33,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -54,6 +55,8 @@ from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
 MIB = 2**20
+#: The operations whose requests per pass the mixed servers report.
+STEP_OPERATIONS = ('forward_backward', 'clip_grad_and_step')
 
 
 @dataclass
@@ -72,6 +75,9 @@ class Settings:
     adapter_counts: list[int] = field(default_factory=lambda: [1, 8, 32])
     hot_optimizers: int = 4
     lora_r: int = 16
+    # The mixed server's mix_wait_ms (how long a request waits for the tenants its last pass
+    # held); the first value is the server default's row, the others are run beside it.
+    mix_wait_ms: list[float] = field(default_factory=lambda: [10.0])
     lora_alpha: int = 32
     lr: float = 1e-4
     # Seconds to wait for a server subprocess to answer /healthz.
@@ -144,38 +150,43 @@ def combined(model: MultiLoraTransformersModel, rows: list[list[dict]]) -> float
 
 def throughput(settings: Settings, workdir: Path, vocab: int) -> tuple[dict[str, list[float]], float]:
     """Wall seconds of each mode per counted round, and the mixed server's mean requests per pass."""
-    mixed, single = Server(settings, workdir / 'mixed'), Server(settings, workdir / 'single', mixed_batches=False)
-    keys = {name: [server.add_key(f't{i}') for i in range(settings.tenants)] for name, server in
-            (('mixed', mixed), ('single', single))}  # fmt: skip
+    waits = {mixed_mode(settings, ms): ms for ms in settings.mix_wait_ms}
+    servers = {mode: Server(settings, workdir / f'mixed-{ms:g}', mix_wait_ms=ms) for mode, ms in waits.items()}
+    servers['single'] = Server(settings, workdir / 'single', mixed_batches=False)
     tokens = settings.tenants * settings.seq_len * settings.steps
-    times: dict[str, list[float]] = {'mixed': [], 'one_adapter_at_a_time': [], 'one_tenant_combined': []}
-    with mixed as mixed_url, single as single_url:
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(server) for name, server in servers.items()}
         tenants = {
-            'mixed': [tenant_model(mixed_url, key, settings) for key in keys['mixed']],
-            'single': [tenant_model(single_url, key, settings) for key in keys['single']],
+            name: [tenant_model(urls[name], servers[name].add_key(f't{i}'), settings) for i in range(settings.tenants)]
+            for name in servers
         }
-        one = tenant_model(single_url, single.add_key('combined'), settings)  # one tenant: nothing to mix
+        one = tenant_model(urls['single'], servers['single'].add_key('combined'), settings)  # nothing to mix
+        times: dict[str, list[float]] = {mode: [] for mode in [*waits, 'one_adapter_at_a_time', 'one_tenant_combined']}
         for round_index in range(settings.rounds + 1):
             rows = [sequences(settings, vocab, 100 * round_index + t, settings.steps) for t in range(settings.tenants)]
-            seconds = {
-                'mixed': concurrent(tenants['mixed'], rows),
-                'one_adapter_at_a_time': concurrent(tenants['single'], rows),
-                'one_tenant_combined': combined(one, rows),
-            }
+            seconds = {mode: concurrent(tenants[mode], rows) for mode in waits}
+            seconds['one_adapter_at_a_time'] = concurrent(tenants['single'], rows)
+            seconds['one_tenant_combined'] = combined(one, rows)
             label = 'warm-up' if round_index == 0 else f'round {round_index}'
             print(f'  {label}: ' + ', '.join(f'{k} {tokens / v:7.0f} tokens/s' for k, v in seconds.items()))
             if round_index:
                 for name, value in seconds.items():
                     times[name].append(value)
-        return times, mean_pass_jobs(mixed_url)
+        shares = {mode: {op: mean_pass_jobs(urls[mode], op) for op in STEP_OPERATIONS} for mode in waits}
+        return times, shares
 
 
-def mean_pass_jobs(url: str) -> float:
-    """Requests per pass, averaged over the mixed server's forward_backward requests (/metrics)."""
+def mixed_mode(settings: Settings, ms: float) -> str:
+    """The name of the mixed server's row with ``mix_wait_ms=ms``: 'mixed' for the first."""
+    return 'mixed' if ms == settings.mix_wait_ms[0] else f'mixed_wait_{ms:g}ms'
+
+
+def mean_pass_jobs(url: str, operation: str) -> float:
+    """Requests per pass, averaged over a mixed server's ``operation`` requests (/metrics)."""
     values = {}
     for line in httpx.get(f'{url}/metrics').text.splitlines():
         for part in ('sum', 'count'):
-            if line.startswith(f'twinkle_pass_jobs_{part}{{operation="forward_backward"}}'):
+            if line.startswith(f'twinkle_pass_jobs_{part}{{operation="{operation}"}}'):
                 values[part] = float(line.split()[-1])
     return values['sum'] / values['count']
 
@@ -245,12 +256,14 @@ def wait_for_memory_release(url: str, seen: float, timeout_s: float = 30.0) -> N
         time.sleep(0.1)
 
 
-def summarize(times: dict[str, list[float]], pass_jobs: float, settings: Settings) -> dict[str, Any]:
+def summarize(times: dict[str, list[float]], shares: dict[str, dict[str, float]], settings: Settings) -> dict[str, Any]:
     tokens = settings.tenants * settings.seq_len * settings.steps
     rates = {name: tokens / statistics.median(values) for name, values in times.items()}
     return {
         'tokens_per_s': rates,
-        'mean_requests_per_mixed_pass': pass_jobs,
+        'mean_requests_per_mixed_pass': shares['mixed']['forward_backward'],
+        'mean_requests_per_pass': shares,
+        'ratios_vs_one_tenant_combined': {mode: rates[mode] / rates['one_tenant_combined'] for mode in shares},
         'ratio_vs_one_adapter_at_a_time': rates['mixed'] / rates['one_adapter_at_a_time'],
         'ratio_vs_one_tenant_combined': rates['mixed'] / rates['one_tenant_combined'],
         # What (a) would be if mixing were free: one pass of every row cannot do better than this.
@@ -281,11 +294,17 @@ def main() -> None:
     parser.add_argument('--steps', type=int, default=Settings.steps)
     parser.add_argument('--rounds', type=int, default=Settings.rounds)
     parser.add_argument('--tenants', type=int, default=Settings.tenants)
+    parser.add_argument(
+        '--mix-wait-ms', type=float, nargs='+', default=Settings().mix_wait_ms,
+        help="the mixed server's mix_wait_ms; the first is the 'mixed' row, others run beside it",
+    )  # fmt: skip
+    parser.add_argument('--no-memory', action='store_true', help='throughput only (no memory servers)')
     parser.add_argument('--output', default='benchmarks/results/mixed_tenants.json')
     args = parser.parse_args()
     settings = Settings(
-        model=args.model, device=args.device, steps=args.steps, rounds=args.rounds, tenants=args.tenants
-    )
+        model=args.model, device=args.device, steps=args.steps, rounds=args.rounds, tenants=args.tenants,
+        mix_wait_ms=args.mix_wait_ms,
+    )  # fmt: skip
     model_dir = assets.tiny_model(settings.model)
     vocab = json.loads((Path(model_dir) / 'config.json').read_text())['vocab_size']
     expected = adapter_bytes(settings, model_dir)
@@ -295,37 +314,45 @@ def main() -> None:
         print(
             f'Throughput: {settings.tenants} tenants x one {settings.seq_len}-token sequence per step, {settings.model}'
         )
-        times, pass_jobs = throughput(settings, workdir, vocab)
-        print('Memory: adapters of rank', settings.lora_r)
-        rss = memory(settings, workdir / 'memory')
-        spilled = memory(
-            settings, workdir / 'memory-spill', limits_extra={'max_optimizers_in_memory': settings.hot_optimizers}
-        )
-    result = {
-        'settings': asdict(settings),
-        'environment': {'torch': torch.__version__, 'threads': torch.get_num_threads(), 'device': settings.device},
-        'throughput': summarize(times, pass_jobs, settings),
-        'memory': memory_summary(rss, tensors, expected['python_objects']),
-        'memory_spilling': memory_summary(spilled, {'parameters': tensors['parameters']}, expected['python_objects']),
-        'adapter_bytes': expected,
-        'seconds': times,
-    }
+        times, shares = throughput(settings, workdir, vocab)
+        result: dict[str, Any] = {
+            'settings': asdict(settings),
+            'environment': {'torch': torch.__version__, 'threads': torch.get_num_threads(), 'device': settings.device},
+            'throughput': summarize(times, shares, settings),
+        }
+        if not args.no_memory:
+            print('Memory: adapters of rank', settings.lora_r)
+            rss = memory(settings, workdir / 'memory')
+            spilled = memory(
+                settings, workdir / 'memory-spill', limits_extra={'max_optimizers_in_memory': settings.hot_optimizers}
+            )
+            result['memory'] = memory_summary(rss, tensors, expected['python_objects'])
+            result['memory_spilling'] = memory_summary(
+                spilled, {'parameters': tensors['parameters']}, expected['python_objects']
+            )
+    result['adapter_bytes'] = expected
+    result['seconds'] = times
     print_summary(result)
     Path(args.output).write_text(json.dumps(result, indent=2) + '\n')
     print(f'wrote {args.output}')
 
 
 def print_summary(result: dict[str, Any]) -> None:
-    fig, mem = result['throughput'], result['memory']
+    fig = result['throughput']
     print('\nAggregate tokens/s (median over rounds):')
     for name, rate in fig['tokens_per_s'].items():
         print(f'  {name:22s} {rate:8.0f}')
     print(f'  mixed / one adapter at a time: x{fig["ratio_vs_one_adapter_at_a_time"]:.2f} (aim >= 2)')
-    print(f'  mixed / one tenant combined:   x{fig["ratio_vs_one_tenant_combined"]:.2f} (aim >= 0.9)')
+    for mode, ratio in fig['ratios_vs_one_tenant_combined'].items():
+        print(f'  {mode} / one tenant combined: x{ratio:.2f} (aim >= 0.9)')
     ceiling = fig['ceiling_vs_one_adapter_at_a_time']
     print(f'  one tenant combined / one adapter at a time: x{ceiling:.2f} (the most (a) can be on this device)')
-    share = fig['mean_requests_per_mixed_pass']
-    print(f"  the mixed tenants' forward_backward requests ran {share:.2f} to a pass on average")
+    for mode, shares in fig['mean_requests_per_pass'].items():
+        each = ', '.join(f'{op} {share:.2f}' for op, share in shares.items())
+        print(f"  {mode}: the tenants' requests ran this many to a pass on average: {each}")
+    if 'memory' not in result:
+        return
+    mem = result['memory']
     print('Server memory (RSS):')
     for count, mib in mem['rss_mib'].items():
         print(f'  {count:>3s} adapters: {mib:8.1f} MiB')

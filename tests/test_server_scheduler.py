@@ -427,3 +427,21 @@ def test_the_wait_for_companions_ends_after_mix_wait_s_and_a_lone_tenant_does_no
 def test_mix_wait_must_not_be_negative():
     with pytest.raises(ConfigurationError, match='mix_wait_s must be 0 or more, got -1'):
         Scheduler(mix_wait_s=-1)
+
+
+def test_no_wait_for_companions_while_other_work_is_queued(make_scheduler, gate):
+    scheduler = make_scheduler(mix_wait_s=60.0)
+    gate.hold(scheduler)
+
+    def submit(name: str) -> Job:
+        return scheduler.submit(name, lambda: name, batch=Batchable('fb', 1, name, lambda p: p))
+
+    trio = [submit(name) for name in ('alice', 'bob', 'carol')]
+    gate.opened.set()
+    assert all(job.wait(TIMEOUT) for job in trio) and trio[0].pass_size == 3
+    second = Gate()
+    second.hold(scheduler)
+    lead, other = submit('alice'), scheduler.submit('dave', lambda: 'd')
+    second.opened.set()
+    # alice's job would wait for bob and carol, but dave's job is there to run: neither idles.
+    assert lead.wait(TIMEOUT) and other.wait(TIMEOUT) and lead.pass_size == 1

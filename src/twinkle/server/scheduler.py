@@ -20,9 +20,10 @@ Waiting for companions: tenants training in step with each other send their next
 within a few milliseconds of one another, so the first to arrive would start alone on the idle
 worker and the others wait a whole pass for it. With ``mix_wait_s`` the worker holds a job that
 can share a pass until as many tenants have a job for it as the last pass of its kind held, or
-``mix_wait_s`` passed, whichever comes first. A tenant alone never waits (its last pass held one
-job), and a tenant that stops sending costs the others one wait, after which the smaller pass is
-what is expected. ``mix_wait_s=0`` starts every job at once.
+``mix_wait_s`` passed, whichever comes first, and only while no other kind of job waits (the
+device never idles with work queued). A tenant alone never waits (its last pass held one job),
+and a tenant that stops sending costs the others one wait, after which the smaller pass is what
+is expected. ``mix_wait_s=0`` starts every job at once.
 
 >>> scheduler = Scheduler()
 >>> scheduler.start()
@@ -328,8 +329,9 @@ class Scheduler:
             logger.exception(f'on_idle {self.on_idle!r} raised')
 
     def _wait_for_companions(self) -> None:
-        """With the lock held and work queued: if the head job can share a pass, wait up to
-        ``mix_wait_s`` until as many tenants have a job for it as the last such pass held."""
+        """With the lock held and work queued: if the head job can share a pass and no other
+        kind of job waits, wait up to ``mix_wait_s`` until as many tenants have a job for it as
+        the last such pass held."""
         if self._stopping or self.mix_wait_s <= 0:
             return
         head = self._queues[self._ring[0]][0]
@@ -338,7 +340,8 @@ class Scheduler:
         key = head.batch.key
         expected = self._last_pass_size.get(key, 1)
         deadline = time.monotonic() + self.mix_wait_s
-        while not self._stopping and self._sharing(key) < expected:
+        # Wait only while the device would otherwise have nothing else to do.
+        while not self._stopping and (sharing := self._sharing(key)) < expected and sharing == len(self._ring):
             left = deadline - time.monotonic()
             if left <= 0:
                 return
