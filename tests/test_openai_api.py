@@ -107,9 +107,9 @@ def host_greedy(server, prompt_ids: list[int]) -> str:
 
     def sample() -> str:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-        return service.host.generate([{'input_ids': prompt_ids}], params, None)[0].sequences[0].decoded
+        return service.default.host.generate([{'input_ids': prompt_ids}], params, None)[0].sequences[0].decoded
 
-    job = service.submit(service.store.tenant_for_key(keys['alice']), None, 'test_sample', sample)
+    job = service.submit(service.store.tenant_for_key(keys['alice']), service.default, None, 'test_sample', sample)
     assert job.wait(120) and job.error is None, job.error
     return job.result
 

@@ -59,7 +59,7 @@ def test_http_mode_serves_on_the_model_group_device(tmp_path, tiny_model_dir):
     )
     try:
         assert httpx.get(f'{runtime.server.url}/healthz').json() == {'status': 'ok'}
-        assert runtime.server.app.state.service.host.model.device.type == 'cpu'
+        assert runtime.server.app.state.service.default.host.model.device.type == 'cpu'
     finally:
         runtime.server.stop()
 

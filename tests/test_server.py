@@ -40,10 +40,10 @@ def lora(r: int) -> LoraConfig:
     return LoraConfig(r=r, lora_alpha=2 * r, target_modules='all-linear', init_lora_weights=False)
 
 
-def test_the_seed_client_loop_trains_and_its_loss_falls(server, batches):
+def test_the_seed_client_loop_trains_and_its_loss_falls(server, batches, tiny_model_dir):
     url, keys, _ = server
     client = init_twinkle_client(base_url=url, api_key=keys['alice'])
-    model = MultiLoraTransformersModel(model_id='ms://Qwen/Qwen3.5-4B')
+    model = MultiLoraTransformersModel(model_id=tiny_model_dir)  # the seed's 'ms://Qwen/Qwen3.5-4B', served here
     model.add_adapter_to_model('default', LoraConfig(target_modules='all-linear'), gradient_accumulation_steps=2)
     model.set_template('Qwen3_5Template')
     model.set_processor('InputProcessor', padding_side='right')
@@ -82,7 +82,7 @@ def train_steps(model, batches: list, steps: int, **kwargs) -> list[float]:
 
 def test_two_tenants_at_once_get_the_losses_each_gets_alone(server, batches, tiny_model_dir):
     url, keys, background = server
-    base = background.app.state.service.host.model.model
+    base = background.app.state.service.default.host.model.model
     before = {n: p.detach().clone() for n, p in base.named_parameters() if 'lora_' not in n}
     # Different ranks, losses (token mean vs token sum) and learning rates.
     setups = {'alice': (4, 'mean', 1e-2), 'bob': (16, 'sum', 3e-4)}

@@ -110,7 +110,7 @@ def test_a_non_finite_loss_fails_the_request_on_the_server(server, batch):
         model.forward_backward(inputs=batch)
     assert error.value.category == 'user' and '--' not in str(error.value) and run_id in str(error.value)
     service = background.app.state.service
-    group = service.host.model.groups[service.adapters[run_id]]
+    group = service.default.host.model.groups[service.default.adapters[run_id]]
     assert all(p.grad is None for p in group.params)  # nothing accumulated from the failed request
 
 

@@ -133,7 +133,7 @@ def target(tmp_path_factory, tiny_model_dir) -> Target:
         real = {
             'run_id': [run_id, bobs_run],
             'name': ['fuzz-ckpt'],
-            'operation': sorted(background.app.state.service.host.operations),
+            'operation': sorted(background.app.state.service.default.host.operations),
             'future_id': [
                 alice.submit(f'{PREFIX}/runs/{run_id}/ops/get_train_configs', {}),
                 bob.submit(f'{PREFIX}/runs/{bobs_run}/ops/get_train_configs', {}),
@@ -144,7 +144,7 @@ def target(tmp_path_factory, tiny_model_dir) -> Target:
             keys=keys,
             real=real,
             operations=real['operation'],
-            vocab_size=background.app.state.service.host.vocab_size,
+            vocab_size=background.app.state.service.default.host.vocab_size,
             routes=_routes(background.app.openapi()),
             spare=spare,
             http=http,

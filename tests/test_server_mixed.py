@@ -88,14 +88,14 @@ def _together(
 ) -> dict[str, Any]:
     """Each tenant's 'mixed' run sends ``operation`` (with ``body``, else its rows) while the
     worker is held; results by tenant."""
-    gate = Gate(service.scheduler)
+    gate = Gate(service.default.scheduler)
     futures = {
         tenant: _submit(model, operation, body if body is not None else {'inputs': ROWS[tenant]})
         for tenant, model in models.items()
     }
     gate.open()
     results = {tenant: models[tenant].client.result(future) for tenant, future in futures.items()}
-    jobs = [service.scheduler.get(future) for future in futures.values()]
+    jobs = [service.default.scheduler.get(future) for future in futures.values()]
     assert {job.pass_id for job in jobs} == {jobs[0].pass_id} and jobs[0].pass_size == 3  # one shared pass
     return results
 
@@ -113,9 +113,9 @@ def test_three_tenants_in_one_pass_get_their_numbers_alone(server):
     assert 'twinkle_pass_jobs_sum{operation="forward_backward"} 9.0' in metrics
     assert 'twinkle_pass_jobs_count{operation="forward_backward"} 3.0' in metrics
     for tenant, model in models.items():
-        passes = service.scheduler.stats()['passes']
+        passes = service.default.scheduler.stats()['passes']
         alone = model.forward_backward(inputs=ROWS[tenant], adapter_name='alone')
-        assert service.scheduler.stats()['passes'] == passes + 1  # ran in a pass of its own
+        assert service.default.scheduler.stats()['passes'] == passes + 1  # ran in a pass of its own
         assert abs(mixed[tenant]['loss'] - alone.loss) <= TOL, tenant
         assert mixed[tenant]['num_tokens'] == alone.num_tokens
         # The gradient norm before clipping: the gradients agree, not only the losses.
@@ -152,7 +152,7 @@ def test_three_tenants_step_together_and_get_the_numbers_of_their_steps_alone(se
 
 def test_a_flood_delays_a_lone_request_by_at_most_one_pass(server):
     url, keys, background = server
-    scheduler = background.app.state.service.scheduler
+    scheduler = background.app.state.service.default.scheduler
     models = {}
     for tenant, name in (('alice', 'flood'), ('bob', 'lone')):
         models[name] = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys[tenant]))

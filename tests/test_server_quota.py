@@ -44,7 +44,7 @@ def test_a_tenant_past_its_quota_gives_up_its_least_recently_used_adapter(tmp_pa
             runs.append(created.json()['id'])
         assert [status_of(url, keys['alice'], run) for run in runs] == ['released', 'released', 'active', 'active']
         assert create_run(url, keys['bob']).status_code == 201  # alice never holds more than her two
-        assert len(server.app.state.service.adapters) == 3
+        assert len(server.app.state.service.default.adapters) == 3
 
 
 def test_a_tenant_whose_adapters_all_wait_for_a_step_gets_a_429_naming_its_quota(tmp_path, tiny_model_dir):
@@ -77,7 +77,7 @@ def test_a_full_pool_releases_its_least_recently_used_idle_adapter_at_once(tmp_p
         record = httpx.get(f'{url}/twinkle/v1/futures/{future.json()["future_id"]}?wait=30', headers=headers).json()
         assert record['status'] == 'done', record
         assert status_of(url, keys['alice'], first) == 'active'
-        assert len(server.app.state.service.adapters) == 2
+        assert len(server.app.state.service.default.adapters) == 2
 
 
 def tinker_create_model(url: str, key: str, session_id: str, base_model: str) -> httpx.Response:
@@ -111,4 +111,4 @@ def test_tinker_models_and_native_runs_share_the_quota(tmp_path, tiny_model_dir,
                 assert tinker_result(url, key, created['request_id'])['type'] == 'create_model'
                 tinker = created['model_id']
         newest = tinker if first == 'native' else native
-        assert list(server.app.state.service.adapters) == [newest]  # the other one was released for it
+        assert list(server.app.state.service.default.adapters) == [newest]  # the other one was released for it

@@ -55,7 +55,7 @@ def losses(url: str, key: str, model_dir: str) -> list[float]:
 def test_a_model_in_a_ray_actor_trains_exactly_like_one_in_process(local_ray, tmp_path, tiny_model_dir):
     remote, key = serve(tmp_path / 'remote', tiny_model_dir, ray={'address': None})
     with remote as url:
-        host = remote.app.state.service.host
+        host = remote.app.state.service.default.host
         assert isinstance(host, RemoteHost) and host.pid != os.getpid()
         through_ray = losses(url, key, tiny_model_dir)
     local, key = serve(tmp_path / 'local', tiny_model_dir)
@@ -75,7 +75,7 @@ def test_user_errors_stay_user_errors_and_a_dead_worker_is_named(local_ray, tmp_
         with pytest.raises(tinker.RequestFailedError, match='outside the vocabulary') as caught:
             training.forward_backward([bad], 'cross_entropy').result()
         assert 'user' in str(caught.value.category).lower()
-        actor = server.app.state.service.host._actor
+        actor = server.app.state.service.default.host._actor
         ray.kill(actor)
         with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)):
             for _ in range(300):  # ray.kill returns before the actor is gone
@@ -106,7 +106,7 @@ def test_tenants_share_a_pass_in_the_ray_actor_and_get_their_numbers_alone(local
     server = BackgroundServer(config)
     with server as url:
         service = server.app.state.service
-        assert isinstance(service.host, RemoteHost)
+        assert isinstance(service.default.host, RemoteHost)
         models = {}
         for tenant, rank in (('alice', 4), ('bob', 8)):
             model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys[tenant]))
@@ -115,7 +115,7 @@ def test_tenants_share_a_pass_in_the_ray_actor_and_get_their_numbers_alone(local
                 model.add_adapter_to_model(name, lora, seed=rank)
             models[tenant] = model
         entered, opened = threading.Event(), threading.Event()
-        service.scheduler.submit('gatekeeper', lambda: entered.set() or opened.wait(60))  # holds the worker
+        service.default.scheduler.submit('gatekeeper', lambda: entered.set() or opened.wait(60))  # holds the worker
         assert entered.wait(60)
         futures = {
             tenant: model.client.submit(
@@ -125,7 +125,7 @@ def test_tenants_share_a_pass_in_the_ray_actor_and_get_their_numbers_alone(local
         }
         opened.set()
         shared = {tenant: models[tenant].client.result(future) for tenant, future in futures.items()}
-        jobs = [service.scheduler.get(future) for future in futures.values()]
+        jobs = [service.default.scheduler.get(future) for future in futures.values()]
         assert jobs[0].pass_id == jobs[1].pass_id and jobs[0].pass_size == 2  # one pass, in the actor
         for tenant, model in models.items():
             alone = model.forward_backward(inputs=rows[tenant], adapter_name='alone')

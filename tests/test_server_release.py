@@ -82,11 +82,11 @@ def test_an_idle_adapter_is_released_and_comes_back_unchanged(tmp_path, tiny_mod
         model.add_adapter_to_model('default', lora(), seed=5)
         setup(model)
         losses = steps(model, batches[:3])
-        host = server.app.state.service.host
+        host = server.app.state.service.default.host
         wait_until(lambda: client.list_training_runs()[0].status == 'released')
         assert host.model.adapter_names == []  # the weights left the model
         losses += steps(model, batches[3:6])  # the first call brings the adapter back
-        group = host.model.groups[server.app.state.service.adapters[model.runs['default']]]
+        group = host.model.groups[server.app.state.service.default.adapters[model.runs['default']]]
         # One optimizer step per batch (accumulation 1): 3 restored from the released state (the
         # model's restore_counters), 3 after; every row of the 6 batches counted once.
         assert group.optim_step == 6

@@ -98,7 +98,7 @@ def test_optim_steps_of_several_models_equal_their_steps_alone(tiny_model_dir):
     for step in range(3):
         for twin in model.adapter_names:
             row = [3 + step, 5, 7 + ord(twin[0]) % 50, 9]  # twins train on the same row
-            model.forward_backward(inputs=[{'input_ids': row, 'labels': row[1:] + [2]}], adapter_name=twin)
+            model.forward_backward(inputs=[{'input_ids': row, 'labels': [*row[1:], 2]}], adapter_name=twin)
         together = optim_steps(host, list(adams.items()))
         alone = [optim_step(host, f'{name}-alone', adam) for name, adam in adams.items()]
         assert together == alone

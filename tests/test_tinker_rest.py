@@ -202,7 +202,7 @@ def test_checkpoints_are_listed_per_run_and_per_user_with_pagination(server, ten
 
 def test_deleting_a_checkpoint_removes_its_files_and_unloads_its_sampler(server, tenant, tiny_model_dir):
     alice = tenant('alice')
-    rest, host = alice.rest, server[2].app.state.service.host
+    rest, host = alice.rest, server[2].app.state.service.default.host
     client = training_client(alice.sdk, tiny_model_dir)
     sampler_path = client.save_weights_for_sampler('gone').result().path
     state_path = client.save_state('publish').result().path  # a name that is also a route's last segment

@@ -79,7 +79,7 @@ class CreateRun(Wire):
     #: peft ``LoraConfig`` fields (``LORA_FIELDS``); the server checks the values it allows.
     lora: dict[str, FiniteJson] = Field(default_factory=dict)
     gradient_accumulation_steps: int = Field(1, gt=0)
-    #: Must name the server's base model when given.
+    #: One of the server's base models (``GET /server``); None: its default.
     base_model: str | None = None
     #: Draw the adapter's initial weights from this seed (reproducible runs); torch takes 64 bits.
     seed: int | None = Field(None, ge=-INT64, lt=2 * INT64)
@@ -166,7 +166,10 @@ class FutureInfo(Answer):
 
 
 class ServerInfo(Answer):
+    #: The default base model (a run that names none trains it).
     base_model: str
+    #: Every hosted base model, the default first.
+    base_models: list[str]
     limits: dict[str, JsonValue]
     tenant: str
 

@@ -39,6 +39,10 @@ _TEXT = TypeAdapter(str)
 
 
 class MultiLoraTransformersModel:
+    """Adapters trained on a twinkle server, one training run each. ``model_id`` is the base
+    model they train: one of the server's (``GET /twinkle/v1/server`` lists them; an
+    id with or without ``ms://`` / ``hf://``); None, the server's default."""
+
     def __init__(self, model_id: str | None = None, *, client: TwinkleClient | None = None):
         self.model_id = model_id
         self.client = client or default_client()
@@ -57,6 +61,7 @@ class MultiLoraTransformersModel:
             'lora': _lora_fields(config),
             'gradient_accumulation_steps': gradient_accumulation_steps,
             'seed': seed,
+            'base_model': self.model_id,  # one of the server's base models (None: its default)
         }
         body = build(CreateRun, fields).model_dump(mode='json')
         run = RunInfo.model_validate(self.client.request('POST', f'{PREFIX}/runs', json=body))

@@ -43,7 +43,7 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service.scheduler.start()
+        service.start()
         chores = [
             asyncio.create_task(_release_periodically(service)),
             asyncio.create_task(_expire_gaps(service)),
@@ -53,11 +53,8 @@ def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None)
         for chore in chores:
             chore.cancel()
         service.release_all()  # a graceful stop keeps every adapter's state; a restart brings them back
-        for job in service.scheduler.stop(wait=True):
-            service.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
+        service.stop()
         service.store.close()
-        if hasattr(service.host, 'shutdown'):
-            service.host.shutdown()  # a model worker in a Ray actor goes with its server
 
     app = FastAPI(title='twinkle training service', version='1', lifespan=lifespan)
     app.state.service = service

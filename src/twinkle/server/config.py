@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from twinkle.errors import ConfigurationError
 
@@ -86,6 +86,16 @@ class RaySettings(BaseModel):
     num_gpus: float | None = Field(None, ge=0)
 
 
+class ModelSettings(BaseModel):
+    """Another base model the server hosts, on a model group of its own (``more_models``)."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    base_model: str
+    device: str | None = None
+    ray: RaySettings | None = None
+
+
 class ServerConfig(BaseModel):
     """Example ``server.yaml``::
 
@@ -116,7 +126,8 @@ class ServerConfig(BaseModel):
     #: With ``mixed_batches``: how long a request that can share a pass (or an optimizer update)
     #: waits for the other tenants whose requests the last such pass held, when they are not all
     #: there yet (their next requests are usually a round trip behind). 0: never wait.
-    mix_wait_ms: float = Field(10.0, ge=0, le=1000)
+    #: ``benchmarks/mixed_tenants.py --mix-wait-ms 0 10 30`` measures what a wait buys.
+    mix_wait_ms: float = Field(0.0, ge=0, le=1000)
     #: When the model has had no request for this long, freed heap memory goes back to the
     #: operating system (glibc ``malloc_trim``), so a server's resident set follows what it holds
     #: (None: never; the next pass then faults its pages back in, about 20 ms on small-qwen3).
@@ -128,6 +139,26 @@ class ServerConfig(BaseModel):
     tinker: TinkerSettings = Field(default_factory=TinkerSettings)
     #: Run the model in a Ray actor (on any node of a cluster); None: in the server's process.
     ray: RaySettings | None = None
+    #: More base models, each on a model group of its own (its device or Ray actor, its worker
+    #: thread, its adapters): a run names its base model, ``base_model`` above is the default.
+    more_models: list[ModelSettings] = Field(default_factory=list)
+
+    @model_validator(mode='after')
+    def _distinct_models(self) -> ServerConfig:
+        names = [self.base_model, *(m.base_model for m in self.more_models)]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f'each base model is hosted once; {repeated} appear more than once')
+        return self
+
+    def model_groups(self) -> list[ServerConfig]:
+        """One config per hosted base model, the default first: this config with that model's
+        ``base_model``, ``device`` and ``ray`` (and no ``more_models``)."""
+        first = ModelSettings(base_model=self.base_model, device=self.device, ray=self.ray)
+        return [
+            self.model_copy(update={'base_model': m.base_model, 'device': m.device, 'ray': m.ray, 'more_models': []})
+            for m in [first, *self.more_models]
+        ]
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> ServerConfig:

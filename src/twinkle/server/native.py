@@ -21,9 +21,10 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import JsonValue
 
-from twinkle.errors import ConfigurationError, NotFoundError, UnknownNameError
+from twinkle.errors import NotFoundError, UnknownNameError
 from twinkle.server.deps import Who
 from twinkle.server.errors import error_responses
+from twinkle.server.group import bare
 from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name, check_name
@@ -77,23 +78,27 @@ def _run_routes(router: APIRouter, service: Service) -> None:
 
     @router.get('/server', response_model=ServerInfo)
     async def server_info(who: Who) -> dict[str, JsonValue]:
-        return {'base_model': config.base_model, 'limits': config.limits.model_dump(), 'tenant': who.name}
+        return {
+            'base_model': bare(config.base_model),
+            'base_models': list(service.model_names()),
+            'limits': config.limits.model_dump(),
+            'tenant': who.name,
+        }
 
     @router.post('/runs', status_code=201, response_model=RunInfo)
     async def create_run(body: CreateRun, who: Who) -> dict[str, JsonValue]:
         check_name('adapter name', body.adapter_name)
-        service.host.check_adapter(body.lora)
-        if body.base_model is not None and body.base_model != config.base_model:
-            raise ConfigurationError(f'this server hosts {config.base_model!r}; got base_model {body.base_model!r}')
-        run = service.store.create_run(who.id, config.base_model, body.adapter_name, body.model_dump())
-        adapter = service.adapter_name(run)
+        group = service.group_named(body.base_model)
+        group.host.check_adapter(body.lora)
+        run = service.store.create_run(who.id, group.name, body.adapter_name, body.model_dump())
+        adapter = group.adapter_name(run)
 
         def add() -> None:
-            service.make_room(run)
-            service.host.add_adapter(adapter, body.lora, body.gradient_accumulation_steps, body.seed)
-            service.adapters[run.id] = adapter
+            group.make_room(run)
+            group.host.add_adapter(adapter, body.lora, body.gradient_accumulation_steps, body.seed)
+            group.adapters[run.id] = adapter
 
-        job = await service.submit_async(who, run.id, 'create_run', add)
+        job = await service.submit_async(who, group, run.id, 'create_run', add)
         await wait_job(job, None)
         if job.error is not None:
             service.store.set_run_status(run.id, 'deleted')
@@ -118,17 +123,18 @@ def _operation_endpoint(
 
     async def operation(run_id: str, body: Operation, who: Who) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
+        group = service.group_of(run)
         kwargs = body.arguments()
-        service.host.validate(name, kwargs)  # names, token ids, sizes: a 4xx now, not a failed future
+        group.host.validate(name, kwargs)  # names, token ids, sizes: a 4xx now, not a failed future
 
         def compute() -> JsonValue:
-            result = service.host.run(service.loaded(run), name, kwargs)
+            result = group.host.run(group.loaded(run), name, kwargs)
             if spec.setup:
                 service.remember_setup(run_id, name, kwargs)
             return result
 
-        batch = service.mixable(run, name, kwargs)
-        return FutureAccepted(future_id=(await service.submit_async(who, run_id, name, compute, batch)).id)
+        batch = group.mixable(run, name, kwargs)
+        return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, name, compute, batch)).id)
 
     signature = inspect.signature(operation)
     body = signature.parameters['body'].replace(annotation=spec)
@@ -155,14 +161,14 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     async def save(run_id: str, body: SaveRequest, who: Who) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         check_checkpoint_name(body.name)
-        directory = service.checkpoint_dir(who, run_id)
+        directory, group = service.checkpoint_dir(who, run_id), service.group_of(run)
 
         def write() -> str:
-            path = Path(service.host.save(service.loaded(run), directory, body.name, body.save_optimizer))
+            path = Path(group.host.save(group.loaded(run), directory, body.name, body.save_optimizer))
             size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
             return store.add_checkpoint(who.id, run_id, body.name, str(path), 'training', size).twinkle_path
 
-        return FutureAccepted(future_id=(await service.submit_async(who, run_id, 'save', write)).id)
+        return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'save', write)).id)
 
     @router.post('/runs/{run_id}/load', status_code=202, response_model=FutureAccepted)
     async def load(run_id: str, body: LoadRequest, who: Who) -> FutureAccepted:
@@ -172,11 +178,14 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         if checkpoint is None:
             raise NotFoundError(f'checkpoint {body.path!r} not found')
 
+        group = service.group_of(run)
+        service.check_trained_on(checkpoint, group, body.path)
+
         def read() -> str:
-            service.host.load(service.loaded(run), Path(checkpoint.path), body.load_optimizer, body.path)
+            group.host.load(group.loaded(run), Path(checkpoint.path), body.load_optimizer, body.path)
             return checkpoint.twinkle_path
 
-        return FutureAccepted(future_id=(await service.submit_async(who, run_id, 'load', read)).id)
+        return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'load', read)).id)
 
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
@@ -200,7 +209,7 @@ def _future_routes(router: APIRouter, service: Service) -> None:
         record = service.store.get_future(who.id, future_id)
         if record is None:
             raise NotFoundError(f'request {future_id!r} not found')
-        job = service.scheduler.get(future_id)
+        job = service.job(future_id)
         if job is not None and wait > 0:
             await wait_job(job, min(wait, MAX_WAIT_S))
             record = service.store.get_future(who.id, future_id) or record

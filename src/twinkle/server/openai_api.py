@@ -46,6 +46,7 @@ from twinkle.data_format import SampledSequence, SamplingParams, StopReason
 from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
 from twinkle.server.deps import Who
 from twinkle.server.errors import MAX_LOCATION_CHARS, retry_after_header, status_of, unparsable
+from twinkle.server.group import ModelGroup, bare
 from twinkle.server.host import MAX_TOP_LOGPROBS, ModelHost
 from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
@@ -289,29 +290,32 @@ def openai_router(service: Service) -> APIRouter:
 def _model_routes(router: APIRouter, service: Service) -> None:
     @router.get('/models')
     async def list_models(who: Who) -> JsonObject:
-        checkpoints = _tenant_checkpoints(service.store, who)
-        models: list[JsonValue] = [_model_json(service, who, checkpoint) for checkpoint in [None, *checkpoints]]
+        models: list[JsonValue] = [_model_json(group, who) for group in service.groups.values()]
+        for checkpoint in _tenant_checkpoints(service.store, who):
+            trained_on = _group_of(service, checkpoint)
+            if trained_on is not None:
+                models.append(_model_json(trained_on, who, checkpoint))
         return {'object': 'list', 'data': models}
 
     @router.get('/models/{model:path}')
     async def get_model(model: str, who: Who) -> JsonObject:
-        checkpoint = _resolve_model(service, who, model)
-        return _model_json(service, who, checkpoint, model)
+        group, checkpoint = _resolve_model(service, who, model)
+        return _model_json(group, who, checkpoint, model)
 
 
 def _chat_routes(router: APIRouter, service: Service) -> None:
     @router.post('/chat/completions', response_model=None)
     async def chat_completions(body: ChatCompletionRequest, who: Who) -> JsonObject | StreamingResponse:
-        checkpoint = _resolve_model(service, who, body.model)
+        group, checkpoint = _resolve_model(service, who, body.model)
         _check_options(body)
         row: ChatRow = {'messages': [_message(index, message) for index, message in enumerate(body.messages)]}
         directory = Path(checkpoint.path) if checkpoint is not None else None
         limit = service.config.limits.max_tokens_per_request
 
         def compute() -> ChatReply:
-            return service.host.call(_sample_chat, directory, row, body, limit)
+            return group.host.call(_sample_chat, directory, row, body, limit)
 
-        job = await service.submit_async(who, None, 'chat_completion', compute)
+        job = await service.submit_async(who, group, None, 'chat_completion', compute)
         await wait_job(job, None)
         if job.error is not None:
             raise job.error
@@ -325,24 +329,28 @@ def _chat_routes(router: APIRouter, service: Service) -> None:
 
 
 # ---- models -----------------------------------------------------------------------------------------
-def _base_names(service: Service) -> set[str]:
-    """What names the base model: its configured id, that id without a hub scheme, its local path."""
-    hosted = service.config.base_model
-    return {hosted, _bare(hosted), service.host.model_id}
-
-
-def _resolve_model(service: Service, who: Tenant, model: str) -> Checkpoint | None:
-    """The checkpoint ``model`` names (None for the base model), if this tenant may read it; else 404."""
-    if model in _base_names(service):
-        return None
+def _resolve_model(service: Service, who: Tenant, model: str) -> tuple[ModelGroup, Checkpoint | None]:
+    """The hosted base model ``model`` names (its configured id, that id without a hub scheme,
+    its local path), or the checkpoint it names with the base model it was trained on, if this
+    tenant may read it; else 404."""
+    for group in service.groups.values():
+        if group.answers_to(model):
+            return group, None
     try:
         run_id, kind, name = parse_checkpoint_path(model)
     except DataError:
         raise _model_not_found(model) from None
     found = service.store.get_readable_checkpoint(who.id, run_id, name, kind)
-    if found is None or not Path(found.path).is_dir():
+    trained_on = _group_of(service, found) if found is not None else None
+    if found is None or trained_on is None or not Path(found.path).is_dir():
         raise _model_not_found(model)
-    return found
+    return trained_on, found
+
+
+def _group_of(service: Service, checkpoint: Checkpoint) -> ModelGroup | None:
+    """The hosted base model a checkpoint was trained on (None: not hosted any more)."""
+    run = service.store.get_run_by_id(checkpoint.run_id)
+    return None if run is None else service.groups.get(run.base_model)
 
 
 def _model_not_found(model: str) -> NotFoundError:
@@ -361,11 +369,11 @@ def _tenant_checkpoints(store: Store, who: Tenant, page: int = 500) -> list[Chec
 
 
 def _model_json(
-    service: Service, who: Tenant, checkpoint: Checkpoint | None = None, model_id: str | None = None
+    group: ModelGroup, who: Tenant, checkpoint: Checkpoint | None = None, model_id: str | None = None
 ) -> JsonObject:
-    """The base model (no ``checkpoint``) or a checkpoint as an OpenAI model; ``owned_by`` of a
-    checkpoint names the tenant, or is 'published' for another tenant's."""
-    base = _bare(service.config.base_model)
+    """A base model (no ``checkpoint``) or a checkpoint of it as an OpenAI model; ``owned_by``
+    of a checkpoint names the tenant, or is 'published' for another tenant's."""
+    base = bare(group.name)
     model: JsonObject = {
         'id': base,
         'object': 'model',
@@ -374,20 +382,12 @@ def _model_json(
         'root': base,
         'parent': None,
     }
-    model['max_model_len'] = service.host.context
+    model['max_model_len'] = group.host.context
     if checkpoint is None:
         return model
     owner = who.name if checkpoint.tenant_id == who.id else 'published'
     created = int(checkpoint.created_at)
     return {**model, 'id': model_id or checkpoint.tinker_path, 'created': created, 'owned_by': owner, 'parent': base}
-
-
-def _bare(model_id: str) -> str:
-    """A model id without its hub scheme: ``ms://Qwen/Qwen3-4B`` -> ``Qwen/Qwen3-4B``."""
-    for scheme in ('ms://', 'hf://'):
-        if model_id.startswith(scheme):
-            return model_id[len(scheme) :]
-    return model_id
 
 
 # ---- checking the request ---------------------------------------------------------------------------

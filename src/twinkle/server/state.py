@@ -1,8 +1,8 @@
 """``Service``: the state every route of every API shares, built once per server by ``create_app``.
 
-It holds the configuration, the store (SQLite), the scheduler (one worker thread), the model
-host, the Prometheus metrics, which runs have an adapter on the model, and the Tinker API's own
-state (``TinkerState``). Routes receive it typed; nothing is added to it after ``__init__``.
+It holds the configuration, the store (SQLite), the hosted base models (``ModelGroup`` s: each
+its host, its scheduler and the adapters on it), the Prometheus metrics, and the Tinker API's
+own state (``TinkerState``). Routes receive it typed; nothing is added to it after ``__init__``.
 """
 
 from __future__ import annotations
@@ -16,27 +16,29 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import JsonValue
 
-from twinkle.errors import CapacityError, NotFoundError, StateError, TwinkleError
+from twinkle.errors import ConfigurationError, NotFoundError, StateError, TwinkleError
 from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
-from twinkle.server.host import ModelHost, is_mixable, request_tokens
+from twinkle.server.group import RELEASE_STATE, ModelGroup, bare
+from twinkle.server.host import ModelHost
 from twinkle.server.limits import RateLimiter
 from twinkle.server.remote_host import RemoteHost, build_host
-from twinkle.server.scheduler import Batchable, Job, QueueFullError, Scheduler
-from twinkle.server.store import Run, Store, Tenant
+from twinkle.server.scheduler import Batchable, Job, QueueFullError
+from twinkle.server.store import Checkpoint, Run, Store, Tenant
 from twinkle.server.tinker.state import TinkerState
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
 #: Seconds between two recordings of a run's last request time.
 TOUCH_INTERVAL_S = 1.0
-#: Where a released adapter's state is kept, beside the run's checkpoints.
-RELEASE_STATE = 'released-state'
 
 
 class Service:
-    """What the routes share: config, store, scheduler, model host and metrics."""
+    """What the routes share: config, store, the hosted base models and metrics.
+
+    ``host`` (tests, a host built elsewhere) is the default base model's; the others are built
+    from the config."""
 
     def __init__(self, config: ServerConfig, host: ModelHost | RemoteHost | None = None):
         self.config = config
@@ -52,10 +54,7 @@ class Service:
         recover_all(config.checkpoint_dir)  # checkpoint saves that a crash cut short in their swap
         for run in self.store.idle_runs(older_than_s=0.0):  # their adapters died with the last process
             self.store.set_run_status(run.id, 'released')
-        self.host: ModelHost | RemoteHost = host or build_host(config)
-        self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
         self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
-        self._pinned: set[str] = set()  # runs the worker's current jobs use: not released to make room
         self.registry = CollectorRegistry()
         self.requests = Counter('twinkle_requests', 'Compute requests', ['operation', 'status'], registry=self.registry)
         self.seconds = Histogram('twinkle_request_seconds', 'Compute time', ['operation'], registry=self.registry)
@@ -70,95 +69,127 @@ class Service:
         self.memory_releases = Counter(
             'twinkle_memory_releases', 'Times the idle model process gave freed memory back', registry=self.registry
         )
-        self.scheduler = Scheduler(
-            max_queued_per_tenant=config.limits.max_queued_per_tenant,
-            on_start=self._on_start,
-            on_finish=self._on_finish,
-            max_tokens_per_pass=config.limits.max_tokens_per_pass,
-            on_idle=None if config.release_memory_after_idle_s is None else self._on_idle,
-            idle_after_s=config.release_memory_after_idle_s or 2.0,
-            mix_wait_s=config.mix_wait_ms / 1000 if config.mixed_batches else 0.0,
-        )
+        self.groups: dict[str, ModelGroup] = {}
+        for index, group_config in enumerate(config.model_groups()):
+            group_host = host if index == 0 and host is not None else build_host(group_config)
+            self.groups[group_config.base_model] = ModelGroup(
+                group_config, self.store, group_host, self._on_start, self._on_finish, self.memory_releases.inc
+            )
+        #: The group of ``config.base_model``: what a request that names no base model gets.
+        self.default = self.groups[config.base_model]
         self.tinker = TinkerState(config.tinker)
+
+    # ---- the hosted base models -----------------------------------------------------------------
+    def group_named(self, name: str | None) -> ModelGroup:
+        """The group of the base model ``name`` names (None: the default); 404 if none is hosted."""
+        if name is None:
+            return self.default
+        for group in self.groups.values():
+            if group.answers_to(name):
+                return group
+        raise NotFoundError(f'base model {name!r} is not served here; this server hosts {self.model_names()}')
+
+    def group_of(self, run: Run) -> ModelGroup:
+        """The group of a run's base model."""
+        return self.hosting(run.base_model, f'training run {run.id!r}')
+
+    def hosting(self, base_model: str, what: str) -> ModelGroup:
+        """The group of ``base_model`` as the store records it (what the config names); a 409
+        naming ``what`` if the server no longer hosts it."""
+        group = self.groups.get(base_model)
+        if group is None:
+            raise StateError(
+                f'{what} is of {bare(base_model)!r}, which this server no longer hosts; it hosts {self.model_names()}'
+            )
+        return group
+
+    def check_trained_on(self, checkpoint: Checkpoint, group: ModelGroup, shown_as: str) -> None:
+        """A checkpoint loads only into an adapter of the base model it was trained on."""
+        source = self.store.get_run_by_id(checkpoint.run_id)
+        if source is not None and source.base_model != group.name:
+            raise ConfigurationError(
+                f'checkpoint {shown_as!r} holds weights for {bare(source.base_model)!r}, not {bare(group.name)!r}'
+            )
+
+    def model_names(self) -> list[str]:
+        """The hosted base models as clients name them (without ``ms://`` / ``hf://``), default first."""
+        return [bare(name) for name in self.groups]
+
+    def start(self) -> None:
+        for group in self.groups.values():
+            group.scheduler.start()
+
+    def stop(self) -> None:
+        """Stop every group's worker after its running job; the jobs still queued fail."""
+        for group in self.groups.values():
+            for job in group.scheduler.stop(wait=True):
+                self.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
+            if isinstance(group.host, RemoteHost):
+                group.host.shutdown()  # a model worker in a Ray actor goes with its server
 
     # ---- jobs -----------------------------------------------------------------------------------
     async def submit_async(
         self,
         tenant: Tenant,
+        group: ModelGroup,
         run_id: str | None,
         operation: str,
         fn: Callable[[], object],
         batch: Batchable | None = None,
     ) -> Job:
         """``submit`` from a route: the future's row is written (and fsynced) off the event loop."""
-        return await asyncio.to_thread(self.submit, tenant, run_id, operation, fn, batch)
+        return await asyncio.to_thread(self.submit, tenant, group, run_id, operation, fn, batch)
 
     def submit(
         self,
         tenant: Tenant,
+        group: ModelGroup,
         run_id: str | None,
         operation: str,
         fn: Callable[[], object],
         batch: Batchable | None = None,
         internal: bool = False,
     ) -> Job:
+        """Record a future and queue ``fn`` as its job on ``group``'s worker."""
         record = self.store.create_future(tenant.id, run_id, operation)
-        return self.enqueue(tenant, record.id, operation, fn, batch, internal)
+        return self.enqueue(tenant, group, record.id, operation, fn, batch, internal)
 
     def enqueue(
         self,
         tenant: Tenant,
+        group: ModelGroup,
         future_id: str,
         operation: str,
         fn: Callable[[], object],
         batch: Batchable | None = None,
         internal: bool = False,
     ) -> Job:
-        """Queue ``fn`` as the job of the future ``future_id`` (already recorded); with
-        ``batch`` it may share a pass with other tenants' jobs. An ``internal`` job (the server's
-        own, such as releasing an idle adapter) is not held to the tenant's queue limit."""
+        """Queue ``fn`` on ``group``'s worker as the job of the future ``future_id`` (already
+        recorded); with ``batch`` it may share a pass with other tenants' jobs. An ``internal``
+        job (the server's own, such as releasing an idle adapter) is not held to the tenant's
+        queue limit."""
         try:
-            job = self.scheduler.submit(
+            job = group.scheduler.submit(
                 tenant.id, fn, job_id=future_id, batch=batch, operation=operation, internal=internal
             )
         except QueueFullError as e:
             self.store.fail_future(future_id, str(e), 'user')
             raise
-        self.queued.set(self.scheduler.queued())
+        self.queued.set(self.queued_jobs())
         return job
 
-    def mixable(self, run: Run, operation: str, kwargs: dict[str, JsonValue]) -> Batchable | None:
-        """How a native ``forward_backward`` / ``forward_only`` request can share a pass with
-        other tenants', and a ``clip_grad_and_step`` their optimizer update (None for other
-        operations, micro-batched ones, and the base model alone)."""
-        if not self.config.mixed_batches or not is_mixable(operation, kwargs):
-            return None
-        stepping = operation == 'clip_grad_and_step'
+    def job(self, job_id: str) -> Job | None:
+        """The job of a future, on whichever group runs it (None once forgotten)."""
+        return next((job for g in self.groups.values() if (job := g.scheduler.get(job_id)) is not None), None)
 
-        def run_many(payloads: list[tuple[Run, dict[str, JsonValue]]]) -> list[object]:
-            requests = [(self.loaded(run), kwargs) for run, kwargs in payloads]
-            if stepping:
-                return self.host.call(ModelHost.run_steps, requests)
-            return self.host.call(ModelHost.run_mixed, operation, requests)
-
-        tokens = 0 if stepping else request_tokens(kwargs['inputs'])
-        return Batchable(('native', operation), tokens, (run, kwargs), run_many)
-
-    def adapter_name(self, run: Run) -> str:
-        """The name of a run's adapter on the model: its run id, unique on the server (the store
-        makes it), so what the model's errors name is what the tenant knows. A tenant reaches an
-        adapter only through its own runs, so naming another tenant's run reaches nothing."""
-        return run.id
+    def queued_jobs(self, tenant_id: str | None = None) -> int:
+        """Jobs waiting on every group, of ``tenant_id`` or of all tenants."""
+        return sum(group.scheduler.queued(tenant_id) for group in self.groups.values())
 
     def _on_start(self, job: Job) -> None:
         self.store.set_future_running(job.id)
 
-    def _on_idle(self) -> None:
-        if self.host.call(ModelHost.release_free_memory):
-            self.memory_releases.inc()
-
     def _on_finish(self, job: Job) -> None:
-        self._pinned.clear()
         operation = job.operation
         if job.error is None:
             self.store.finish_future(job.id, job.result)
@@ -173,16 +204,17 @@ class Service:
         if job.started_at and job.finished_at:
             self.seconds.labels(operation).observe(job.finished_at - job.started_at)
             self.pass_jobs.labels(operation).observe(job.pass_size)
-        self.queued.set(self.scheduler.queued())
+        self.queued.set(self.queued_jobs())
 
     # ---- runs -----------------------------------------------------------------------------------
     async def adapter_of(self, tenant: Tenant, run_id: str) -> Run:
-        """A run of this tenant that is on the model or can be brought back; 404 otherwise.
-        Jobs then call ``loaded`` on the worker thread, where no release can slip in between."""
+        """A run of this tenant that is on its model or can be brought back; 404 otherwise.
+        Jobs then call its group's ``loaded`` on the worker thread, where no release can slip in."""
         run = self.store.get_run(tenant.id, run_id)
         if run is None or run.status == 'deleted':
             raise NotFoundError(f'training run {run_id!r} not found')
-        if run_id not in self.adapters and not self.release_state(run).is_dir():
+        group = self.group_of(run)
+        if run_id not in group.adapters and not group.release_state(run).is_dir():
             raise StateError(
                 f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '
                 'to restore: create a run and load one of its checkpoints with load(path, load_optimizer=True)'
@@ -191,18 +223,8 @@ class Service:
         return run
 
     def loaded(self, run: Run) -> str:
-        """The run's adapter on the model, restored first if it was released (worker thread)."""
-        if run.id not in self.adapters:
-            self.restore(self._stored_run(run.id))
-        self._pinned.add(run.id)
-        return self.adapters[run.id]
-
-    def _stored_run(self, run_id: str) -> Run:
-        """The run as the store has it now (its latest config and status)."""
-        run = self.store.get_run_by_id(run_id)
-        if run is None:
-            raise NotFoundError(f'training run {run_id!r} not found')
-        return run
+        """The run's adapter on its model, restored first if it was released (worker thread)."""
+        return self.group_of(run).loaded(run)
 
     def touch(self, run_id: str) -> None:
         """Record the run's last request; at most once a second, as each write syncs the disk."""
@@ -211,58 +233,25 @@ class Service:
             self._touched[run_id] = now
             self.store.touch_run(run_id)
 
-    # ---- releasing idle adapters ----------------------------------------------------------------
     def remember_setup(self, run_id: str, operation: str, kwargs: dict[str, JsonValue]) -> None:
         """Record a configuration call, to replay when the adapter is brought back."""
-        config = dict(self._stored_run(run_id).config)
+        run = self.store.get_run_by_id(run_id)
+        if run is None:
+            raise NotFoundError(f'training run {run_id!r} not found')
+        config = dict(run.config)
         config['setup'] = [*config.get('setup', []), {'operation': operation, 'kwargs': kwargs}]
         self.store.set_run_config(run_id, config)
 
-    def release_state(self, run: Run) -> Path:
-        return self.config.checkpoint_dir / run.tenant_id / run.id / RELEASE_STATE
-
-    def release(self, run: Run) -> bool:
-        """Save a run's adapter with its optimizer and counters, then take it off the model.
-        Runs on the worker thread. Skipped while gradients wait for an optimizer step."""
-        adapter = self.adapters.get(run.id)
-        if adapter is None:
-            return False
-        if self.host.has_pending_gradients(adapter):
-            return False  # gradients are waiting for a step: releasing now would lose them
-        path = self.release_state(run)
-        self.host.save(adapter, path.parent, path.name, save_optimizer=True)
-        self.host.remove_adapter(adapter)
-        del self.adapters[run.id]
-        self.store.set_run_status(run.id, 'released')
-        return True
-
-    def restore(self, run: Run) -> None:
-        """Bring a released run back: its adapter, its setup calls replayed, then its saved
-        weights, optimizer, scheduler and step counters."""
-        adapter, config, path = self.adapter_name(run), run.config, self.release_state(run)
-        if not path.is_dir():
-            raise StateError(
-                f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
-                'without saving it): load one of its checkpoints into a new run'
-            )
-        self.make_room(run)
-        self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
-        try:
-            for call in config.get('setup', []):
-                self.host.run(adapter, call['operation'], dict(call['kwargs']))
-            self.host.restore_state(adapter, path, f'the saved state of training run {run.id!r}')
-        except BaseException:
-            self.host.remove_adapter(adapter)
-            raise
-        self.adapters[run.id] = adapter
-        self.store.set_run_status(run.id, 'active')
-
+    # ---- releasing idle adapters ----------------------------------------------------------------
     def release_all(self, timeout: float = 600.0) -> None:
-        for run_id in list(self.adapters):
-            run = self._stored_run(run_id)
-            tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
-            self.submit(tenant, run_id, 'release', partial(self.release, run), internal=True)
-        self.scheduler.drain(timeout)
+        """Release every adapter of every group (a graceful stop keeps their state)."""
+        for group in self.groups.values():
+            for run_id in list(group.adapters):
+                run = self.store.get_run_by_id(run_id)
+                if run is not None:
+                    self._release_later(group, run)
+        for group in self.groups.values():
+            group.scheduler.drain(timeout)
 
     def release_idle(self) -> list[Job]:
         """Queue the release of every run idle longer than ``idle_release_s``."""
@@ -270,42 +259,14 @@ class Service:
             return []
         jobs = []
         for run in self.store.idle_runs(self.config.idle_release_s):
-            if run.id in self.adapters:
-                tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
-                jobs.append(self.submit(tenant, run.id, 'release', partial(self.release, run), internal=True))
+            group = self.groups.get(run.base_model)
+            if group is not None and run.id in group.adapters:
+                jobs.append(self._release_later(group, run))
         return jobs
 
-    # ---- room on the model -----------------------------------------------------------------------
-    def make_room(self, run: Run) -> None:
-        """Before ``run``'s adapter is added (worker thread): a tenant holding its
-        ``max_adapters_per_tenant`` adapters gives up its least recently used one, and a model
-        holding ``max_adapters`` the least recently used of all; a released adapter comes back
-        on its next request, unchanged. An adapter waiting for an optimizer step, or used by the
-        current jobs, stays: if every candidate does, ``CapacityError`` (429) says what frees one."""
-        limits = self.config.limits
-        own = self._held(run.tenant_id, but=run.id)
-        if len(own) >= limits.max_adapters_per_tenant and not self._release_first(own):
-            raise CapacityError(
-                f'you hold {len(own)} adapters on the model, the limit of max_adapters_per_tenant='
-                f'{limits.max_adapters_per_tenant}, and each holds gradients waiting for an optimizer step: once '
-                'one of them steps, it makes room for this one',
-                retry_after_s=5.0,
-            )
-        everyone = self._held(None, but=run.id)
-        if len(everyone) >= limits.max_adapters and not self._release_first(everyone):
-            raise CapacityError(
-                f'the server holds its limit of {limits.max_adapters} adapters (max_adapters), each waiting for an '
-                'optimizer step; one makes room after its step',
-                retry_after_s=5.0,
-            )
-
-    def _held(self, tenant_id: str | None, but: str | None = None) -> list[Run]:
-        """Runs (of a tenant, or of all) with an adapter on the model, least recently used first."""
-        return [run for run in self.store.active_runs(tenant_id) if run.id in self.adapters and run.id != but]
-
-    def _release_first(self, runs: list[Run]) -> bool:
-        """Release the first of ``runs`` that can go; False if none could."""
-        return any(run.id not in self._pinned and self.release(run) for run in runs)
+    def _release_later(self, group: ModelGroup, run: Run) -> Job:
+        tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
+        return self.submit(tenant, group, run.id, 'release', partial(group.release, run), internal=True)
 
     def checkpoint_dir(self, tenant: Tenant, run_id: str) -> Path:
         return self.config.checkpoint_dir / tenant.id / run_id

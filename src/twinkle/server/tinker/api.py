@@ -29,6 +29,7 @@ from tinker import types
 from twinkle.errors import DataError, NotFoundError, QueueFullError
 from twinkle.server.deps import key_holder
 from twinkle.server.errors import ErrorBody, error_responses, validation_problems
+from twinkle.server.group import ModelGroup
 from twinkle.server.scheduler import Batchable
 from twinkle.server.state import Service
 from twinkle.server.store import Checkpoint, Run, Session, Tenant, parse_checkpoint_path
@@ -127,20 +128,21 @@ class TinkerAPI:
     async def accept(
         self,
         who: Tenant,
+        group: ModelGroup,
         run_id: str | None,
         seq_id: int | None,
         operation: str,
         fn: Callable[[], object],
         batch: Batchable | None = None,
     ) -> str:
-        """Record a future for ``fn`` and start it in its model's turn; the future's id. With
-        ``batch`` it may share a pass with other tenants' requests."""
+        """Record a future for ``fn`` and start it on ``group``'s worker in its model's turn;
+        the future's id. With ``batch`` it may share a pass with other tenants' requests."""
         service, requests = self.service, self.service.tinker.requests
         key = (who.id, run_id or '', seq_id) if seq_id is not None else None
         if key is not None and key in requests:
             return requests[key]  # a retry of a request already accepted
         limit = service.config.limits.max_queued_per_tenant
-        if service.scheduler.queued(who.id) >= limit:
+        if service.queued_jobs(who.id) >= limit:
             raise QueueFullError(who.name, limit, retry_after_s=2.0)
         if run_id is not None:
             await asyncio.to_thread(service.touch, run_id)  # an active run is not idle
@@ -152,7 +154,7 @@ class TinkerAPI:
 
         def start() -> None:
             with contextlib.suppress(QueueFullError):  # enqueue failed the future with the reason
-                service.enqueue(who, record.id, operation, fn, batch)
+                service.enqueue(who, group, record.id, operation, fn, batch)
 
         def fail(message: str) -> None:
             service.store.fail_future(record.id, message, 'user')
@@ -163,28 +165,26 @@ class TinkerAPI:
             service.tinker.sequencer.add(run_id, seq_id, start, fail)
         return record.id
 
-    def mixable(self, run: Run, call: ForwardBackwardCall) -> Batchable | None:
+    def mixable(self, group: ModelGroup, run: Run, call: ForwardBackwardCall) -> Batchable | None:
         """How a ``forward_backward`` (or ``forward``) call can share a pass with other models'."""
-        service = self.service
-        if not service.config.mixed_batches:
+        if not self.service.config.mixed_batches:
             return None
 
         def run_many(payloads: list[tuple[Run, ForwardBackwardCall]]) -> list[dict[str, str] | Exception]:
-            requests = [(service.loaded(run), call) for run, call in payloads]
-            outputs = service.host.call(run_forward_backward_many, requests)
+            requests = [(group.loaded(run), call) for run, call in payloads]
+            outputs = group.host.call(run_forward_backward_many, requests)
             return [o if isinstance(o, Exception) else proto_result(o) for o in outputs]
 
         tokens = sum(len(datum.tokens) for datum in call.data)
         return Batchable(('tinker', call.forward_only), tokens, (run, call), run_many)
 
-    def steppable(self, run: Run, params: types.AdamParams) -> Batchable | None:
+    def steppable(self, group: ModelGroup, run: Run, params: types.AdamParams) -> Batchable | None:
         """How an ``optim_step`` can share one optimizer update with other models' steps."""
-        service = self.service
-        if not service.config.mixed_batches:
+        if not self.service.config.mixed_batches:
             return None
 
         def run_many(payloads: list[tuple[Run, types.AdamParams]]) -> list[JsonObject]:
-            return service.host.call(optim_steps, [(service.loaded(run), params) for run, params in payloads])
+            return group.host.call(optim_steps, [(group.loaded(run), params) for run, params in payloads])
 
         return Batchable(('tinker', 'optim_step'), 0, (run, params), run_many)
 
@@ -201,13 +201,12 @@ class TinkerAPI:
             raise NotFoundError(f'session {session_id!r} not found')
         return session
 
-    def base_model(self, name: str | None) -> str:
-        """The hosted base model if ``name`` names it (its id, with or without ``ms://`` or
-        ``hf://``, or its local path); 404 otherwise."""
-        hosted = self.service.config.base_model
-        if name not in {hosted, bare(hosted), self.service.host.model_id}:
-            raise NotFoundError(f'base model {name!r} is not served here; this server hosts {bare(hosted)!r}')
-        return hosted
+    def model_group(self, name: str | None) -> ModelGroup:
+        """The group of the hosted base model ``name`` names (its id, with or without ``ms://``
+        or ``hf://``, or its local path); 404 otherwise. A Tinker request always names one."""
+        if name is None:
+            raise DataError(f'name a base_model; this server hosts {self.service.model_names()}')
+        return self.service.group_named(name)
 
     def checkpoint(self, who: Tenant, path: str, kinds: tuple[str, ...]) -> Checkpoint:
         """The checkpoint a ``tinker://`` path names, if this tenant may read it; else 404."""
@@ -223,12 +222,4 @@ def proto_result(output: bytes) -> dict[str, str]:
     return {PROTO_KEY: base64.b64encode(output).decode()}
 
 
-def bare(model_id: str) -> str:
-    """A model id without its hub scheme: ``ms://Qwen/Qwen3-4B`` -> ``Qwen/Qwen3-4B``."""
-    for scheme in ('ms://', 'hf://'):
-        if model_id.startswith(scheme):
-            return model_id[len(scheme) :]
-    return model_id
-
-
-__all__ = ['PREFIX', 'PROTO', 'PROTO_KEY', 'JsonObject', 'TinkerAPI', 'TinkerRoute', 'bare', 'proto_result', 'router']
+__all__ = ['PREFIX', 'PROTO', 'PROTO_KEY', 'JsonObject', 'TinkerAPI', 'TinkerRoute', 'proto_result', 'router']

@@ -29,11 +29,12 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, QueueFullError, StateError
 from twinkle.server.deps import Who
+from twinkle.server.group import bare
 from twinkle.server.host import ModelHost
 from twinkle.server.remote_host import RemoteHost
 from twinkle.server.state import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Session, Store, Tenant, check_name
-from twinkle.server.tinker.api import JsonObject, TinkerAPI, bare, router
+from twinkle.server.tinker.api import JsonObject, TinkerAPI, router
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -80,7 +81,8 @@ def rest_router(service: Service) -> APIRouter:
 # ---- training runs --------------------------------------------------------------------------------
 def _run_routes(router: APIRouter, service: Service) -> None:
     store: Store = service.store
-    api, targets = TinkerAPI(service), _module_targets(service.host)
+    api = TinkerAPI(service)
+    targets = {name: _module_targets(group.host) for name, group in service.groups.items()}
 
     @router.get('/training_runs')
     async def list_training_runs(
@@ -106,7 +108,7 @@ def _run_routes(router: APIRouter, service: Service) -> None:
         if run is None:  # deleted between the two reads
             raise NotFoundError(f'checkpoint {body.tinker_path!r} not found')
         tinker = run.config.get('tinker_lora') or {}
-        derived = _switches(run.config.get('lora') or {}, targets)
+        derived = _switches(run.config.get('lora') or {}, targets.get(run.base_model, {}))
         info: JsonObject = {'base_model': bare(run.base_model), 'is_lora': True, 'lora_rank': _lora_rank(run)}
         return {**info, **{name: tinker.get(name, derived.get(name)) for name in SWITCHES}}
 
@@ -268,14 +270,16 @@ def discard_files(service: Service, checkpoints: list[Checkpoint]) -> None:
     if not paths:
         return
 
-    def forget() -> None:
-        for path in paths:
-            service.host.forget_sampler_weights(path)
+    for group in service.groups.values():  # any model may have loaded them for sampling
 
-    try:
-        service.scheduler.submit(HOUSEKEEPING, forget, operation='forget_sampler_weights')
-    except (QueueFullError, StateError) as e:  # stopping, or flooded: saving there again unloads them
-        logger.warning(f'deleted checkpoints stay loaded for sampling until evicted: {e}')
+        def forget(host: ModelHost | RemoteHost = group.host) -> None:
+            for path in paths:
+                host.forget_sampler_weights(path)
+
+        try:
+            group.scheduler.submit(HOUSEKEEPING, forget, operation='forget_sampler_weights')
+        except (QueueFullError, StateError) as e:  # stopping, or flooded: saving there again unloads them
+            logger.warning(f'deleted checkpoints stay loaded for sampling until evicted: {e}')
 
 
 def expire_checkpoints(service: Service) -> list[Checkpoint]:

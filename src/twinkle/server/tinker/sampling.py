@@ -17,10 +17,11 @@ from tinker import types
 from twinkle.data_format import SamplingParams
 from twinkle.errors import DataError, NotFoundError
 from twinkle.server.deps import Who
+from twinkle.server.group import ModelGroup, bare
 from twinkle.server.state import Service
 from twinkle.server.store import Tenant
 from twinkle.server.tinker import codec
-from twinkle.server.tinker.api import JsonObject, TinkerAPI, bare, proto_result, router
+from twinkle.server.tinker.api import JsonObject, TinkerAPI, proto_result, router
 
 
 def sampling_router(service: Service) -> APIRouter:
@@ -37,9 +38,9 @@ def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
     @routes.post('/create_sampling_session')
     async def create_sampling_session(body: types.CreateSamplingSessionRequest, who: Who) -> JsonObject:
         api.session_of(who, body.session_id)
-        base, path = _sampling_target(api, who, body.base_model, body.model_path)
+        group, path = _sampling_target(api, who, body.base_model, body.model_path)
         sampling_id = f'{body.session_id}:sample:{body.sampling_session_seq_id}'
-        await asyncio.to_thread(store.create_sampling_session, who.id, sampling_id, body.session_id, base, path)
+        await asyncio.to_thread(store.create_sampling_session, who.id, sampling_id, body.session_id, group.name, path)
         return {'type': 'create_sampling_session', 'sampling_session_id': sampling_id}
 
     @routes.get('/samplers/{sampler_id}')
@@ -59,16 +60,17 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
             sampler = service.store.get_sampling_session(who.id, body.sampling_session_id)
             if sampler is None:
                 raise NotFoundError(f'sampling session {body.sampling_session_id!r} not found')
-            path = sampler.model_path
+            group, path = service.hosting(sampler.base_model, f'sampling session {sampler.id!r}'), sampler.model_path
         else:
-            _, path = _sampling_target(api, who, body.base_model, body.model_path)
+            group, path = _sampling_target(api, who, body.base_model, body.model_path)
         directory = Path(api.checkpoint(who, path, kinds=('sampler', 'training')).path) if path else None
         prompt, params = _sample_request(body, api.settings.default_max_tokens)
-        service.host.check_sampling_params(params)
+        host = group.host
+        host.check_sampling_params(params)
 
         def sample() -> dict[str, str]:
-            adapter = service.host.sampler_adapter(directory, path) if directory is not None else None
-            response = service.host.generate([{'input_ids': prompt}], params, adapter)[0]
+            adapter = host.sampler_adapter(directory, path) if directory is not None else None
+            response = host.generate([{'input_ids': prompt}], params, adapter)[0]
             return proto_result(
                 codec.sample_response(
                     response,
@@ -77,7 +79,7 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
                 )
             )
 
-        request_id = await api.accept(who, None, None, 'sample', sample)
+        request_id = await api.accept(who, group, None, None, 'sample', sample)
         return {
             'request_id': request_id,
             'sample_sequence_ids': [f'{request_id}:{i}' for i in range(params.num_samples)],
@@ -86,17 +88,17 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
 
 def _sampling_target(
     api: TinkerAPI, who: Tenant, base_model: str | None, model_path: str | None
-) -> tuple[str, str | None]:
-    """(base model, sampler weights path or None) of a sampling request."""
+) -> tuple[ModelGroup, str | None]:
+    """(the base model's group, sampler weights path or None) of a sampling request."""
     if model_path is not None:
         checkpoint = api.checkpoint(who, model_path, kinds=('sampler', 'training'))
         source = api.service.store.get_run_by_id(checkpoint.run_id)
         if source is None:  # deleted between the two reads
             raise NotFoundError(f'checkpoint {model_path!r} not found')
-        return source.base_model, model_path
+        return api.service.hosting(source.base_model, f'checkpoint {model_path!r}'), model_path
     if base_model is None:
         raise DataError('sampling needs a base_model or a model_path')
-    return api.base_model(base_model), None
+    return api.model_group(base_model), None
 
 
 def _sample_request(body: types.SampleRequest, default_max_tokens: int) -> tuple[list[int], SamplingParams]:

@@ -15,9 +15,10 @@ from tinker import types
 from twinkle.errors import NotFoundError
 from twinkle.server.deps import Who
 from twinkle.server.errors import ErrorBody
+from twinkle.server.group import bare
 from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
-from twinkle.server.tinker.api import PROTO, PROTO_KEY, JsonObject, TinkerAPI, bare, router
+from twinkle.server.tinker.api import PROTO, PROTO_KEY, JsonObject, TinkerAPI, router
 
 #: A heartbeat for a finished session: the SDK stops its heartbeat loop on a 410.
 GONE: dict[int | str, dict[str, object]] = {
@@ -55,8 +56,11 @@ def _client_routes(routes: APIRouter, api: TinkerAPI) -> None:
 
     @routes.get('/get_server_capabilities')
     async def capabilities(who: Who) -> JsonObject:
-        model: JsonObject = {'model_name': bare(api.service.config.base_model), 'trainable': True, 'sampleable': True}
-        return {'supported_models': [{**model, 'max_context_length': api.service.host.context}]}
+        models: list[JsonValue] = [
+            {'model_name': bare(g.name), 'trainable': True, 'sampleable': True, 'max_context_length': g.host.context}
+            for g in api.service.groups.values()
+        ]
+        return {'supported_models': models}
 
     @routes.post('/telemetry')
     async def telemetry(who: Who) -> dict[str, str]:
@@ -100,7 +104,7 @@ def _future_routes(routes: APIRouter, api: TinkerAPI) -> None:
             raise NotFoundError(f'request {body.request_id!r} not found')
         deadline = time.monotonic() + api.settings.retrieve_wait_s
         while not record.finished and time.monotonic() < deadline:
-            job = service.scheduler.get(record.id)
+            job = service.job(record.id)
             if job is not None:
                 await wait_job(job, max(0.0, deadline - time.monotonic()))
             else:

@@ -19,10 +19,11 @@ from tinker import types
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, TwinkleError
 from twinkle.server.deps import Who
+from twinkle.server.group import ModelGroup, bare
 from twinkle.server.state import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name
 from twinkle.server.tinker import codec
-from twinkle.server.tinker.api import PROTO, JsonObject, TinkerAPI, bare, proto_result, router
+from twinkle.server.tinker.api import PROTO, JsonObject, TinkerAPI, proto_result, router
 from twinkle.server.tinker.train import lora_config, optim_step, run_forward_backward
 
 #: ``forward_backward`` takes a protobuf ``ForwardBackwardRequest`` (FastAPI cannot declare it).
@@ -53,21 +54,21 @@ def _model_routes(routes: APIRouter, api: TinkerAPI) -> None:
     @routes.post('/create_model')
     async def create_model(body: types.CreateModelRequest, who: Who) -> JsonObject:
         api.session_of(who, body.session_id)
-        base = api.base_model(body.base_model)
+        group = api.model_group(body.base_model)
         if body.lora_config is None:
             raise ConfigurationError('this server trains LoRA adapters only: send a lora_config')
         _check_optimizer(body.optimizer_config)
         model_id = f'{body.session_id}:train:{body.model_seq_id}'
-        lora = lora_config(service.host, body.lora_config, api.settings.lora_alpha)
-        service.host.check_adapter(lora)
+        lora = lora_config(group.host, body.lora_config, api.settings.lora_alpha)
+        group.host.check_adapter(lora)
         loras = (lora, body.lora_config.model_dump(mode='json'))
-        request_id = await _create_run(api, who, model_id, base, loras, body.session_id, body.user_metadata)
+        request_id = await _create_run(api, who, model_id, group, loras, body.session_id, body.user_metadata)
         return {'request_id': request_id, 'model_id': model_id}
 
     @routes.post('/get_info')
     async def get_info(body: types.GetInfoRequest, who: Who) -> JsonObject:
         run = api.run_of(who, body.model_id)
-        host, name = service.host, bare(run.base_model)
+        host, name = service.group_of(run).host, bare(run.base_model)
         return {
             'type': 'get_info',
             'model_id': run.id,
@@ -82,7 +83,7 @@ async def _create_run(
     api: TinkerAPI,
     who: Tenant,
     model_id: str,
-    base: str,
+    group: ModelGroup,
     loras: tuple[JsonObject, JsonObject],
     session_id: str,
     metadata: dict[str, JsonValue] | None,
@@ -102,28 +103,28 @@ async def _create_run(
     }  # fmt: skip
     try:
         run = await asyncio.to_thread(
-            service.store.create_run, who.id, base, 'default', config, run_id=model_id, session_id=session_id
+            service.store.create_run, who.id, group.name, 'default', config, run_id=model_id, session_id=session_id
         )
     except TwinkleError as e:  # a 400, not the store's 409: the SDK retries a 409 for minutes
         raise DataError(f'model {model_id!r} cannot be created: {e}') from None
 
     def create() -> JsonObject:
-        adapter = service.adapter_name(run)
+        adapter = group.adapter_name(run)
         try:
-            service.make_room(run)
+            group.make_room(run)
             seed = tinker_lora.get('seed')
-            service.host.add_adapter(adapter, lora, 1, seed if isinstance(seed, int) else None)
-            service.host.run(adapter, 'set_optimizer', dict(ADAMW))
+            group.host.add_adapter(adapter, lora, 1, seed if isinstance(seed, int) else None)
+            group.host.run(adapter, 'set_optimizer', dict(ADAMW))
             created: JsonObject = {'model_id': model_id, 'type': 'create_model'}
             result = then(adapter) if then is not None else created
         except BaseException:
-            service.host.remove_adapter(adapter)
+            group.host.remove_adapter(adapter)
             service.store.set_run_status(run.id, 'deleted')
             raise
-        service.adapters[run.id] = adapter
+        group.adapters[run.id] = adapter
         return result
 
-    return await api.accept(who, model_id, 0, 'create_model', create)
+    return await api.accept(who, group, model_id, 0, 'create_model', create)
 
 
 def _check_optimizer(config: types.OptimizerConfig | None) -> None:
@@ -144,12 +145,14 @@ def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
         if call.seq_id <= 0:
             raise DataError(f'forward_backward needs a seq_id >= 1 (the model is seq 0); got {call.seq_id}')
         run = api.run_of(who, call.model_id)
+        group = service.group_of(run)
 
         def compute() -> dict[str, str]:
-            return proto_result(service.host.call(run_forward_backward, service.loaded(run), call))
+            return proto_result(group.host.call(run_forward_backward, group.loaded(run), call))
 
         operation = 'forward' if call.forward_only else 'forward_backward'
-        request_id = await api.accept(who, run.id, call.seq_id, operation, compute, api.mixable(run, call))
+        batch = api.mixable(group, run, call)
+        request_id = await api.accept(who, group, run.id, call.seq_id, operation, compute, batch)
         return {'request_id': request_id, 'model_id': run.id}
 
     @routes.post('/optim_step')
@@ -159,10 +162,13 @@ def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
         if not isinstance(params, types.AdamParams):
             raise ConfigurationError(f'optimizer {params.type!r} is not supported; this server runs adamw')
 
-        def compute() -> JsonObject:
-            return service.host.call(optim_step, service.loaded(run), params)
+        group = service.group_of(run)
 
-        request_id = await api.accept(who, run.id, body.seq_id, 'optim_step', compute, api.steppable(run, params))
+        def compute() -> JsonObject:
+            return group.host.call(optim_step, group.loaded(run), params)
+
+        batch = api.steppable(group, run, params)
+        request_id = await api.accept(who, group, run.id, body.seq_id, 'optim_step', compute, batch)
         return {'request_id': request_id, 'model_id': run.id}
 
 
@@ -182,7 +188,7 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
             checkpoint = _save(service, who, run, name, 'training', expires)
             return {'path': checkpoint.tinker_path, 'type': 'save_weights'}
 
-        request_id = await api.accept(who, run.id, body.seq_id, 'save_weights', save)
+        request_id = await api.accept(who, service.group_of(run), run.id, body.seq_id, 'save_weights', save)
         return {'request_id': request_id, 'model_id': run.id}
 
     @routes.post('/save_weights_for_sampler')
@@ -205,7 +211,8 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
                 result['sampling_session_id'] = sampling_id
             return result
 
-        request_id = await api.accept(who, run.id, body.seq_id, 'save_weights_for_sampler', save)
+        group = service.group_of(run)
+        request_id = await api.accept(who, group, run.id, body.seq_id, 'save_weights_for_sampler', save)
         return {'request_id': request_id, 'model_id': run.id}
 
     @routes.post('/load_weights')
@@ -214,12 +221,14 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
         if body.model_id is None:
             return await _create_from_checkpoint(api, who, body, checkpoint)
         run = api.run_of(who, body.model_id)
+        group = service.group_of(run)
+        service.check_trained_on(checkpoint, group, body.path)
 
         def load() -> JsonObject:
-            service.host.load(service.loaded(run), Path(checkpoint.path), body.optimizer, body.path)
+            group.host.load(group.loaded(run), Path(checkpoint.path), body.optimizer, body.path)
             return {'path': body.path, 'model_id': run.id, 'type': 'load_weights'}
 
-        request_id = await api.accept(who, run.id, body.seq_id, 'load_weights', load)
+        request_id = await api.accept(who, group, run.id, body.seq_id, 'load_weights', load)
         return {'request_id': request_id, 'model_id': run.id}
 
 
@@ -235,17 +244,18 @@ async def _create_from_checkpoint(
     source = api.service.store.get_run_by_id(checkpoint.run_id)
     if source is None:  # deleted between the two reads
         raise NotFoundError(f'checkpoint {body.path!r} not found')
-    base = api.base_model(bare(source.base_model) if body.base_model is None else body.base_model)
+    group = api.model_group(bare(source.base_model) if body.base_model is None else body.base_model)
+    api.service.check_trained_on(checkpoint, group, body.path)
     model_id = f'{body.session_id}:train:{body.model_seq_id}'
     lora = source.config['lora']
     tinker_lora = source.config.get('tinker_lora') or {'rank': lora.get('r')}  # a native run's: its rank
 
     def load(adapter: str) -> JsonObject:
-        api.service.host.load(adapter, Path(checkpoint.path), body.optimizer, body.path)
+        group.host.load(adapter, Path(checkpoint.path), body.optimizer, body.path)
         return {'path': body.path, 'model_id': model_id, 'type': 'load_weights'}
 
     loras = (lora, tinker_lora)
-    request_id = await _create_run(api, who, model_id, base, loras, body.session_id, body.user_metadata, load)
+    request_id = await _create_run(api, who, model_id, group, loras, body.session_id, body.user_metadata, load)
     return {'request_id': request_id, 'model_id': model_id}
 
 
@@ -254,7 +264,8 @@ def _save(service: Service, who: Tenant, run: Run, name: str, kind: str, expires
     directory = service.checkpoint_dir(who, run.id)
     if kind == 'sampler':
         directory = directory / 'sampler_weights'
-    path = Path(service.host.save(service.loaded(run), directory, name, save_optimizer=kind == 'training'))
+    group = service.group_of(run)
+    path = Path(group.host.save(group.loaded(run), directory, name, save_optimizer=kind == 'training'))
     size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
     return service.store.add_checkpoint(who.id, run.id, name, str(path), kind, size, expires_at=expires_at)
 

@@ -1,0 +1,194 @@
+"""``ModelGroup``: one base model the service hosts, with what runs it.
+
+A service hosts one or more base models (``base_model``, then ``more_models`` in the config).
+Each is a group of its own: its host (the model, in the server's process or in a Ray actor),
+its scheduler (one worker thread feeding that model, so passes of different models run at the
+same time on their own devices), the runs with an adapter on its model, and the release and
+restore of idle adapters. A run belongs to the group of its base model for its whole life;
+the store records which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import JsonValue
+
+from twinkle.errors import CapacityError, NotFoundError, StateError
+from twinkle.server.config import ServerConfig
+from twinkle.server.host import ModelHost, is_mixable, request_tokens
+from twinkle.server.remote_host import RemoteHost
+from twinkle.server.scheduler import Batchable, Job, JobCallback, Scheduler
+from twinkle.server.store import Run, Store
+
+#: Where a released adapter's state is kept, beside the run's checkpoints.
+RELEASE_STATE = 'released-state'
+
+
+def bare(model_id: str) -> str:
+    """A model id without its hub scheme: ``ms://Qwen/Qwen3-4B`` -> ``Qwen/Qwen3-4B``."""
+    for scheme in ('ms://', 'hf://'):
+        if model_id.startswith(scheme):
+            return model_id[len(scheme) :]
+    return model_id
+
+
+class ModelGroup:
+    """A hosted base model: its host, its scheduler and the adapters on it.
+
+    ``on_start`` and ``on_finish`` are the service's bookkeeping of every job (the store's
+    futures, the metrics); ``on_memory_released`` counts the idle model's heap releases.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: Store,
+        host: ModelHost | RemoteHost,
+        on_start: JobCallback,
+        on_finish: JobCallback,
+        on_memory_released: Callable[[], None],
+    ):
+        self.name = config.base_model  # as the config names it, and the store records it
+        self.config, self.store, self.host = config, store, host
+        self._on_finish, self._on_memory_released = on_finish, on_memory_released
+        self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
+        self._pinned: set[str] = set()  # runs the worker's current jobs use: not released to make room
+        limits = config.limits
+        self.scheduler = Scheduler(
+            max_queued_per_tenant=limits.max_queued_per_tenant,
+            on_start=on_start,
+            on_finish=self._finished,
+            max_tokens_per_pass=limits.max_tokens_per_pass,
+            on_idle=None if config.release_memory_after_idle_s is None else self._on_idle,
+            idle_after_s=config.release_memory_after_idle_s or 2.0,
+            mix_wait_s=config.mix_wait_ms / 1000 if config.mixed_batches else 0.0,
+        )
+
+    def answers_to(self, name: str | None) -> bool:
+        """Whether a client naming ``name`` means this model: its id as configured, without its
+        ``ms://`` or ``hf://`` scheme, or the directory it was loaded from."""
+        return name in {self.name, bare(self.name), self.host.model_id}
+
+    def _finished(self, job: Job) -> None:
+        self._pinned.clear()
+        self._on_finish(job)
+
+    def _on_idle(self) -> None:
+        if self.host.call(ModelHost.release_free_memory):
+            self._on_memory_released()
+
+    # ---- passes shared by tenants ----------------------------------------------------------------
+    def mixable(self, run: Run, operation: str, kwargs: dict[str, JsonValue]) -> Batchable | None:
+        """How a native ``forward_backward`` / ``forward_only`` request can share a pass with
+        other tenants', and a ``clip_grad_and_step`` their optimizer update (None for other
+        operations, micro-batched ones, and the base model alone)."""
+        if not self.config.mixed_batches or not is_mixable(operation, kwargs):
+            return None
+        stepping = operation == 'clip_grad_and_step'
+
+        def run_many(payloads: list[tuple[Run, dict[str, JsonValue]]]) -> list[object]:
+            requests = [(self.loaded(run), kwargs) for run, kwargs in payloads]
+            if stepping:
+                return self.host.call(ModelHost.run_steps, requests)
+            return self.host.call(ModelHost.run_mixed, operation, requests)
+
+        tokens = 0 if stepping else request_tokens(kwargs['inputs'])
+        return Batchable(('native', operation), tokens, (run, kwargs), run_many)
+
+    # ---- the runs' adapters ----------------------------------------------------------------------
+    def adapter_name(self, run: Run) -> str:
+        """The name of a run's adapter on the model: its run id, unique on the server (the store
+        makes it), so what the model's errors name is what the tenant knows. A tenant reaches an
+        adapter only through its own runs, so naming another tenant's run reaches nothing."""
+        return run.id
+
+    def loaded(self, run: Run) -> str:
+        """The run's adapter on the model, restored first if it was released (worker thread)."""
+        if run.id not in self.adapters:
+            self.restore(self._stored_run(run.id))
+        self._pinned.add(run.id)
+        return self.adapters[run.id]
+
+    def _stored_run(self, run_id: str) -> Run:
+        """The run as the store has it now (its latest config and status)."""
+        run = self.store.get_run_by_id(run_id)
+        if run is None:
+            raise NotFoundError(f'training run {run_id!r} not found')
+        return run
+
+    # ---- releasing idle adapters -----------------------------------------------------------------
+    def release_state(self, run: Run) -> Path:
+        return self.config.checkpoint_dir / run.tenant_id / run.id / RELEASE_STATE
+
+    def release(self, run: Run) -> bool:
+        """Save a run's adapter with its optimizer and counters, then take it off the model.
+        Runs on the worker thread. Skipped while gradients wait for an optimizer step."""
+        adapter = self.adapters.get(run.id)
+        if adapter is None:
+            return False
+        if self.host.has_pending_gradients(adapter):
+            return False  # gradients are waiting for a step: releasing now would lose them
+        path = self.release_state(run)
+        self.host.save(adapter, path.parent, path.name, save_optimizer=True)
+        self.host.remove_adapter(adapter)
+        del self.adapters[run.id]
+        self.store.set_run_status(run.id, 'released')
+        return True
+
+    def restore(self, run: Run) -> None:
+        """Bring a released run back: its adapter, its setup calls replayed, then its saved
+        weights, optimizer, scheduler and step counters."""
+        adapter, config, path = self.adapter_name(run), run.config, self.release_state(run)
+        if not path.is_dir():
+            raise StateError(
+                f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
+                'without saving it): load one of its checkpoints into a new run'
+            )
+        self.make_room(run)
+        self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
+        try:
+            for call in config.get('setup', []):
+                self.host.run(adapter, call['operation'], dict(call['kwargs']))
+            self.host.restore_state(adapter, path, f'the saved state of training run {run.id!r}')
+        except BaseException:
+            self.host.remove_adapter(adapter)
+            raise
+        self.adapters[run.id] = adapter
+        self.store.set_run_status(run.id, 'active')
+
+    # ---- room on the model -----------------------------------------------------------------------
+    def make_room(self, run: Run) -> None:
+        """Before ``run``'s adapter is added (worker thread): a tenant holding its
+        ``max_adapters_per_tenant`` adapters gives up its least recently used one, and a model
+        holding ``max_adapters`` the least recently used of all; a released adapter comes back
+        on its next request, unchanged. An adapter waiting for an optimizer step, or used by the
+        current jobs, stays: if every candidate does, ``CapacityError`` (429) says what frees one."""
+        limits = self.config.limits
+        own = self._held(run.tenant_id, but=run.id)
+        if len(own) >= limits.max_adapters_per_tenant and not self._release_first(own):
+            raise CapacityError(
+                f'you hold {len(own)} adapters on the model, the limit of max_adapters_per_tenant='
+                f'{limits.max_adapters_per_tenant}, and each holds gradients waiting for an optimizer step: once '
+                'one of them steps, it makes room for this one',
+                retry_after_s=5.0,
+            )
+        everyone = self._held(None, but=run.id)
+        if len(everyone) >= limits.max_adapters and not self._release_first(everyone):
+            raise CapacityError(
+                f'the server holds its limit of {limits.max_adapters} adapters (max_adapters), each waiting for an '
+                'optimizer step; one makes room after its step',
+                retry_after_s=5.0,
+            )
+
+    def _held(self, tenant_id: str | None, but: str | None = None) -> list[Run]:
+        """Runs (of a tenant, or of all) with an adapter on this model, least recently used first."""
+        return [run for run in self.store.active_runs(tenant_id) if run.id in self.adapters and run.id != but]
+
+    def _release_first(self, runs: list[Run]) -> bool:
+        """Release the first of ``runs`` that can go; False if none could."""
+        return any(run.id not in self._pinned and self.release(run) for run in runs)
+
+
+__all__ = ['RELEASE_STATE', 'ModelGroup', 'bare']
