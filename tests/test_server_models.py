@@ -18,6 +18,7 @@ from tinker import types
 
 from twinkle import assets
 from twinkle.model import TransformersModel
+from twinkle.utils.memory import can_release_memory
 from twinkle_client import TwinkleClient
 from twinkle_client.client import PREFIX, RemoteError
 from twinkle_client.model import MultiLoraTransformersModel
@@ -32,7 +33,8 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weig
 def server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Any]]:
     data_dir = tmp_path_factory.mktemp('models')
     more = [{'base_model': 'small-qwen3', 'device': 'cpu'}]
-    with background_server(data_dir, 'tiny-qwen3', more_models=more) as running:
+    # No idle releases of their own: a test below calls the service's with the models held as it needs.
+    with background_server(data_dir, 'tiny-qwen3', more_models=more, release_memory_after_idle_s=None) as running:
         yield running
 
 
@@ -130,3 +132,30 @@ def test_each_model_has_its_own_worker(server):
     other_ran.set()
     assert held.wait(120) and held.result is True and held.status == 'done'
     assert gap(logps, local_logps('small-qwen3', 2)) <= TOL
+
+
+def test_a_base_model_recorded_under_another_spelling_is_still_found(server):
+    service = server[2].app.state.service
+    assert service.find_group('hf://tiny-qwen3') is service.groups['tiny-qwen3']
+    assert service.find_group('ms://small-qwen3') is service.groups['small-qwen3']
+    assert service.find_group('Qwen/Qwen3-235B') is None
+
+
+def releases(service: Any) -> float:
+    return service.registry.get_sample_value('twinkle_memory_releases_total') or 0.0
+
+
+def test_an_idle_model_gives_memory_back_only_while_the_others_in_its_process_are_idle(server):
+    # The heap release (malloc_trim) is the process's: not while another model here runs a pass.
+    service = server[2].app.state.service
+    tiny, small = service.groups['tiny-qwen3'], service.groups['small-qwen3']
+    released, running = threading.Event(), threading.Event()
+    held = tiny.scheduler.submit('gatekeeper', lambda: running.set() or released.wait(120))
+    assert running.wait(120)
+    before = releases(service)
+    service._on_idle(small)
+    assert releases(service) == before
+    released.set()
+    assert held.wait(120) and tiny.scheduler.drain(120)
+    service._on_idle(small)
+    assert releases(service) == before + can_release_memory()

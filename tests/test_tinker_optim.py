@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig
 from tinker import types
 
-from twinkle.errors import ConfigurationError, StateError
+from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.model import TransformersModel
 from twinkle.model.optim import build_optimizer, set_hyperparams
 
@@ -105,3 +105,30 @@ def test_optim_steps_of_several_models_equal_their_steps_alone(tiny_model_dir):
     for name in adams:
         pairs = zip(model.groups[name].params, model.groups[f'{name}-alone'].params, strict=True)
         assert all(torch.equal(p, q) for p, q in pairs), name
+
+
+def out_of_memory(optimizers: object) -> None:
+    raise MemoryError('the update did not fit')
+
+
+def test_a_shared_step_that_fails_after_clipping_fails_every_request(tiny_model_dir, monkeypatch):
+    # Once gradients may be clipped, a failure must reach each tenant as an error: rerunning
+    # each request alone would step unclipped gradients, or none (its boundary is used up).
+    from twinkle.model import multi_step
+    from twinkle.server.tinker.train import optim_steps
+
+    model = TransformersModel(tiny_model_dir, device='cpu')
+    for name in ('a', 'b'):
+        model.add_adapter_to_model(name, LoraConfig(r=2, target_modules=['q_proj']))
+        model.set_optimizer('AdamW', lr=1e-3, adapter_name=name)
+    host, adam = SimpleNamespace(model=model), types.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)
+    row = [{'input_ids': [3, 5, 7, 9], 'labels': [5, 7, 9, 11]}]
+    for _ in range(2):  # the first step makes the optimizers' state; the second steps them together
+        for name in ('a', 'b'):
+            model.forward_backward(inputs=row, adapter_name=name)
+        if model.groups['a'].optim_step:
+            monkeypatch.setattr(multi_step, 'step_together', out_of_memory)
+        results = optim_steps(host, [('a', adam), ('b', adam)])
+    assert [type(result) for result in results] == [MemoryError, MemoryError]
+    with pytest.raises(DataError, match='beta1'):  # a bad request raises before anything changes
+        optim_steps(host, [('a', adam), ('b', types.AdamParams(learning_rate=1e-3, beta1=1.5))])

@@ -168,8 +168,8 @@ class FutureInfo(Answer):
 class ServerInfo(Answer):
     #: The default base model (a run that names none trains it).
     base_model: str
-    #: Every hosted base model, the default first.
-    base_models: list[str]
+    #: Every hosted base model, the default first (a server older than this field: none listed).
+    base_models: list[str] = Field(default_factory=list)
     limits: dict[str, JsonValue]
     tenant: str
 

@@ -21,6 +21,8 @@ import torch
 from torch.optim import Adam, AdamW, Optimizer
 from torch.optim.adam import adam
 
+from twinkle.errors import StateError
+
 #: Optimizer classes whose step ``step_together`` runs (exactly these: a subclass may change the math).
 FUSABLE = (Adam, AdamW)
 
@@ -35,7 +37,8 @@ def fusable(optimizer: Optimizer | None) -> bool:
         return False
     for group in optimizer.param_groups:
         plain = not any(group.get(flag) for flag in ('amsgrad', 'maximize', 'capturable', 'differentiable', 'fused'))
-        if not plain or isinstance(group['lr'], torch.Tensor):
+        # foreach=False asks for torch's single-tensor kernels, which a GPU may round differently.
+        if not plain or group.get('foreach') is False or isinstance(group['lr'], torch.Tensor):
             return False
         for param in group['params']:
             if param.grad is not None and ('step' not in optimizer.state.get(param, {}) or param.is_complex()):
@@ -50,8 +53,7 @@ def clip_together(
     per-tensor norms of all the gradients taken in one multi-tensor call. Returns each list's
     total gradient norm before clipping (0 for a list without gradients)."""
     with_grads = [[p for p in plist if p.grad is not None] for plist in params]
-    flat = [cast(torch.Tensor, p.grad) for plist in with_grads for p in plist]
-    norms = list(torch._foreach_norm(flat, norm_type)) if flat else []
+    norms = _norms([cast(torch.Tensor, p.grad) for plist in with_grads for p in plist], norm_type)
     totals: list[torch.Tensor] = []
     start = 0
     for plist, max_norm in zip(with_grads, max_norms, strict=True):
@@ -60,10 +62,24 @@ def clip_together(
         if not own:
             totals.append(torch.tensor(0.0))
             continue
-        total = torch.nn.utils.get_total_norm(own, norm_type)
+        # As clip_grad_norm_ takes it: the norm of the per-tensor norms, on the first one's device.
+        total = torch.linalg.vector_norm(torch.stack([n.to(own[0].device) for n in own]), norm_type)
         torch.nn.utils.clip_grads_with_norm_(plist, max_norm, total, foreach=True)
         totals.append(total)
     return totals
+
+
+def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's norm, in order: one multi-tensor call per device and dtype (as torch's own
+    ``clip_grad_norm_`` groups them)."""
+    kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, grad in enumerate(grads):
+        kinds.setdefault((grad.device, grad.dtype), []).append(index)
+    norms: list[torch.Tensor] = [torch.empty(0)] * len(grads)
+    for indices in kinds.values():
+        for index, norm in zip(indices, torch._foreach_norm([grads[i] for i in indices], norm_type), strict=True):
+            norms[index] = norm
+    return norms
 
 
 @dataclass
@@ -83,7 +99,7 @@ def step_together(optimizers: Sequence[Optimizer]) -> None:
     buckets: dict[tuple[float, float, float, float, float, bool], _Bucket] = {}
     for optimizer in optimizers:
         if not fusable(optimizer):
-            raise ValueError(f'{type(optimizer).__name__} cannot be stepped together with others; see fusable()')
+            raise StateError(f'{type(optimizer).__name__} cannot be stepped together with others; see fusable()')
         for group in optimizer.param_groups:
             beta1, beta2 = group['betas']
             decoupled = bool(group.get('decoupled_weight_decay', type(optimizer) is AdamW))

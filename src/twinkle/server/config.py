@@ -12,7 +12,8 @@ from twinkle.errors import ConfigurationError
 
 
 class Limits(BaseModel):
-    """What one tenant, or any caller, may ask for."""
+    """What one tenant, or any caller, may ask for. A server of several base models
+    (``more_models``) applies the adapter, optimizer, pass and queue limits to each model."""
 
     model_config = ConfigDict(extra='forbid')
 

@@ -38,7 +38,8 @@ class ModelGroup:
     """A hosted base model: its host, its scheduler and the adapters on it.
 
     ``on_start`` and ``on_finish`` are the service's bookkeeping of every job (the store's
-    futures, the metrics); ``on_memory_released`` counts the idle model's heap releases.
+    futures, the metrics); ``on_idle(group)`` runs once its worker has been idle a while
+    (``release_memory_after_idle_s``).
     """
 
     def __init__(
@@ -48,11 +49,11 @@ class ModelGroup:
         host: ModelHost | RemoteHost,
         on_start: JobCallback,
         on_finish: JobCallback,
-        on_memory_released: Callable[[], None],
+        on_idle: Callable[[ModelGroup], None],
     ):
         self.name = config.base_model  # as the config names it, and the store records it
         self.config, self.store, self.host = config, store, host
-        self._on_finish, self._on_memory_released = on_finish, on_memory_released
+        self._on_finish = on_finish
         self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
         self._pinned: set[str] = set()  # runs the worker's current jobs use: not released to make room
         limits = config.limits
@@ -61,7 +62,7 @@ class ModelGroup:
             on_start=on_start,
             on_finish=self._finished,
             max_tokens_per_pass=limits.max_tokens_per_pass,
-            on_idle=None if config.release_memory_after_idle_s is None else self._on_idle,
+            on_idle=None if config.release_memory_after_idle_s is None else lambda: on_idle(self),
             idle_after_s=config.release_memory_after_idle_s or 2.0,
             mix_wait_s=config.mix_wait_ms / 1000 if config.mixed_batches else 0.0,
         )
@@ -74,10 +75,6 @@ class ModelGroup:
     def _finished(self, job: Job) -> None:
         self._pinned.clear()
         self._on_finish(job)
-
-    def _on_idle(self) -> None:
-        if self.host.call(ModelHost.release_free_memory):
-            self._on_memory_released()
 
     # ---- passes shared by tenants ----------------------------------------------------------------
     def mixable(self, run: Run, operation: str, kwargs: dict[str, JsonValue]) -> Batchable | None:

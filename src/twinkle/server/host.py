@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -53,6 +54,8 @@ MAX_TOP_LOGPROBS = 20
 #: Saved sampler weights kept loaded as adapters at once; the least recently used one goes first.
 MAX_SAMPLER_ADAPTERS = 4
 SAMPLER_PREFIX = 'sampler--'
+#: Held while an adapter is drawn from the process's random generator (``add_adapter``).
+_SEEDED_INIT = threading.Lock()
 
 
 class ModelHost:
@@ -94,7 +97,8 @@ class ModelHost:
         if len([name for name in self.model.adapter_names if not name.startswith(SAMPLER_PREFIX)]) >= limit:
             raise CapacityError(f'the server holds its limit of {limit} adapters (max_adapters); try again later')
         try:
-            with torch.random.fork_rng(devices=[]):
+            # The generator is the process's: models of one server seed their adapters one at a time.
+            with _SEEDED_INIT, torch.random.fork_rng(devices=[]):
                 if seed is not None:
                     torch.manual_seed(seed)
                 self.model.add_adapter_to_model(
@@ -194,7 +198,10 @@ class ModelHost:
         for adapter, kwargs in requests:
             _check_scalars('clip_grad_and_step', kwargs)
             calls.append(StepCall(adapter, kwargs.get('max_grad_norm', 1.0)))
-        return [result.grad_norm for result in self.model.clip_grad_and_step_many(calls)]
+        try:
+            return [result.grad_norm for result in self.model.clip_grad_and_step_many(calls)]
+        except Exception as error:  # gradients may be clipped already: each request fails, none runs again
+            return [error] * len(calls)
 
     def run(self, adapter: str, operation: str, kwargs: dict[str, Any]) -> Any:
         """Run a tenant's ``operation`` on its adapter; the result is JSON-ready."""

@@ -350,7 +350,7 @@ def _resolve_model(service: Service, who: Tenant, model: str) -> tuple[ModelGrou
 def _group_of(service: Service, checkpoint: Checkpoint) -> ModelGroup | None:
     """The hosted base model a checkpoint was trained on (None: not hosted any more)."""
     run = service.store.get_run_by_id(checkpoint.run_id)
-    return None if run is None else service.groups.get(run.base_model)
+    return None if run is None else service.find_group(run.base_model)
 
 
 def _model_not_found(model: str) -> NotFoundError:

@@ -273,6 +273,11 @@ class Scheduler:
             self._cond.notify_all()
         return job
 
+    def busy(self) -> bool:
+        """Whether a job is running or queued."""
+        with self._cond:
+            return bool(self._ring or self._running)
+
     def get(self, job_id: str) -> Job | None:
         """The job with this id: queued, running, or among the last ``keep_finished`` finished."""
         with self._cond:

@@ -73,7 +73,7 @@ class Service:
         for index, group_config in enumerate(config.model_groups()):
             group_host = host if index == 0 and host is not None else build_host(group_config)
             self.groups[group_config.base_model] = ModelGroup(
-                group_config, self.store, group_host, self._on_start, self._on_finish, self.memory_releases.inc
+                group_config, self.store, group_host, self._on_start, self._on_finish, self._on_idle
             )
         #: The group of ``config.base_model``: what a request that names no base model gets.
         self.default = self.groups[config.base_model]
@@ -94,19 +94,26 @@ class Service:
         return self.hosting(run.base_model, f'training run {run.id!r}')
 
     def hosting(self, base_model: str, what: str) -> ModelGroup:
-        """The group of ``base_model`` as the store records it (what the config names); a 409
-        naming ``what`` if the server no longer hosts it."""
-        group = self.groups.get(base_model)
+        """The group of ``base_model`` as the store records it (what the config named when the
+        run was made; a spelling the config changed since, ``ms://X`` for ``X`` say, still
+        finds it); a 409 naming ``what`` if the server no longer hosts it."""
+        group = self.find_group(base_model)
         if group is None:
             raise StateError(
                 f'{what} is of {bare(base_model)!r}, which this server no longer hosts; it hosts {self.model_names()}'
             )
         return group
 
+    def find_group(self, base_model: str) -> ModelGroup | None:
+        """The group of a base model as the store records it, under any spelling (None: not hosted)."""
+        return self.groups.get(base_model) or next(
+            (g for g in self.groups.values() if g.answers_to(base_model) or g.answers_to(bare(base_model))), None
+        )
+
     def check_trained_on(self, checkpoint: Checkpoint, group: ModelGroup, shown_as: str) -> None:
         """A checkpoint loads only into an adapter of the base model it was trained on."""
         source = self.store.get_run_by_id(checkpoint.run_id)
-        if source is not None and source.base_model != group.name:
+        if source is not None and self.hosting(source.base_model, f'checkpoint {shown_as!r}') is not group:
             raise ConfigurationError(
                 f'checkpoint {shown_as!r} holds weights for {bare(source.base_model)!r}, not {bare(group.name)!r}'
             )
@@ -186,6 +193,15 @@ class Service:
         """Jobs waiting on every group, of ``tenant_id`` or of all tenants."""
         return sum(group.scheduler.queued(tenant_id) for group in self.groups.values())
 
+    def _on_idle(self, group: ModelGroup) -> None:
+        """A group's worker has been idle a while: its model process gives freed heap pages back,
+        unless it is this process and another model here is busy (the release is the process's)."""
+        here = [g for g in self.groups.values() if isinstance(g.host, ModelHost)]
+        if group in here and any(g.scheduler.busy() for g in here if g is not group):
+            return  # that model's worker releases once it is idle too
+        if group.host.call(ModelHost.release_free_memory):
+            self.memory_releases.inc()
+
     def _on_start(self, job: Job) -> None:
         self.store.set_future_running(job.id)
 
@@ -222,10 +238,6 @@ class Service:
         await asyncio.to_thread(self.touch, run_id)
         return run
 
-    def loaded(self, run: Run) -> str:
-        """The run's adapter on its model, restored first if it was released (worker thread)."""
-        return self.group_of(run).loaded(run)
-
     def touch(self, run_id: str) -> None:
         """Record the run's last request; at most once a second, as each write syncs the disk."""
         now = time.monotonic()
@@ -259,7 +271,7 @@ class Service:
             return []
         jobs = []
         for run in self.store.idle_runs(self.config.idle_release_s):
-            group = self.groups.get(run.base_model)
+            group = self.find_group(run.base_model)
             if group is not None and run.id in group.adapters:
                 jobs.append(self._release_later(group, run))
         return jobs

@@ -142,7 +142,7 @@ class TinkerAPI:
         if key is not None and key in requests:
             return requests[key]  # a retry of a request already accepted
         limit = service.config.limits.max_queued_per_tenant
-        if service.queued_jobs(who.id) >= limit:
+        if group.scheduler.queued(who.id) >= limit:  # per model, as the native API's queue limit
             raise QueueFullError(who.name, limit, retry_after_s=2.0)
         if run_id is not None:
             await asyncio.to_thread(service.touch, run_id)  # an active run is not idle
@@ -183,7 +183,7 @@ class TinkerAPI:
         if not self.service.config.mixed_batches:
             return None
 
-        def run_many(payloads: list[tuple[Run, types.AdamParams]]) -> list[JsonObject]:
+        def run_many(payloads: list[tuple[Run, types.AdamParams]]) -> list[JsonObject | Exception]:
             return group.host.call(optim_steps, [(group.loaded(run), params) for run, params in payloads])
 
         return Batchable(('tinker', 'optim_step'), 0, (run, params), run_many)

@@ -108,7 +108,8 @@ def _run_routes(router: APIRouter, service: Service) -> None:
         if run is None:  # deleted between the two reads
             raise NotFoundError(f'checkpoint {body.tinker_path!r} not found')
         tinker = run.config.get('tinker_lora') or {}
-        derived = _switches(run.config.get('lora') or {}, targets.get(run.base_model, {}))
+        group = service.find_group(run.base_model)
+        derived = _switches(run.config.get('lora') or {}, targets[group.name] if group is not None else {})
         info: JsonObject = {'base_model': bare(run.base_model), 'is_lora': True, 'lora_rank': _lora_rank(run)}
         return {**info, **{name: tinker.get(name, derived.get(name)) for name in SWITCHES}}
 

@@ -135,22 +135,29 @@ def _row(host: ModelHost, index: int, tokens: list[int], inputs: Mapping[str, to
 def optim_step(host: ModelHost, adapter: str, params: types.AdamParams) -> dict[str, Any]:
     """One AdamW step with the request's hyperparameters on the gradients accumulated since the
     last step, clipped to ``grad_clip_norm`` first (0: no clipping); then the gradients are zeroed."""
-    return optim_steps(host, [(adapter, params)])[0]
+    (result,) = optim_steps(host, [(adapter, params)])
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
-def optim_steps(host: ModelHost, requests: list[tuple[str, types.AdamParams]]) -> list[dict[str, Any]]:
+def optim_steps(host: ModelHost, requests: list[tuple[str, types.AdamParams]]) -> list[dict[str, Any] | Exception]:
     """Several models' ``optim_step`` as one optimizer update (``clip_grad_and_step_many``): the
-    numbers of each model's step taken alone. Every request is checked before any is applied."""
+    numbers of each model's step taken alone. Every request is checked before any is applied;
+    a failure after that fails every request (none is run again: gradients may be clipped)."""
     for _, params in requests:
         _check_adam(params)
     model = host.model
-    for adapter, params in requests:
-        model.set_optimizer_hyperparams(
-            adapter_name=adapter, lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
-            weight_decay=params.weight_decay,
-        )  # fmt: skip
     calls = [StepCall(adapter, p.grad_clip_norm if p.grad_clip_norm > 0 else math.inf) for adapter, p in requests]
-    return [_step_metrics(result) for result in model.clip_grad_and_step_many(calls)]
+    try:
+        for adapter, params in requests:
+            model.set_optimizer_hyperparams(
+                adapter_name=adapter, lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                weight_decay=params.weight_decay,
+            )  # fmt: skip
+        return [_step_metrics(result) for result in model.clip_grad_and_step_many(calls)]
+    except Exception as error:
+        return [error] * len(requests)
 
 
 def _step_metrics(result: StepResult) -> dict[str, Any]:
