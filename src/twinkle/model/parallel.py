@@ -24,6 +24,11 @@ process up to float rounding.
   which gloo also supports), and the step divides by the global item count as above. On CPU it
   runs over gloo (torch 2.13: reduce-scatter and all-gather work there).
 
+A server adds adapters while it trains, so it shards the base model first (``shard_base``, before
+any adapter): the adapters added later stay whole on every rank (replicated, as under data
+parallel), and their gradients are all-reduced at their step like data-parallel ones. FSDP2
+saves the memory of the base weights, which is most of it for LoRA.
+
 Checkpoints are written whole by rank 0 (FSDP2 gathers full tensors first) and read whole by
 every rank; FSDP2 keeps only its shard of what it reads.
 """
@@ -58,6 +63,8 @@ class ModelParallel:
         self.enabled = mesh is not None and mesh.world_size > 1
         # Set at the first forward: trained weights broadcast from rank 0, FSDP2 applied.
         self.prepared = False
+        # Set by shard_base: adapters come after the sharding, whole on every rank.
+        self.replicated_adapters = False
         if self.enabled:
             _check_mesh(self._mesh)
 
@@ -76,6 +83,10 @@ class ModelParallel:
     def sharded(self) -> bool:
         """Whether the weights are FSDP2 shards now (DTensors) rather than whole tensors."""
         return self.fsdp and self.prepared
+
+    def holds_shards(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``params`` is an FSDP2 shard (an adapter beside a ``shard_base`` model is not)."""
+        return self.sharded and any(isinstance(p, DTensor) for p in params)
 
     def default_device(self) -> torch.device | None:
         """The device this rank drives under the mesh (``cuda:LOCAL_RANK`` or the CPU); None without one."""
@@ -99,8 +110,19 @@ class ModelParallel:
             _shard(model, groups, self._fsdp_mesh())
         self.prepared = True
 
+    def shard_base(self, model: torch.nn.Module, groups: Iterable[TrainGroup]) -> None:
+        """FSDP2: shard the base model now, before any adapter, with no broadcast (every rank
+        loaded the same checkpoint). Adapters added afterwards stay whole on every rank and are
+        reduced as data-parallel ones. Nothing to do without FSDP2 (data parallel, one process)."""
+        if not self.fsdp:
+            return
+        if self.prepared:
+            raise StateError('the model is prepared already (a forward ran): shard_base comes before it')
+        _shard(model, list(groups), self._fsdp_mesh())
+        self.prepared = self.replicated_adapters = True
+
     def check_can_add_adapter(self, adapter_name: str) -> None:
-        if self.sharded:
+        if self.sharded and not self.replicated_adapters:
             raise StateError(
                 f'adapter {adapter_name!r} comes after the first forward, when FSDP2 (fsdp_size='
                 f'{self._mesh.fsdp_size}) has already sharded the model: add every adapter before training'
@@ -132,17 +154,19 @@ class ModelParallel:
     def reduce_gradients(self, params: list[torch.nn.Parameter], items: torch.Tensor | int) -> torch.Tensor | int:
         """Sum the step's gradients over the ranks; returns the step's item count over all ranks.
 
-        Data parallel: one all-reduce of ``[items, has_grad per parameter]``, then the gradients
-        (zeros where a rank got none but another did). FSDP2 summed the gradients in backward."""
+        Whole parameters (data parallel, or adapters beside a ``shard_base`` model): one
+        all-reduce of ``[items, has_grad per parameter]``, then the gradients (zeros where a rank
+        got none but another did). FSDP2 summed the gradients of its shards in backward."""
         if not self.enabled:
             return items
         device = params[0].device if params else torch.device('cpu')
-        flags = [] if self.sharded else [float(p.grad is not None) for p in params]
+        whole = [p for p in params if not isinstance(p, DTensor)]
+        flags = [float(p.grad is not None) for p in whole]
         head = torch.tensor([0.0, *flags], dtype=torch.float64, device=device)
         head[0] += torch.as_tensor(items, dtype=torch.float64, device=device)
         self.sum_(head)
-        if not self.sharded:
-            _all_reduce_grads(params, (head[1:] > 0).tolist())
+        if whole:
+            _all_reduce_grads(whole, (head[1:] > 0).tolist())
         return head[0]
 
     def merge_metrics(self, metrics: list[Metric]) -> None:

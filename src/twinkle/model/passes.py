@@ -34,19 +34,22 @@ def check_finite(group: TrainGroup, loss: LossOutput, sum_: Callable[[torch.Tens
 
 
 def non_finite(
-    groups: Sequence[TrainGroup], losses: Sequence[LossOutput], sum_: Callable[[torch.Tensor], torch.Tensor]
+    groups: Sequence[TrainGroup], losses: Sequence[LossOutput | None], sum_: Callable[[torch.Tensor], torch.Tensor]
 ) -> list[DataError | None]:
     """For each loss, a ``DataError`` if it is NaN or infinite, else None: checked before its
     backward and its metrics, so nothing of a failed call is accumulated. ``sum_`` sums over the
-    ranks (``ModelParallel.sum_``): under a mesh every rank gets every rank's verdict."""
-    bad = sum_(torch.stack([~torch.isfinite(loss.loss.detach()) for loss in losses]).float()).tolist()
+    ranks (``ModelParallel.sum_``): under a mesh every rank gets every rank's verdict (a loss of
+    None: the call has no rows on this rank)."""
+    device = groups[0].params[0].device if groups and groups[0].params else None
+    flags = [torch.zeros((), device=device) if loss is None else ~torch.isfinite(loss.loss.detach()) for loss in losses]
+    bad = sum_(torch.stack(flags).float()).tolist()
     verdicts = zip(groups, losses, bad, strict=True)
     return [_non_finite_error(group, loss) if count > 0 else None for group, loss, count in verdicts]
 
 
-def _non_finite_error(group: TrainGroup, loss: LossOutput) -> DataError:
-    value = float(loss.loss.detach())
-    where = value if not math.isfinite(value) else 'on another rank'
+def _non_finite_error(group: TrainGroup, loss: LossOutput | None) -> DataError:
+    value = math.nan if loss is None else float(loss.loss.detach())
+    where = value if loss is not None and not math.isfinite(value) else 'on another rank'
     return DataError(
         f'the loss of adapter {group.name!r} is not finite ({where}): its weights or these inputs hold NaN or '
         'infinite values (a learning rate too high, say); nothing of this call was accumulated'

@@ -156,6 +156,15 @@ class TransformersModel(TwinkleModel):
         self._parallel.adapter_added(self.groups[adapter_name])
         self._mode = None  # the new LoRA modules start in train mode whatever the rest is in
 
+    def shard_base(self) -> None:
+        """Under an FSDP2 mesh, shard the base model now, before any adapter is added: adapters
+        may then come and go while training (a server's tenants), each whole on every rank, its
+        gradients all-reduced at its step (``ModelParallel.shard_base``). Every rank must have
+        loaded the same weights (a checkpoint, not a random ``config``). Nothing to do otherwise."""
+        if self.adapter_names:
+            raise StateError(f'shard_base comes before any adapter; the model has {self.adapter_names}')
+        self._parallel.shard_base(self.model, self.groups.values())
+
     def remove_adapter(self, adapter_name: str) -> None:
         """Drop an adapter, its layers and its training state."""
         self._group(adapter_name)
@@ -366,7 +375,8 @@ class TransformersModel(TwinkleModel):
             raise ConfigurationError(f'each adapter may step once per call; got {[g.name for g in groups]}')
         results: dict[int, StepResult] = {}
         ready = [i for i, group in enumerate(groups) if group.at_open_boundary() and group.optimizer is not None]
-        if not self._parallel.sharded:
+        ready = [i for i in ready if not self._parallel.holds_shards(groups[i].params)]
+        if ready:
             size = self._hot_optimizers(len(ready))
             for chunk in (ready[start : start + size] for start in range(0, len(ready), size)):
                 for i in chunk:

@@ -22,11 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from twinkle.server.config import ServerConfig
 from twinkle.server.errors import install_error_handlers
-from twinkle.server.host import ModelHost
 from twinkle.server.http_limits import HttpLimits
 from twinkle.server.native import native_router
 from twinkle.server.openai_api import openai_router
-from twinkle.server.remote_host import RemoteHost
+from twinkle.server.remote_host import Host
 from twinkle.server.state import Service
 from twinkle.server.tinker.rest import expire_checkpoints_periodically, rest_router
 from twinkle.server.tinker.sampling import sampling_router
@@ -37,7 +36,7 @@ from twinkle.utils.logger import get_logger
 logger = get_logger()
 
 
-def create_app(config: ServerConfig, host: ModelHost | RemoteHost | None = None) -> FastAPI:
+def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     """The FastAPI application; ``uvicorn.run(create_app(config))`` serves it."""
     service = Service(config, host)
 

@@ -95,6 +95,8 @@ class ModelSettings(BaseModel):
     base_model: str
     device: str | None = None
     ray: RaySettings | None = None
+    ranks: int = Field(1, ge=1)
+    fsdp_size: int = Field(1, ge=1)
 
 
 class ServerConfig(BaseModel):
@@ -140,6 +142,13 @@ class ServerConfig(BaseModel):
     tinker: TinkerSettings = Field(default_factory=TinkerSettings)
     #: Run the model in a Ray actor (on any node of a cluster); None: in the server's process.
     ray: RaySettings | None = None
+    #: Worker processes that hold the model (``twinkle.server.multi_rank``): 1 keeps it in the
+    #: server's process; N > 1 starts N processes that join over torch.distributed (one GPU each
+    #: on a CUDA device), and split every pass over them.
+    ranks: int = Field(1, ge=1)
+    #: Of those ranks, how many shard the base model with FSDP2; the rest replicate it (data
+    #: parallel): the mesh ``DeviceMesh.from_sizes(fsdp_size=fsdp_size, dp_size=ranks // fsdp_size)``.
+    fsdp_size: int = Field(1, ge=1)
     #: More base models, each on a model group of its own (its device or Ray actor, its worker
     #: thread, its adapters): a run names its base model, ``base_model`` above is the default.
     more_models: list[ModelSettings] = Field(default_factory=list)
@@ -150,14 +159,24 @@ class ServerConfig(BaseModel):
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ValueError(f'each base model is hosted once; {repeated} appear more than once')
+        models: list[ServerConfig | ModelSettings] = [self, *self.more_models]
+        for model in models:
+            if model.ranks % model.fsdp_size:
+                raise ValueError(f'ranks={model.ranks} must be a multiple of fsdp_size={model.fsdp_size}')
+            if model.ranks > 1 and model.ray is not None:
+                raise ValueError('a model of several ranks runs on worker processes of this machine; leave out ray')
         return self
 
     def model_groups(self) -> list[ServerConfig]:
         """One config per hosted base model, the default first: this config with that model's
         ``base_model``, ``device`` and ``ray`` (and no ``more_models``)."""
-        first = ModelSettings(base_model=self.base_model, device=self.device, ray=self.ray)
+        first = ModelSettings(
+            base_model=self.base_model, device=self.device, ray=self.ray, ranks=self.ranks, fsdp_size=self.fsdp_size
+        )
         return [
-            self.model_copy(update={'base_model': m.base_model, 'device': m.device, 'ray': m.ray, 'more_models': []})
+            self.model_copy(
+                update={**{name: getattr(m, name) for name in ModelSettings.model_fields}, 'more_models': []}
+            )
             for m in [first, *self.more_models]
         ]
 

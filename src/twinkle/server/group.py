@@ -18,7 +18,7 @@ from pydantic import JsonValue
 from twinkle.errors import CapacityError, NotFoundError, StateError
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost, is_mixable, request_tokens
-from twinkle.server.remote_host import RemoteHost
+from twinkle.server.remote_host import Host
 from twinkle.server.scheduler import Batchable, Job, JobCallback, Scheduler
 from twinkle.server.store import Run, Store
 
@@ -46,7 +46,7 @@ class ModelGroup:
         self,
         config: ServerConfig,
         store: Store,
-        host: ModelHost | RemoteHost,
+        host: Host,
         on_start: JobCallback,
         on_finish: JobCallback,
         on_idle: Callable[[ModelGroup], None],

@@ -58,7 +58,104 @@ SAMPLER_PREFIX = 'sampler--'
 _SEEDED_INIT = threading.Lock()
 
 
-class ModelHost:
+class RequestChecks:
+    """What a request must satisfy before it is queued: the checks that need the model's
+    shape (vocabulary, context) and the limits, not its weights. A host answers them where the
+    routes run (``MultiRankHost`` without a round trip to its workers)."""
+
+    config: ServerConfig
+    vocab_size: int
+    context: int | None
+    device: torch.device
+
+    def check_adapter(self, lora: Mapping[str, Any]) -> None:
+        """Known LoRA fields and a rank within the limit (room on the model is the service's
+        to make, ``Service.make_room``; ``add_adapter`` checks that it is there)."""
+        limits = self.config.limits
+        unknown = sorted(set(lora) - LORA_FIELDS)
+        if unknown:
+            raise ConfigurationError(f'unknown LoRA fields {unknown}; accepted: {sorted(LORA_FIELDS)}')
+        rank = lora.get('r', 8)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limits.max_lora_rank:
+            raise ConfigurationError(f'LoRA rank r={rank!r} must be an integer in [1, {limits.max_lora_rank}]')
+
+    def validate(self, operation: str, kwargs: dict[str, Any]) -> None:
+        """What the request's wire model (``twinkle.wire.OPERATIONS[operation]``, checked at the
+        route) cannot check: a registered component that takes these options, token ids in the
+        vocabulary, lengths within the context and the request limits. The server runs it before
+        queueing, so bad input is a 4xx and not a failed future."""
+        spec = OPERATIONS[operation]
+        if issubclass(spec, Configure):
+            _check_component(spec, kwargs)
+        if operation == 'sample':
+            self.sample_request(kwargs['inputs'], kwargs.get('sampling_params'))
+        elif 'inputs' in kwargs:
+            self.features(kwargs['inputs'])
+        if operation == 'set_optimizer':  # lr=-1 or lr='fast': a 4xx now, not a failed future at the step
+            options = {k: v for k, v in kwargs.items() if k != 'optimizer_cls'}
+            check_optimizer_args(kwargs.get('optimizer_cls', 'AdamW'), options, self.device)
+        elif operation == 'set_lr_scheduler':
+            check_scheduler_args(kwargs['scheduler_cls'], {k: v for k, v in kwargs.items() if k != 'scheduler_cls'})
+
+    def sample_request(
+        self, inputs: list[dict[str, Any]], sampling_params: dict[str, Any] | None
+    ) -> tuple[list[dict[str, Any]], SamplingParams]:
+        """The prompts (``twinkle.wire.Prompt`` s) and parameters of a ``sample`` request,
+        checked: known parameters with valid values, prompt token ids in the vocabulary, and
+        (for prompts given as token ids; ``messages`` are counted once encoded, on the worker)
+        each prompt plus ``max_tokens`` within the model context and the request within the
+        token limit."""
+        params = SamplingParams.from_dict(sampling_params)
+        self.check_sampling_params(params)
+        prompts = [_prompt(index, row, self.vocab_size) for index, row in enumerate(inputs)]
+        self._check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
+        return prompts, params
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        for token in params.stop_token_ids:
+            if token >= self.vocab_size:
+                raise ConfigurationError(f'stop token id {token} is outside the vocabulary [0, {self.vocab_size})')
+        if not isinstance(params.topk_prompt_logprobs, int):  # SamplingParams lets null through; the sampler cannot
+            raise ConfigurationError(
+                f'topk_prompt_logprobs must be an integer >= 0; got {params.topk_prompt_logprobs!r}'
+            )
+        for name in ('logprobs', 'topk_prompt_logprobs'):
+            value = getattr(params, name) or 0
+            if value > MAX_TOP_LOGPROBS:
+                raise ConfigurationError(f'{name}={value} is over the limit of {MAX_TOP_LOGPROBS} top logprobs')
+
+    def _check_prompt_lengths(self, prompts: list[tuple[int, list[int]]], params: SamplingParams) -> None:
+        """Each prompt plus ``max_tokens`` fits the context; the request's sequences (prompt
+        plus ``max_tokens``, ``num_samples`` times per prompt) fit the token limit."""
+        for index, ids in prompts:
+            if self.context is not None and len(ids) + params.max_tokens > self.context:
+                raise SequenceTooLongError(
+                    f'prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} it would exceed '
+                    f'the model context of {self.context} tokens'
+                )
+        total = params.num_samples * sum(len(ids) + params.max_tokens for _, ids in prompts)
+        limit = self.config.limits.max_tokens_per_request
+        if total > limit:
+            raise DataError(
+                f'sampling would hold up to {total} tokens (num_samples={params.num_samples} sequences per prompt, '
+                f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
+            )
+
+    def features(self, inputs: list[dict[str, Any]]) -> list[InputFeature]:
+        """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
+        labels in the vocabulary, and the request's token total within the limit."""
+        features, total = [], 0
+        for index, row in enumerate(inputs):
+            feature = _feature(index, row, self.vocab_size)
+            total += len(feature['input_ids'])
+            features.append(feature)
+        limit = self.config.limits.max_tokens_per_request
+        if total > limit:
+            raise DataError(f'the request holds {total} tokens, over the limit of {limit} per request')
+        return features
+
+
+class ModelHost(RequestChecks):
     """The base model and the adapters on it."""
 
     def __init__(self, config: ServerConfig):
@@ -75,6 +172,7 @@ class ModelHost:
             self.model.offloader = OptimizerOffloader(
                 self.model.device, config.spill_dir, limits.max_optimizers_on_device, limits.max_optimizers_in_memory
             )
+        self.device = self.model.device
         self.vocab_size = vocab_size(self.model.model)
         self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
         self._sampler: TorchSampler | None = None
@@ -108,17 +206,6 @@ class ModelHost:
             raise
         except (TypeError, ValueError) as e:  # peft / torch refusing a LoRA field's type or value
             raise ConfigurationError(f'cannot add a LoRA adapter with {dict(lora)}: {type(e).__name__}: {e}') from e
-
-    def check_adapter(self, lora: Mapping[str, Any]) -> None:
-        """Known LoRA fields and a rank within the limit (room on the model is the service's
-        to make, ``Service.make_room``; ``add_adapter`` checks that it is there)."""
-        limits = self.config.limits
-        unknown = sorted(set(lora) - LORA_FIELDS)
-        if unknown:
-            raise ConfigurationError(f'unknown LoRA fields {unknown}; accepted: {sorted(LORA_FIELDS)}')
-        rank = lora.get('r', 8)
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limits.max_lora_rank:
-            raise ConfigurationError(f'LoRA rank r={rank!r} must be an integer in [1, {limits.max_lora_rank}]')
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(self, *args)``: an operation written against the host (a Tinker step, say) runs
@@ -217,24 +304,6 @@ class ModelHost:
             raise
         except (TypeError, ValueError, IndexError, KeyError) as e:  # a component refusing a value's type
             raise ConfigurationError(f'{operation}({_brief(kwargs)}) failed: {type(e).__name__}: {e}') from e
-
-    def validate(self, operation: str, kwargs: dict[str, Any]) -> None:
-        """What the request's wire model (``twinkle.wire.OPERATIONS[operation]``, checked at the
-        route) cannot check: a registered component that takes these options, token ids in the
-        vocabulary, lengths within the context and the request limits. The server runs it before
-        queueing, so bad input is a 4xx and not a failed future."""
-        spec = OPERATIONS[operation]
-        if issubclass(spec, Configure):
-            _check_component(spec, kwargs)
-        if operation == 'sample':
-            self.sample_request(kwargs['inputs'], kwargs.get('sampling_params'))
-        elif 'inputs' in kwargs:
-            self.features(kwargs['inputs'])
-        if operation == 'set_optimizer':  # lr=-1 or lr='fast': a 4xx now, not a failed future at the step
-            options = {k: v for k, v in kwargs.items() if k != 'optimizer_cls'}
-            check_optimizer_args(kwargs.get('optimizer_cls', 'AdamW'), options, self.model.device)
-        elif operation == 'set_lr_scheduler':
-            check_scheduler_args(kwargs['scheduler_cls'], {k: v for k, v in kwargs.items() if k != 'scheduler_cls'})
 
     def _simple(self, method: str) -> Callable[..., Any]:
         def call(adapter: str, **kwargs: Any) -> Any:
@@ -341,63 +410,6 @@ class ModelHost:
         if self._sampler is None:
             self._sampler = TorchSampler.from_model(self.model.model, self.model_id)
         return self._sampler
-
-    def sample_request(
-        self, inputs: list[dict[str, Any]], sampling_params: dict[str, Any] | None
-    ) -> tuple[list[dict[str, Any]], SamplingParams]:
-        """The prompts (``twinkle.wire.Prompt`` s) and parameters of a ``sample`` request,
-        checked: known parameters with valid values, prompt token ids in the vocabulary, and
-        (for prompts given as token ids; ``messages`` are counted once encoded, on the worker)
-        each prompt plus ``max_tokens`` within the model context and the request within the
-        token limit."""
-        params = SamplingParams.from_dict(sampling_params)
-        self.check_sampling_params(params)
-        prompts = [_prompt(index, row, self.vocab_size) for index, row in enumerate(inputs)]
-        self._check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
-        return prompts, params
-
-    def check_sampling_params(self, params: SamplingParams) -> None:
-        for token in params.stop_token_ids:
-            if token >= self.vocab_size:
-                raise ConfigurationError(f'stop token id {token} is outside the vocabulary [0, {self.vocab_size})')
-        if not isinstance(params.topk_prompt_logprobs, int):  # SamplingParams lets null through; the sampler cannot
-            raise ConfigurationError(
-                f'topk_prompt_logprobs must be an integer >= 0; got {params.topk_prompt_logprobs!r}'
-            )
-        for name in ('logprobs', 'topk_prompt_logprobs'):
-            value = getattr(params, name) or 0
-            if value > MAX_TOP_LOGPROBS:
-                raise ConfigurationError(f'{name}={value} is over the limit of {MAX_TOP_LOGPROBS} top logprobs')
-
-    def _check_prompt_lengths(self, prompts: list[tuple[int, list[int]]], params: SamplingParams) -> None:
-        """Each prompt plus ``max_tokens`` fits the context; the request's sequences (prompt
-        plus ``max_tokens``, ``num_samples`` times per prompt) fit the token limit."""
-        for index, ids in prompts:
-            if self.context is not None and len(ids) + params.max_tokens > self.context:
-                raise SequenceTooLongError(
-                    f'prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} it would exceed '
-                    f'the model context of {self.context} tokens'
-                )
-        total = params.num_samples * sum(len(ids) + params.max_tokens for _, ids in prompts)
-        limit = self.config.limits.max_tokens_per_request
-        if total > limit:
-            raise DataError(
-                f'sampling would hold up to {total} tokens (num_samples={params.num_samples} sequences per prompt, '
-                f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
-            )
-
-    def features(self, inputs: list[dict[str, Any]]) -> list[InputFeature]:
-        """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
-        labels in the vocabulary, and the request's token total within the limit."""
-        features, total = [], 0
-        for index, row in enumerate(inputs):
-            feature = _feature(index, row, self.vocab_size)
-            total += len(feature['input_ids'])
-            features.append(feature)
-        limit = self.config.limits.max_tokens_per_request
-        if total > limit:
-            raise DataError(f'the request holds {total} tokens, over the limit of {limit} per request')
-        return features
 
 
 #: The registry of the component each ``twinkle.wire.Configure`` field names.

@@ -22,6 +22,7 @@ from typing import Any
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost
+from twinkle.server.multi_rank import MultiRankHost
 
 #: Calls the actor runs at once: the compute of the worker thread and the routes' checks.
 ACTOR_CONCURRENCY = 4
@@ -95,6 +96,13 @@ class RemoteHost:
             raise StateError(f'the model worker (Ray actor) died during {what}: {e}') from None
 
 
-def build_host(config: ServerConfig) -> ModelHost | RemoteHost:
-    """The model host a config asks for: in this process, or in a Ray actor (``ray:`` set)."""
+#: Where a hosted model runs: this process, a Ray actor, or worker processes of this machine.
+Host = ModelHost | RemoteHost | MultiRankHost
+
+
+def build_host(config: ServerConfig) -> Host:
+    """The model host a config asks for: in this process, in a Ray actor (``ray:`` set), or on
+    worker processes of this machine (``ranks`` > 1)."""
+    if config.ranks > 1:
+        return MultiRankHost(config)
     return RemoteHost(config) if config.ray is not None else ModelHost(config)

@@ -23,7 +23,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.group import RELEASE_STATE, ModelGroup, bare
 from twinkle.server.host import ModelHost
 from twinkle.server.limits import RateLimiter
-from twinkle.server.remote_host import RemoteHost, build_host
+from twinkle.server.remote_host import Host, RemoteHost, build_host
 from twinkle.server.scheduler import Batchable, Job, QueueFullError
 from twinkle.server.store import Checkpoint, Run, Store, Tenant
 from twinkle.server.tinker.state import TinkerState
@@ -40,7 +40,7 @@ class Service:
     ``host`` (tests, a host built elsewhere) is the default base model's; the others are built
     from the config."""
 
-    def __init__(self, config: ServerConfig, host: ModelHost | RemoteHost | None = None):
+    def __init__(self, config: ServerConfig, host: Host | None = None):
         self.config = config
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         self.store = Store(config.db_path)

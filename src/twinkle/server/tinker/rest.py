@@ -30,8 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, QueueFullError, StateError
 from twinkle.server.deps import Who
 from twinkle.server.group import bare
-from twinkle.server.host import ModelHost
-from twinkle.server.remote_host import RemoteHost
+from twinkle.server.remote_host import Host
 from twinkle.server.state import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Session, Store, Tenant, check_name
 from twinkle.server.tinker.api import JsonObject, TinkerAPI, router
@@ -150,7 +149,7 @@ def _lora_rank(run: Run) -> int:
     return tinker.get('rank') or (run.config.get('lora') or {}).get('r', 8)  # peft's default rank is 8
 
 
-def _module_targets(host: ModelHost | RemoteHost) -> dict[str, set[str]]:
+def _module_targets(host: Host) -> dict[str, set[str]]:
     """The linear layers each of Tinker's switches trains, by leaf name."""
     flags = {
         'train_attn': (True, False, False),
@@ -273,7 +272,7 @@ def discard_files(service: Service, checkpoints: list[Checkpoint]) -> None:
 
     for group in service.groups.values():  # any model may have loaded them for sampling
 
-        def forget(host: ModelHost | RemoteHost = group.host) -> None:
+        def forget(host: Host = group.host) -> None:
             for path in paths:
                 host.forget_sampler_weights(path)
 

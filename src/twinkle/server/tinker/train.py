@@ -21,11 +21,11 @@ from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, 
 from twinkle.loss.tinker import TinkerLoss
 from twinkle.model import AdapterCall, StepCall, StepResult
 from twinkle.server.host import ModelHost
-from twinkle.server.remote_host import RemoteHost
+from twinkle.server.remote_host import Host
 from twinkle.server.tinker.codec import ForwardBackwardCall, forward_backward_output
 
 
-def lora_config(host: ModelHost | RemoteHost, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:
+def lora_config(host: Host, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:
     """The peft ``LoraConfig`` fields of a Tinker ``LoraConfig``: rank, no dropout, and the
     linear layers its ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches name."""
     targets = host.lora_targets(lora.train_attn, lora.train_mlp, lora.train_unembed)

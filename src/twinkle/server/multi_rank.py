@@ -1,0 +1,372 @@
+"""The service's model on N worker processes: data parallel, FSDP2, or both, as a device mesh says.
+
+``MultiRankHost`` (in the server's process) starts ``ranks`` worker processes on this machine.
+They join over ``torch.distributed`` (gloo on the CPU, NCCL on GPUs), each builds a ``RankHost``
+(a ``ModelHost`` on the mesh ``DeviceMesh.from_sizes(fsdp_size=..., dp_size=ranks / fsdp_size)``),
+and from then on every call of the service runs on every rank, in the same order (SPMD):
+
+- a pass of several tenants' rows (``run_mixed``, ``forward_backward``, ``forward_only``) is split
+  over the data-parallel ranks, each request into contiguous shares (a rank's share may be empty);
+  the losses and gradients are summed over the ranks and divided by the pass's global item count,
+  so a tenant gets the numbers of a one-rank server whoever shares its pass; a rank's logprobs
+  are gathered, so every rank returns the whole request's result, and the server takes rank 0's;
+- under FSDP2 the base model is sharded before any adapter (``TransformersModel.shard_base``):
+  each tenant's LoRA weights and optimizer state stay whole, in fp32, on every rank;
+- everything else (adapters, optimizer steps, saves, loads) runs alike on every rank; a checkpoint
+  is written once, by rank 0, atomically as in one process.
+
+The checks a route runs before queueing (``RequestChecks``) are answered in the server's process,
+without a round trip to the workers. The workers run one call at a time, in the order the server
+sends them; a call that fails raises rank 0's error (every rank raises the same one, since each
+checks the same request). A worker that dies (``kill -9``, an OOM kill) fails the call in flight
+with an error that says so; the others are stopped (their collectives would wait for it forever),
+and the next call starts the group again (``ModelGroup`` restores its runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import Any
+
+import torch
+
+from twinkle.errors import ConfigurationError, WorkerError
+from twinkle.infra import distributed
+from twinkle.infra.ray.dispatch import shard_bounds
+from twinkle.server.config import ServerConfig
+from twinkle.server.host import ModelHost, RequestChecks
+
+#: Seconds a worker may take to load the model and join the others.
+START_TIMEOUT_S = 600.0
+#: Seconds the workers get to exit at shutdown before they are killed.
+STOP_TIMEOUT_S = 10.0
+
+
+# ---- the worker side ----------------------------------------------------------------------------
+class RankHost(ModelHost):
+    """A ``ModelHost`` on one rank of a mesh: the data operations take the whole request, run this
+    rank's share of its rows, and return the whole request's result (gathered from every rank)."""
+
+    def __init__(self, config: ServerConfig):
+        super().__init__(config)
+        self.model.shard_base()  # FSDP2: the base is sharded now, adapters come and go beside it
+        mesh = self.model._parallel.mesh
+        self.data_rank = distributed.data_rank(mesh) if mesh is not None else 0
+        self.data_ranks = mesh.dp_world_size if mesh is not None else 1
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            'model_id': self.model_id,
+            'vocab_size': self.vocab_size,
+            'context': self.context,
+            'architecture': self.architecture,
+            'pid': os.getpid(),
+        }
+
+    def run_mixed(self, operation: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+        results = super().run_mixed(operation, [(adapter, self._share(kwargs)) for adapter, kwargs in requests])
+        if operation != 'forward_only':
+            return results  # losses and token counts are the pass's, summed over the ranks already
+        shares = distributed.all_gather_object([r['logps'] if isinstance(r, dict) else [] for r in results])
+        for index, result in enumerate(results):
+            if isinstance(result, dict):
+                result['logps'] = [row for share in shares for row in share[index]]
+        return results
+
+    def _forward_backward(self, adapter: str, inputs: Any, **kwargs: Any) -> dict[str, Any]:
+        if kwargs.get('micro_batch_size') is not None:
+            raise ConfigurationError(
+                f'micro_batch_size is not taken by a model of {self.data_ranks} data-parallel ranks: each rank runs '
+                'its share of the rows in one pass; send smaller requests instead'
+            )
+        kwargs.pop('micro_batch_size', None)
+        (result,) = self.run_mixed('forward_backward', [(adapter, {'inputs': inputs, **kwargs})])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _forward_only(self, adapter: str, inputs: Any, disable_lora: bool = False) -> dict[str, Any]:
+        if disable_lora:  # the base model alone: every rank runs the whole request (no adapter to mix)
+            return super()._forward_only(adapter, inputs, disable_lora=True)
+        (result,) = self.run_mixed('forward_only', [(adapter, {'inputs': inputs})])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def generate(
+        self, prompts: list[dict[str, Any]], params: Any, adapter: str | None, weight_version: int = 0
+    ) -> list[Any]:
+        """Data parallel: rank 0 samples, the others wait. FSDP2: every rank samples the same
+        sequences in step (its forwards all-gather the weights), from one seed rank 0 draws."""
+        if not self.model._parallel.fsdp:
+            return super().generate(prompts, params, adapter, weight_version) if distributed.is_main() else []
+        seed = distributed.all_gather_object(int(torch.randint(0, 2**62, ()).item()))[0]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return super().generate(prompts, params, adapter, weight_version)
+
+    def _share(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of a request: its contiguous part of the rows (``inputs``) and of each
+        per-row argument (a list as long as the rows: advantages, old logprobs)."""
+        rows = kwargs['inputs']
+        if self.data_ranks == 1 or not isinstance(rows, list):
+            return kwargs
+        start, end = shard_bounds(len(rows), self.data_rank, self.data_ranks)
+        return {k: v[start:end] if isinstance(v, list) and len(v) == len(rows) else v for k, v in kwargs.items()}
+
+
+def serve_rank(address: str, authkey: bytes) -> None:
+    """A worker process: connect to the server, join the group, build the ``RankHost``, then run
+    the server's calls until it says stop or goes away."""
+    server_host, server_port = address.rsplit(':', 1)
+    conn = Client((server_host, int(server_port)), authkey=authkey)
+    rank, world, port, config, path = conn.recv()
+    sys.path[:] = path  # the modules the server imports (whose functions it sends) import here too
+    os.environ.update(
+        MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    try:
+        host = _rank_host(ServerConfig(**config), world)
+        conn.send(('ok', host.describe()))
+    except BaseException as error:
+        conn.send(('error', _portable(error)))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return  # the server is gone
+        except Exception as error:  # a message this process cannot unpickle (a function it cannot import)
+            conn.send(('error', _portable(error)))
+            continue
+        if message is None:
+            return
+        name, args, kwargs = message
+        try:
+            reply = ('ok', host.call(*args) if name == 'call' else getattr(host, name)(*args, **kwargs))
+        except BaseException as error:
+            reply = ('error', _portable(error))
+        conn.send(reply)
+
+
+def _rank_host(config: ServerConfig, world: int) -> RankHost:
+    """What each torchrun process of a script runs first (the mesh, the process group), then the host."""
+    from twinkle.infra.mesh import DeviceMesh
+    from twinkle.infra.runtime import Runtime, start_local
+
+    device_type = 'cuda' if (config.device or '').startswith('cuda') else 'cpu'
+    if device_type == 'cpu':  # the machine's cores shared by the ranks, not each taking them all
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    mesh = DeviceMesh.from_sizes(fsdp_size=config.fsdp_size, dp_size=world // config.fsdp_size, device_type=device_type)
+    start_local(Runtime('local', None, global_device_mesh=mesh))
+    return RankHost(config.model_copy(update={'device': None if device_type == 'cuda' else 'cpu'}))
+
+
+def _portable(error: BaseException) -> tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]:
+    """An exception as (class, args, attributes): twinkle's errors take other arguments than the
+    message they keep in ``args``, so pickling them whole would fail on the server's side."""
+    attributes = {k: v for k, v in vars(error).items() if _picklable(v)}
+    return type(error), tuple(a for a in error.args if _picklable(a)), attributes
+
+
+def _rebuilt(portable: tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]) -> BaseException:
+    cls, args, attributes = portable
+    error = cls.__new__(cls)
+    error.args = args
+    vars(error).update(attributes)
+    return error
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
+# ---- the server side ----------------------------------------------------------------------------
+class MultiRankHost(RequestChecks):
+    """The model on ``config.ranks`` worker processes, with a ``ModelHost``'s methods."""
+
+    def __init__(self, config: ServerConfig):
+        if config.ranks % config.fsdp_size:
+            raise ConfigurationError(f'ranks={config.ranks} must be a multiple of fsdp_size={config.fsdp_size}')
+        self.config = config
+        self.ranks = config.ranks
+        self.device = torch.device('cuda' if (config.device or '').startswith('cuda') else 'cpu')
+        self.restarts = 0  # times the workers were started again after one died
+        self._lock = threading.Lock()
+        self._conns: list[Connection] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._dead: str | None = None
+        described = self._start()
+        self.model_id: str = described['model_id']
+        self.vocab_size: int = described['vocab_size']
+        self.context: int | None = described['context']
+        self.architecture: str | None = described['architecture']
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes, by rank."""
+        return [proc.pid for proc in self._procs]
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith('_') or not callable(getattr(ModelHost, name, None)):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._on_every_rank(name, args, kwargs)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self._on_every_rank('call', (fn, *args), {})
+
+    def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+        return self._on_every_rank('lora_targets', (attn, mlp, unembed), {})
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def restart_if_dead(self) -> bool:
+        """Start the workers again if one died; True if they were started (every adapter is gone)."""
+        with self._lock:
+            if self._dead is None:
+                return False
+            self._start()
+            self.restarts += 1
+            return True
+
+    # ---- the workers ----------------------------------------------------------------------------
+    def _start(self) -> dict[str, Any]:
+        """Start the workers (``python -m twinkle.server.multi_rank``: a fresh interpreter, which
+        does not run the server's own script again) and wait until each has loaded the model."""
+        self._conns, self._procs, self._dead = [], [], None
+        authkey = secrets.token_bytes(32)
+        with Listener(('127.0.0.1', 0), authkey=authkey) as listener:
+            host, port = listener.address
+            address = f'{host}:{port}'
+            env = {**os.environ, 'TWINKLE_RANK_AUTHKEY': authkey.hex()}
+            command = [sys.executable, '-m', 'twinkle.server.multi_rank', address]
+            self._procs = [subprocess.Popen(command, env=env) for _ in range(self.ranks)]
+            try:
+                return self._join(listener)
+            except BaseException:
+                self._stop()
+                raise
+
+    def _join(self, listener: Listener) -> dict[str, Any]:
+        """Accept every worker's connection, give each its rank and the config, wait until ready.
+        A worker that exits before it connects closes the listener, so ``accept`` gives up."""
+        port, data = _free_port(), self.config.model_dump()
+        connected = threading.Event()
+        watcher = threading.Thread(target=self._watch_start, args=(listener, connected), daemon=True)
+        watcher.start()
+        try:
+            for rank in range(self.ranks):
+                try:
+                    conn = listener.accept()
+                except OSError:
+                    self._fail(next((r for r, p in enumerate(self._procs) if p.poll() is not None), None), 'start-up')
+                conn.send((rank, self.ranks, port, data, sys.path))
+                self._conns.append(conn)
+        finally:
+            connected.set()
+            watcher.join()
+        return self._replies('start-up', timeout=START_TIMEOUT_S, fail_fast=True)
+
+    def _watch_start(self, listener: Listener, connected: threading.Event) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not connected.wait(0.2):
+            if time.monotonic() > deadline or any(proc.poll() is not None for proc in self._procs):
+                listener.close()
+                return
+
+    def _on_every_rank(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self._lock:
+            if self._dead is not None:
+                raise WorkerError(f'{self._dead}; it restarts before the next request')
+            for conn in self._conns:
+                conn.send((name, args, kwargs))
+            return self._replies(name)
+
+    def _replies(self, what: str, timeout: float | None = None, fail_fast: bool = False) -> Any:
+        """Every rank's reply to the call just sent; rank 0's value, or the first rank's error
+        (``fail_fast``: as soon as one rank fails, as at start-up, where the others may be waiting
+        for it to join)."""
+        replies: dict[int, tuple[str, Any]] = {}
+        while len(replies) < self.ranks:
+            waiting = [conn for rank, conn in enumerate(self._conns) if rank not in replies]
+            ready = wait(waiting, timeout)
+            if not ready:
+                self._fail(None, what)
+            for item in ready:
+                assert isinstance(item, Connection)
+                rank = self._conns.index(item)
+                try:
+                    replies[rank] = item.recv()
+                except (EOFError, OSError):  # the worker's end closed: it died
+                    self._fail(rank, what)
+                if fail_fast and replies[rank][0] == 'error':
+                    raise _rebuilt(replies[rank][1])
+        for rank in range(self.ranks):
+            status, value = replies[rank]
+            if status == 'error':
+                raise _rebuilt(value)
+        return replies[0][1]
+
+    def _fail(self, rank: int | None, what: str) -> None:
+        """A worker died (or the start timed out): stop the others, remember, raise."""
+        if rank is None:
+            message = f'the model workers did not answer {what} within {START_TIMEOUT_S:.0f} s'
+        else:
+            code = _exit_code(self._procs[rank])
+            how = f'signal {-code}' if code is not None and code < 0 else f'exit code {code}'
+            message = f'model worker rank {rank} of {self.ranks} died ({how}) during {what}'
+        self._stop()
+        self._dead = message
+        raise WorkerError(f'{message}; the model restarts, and its runs continue from their last saved state')
+
+    def _stop(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError, ValueError):  # that worker is gone already
+                conn.send(None)
+        for proc in self._procs:
+            try:
+                proc.wait(STOP_TIMEOUT_S if self._dead is None else 0.1)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        self._dead = self._dead or 'the model workers were stopped'
+
+
+def _exit_code(proc: subprocess.Popen[bytes]) -> int | None:
+    """The worker's exit code (negative: the signal that ended it), once it is gone."""
+    try:
+        return proc.wait(1.0)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+__all__ = ['MultiRankHost', 'RankHost', 'serve_rank']
+
+if __name__ == '__main__':
+    serve_rank(sys.argv[1], bytes.fromhex(os.environ.pop('TWINKLE_RANK_AUTHKEY')))
