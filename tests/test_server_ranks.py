@@ -9,19 +9,27 @@ losses and gradients in another order than one process does, so float32 rounding
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import tinker
 import torch
+from peft import LoraConfig
 from safetensors.torch import load_file
+from server_helpers import background_server
+from tinker import types
 
 from twinkle import assets
 from twinkle.errors import UnknownNameError
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost
 from twinkle.server.multi_rank import MultiRankHost
+from twinkle_client import TwinkleClient
+from twinkle_client.model import MultiLoraTransformersModel
 
 TOL = 1e-5
 TENANTS = {'a': 2, 'b': 4, 'c': 8}  # adapter -> LoRA rank
@@ -142,3 +150,100 @@ def _base_elements(host: Any) -> list[tuple[int, int]]:
     params = [p for name, p in host.model.model.named_parameters() if 'lora_' not in name and '.layers.' in name]
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
     return distributed.all_gather_object((held, sum(p.numel() for p in params)))
+
+
+# ---- behind the service -------------------------------------------------------------------------
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules='all-linear')
+SERVED_ROWS = [{'input_ids': [11, 23, 5, 42, 17, 8], 'labels': [-100, 23, 5, 42, 17, 8]}] * 3
+
+
+@pytest.fixture(scope='module')
+def served(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Any]]:
+    """A server whose model is a two-rank FSDP2 group."""
+    data_dir = tmp_path_factory.mktemp('ranks')
+    options = {'ranks': 2, 'fsdp_size': 2, 'release_memory_after_idle_s': None}
+    with background_server(data_dir, 'tiny-qwen3', **options) as running:
+        yield running
+
+
+def native_losses(model: MultiLoraTransformersModel, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        losses.append(model.forward_backward(inputs=SERVED_ROWS).loss)
+        model.clip_grad_and_step()
+    return losses
+
+
+def test_the_native_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
+    url, keys, _ = served
+    model = MultiLoraTransformersModel('tiny-qwen3', client=TwinkleClient(url, keys['alice']))
+    model.add_adapter_to_model('default', LORA, seed=5)
+    model.set_optimizer('AdamW', lr=5e-2)
+    on_group = native_losses(model, 3)
+    with background_server(tmp_path, 'tiny-qwen3') as (one_url, one_keys, _):
+        one = MultiLoraTransformersModel('tiny-qwen3', client=TwinkleClient(one_url, one_keys['alice']))
+        one.add_adapter_to_model('default', LORA, seed=5)
+        one.set_optimizer('AdamW', lr=5e-2)
+        on_one = native_losses(one, 3)
+    assert on_group == pytest.approx(on_one, rel=TOL, abs=TOL)
+    assert on_group[-1] < on_group[0]
+
+
+def test_a_tinker_sdk_client_trains_on_the_group(served):
+    url, keys, _ = served
+    trainer = (
+        tinker.ServiceClient(base_url=url, api_key=keys['bob'])
+        .create_lora_training_client(base_model='tiny-qwen3', rank=4, seed=3)
+        .result()
+    )
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([11, 23, 5, 42, 17]),
+        loss_fn_inputs={'target_tokens': [23, 5, 42, 17, 8], 'weights': [1.0] * 5},
+    )
+    losses = []
+    for _ in range(3):
+        output = trainer.forward_backward([datum, datum], 'cross_entropy').result()
+        assert len(output.loss_fn_outputs) == 2
+        losses.append(-sum(float(x) for x in output.loss_fn_outputs[0]['logprobs'].to_torch()))
+        trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert losses[-1] < losses[0]
+    reply = trainer.save_weights_and_get_sampling_client().sample(
+        types.ModelInput.from_ints([11, 23, 5]), 1, types.SamplingParams(max_tokens=3, temperature=0.0)
+    )
+    assert len(reply.result().sequences[0].tokens) == 3
+
+
+def test_a_killed_worker_fails_its_request_and_the_group_comes_back(served):
+    url, keys, background = served
+    service = background.app.state.service
+    host = service.default.host
+    model = MultiLoraTransformersModel('tiny-qwen3', client=TwinkleClient(url, keys['alice']))
+    model.add_adapter_to_model('default', LORA, seed=9)
+    model.set_optimizer('AdamW', lr=5e-2)
+    native_losses(model, 2)
+    model.save('before-the-crash', save_optimizer=True)
+    saved_next = model.forward_backward(inputs=SERVED_ROWS).loss  # what the saved state gives next
+    model.clip_grad_and_step()  # a step after the save: lost with the worker, as it was never saved
+    # A job that holds the worker while its rank 1 is killed: the job's call fails, saying why.
+    victim = host.pids[1]
+    held = service.default.scheduler.submit('probe', lambda: host.call(_sleep_then_run, victim))
+    assert held.wait(120) and held.status == 'failed'
+    assert 'model worker rank 1 of 2 died (signal 9)' in str(held.error)
+    # The next request restarts the group; the run continues from its last save.
+    assert model.forward_backward(inputs=SERVED_ROWS).loss == pytest.approx(saved_next, rel=TOL, abs=TOL)
+    assert victim not in host.pids and len(host.pids) == 2
+    assert [reason for reason, _ in service.store.restarts(service.default.name)] == [str(held.error).split(';')[0]]
+    metrics = httpx.get(f'{url}/metrics', headers={'X-API-Key': keys['alice']}).text
+    assert re.search(r'twinkle_model_restarts_total\{base_model="tiny-qwen3"\} 1\.0', metrics)
+
+
+def _sleep_then_run(host: Any, victim: int) -> None:
+    """Rank 0 kills rank 1 (as ``kill -9`` would), then both would meet in a collective."""
+    import os
+    import signal
+
+    from twinkle.infra import distributed
+
+    if distributed.is_main():
+        os.kill(victim, signal.SIGKILL)
+    distributed.all_gather_object(os.getpid())  # rank 0 waits here for a rank that is gone

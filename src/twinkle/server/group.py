@@ -50,16 +50,17 @@ class ModelGroup:
         on_start: JobCallback,
         on_finish: JobCallback,
         on_idle: Callable[[ModelGroup], None],
+        on_restart: Callable[[ModelGroup], None] = lambda group: None,
     ):
         self.name = config.base_model  # as the config names it, and the store records it
         self.config, self.store, self.host = config, store, host
-        self._on_finish = on_finish
+        self._on_start, self._on_finish, self._on_restart = on_start, on_finish, on_restart
         self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
         self._pinned: set[str] = set()  # runs the worker's current jobs use: not released to make room
         limits = config.limits
         self.scheduler = Scheduler(
             max_queued_per_tenant=limits.max_queued_per_tenant,
-            on_start=on_start,
+            on_start=self._started,
             on_finish=self._finished,
             max_tokens_per_pass=limits.max_tokens_per_pass,
             on_idle=None if config.release_memory_after_idle_s is None else lambda: on_idle(self),
@@ -71,6 +72,25 @@ class ModelGroup:
         """Whether a client naming ``name`` means this model: its id as configured, without its
         ``ms://`` or ``hf://`` scheme, or the directory it was loaded from."""
         return name in {self.name, bare(self.name), self.host.model_id}
+
+    def _started(self, job: Job) -> None:
+        self._revive()
+        self._on_start(job)
+
+    def _revive(self) -> None:
+        """Before a job (worker thread): a model whose worker process died starts again. Its
+        adapters died with it: their runs are marked released and come back, on their next
+        request, from their last saved or released state (``restore``)."""
+        restart = getattr(self.host, 'restart_if_dead', None)
+        reason = restart() if restart is not None else None
+        if reason is None:
+            return
+        for run_id in self.adapters:
+            self.store.set_run_status(run_id, 'released')
+        self.adapters.clear()
+        self._pinned.clear()
+        self.store.record_restart(self.name, reason)
+        self._on_restart(self)
 
     def _finished(self, job: Job) -> None:
         self._pinned.clear()
@@ -119,6 +139,14 @@ class ModelGroup:
     def release_state(self, run: Run) -> Path:
         return self.config.checkpoint_dir / run.tenant_id / run.id / RELEASE_STATE
 
+    def saved_state(self, run: Run) -> Path | None:
+        """Where a run off the model continues from: the newer of its released state and its
+        last training checkpoint (a model restarted after a crash held steps saved since the
+        release); None if it has neither."""
+        saved = [Path(c.path) for c in self.store.list_checkpoints(run.tenant_id, run.id) if c.kind == 'training']
+        places = [path for path in (self.release_state(run), *saved[-1:]) if (path / 'trainer_state.json').is_file()]
+        return max(places, key=lambda path: (path / 'trainer_state.json').stat().st_mtime, default=None)
+
     def release(self, run: Run) -> bool:
         """Save a run's adapter with its optimizer and counters, then take it off the model.
         Runs on the worker thread. Skipped while gradients wait for an optimizer step."""
@@ -137,8 +165,8 @@ class ModelGroup:
     def restore(self, run: Run) -> None:
         """Bring a released run back: its adapter, its setup calls replayed, then its saved
         weights, optimizer, scheduler and step counters."""
-        adapter, config, path = self.adapter_name(run), run.config, self.release_state(run)
-        if not path.is_dir():
+        adapter, config, path = self.adapter_name(run), run.config, self.saved_state(run)
+        if path is None:
             raise StateError(
                 f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
                 'without saving it): load one of its checkpoints into a new run'

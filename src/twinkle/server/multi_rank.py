@@ -130,7 +130,7 @@ def serve_rank(address: str, authkey: bytes) -> None:
     the server's calls until it says stop or goes away."""
     server_host, server_port = address.rsplit(':', 1)
     conn = Client((server_host, int(server_port)), authkey=authkey)
-    rank, world, port, config, path = conn.recv()
+    rank, world, port, config, path = _recv(conn)
     sys.path[:] = path  # the modules the server imports (whose functions it sends) import here too
     os.environ.update(
         MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -138,17 +138,17 @@ def serve_rank(address: str, authkey: bytes) -> None:
     )  # fmt: skip
     try:
         host = _rank_host(ServerConfig(**config), world)
-        conn.send(('ok', host.describe()))
+        _send(conn, ('ok', host.describe()))
     except BaseException as error:
-        conn.send(('error', _portable(error)))
+        _send(conn, ('error', _portable(error)))
         return
     while True:
         try:
-            message = conn.recv()
+            message = _recv(conn)
         except EOFError:
             return  # the server is gone
         except Exception as error:  # a message this process cannot unpickle (a function it cannot import)
-            conn.send(('error', _portable(error)))
+            _send(conn, ('error', _portable(error)))
             continue
         if message is None:
             return
@@ -157,7 +157,7 @@ def serve_rank(address: str, authkey: bytes) -> None:
             reply = ('ok', host.call(*args) if name == 'call' else getattr(host, name)(*args, **kwargs))
         except BaseException as error:
             reply = ('error', _portable(error))
-        conn.send(reply)
+        _send(conn, reply)
 
 
 def _rank_host(config: ServerConfig, world: int) -> RankHost:
@@ -171,6 +171,16 @@ def _rank_host(config: ServerConfig, world: int) -> RankHost:
     mesh = DeviceMesh.from_sizes(fsdp_size=config.fsdp_size, dp_size=world // config.fsdp_size, device_type=device_type)
     start_local(Runtime('local', None, global_device_mesh=mesh))
     return RankHost(config.model_copy(update={'device': None if device_type == 'cuda' else 'cpu'}))
+
+
+def _send(conn: Connection, message: Any) -> None:
+    """Plain pickle, not the connection's own: torch makes that one pass tensors as shared
+    memory handles, which only a ``multiprocessing`` child (with the server's authkey) can open."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
 
 
 def _portable(error: BaseException) -> tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]:
@@ -237,14 +247,16 @@ class MultiRankHost(RequestChecks):
         with self._lock:
             self._stop()
 
-    def restart_if_dead(self) -> bool:
-        """Start the workers again if one died; True if they were started (every adapter is gone)."""
+    def restart_if_dead(self) -> str | None:
+        """Start the workers again if one died; then what happened to it (every adapter is gone),
+        else None."""
         with self._lock:
-            if self._dead is None:
-                return False
+            reason = self._dead
+            if reason is None:
+                return None
             self._start()
             self.restarts += 1
-            return True
+            return reason
 
     # ---- the workers ----------------------------------------------------------------------------
     def _start(self) -> dict[str, Any]:
@@ -277,7 +289,7 @@ class MultiRankHost(RequestChecks):
                     conn = listener.accept()
                 except OSError:
                     self._fail(next((r for r, p in enumerate(self._procs) if p.poll() is not None), None), 'start-up')
-                conn.send((rank, self.ranks, port, data, sys.path))
+                _send(conn, (rank, self.ranks, port, data, sys.path))
                 self._conns.append(conn)
         finally:
             connected.set()
@@ -296,7 +308,7 @@ class MultiRankHost(RequestChecks):
             if self._dead is not None:
                 raise WorkerError(f'{self._dead}; it restarts before the next request')
             for conn in self._conns:
-                conn.send((name, args, kwargs))
+                _send(conn, (name, args, kwargs))
             return self._replies(name)
 
     def _replies(self, what: str, timeout: float | None = None, fail_fast: bool = False) -> Any:
@@ -313,7 +325,7 @@ class MultiRankHost(RequestChecks):
                 assert isinstance(item, Connection)
                 rank = self._conns.index(item)
                 try:
-                    replies[rank] = item.recv()
+                    replies[rank] = _recv(item)
                 except (EOFError, OSError):  # the worker's end closed: it died
                     self._fail(rank, what)
                 if fail_fast and replies[rank][0] == 'error':
@@ -325,13 +337,15 @@ class MultiRankHost(RequestChecks):
         return replies[0][1]
 
     def _fail(self, rank: int | None, what: str) -> None:
-        """A worker died (or the start timed out): stop the others, remember, raise."""
+        """A worker died (or the start timed out): stop the others, remember, raise. The error
+        names the workers that ended, killed ones first (a rank whose peer was killed may end
+        too, when its collective breaks)."""
         if rank is None:
             message = f'the model workers did not answer {what} within {START_TIMEOUT_S:.0f} s'
         else:
-            code = _exit_code(self._procs[rank])
-            how = f'signal {-code}' if code is not None and code < 0 else f'exit code {code}'
-            message = f'model worker rank {rank} of {self.ranks} died ({how}) during {what}'
+            ended = _ended(self._procs, rank)
+            deaths = ', '.join(f'rank {r} of {self.ranks} {_how(code)}' for r, code in ended)
+            message = f'model worker {deaths} during {what}'
         self._stop()
         self._dead = message
         raise WorkerError(f'{message}; the model restarts, and its runs continue from their last saved state')
@@ -339,7 +353,7 @@ class MultiRankHost(RequestChecks):
     def _stop(self) -> None:
         for conn in self._conns:
             with contextlib.suppress(OSError, ValueError):  # that worker is gone already
-                conn.send(None)
+                _send(conn, None)
         for proc in self._procs:
             try:
                 proc.wait(STOP_TIMEOUT_S if self._dead is None else 0.1)
@@ -352,12 +366,20 @@ class MultiRankHost(RequestChecks):
         self._dead = self._dead or 'the model workers were stopped'
 
 
-def _exit_code(proc: subprocess.Popen[bytes]) -> int | None:
-    """The worker's exit code (negative: the signal that ended it), once it is gone."""
-    try:
-        return proc.wait(1.0)
-    except subprocess.TimeoutExpired:
-        return None
+def _ended(procs: list[subprocess.Popen[bytes]], rank: int) -> list[tuple[int, int | None]]:
+    """(rank, exit code) of the workers that have ended, within a moment, killed ones first;
+    ``rank`` (whose connection closed) at least."""
+    deadline = time.monotonic() + 2.0
+    while procs[rank].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = [(r, proc.poll()) for r, proc in enumerate(procs) if proc.poll() is not None or r == rank]
+    return sorted(ended, key=lambda item: (item[1] is None or item[1] >= 0, item[0]))
+
+
+def _how(code: int | None) -> str:
+    if code is None:
+        return 'stopped answering'
+    return f'died (signal {-code})' if code < 0 else f'died (exit code {code})'
 
 
 def _free_port() -> int:

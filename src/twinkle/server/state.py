@@ -23,6 +23,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.group import RELEASE_STATE, ModelGroup, bare
 from twinkle.server.host import ModelHost
 from twinkle.server.limits import RateLimiter
+from twinkle.server.multi_rank import MultiRankHost
 from twinkle.server.remote_host import Host, RemoteHost, build_host
 from twinkle.server.scheduler import Batchable, Job, QueueFullError
 from twinkle.server.store import Checkpoint, Run, Store, Tenant
@@ -69,11 +70,17 @@ class Service:
         self.memory_releases = Counter(
             'twinkle_memory_releases', 'Times the idle model process gave freed memory back', registry=self.registry
         )
+        self.restarts = Counter(
+            'twinkle_model_restarts',
+            "Times a model's worker processes were started again after one died",
+            ['base_model'],
+            registry=self.registry,
+        )
         self.groups: dict[str, ModelGroup] = {}
         for index, group_config in enumerate(config.model_groups()):
             group_host = host if index == 0 and host is not None else build_host(group_config)
             self.groups[group_config.base_model] = ModelGroup(
-                group_config, self.store, group_host, self._on_start, self._on_finish, self._on_idle
+                group_config, self.store, group_host, self._on_start, self._on_finish, self._on_idle, self._on_restart
             )
         #: The group of ``config.base_model``: what a request that names no base model gets.
         self.default = self.groups[config.base_model]
@@ -131,8 +138,8 @@ class Service:
         for group in self.groups.values():
             for job in group.scheduler.stop(wait=True):
                 self.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
-            if isinstance(group.host, RemoteHost):
-                group.host.shutdown()  # a model worker in a Ray actor goes with its server
+            if isinstance(group.host, (RemoteHost, MultiRankHost)):
+                group.host.shutdown()  # model workers in a Ray actor or processes go with their server
 
     # ---- jobs -----------------------------------------------------------------------------------
     async def submit_async(
@@ -202,6 +209,11 @@ class Service:
         if group.host.call(ModelHost.release_free_memory):
             self.memory_releases.inc()
 
+    def _on_restart(self, group: ModelGroup) -> None:
+        name = bare(group.name)
+        logger.warning(f'the workers of {name!r} were started again; its runs continue from their saved state')
+        self.restarts.labels(name).inc()
+
     def _on_start(self, job: Job) -> None:
         self.store.set_future_running(job.id)
 
@@ -230,7 +242,7 @@ class Service:
         if run is None or run.status == 'deleted':
             raise NotFoundError(f'training run {run_id!r} not found')
         group = self.group_of(run)
-        if run_id not in group.adapters and not group.release_state(run).is_dir():
+        if run_id not in group.adapters and group.saved_state(run) is None:
             raise StateError(
                 f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '
                 'to restore: create a run and load one of its checkpoints with load(path, load_optimizer=True)'

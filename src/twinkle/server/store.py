@@ -38,7 +38,7 @@ from twinkle.wire import TINKER_SCHEME, TWINKLE_SCHEME
 from twinkle.wire import parse_checkpoint_path as parse_checkpoint_path  # checkpoint paths are the wire's
 from twinkle.wire import parse_twinkle_path as parse_twinkle_path
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 RUN_STATUSES = ('active', 'released', 'deleted')
 CHECKPOINT_KINDS = ('training', 'sampler')
 FUTURE_STATUSES = ('pending', 'running', 'done', 'failed')
@@ -121,6 +121,13 @@ CREATE TABLE IF NOT EXISTS sampling_sessions (
     model_path TEXT,
     created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS model_restarts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    -- The hosted base model (as the config names it) whose worker processes were started again.
+    base_model TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
 """
 
 
@@ -141,6 +148,7 @@ _MIGRATIONS = {
         'SELECT id, run_id, tenant_id, name, path, kind, size_bytes, created_at FROM checkpoints_v2',
         'DROP TABLE checkpoints_v2',
     ],
+    4: _creating('model_restarts'),
 }
 
 
@@ -499,6 +507,17 @@ class Store:
             sql = "SELECT * FROM runs WHERE status = 'active' AND tenant_id = ? ORDER BY last_request_at, rowid"
             rows = self._query(sql, (tenant_id,))
         return [_run(row) for row in rows]
+
+    def record_restart(self, base_model: str, reason: str) -> None:
+        """A model's worker processes were started again (one of them died)."""
+        self._execute(
+            'INSERT INTO model_restarts (base_model, reason, at) VALUES (?, ?, ?)', (base_model, reason, self._clock())
+        )
+
+    def restarts(self, base_model: str) -> list[tuple[str, float]]:
+        """The restarts of a model's workers, oldest first: (reason, unix time)."""
+        rows = self._query('SELECT reason, at FROM model_restarts WHERE base_model = ? ORDER BY id', (base_model,))
+        return [(row['reason'], row['at']) for row in rows]
 
     def idle_runs(self, older_than_s: float) -> list[Run]:
         """Active runs with no request in the last ``older_than_s`` seconds, longest idle first."""
