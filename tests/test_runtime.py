@@ -42,7 +42,10 @@ def test_local_mode_seeds_and_becomes_current():
         ({'port': 8000}, 'apply only to mode="http"'),
         ({'groups': [DeviceGroup('a', 1), DeviceGroup('a', 1)]}, "repeated: \\['a'\\]"),
         ({'groups': ['model']}, 'must be DeviceGroup objects'),
-        ({'mode': 'http', 'groups': [DeviceGroup('model', 4)], 'base_model': 'tiny-qwen3'}, 'give it one rank'),
+        (
+            {'mode': 'http', 'groups': [DeviceGroup('model', 4, gpus_per_worker=2)], 'base_model': 'tiny-qwen3'},
+            'one device per model worker',
+        ),
         ({'mode': 'http', 'groups': [DeviceGroup('a', 1), DeviceGroup('b', 1)]}, "group named 'model'"),
     ],
 )

@@ -9,7 +9,11 @@ losses and gradients in another order than one process does, so float32 rounding
 
 from __future__ import annotations
 
+import math
 import re
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,16 +24,18 @@ import tinker
 import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
-from server_helpers import background_server
+from server_helpers import add_key, background_server, free_port, wait_until_healthy
 from tinker import types
 
 from twinkle import assets
+from twinkle.data_format import SamplingParams
 from twinkle.errors import UnknownNameError
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost
 from twinkle.server.multi_rank import MultiRankHost
-from twinkle_client import TwinkleClient
+from twinkle_client import TwinkleClient, init_twinkle_client
 from twinkle_client.model import MultiLoraTransformersModel
+from twinkle_client.sampler import vLLMSampler
 
 TOL = 1e-5
 TENANTS = {'a': 2, 'b': 4, 'c': 8}  # adapter -> LoRA rank
@@ -247,3 +253,59 @@ def _sleep_then_run(host: Any, victim: int) -> None:
     if distributed.is_main():
         os.kill(victim, signal.SIGKILL)
     distributed.all_gather_object(os.getpid())  # rank 0 waits here for a rank that is gone
+
+
+SEED_SERVER = """
+import twinkle
+from twinkle import DeviceGroup, DeviceMesh
+
+device_groups = [
+    DeviceGroup(name='model', ranks=2, device_type='cpu'),
+    DeviceGroup(name='sampler', ranks=1, device_type='cpu'),
+]
+
+twinkle.initialize(mode='http', groups=device_groups, base_model='tiny-qwen3', port={port}, data_dir={data_dir!r})
+"""
+
+
+def test_seed_003_server_script_and_client_loop(tmp_path):
+    """Seed 003's ``server.py`` as written (no ``__main__`` guard: the model workers must not run
+    it again), with two CPU ranks for the model, and its client loop: a sampler from the model id
+    alone samples the base model, the run trains on what it sampled, and a saved checkpoint's
+    weights are sampled through their ``twinkle://`` path."""
+    port, data_dir = free_port(), tmp_path / 'data'
+    script = tmp_path / 'server.py'
+    script.write_text(SEED_SERVER.format(port=port, data_dir=str(data_dir)))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until_healthy(process, port, timeout_s=180)
+        key = add_key('tiny-qwen3', data_dir, 'alice')
+        client = init_twinkle_client(base_url=f'http://127.0.0.1:{port}', api_key=key)
+        assert client.health_check()
+        model = MultiLoraTransformersModel(model_id='tiny-qwen3')
+        model.add_adapter_to_model('default', LORA, seed=4)
+        model.set_optimizer('AdamW', lr=5e-2)
+        model.set_loss('GRPOLoss')
+        sampler = vLLMSampler(model_id='tiny-qwen3')
+        params = SamplingParams(max_tokens=4, temperature=1.0, num_samples=2, seed=11)
+        prompts = [{'input_ids': [11, 23, 5, 42]}, {'input_ids': [7, 8, 9]}]
+        losses = []
+        for _ in range(3):
+            responses = sampler.sample(inputs=prompts, sampling_params=params)
+            batch = [seq.new_input_feature for response in responses for seq in response.sequences]
+            assert len(batch) == 4 and all(len(row['input_ids']) > 3 for row in batch)
+            advantages = [1.0, -1.0, 1.0, -1.0]
+            losses.append(model.forward_backward(inputs=batch, advantages=advantages).loss)
+            model.step()
+        assert all(math.isfinite(loss) for loss in losses)
+        path = model.save('step-3')
+        saved = vLLMSampler(model_id='tiny-qwen3', model_path=path)
+        greedy = SamplingParams(max_tokens=3, temperature=0.0)
+        through_path = saved.sample(inputs=prompts[:1], sampling_params=greedy)[0].sequences[0].tokens
+        through_run = vLLMSampler(model=model).sample(inputs=prompts[:1], sampling_params=greedy)[0].sequences[0].tokens
+        assert through_path == through_run and len(through_path) == 3
+        process.send_signal(signal.SIGINT)
+        assert process.wait(120) == 0
+    finally:
+        process.kill()
+        process.wait()

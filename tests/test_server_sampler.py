@@ -204,9 +204,25 @@ def test_another_tenant_cannot_sample_with_your_run(server):
     assert error.value.status == 404
 
 
-def test_a_sampler_without_a_run_says_to_pass_model(server):
+def test_a_sampler_without_a_run_samples_the_base_model_or_saved_weights(server, tiny_model_dir):
     url, keys = server
-    sampler = vLLMSampler(model_id='ms://Qwen/Qwen3.5-4B', client=TwinkleClient(url, keys['alice']))
+    alice, bob = TwinkleClient(url, keys['alice']), TwinkleClient(url, keys['bob'])
+    model = remote_model(url, keys['alice'], seed=0)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    tokens = lambda sampler, **kw: [r.sequences[0].tokens for r in sampler.sample(PROMPTS, greedy, **kw)]  # noqa: E731
+    # The model id alone: the base model (the server's default model under any spelling it answers to).
+    sampler = vLLMSampler(model_id=tiny_model_dir, client=alice)
     sampler.set_template('Qwen3_5Template', model_id='ms://Qwen/Qwen3.5-4B')  # accepted, the server's is used
-    with pytest.raises(StateError, match=r'TorchSampler\(model='):
-        sampler.sample(PROMPTS)
+    through_run = vLLMSampler(model=model)
+    assert tokens(sampler) == tokens(through_run, base_model=True) == tokens(vLLMSampler(client=alice))
+    # A saved checkpoint's weights, by its twinkle:// path: the run's weights as saved.
+    path = model.save('for-sampling')
+    assert tokens(vLLMSampler(model_path=path, client=alice)) == tokens(through_run)
+    with pytest.raises(RemoteError, match='not found') as error:  # another tenant's checkpoint
+        vLLMSampler(model_path=path, client=bob).sample(PROMPTS, greedy)
+    assert error.value.status == 404
+    with pytest.raises(RemoteError, match=r"'ms://Qwen/Qwen3\.5-4B' is not served here") as error:
+        vLLMSampler(model_id='ms://Qwen/Qwen3.5-4B', client=alice).sample(PROMPTS, greedy)
+    assert error.value.status == 404
+    with pytest.raises(StateError, match='base_model=True samples the base model'):
+        vLLMSampler(model_path=path, client=alice).sample(PROMPTS, greedy, base_model=True)

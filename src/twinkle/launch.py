@@ -107,9 +107,8 @@ def _group_list(groups: DeviceGroup | Sequence[DeviceGroup] | None) -> list[Devi
 def _server_config(groups: list[DeviceGroup], config: str | None, options: dict[str, Any]) -> ServerConfig:
     from twinkle.server.config import ServerConfig
 
-    device = _server_device(groups)
-    if device is not None:
-        options.setdefault('device', device)
+    for key, value in _model_placement(groups).items():
+        options.setdefault(key, value)
     return ServerConfig.load(config, **options) if config else ServerConfig.build(**options)
 
 
@@ -125,25 +124,29 @@ def _serve(server_config: ServerConfig, block: bool) -> RunningServer | None:
     return server
 
 
-def _server_device(groups: list[DeviceGroup]) -> str | None:
-    """The device of the service's model: the group named 'model', or the only group."""
+def _model_placement(groups: list[DeviceGroup]) -> dict[str, Any]:
+    """Where the service's model runs: the group named 'model' (or the only group). One rank:
+    its device; N ranks: N worker processes (``ranks``), data parallel unless the options give
+    an ``fsdp_size``."""
     if not groups:
-        return None
+        return {}
     model = next((g for g in groups if g.name == 'model'), groups[0] if len(groups) == 1 else None)
     if model is None:
         raise ConfigurationError(
             f"the service places its model on the group named 'model'; groups: {[g.name for g in groups]}"
         )
-    if model.num_devices > 1 or model.gpus_per_worker > 1:
+    if model.gpus_per_worker > 1:
         raise ConfigurationError(
-            f'the service runs its model on one device; group {model.name!r} has ranks {model.ranks}: '
-            f'give it one rank (e.g. ranks=[{model.ranks[0]}])'
+            f'the service runs one device per model worker; group {model.name!r} has gpus_per_worker='
+            f'{model.gpus_per_worker}: give each rank one device'
         )
-    if model.device_type == 'cpu':
-        return 'cpu'
     if len(groups) > 1:
-        logger.info('the service samples with the model\'s own weights; groups other than "model" stay unused')
-    return f'{model.device_type}:{model.ranks[0]}'
+        logger.info('the service samples on its model group; groups other than "model" stay unused')
+    if model.world_size > 1:
+        return {'device': model.device_type, 'ranks': model.world_size}
+    if model.device_type == 'cpu':
+        return {'device': 'cpu'}
+    return {'device': f'{model.device_type}:{model.ranks[0]}'}
 
 
 __all__ = ['initialize']

@@ -335,6 +335,17 @@ class Sample(Operation):
     base_model: StrictBool = False
 
 
+class SampleWeights(Wire):
+    """``POST /twinkle/v1/sample``: sample without a training run, the base model (``base_model``,
+    None: the server's default) or saved weights (``model_path``: a ``twinkle://`` checkpoint of
+    this tenant, or a published one), as ``Sample`` does for a run."""
+
+    base_model: str | None = None
+    model_path: str | None = None
+    inputs: list[Prompt] = Field(min_length=1)
+    sampling_params: dict[str, FiniteJson] | None = None
+
+
 class ClipGradNorm(Operation):
     max_grad_norm: float = Field(1.0, gt=0)
     norm_type: float = 2.0
@@ -440,6 +451,7 @@ __all__ = [
     'Prompt',
     'RunInfo',
     'RunList',
+    'SampleWeights',
     'SaveRequest',
     'ServerInfo',
     'parse_checkpoint_path',

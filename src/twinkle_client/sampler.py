@@ -31,7 +31,7 @@ from twinkle.data_format import InputFeature, SampledSequence, SampleResponse, S
 from twinkle.data_format.sampling import StopReason
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.template import Template
-from twinkle.wire import PROMPT_FIELDS, Sample
+from twinkle.wire import PROMPT_FIELDS, Sample, SampleWeights
 from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
 from twinkle_client.model import MultiLoraTransformersModel, Row
 
@@ -67,8 +67,10 @@ class TorchSampler:
     over the trainer's own weights); ``vLLMSampler`` is this class under the name the local
     scripts use.
 
-    ``model_id`` is kept for parity with the local sampler: the server samples its own base
-    model. Without ``model=`` there is no run to sample through and ``sample`` says so.
+    Without ``model=`` it samples without a training run: the base model ``model_id`` names
+    (None: the server's default), or the saved weights of ``model_path`` (a ``twinkle://``
+    checkpoint, a run's ``save`` or a published one), as seed 003's client loop does with
+    ``vLLMSampler(model_id=...)``.
     """
 
     def __init__(
@@ -78,12 +80,16 @@ class TorchSampler:
         client: TwinkleClient | None = None,
         model: MultiLoraTransformersModel | None = None,
         adapter_name: str | None = None,
+        model_path: str | None = None,
     ):
         if model is not None and not isinstance(model, MultiLoraTransformersModel):
             raise ConfigurationError(f'model must be a twinkle_client MultiLoraTransformersModel; got {model!r}')
         if model is not None and client is not None and client is not model.client:
             raise ConfigurationError("the sampler talks to its model's server: pass model= alone, or the same client")
+        if model is not None and model_path is not None:
+            raise ConfigurationError('sample a training run (model=) or saved weights (model_path=), not both')
         self.model_id = model_id
+        self.model_path = model_path
         self.model = model
         self.client = model.client if model is not None else client or default_client()
         self.adapter_name = adapter_name
@@ -112,23 +118,23 @@ class TorchSampler:
         ``user_data`` stays here and is put back into its sequences' ``new_input_feature``.
         ``base_model=True`` samples the base model without the adapter. Bad parameters are a
         ``RemoteError`` (status 400) naming the field."""
-        if self.model is None:
-            raise StateError(
-                'this sampler has no training run to sample through: build it as TorchSampler(model=<a '
-                'MultiLoraTransformersModel with an adapter>); the server samples that run (or, with '
-                'base_model=True, its base model)'
-            )
-        run_id = self.model._run(adapter_name or self.adapter_name)  # the model's errors name its adapters
         rows = [inputs] if isinstance(inputs, Mapping) else list(inputs)
         params = asdict(sampling_params) if isinstance(sampling_params, SamplingParams) else sampling_params
-        fields = {
+        fields: dict[str, object] = {
             'inputs': [_prompt_json(index, row) for index, row in enumerate(rows)],
             'sampling_params': params,  # checked by the server, whose 400 names a bad field
-            'base_model': base_model,
         }
-        result = _RESPONSES.validate_python(
-            self.client.call(f'{PREFIX}/runs/{run_id}/ops/sample', build(Sample, fields))
-        )
+        if self.model is None:  # no run: the base model, or saved weights
+            if base_model and self.model_path is not None:
+                raise StateError('base_model=True samples the base model; this sampler samples model_path')
+            body = build(SampleWeights, {**fields, 'base_model': self.model_id, 'model_path': self.model_path})
+            answer = self.client.call(f'{PREFIX}/sample', body)
+        else:
+            run_id = self.model._run(adapter_name or self.adapter_name)  # the model's errors name its adapters
+            answer = self.client.call(
+                f'{PREFIX}/runs/{run_id}/ops/sample', build(Sample, {**fields, 'base_model': base_model})
+            )
+        result = _RESPONSES.validate_python(answer)
         return [_response(data, row.get('user_data')) for data, row in zip(result, rows, strict=True)]
 
 

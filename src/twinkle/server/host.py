@@ -371,6 +371,22 @@ class ModelHost(RequestChecks):
             responses = self.generate(prompts, params, adapter, weight_version=group.optim_step)
         return [asdict(response) for response in responses]
 
+    def sample_weights(
+        self,
+        inputs: list[dict[str, Any]],
+        sampling_params: dict[str, Any] | None,
+        directory: Path | None,
+        shown_as: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Sample the base model (``directory`` None) or the weights saved in ``directory`` (a
+        checkpoint the tenant calls ``shown_as``), without a training run; ``messages`` prompts
+        are encoded with the base model's template. One ``SampleResponse`` per prompt, as a dict."""
+        prompts, params = self.sample_request(inputs, sampling_params)
+        template = self.sampler().template
+        prompts = [_encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
+        adapter = None if directory is None else self.sampler_adapter(directory, shown_as)
+        return [asdict(response) for response in self.generate(prompts, params, adapter)]
+
     def generate(
         self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
     ) -> list[Any]:

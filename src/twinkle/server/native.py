@@ -39,8 +39,10 @@ from twinkle.wire import (
     Operation,
     RunInfo,
     RunList,
+    SampleWeights,
     SaveRequest,
     ServerInfo,
+    parse_checkpoint_path,
     parse_twinkle_path,
 )
 
@@ -68,6 +70,7 @@ def native_router(service: Service) -> APIRouter:
         )
     _unknown_operation_route(router, service)
     _checkpoint_routes(router, service)
+    _sample_route(router, service)
     _future_routes(router, service)
     return router
 
@@ -200,6 +203,31 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         store.delete_checkpoint(who.id, run_id, name)
         shutil.rmtree(checkpoint.path, ignore_errors=True)
         return Deleted(deleted=True)
+
+
+# ---- sampling without a run -----------------------------------------------------------------------
+def _sample_route(router: APIRouter, service: Service) -> None:
+    @router.post('/sample', status_code=202, response_model=FutureAccepted)
+    async def sample(body: SampleWeights, who: Who) -> FutureAccepted:
+        """Sample the base model, or a saved checkpoint's weights, without a training run."""
+        directory, group = None, service.group_named(body.base_model)
+        if body.model_path is not None:
+            run_id, kind, name = parse_checkpoint_path(body.model_path)
+            checkpoint = service.store.get_readable_checkpoint(who.id, run_id, name, kind)
+            if checkpoint is None:
+                raise NotFoundError(f'checkpoint {body.model_path!r} not found')
+            source = service.store.get_run_by_id(checkpoint.run_id)
+            if body.base_model is None and source is not None:
+                group = service.hosting(source.base_model, f'checkpoint {body.model_path!r}')
+            service.check_trained_on(checkpoint, group, body.model_path)
+            directory = Path(checkpoint.path)
+        inputs = [prompt.model_dump(exclude_none=True) for prompt in body.inputs]
+        group.host.sample_request(inputs, body.sampling_params)  # a 4xx now, not a failed future
+
+        def run() -> object:
+            return group.host.sample_weights(inputs, body.sampling_params, directory, body.model_path)
+
+        return FutureAccepted(future_id=(await service.submit_async(who, group, None, 'sample', run)).id)
 
 
 # ---- futures --------------------------------------------------------------------------------------

@@ -91,9 +91,9 @@ class Service:
         """The group of the base model ``name`` names (None: the default); 404 if none is hosted."""
         if name is None:
             return self.default
-        for group in self.groups.values():
-            if group.answers_to(name):
-                return group
+        group = self.find_group(name)
+        if group is not None:
+            return group
         raise NotFoundError(f'base model {name!r} is not served here; this server hosts {self.model_names()}')
 
     def group_of(self, run: Run) -> ModelGroup:
