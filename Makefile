@@ -31,7 +31,7 @@ test: setup  ## lint, layer contracts, types (mypy over src/), then the whole te
 fuzz: setup  ## the schema-driven fuzz of every HTTP operation, 50 requests per operation and mode (make test runs 2)
 	TWINKLE_FUZZ_EXAMPLES=$${TWINKLE_FUZZ_EXAMPLES:-50} $(PY) -m pytest -q --timeout=3600 tests/test_schema_fuzz.py
 
-bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP (native and Tinker) vs local, Ray and torchrun vs one process, mixed-tenant passes, adapters stepped together
+bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP (native and Tinker) vs local, Ray and torchrun vs one process, mixed-tenant passes, adapters stepped together, a model group of 1 and 2 ranks
 	$(PY) benchmarks/lora_overhead.py
 	$(PY) benchmarks/sampler_throughput.py
 	$(PY) benchmarks/grpo_reward_curve.py
@@ -40,6 +40,7 @@ bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO rewar
 	$(PY) benchmarks/distributed_overhead.py
 	$(PY) benchmarks/mixed_tenants.py --rounds 5
 	$(PY) benchmarks/multi_step.py
+	$(PY) benchmarks/model_group.py
 
 clean:
 	rm -rf output .twinkle_home .pytest_cache

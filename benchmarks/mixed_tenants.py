@@ -77,7 +77,7 @@ class Settings:
     lora_r: int = 16
     # The mixed server's mix_wait_ms (how long a request waits for the tenants its last pass
     # held); the first value is the server default's row, the others are run beside it.
-    mix_wait_ms: list[float] = field(default_factory=lambda: [0.0])
+    mix_wait_ms: list[float] = field(default_factory=lambda: [30.0])
     lora_alpha: int = 32
     lr: float = 1e-4
     # Seconds to wait for a server subprocess to answer /healthz.

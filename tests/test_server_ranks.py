@@ -165,9 +165,10 @@ SERVED_ROWS = [{'input_ids': [11, 23, 5, 42, 17, 8], 'labels': [-100, 23, 5, 42,
 
 @pytest.fixture(scope='module')
 def served(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Any]]:
-    """A server whose model is a two-rank FSDP2 group."""
+    """A server whose default model is a two-rank FSDP2 group, beside a second model in its process."""
     data_dir = tmp_path_factory.mktemp('ranks')
-    options = {'ranks': 2, 'fsdp_size': 2, 'release_memory_after_idle_s': None}
+    more = [{'base_model': 'small-qwen3', 'device': 'cpu'}]
+    options = {'ranks': 2, 'fsdp_size': 2, 'release_memory_after_idle_s': None, 'more_models': more}
     with background_server(data_dir, 'tiny-qwen3', **options) as running:
         yield running
 
@@ -235,6 +236,10 @@ def test_a_killed_worker_fails_its_request_and_the_group_comes_back(served):
     held = service.default.scheduler.submit('probe', lambda: host.call(_sleep_then_run, victim))
     assert held.wait(120) and held.status == 'failed'
     assert 'model worker rank 1 of 2 died (signal 9)' in str(held.error)
+    # The other model keeps serving while this one is down.
+    other = MultiLoraTransformersModel('small-qwen3', client=TwinkleClient(url, keys['bob']))
+    other.add_adapter_to_model('default', LORA, seed=1)
+    assert math.isfinite(other.forward_backward(inputs=SERVED_ROWS).loss)
     # The next request restarts the group; the run continues from its last save.
     assert model.forward_backward(inputs=SERVED_ROWS).loss == pytest.approx(saved_next, rel=TOL, abs=TOL)
     assert victim not in host.pids and len(host.pids) == 2

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, wait
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -207,21 +207,44 @@ def _picklable(value: Any) -> bool:
 
 
 # ---- the server side ----------------------------------------------------------------------------
-class MultiRankHost(RequestChecks):
-    """The model on ``config.ranks`` worker processes, with a ``ModelHost``'s methods."""
+class RankDied(Exception):
+    """A worker of the group died (or did not start in time); the message says which and how."""
 
-    def __init__(self, config: ServerConfig):
+
+class Ranks(Protocol):
+    """How the server reaches its workers: processes it starts (``ProcessRanks``), or Ray
+    actors on any node of a cluster (``twinkle.server.ray_ranks.RayRanks``)."""
+
+    described: dict[str, Any]  # rank 0's RankHost.describe()
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes, by rank."""
+        ...
+
+    def run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Rank 0's result of ``name`` on every rank; a rank's error raised; ``RankDied`` if one died."""
+        ...
+
+    def stop(self, dead: bool) -> None: ...
+
+
+class MultiRankHost(RequestChecks):
+    """The model on ``config.ranks`` workers, with a ``ModelHost``'s methods."""
+
+    def __init__(self, config: ServerConfig, start: Callable[[ServerConfig], Ranks] | None = None):
+        """``start`` makes the workers: ``ProcessRanks`` (the default) or ``RayRanks``."""
         if config.ranks % config.fsdp_size:
             raise ConfigurationError(f'ranks={config.ranks} must be a multiple of fsdp_size={config.fsdp_size}')
         self.config = config
+        self._start_workers = start or ProcessRanks
         self.ranks = config.ranks
         self.device = torch.device('cuda' if (config.device or '').startswith('cuda') else 'cpu')
         self.restarts = 0  # times the workers were started again after one died
         self._lock = threading.Lock()
-        self._conns: list[Connection] = []
-        self._procs: list[subprocess.Popen[bytes]] = []
         self._dead: str | None = None
-        described = self._start()
+        self._workers = self._start()
+        described = self._workers.described
         self.model_id: str = described['model_id']
         self.vocab_size: int = described['vocab_size']
         self.context: int | None = described['context']
@@ -230,7 +253,7 @@ class MultiRankHost(RequestChecks):
     @property
     def pids(self) -> list[int]:
         """The worker processes, by rank."""
-        return [proc.pid for proc in self._procs]
+        return self._workers.pids
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith('_') or not callable(getattr(ModelHost, name, None)):
@@ -245,7 +268,8 @@ class MultiRankHost(RequestChecks):
 
     def shutdown(self) -> None:
         with self._lock:
-            self._stop()
+            self._workers.stop(dead=False)
+            self._dead = self._dead or 'the model workers were stopped'
 
     def restart_if_dead(self) -> str | None:
         """Start the workers again if one died; then what happened to it (every adapter is gone),
@@ -254,27 +278,71 @@ class MultiRankHost(RequestChecks):
             reason = self._dead
             if reason is None:
                 return None
-            self._start()
+            self._workers = self._start()
+            self._dead = None
             self.restarts += 1
             return reason
 
-    # ---- the workers ----------------------------------------------------------------------------
-    def _start(self) -> dict[str, Any]:
-        """Start the workers (``python -m twinkle.server.multi_rank``: a fresh interpreter, which
-        does not run the server's own script again) and wait until each has loaded the model."""
-        self._conns, self._procs, self._dead = [], [], None
+    def _start(self) -> Ranks:
+        return self._start_workers(self.config)
+
+    def _on_every_rank(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self._lock:
+            if self._dead is not None:
+                raise WorkerError(f'{self._dead}; it restarts before the next request')
+            try:
+                return self._workers.run(name, args, kwargs)
+            except RankDied as died:
+                self._workers.stop(dead=True)  # the others wait in a collective for the dead one
+                self._dead = str(died)
+                raise WorkerError(
+                    f'{died}; the model restarts, and its runs continue from their last saved state'
+                ) from None
+
+
+class ProcessRanks:
+    """The workers as processes of this machine: ``python -m twinkle.server.multi_rank``, a fresh
+    interpreter (the server's own script, which may lack a ``__main__`` guard, is not run again),
+    each connected back over a local socket."""
+
+    def __init__(self, config: ServerConfig):
+        self.config, self.ranks = config, config.ranks
+        self._conns: list[Connection] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
         authkey = secrets.token_bytes(32)
         with Listener(('127.0.0.1', 0), authkey=authkey) as listener:
             host, port = listener.address
-            address = f'{host}:{port}'
             env = {**os.environ, 'TWINKLE_RANK_AUTHKEY': authkey.hex()}
-            command = [sys.executable, '-m', 'twinkle.server.multi_rank', address]
+            command = [sys.executable, '-m', 'twinkle.server.multi_rank', f'{host}:{port}']
             self._procs = [subprocess.Popen(command, env=env) for _ in range(self.ranks)]
             try:
-                return self._join(listener)
+                self.described: dict[str, Any] = self._join(listener)
             except BaseException:
-                self._stop()
+                self.stop(dead=True)
                 raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    def run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        for conn in self._conns:
+            _send(conn, (name, args, kwargs))
+        return self._replies(name)
+
+    def stop(self, dead: bool) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError, ValueError):  # that worker is gone already
+                _send(conn, None)
+        for proc in self._procs:
+            try:
+                proc.wait(0.1 if dead else STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
 
     def _join(self, listener: Listener) -> dict[str, Any]:
         """Accept every worker's connection, give each its rank and the config, wait until ready.
@@ -288,7 +356,8 @@ class MultiRankHost(RequestChecks):
                 try:
                     conn = listener.accept()
                 except OSError:
-                    self._fail(next((r for r, p in enumerate(self._procs) if p.poll() is not None), None), 'start-up')
+                    ended = next((r for r, p in enumerate(self._procs) if p.poll() is not None), None)
+                    raise self._died(ended, 'start-up') from None
                 _send(conn, (rank, self.ranks, port, data, sys.path))
                 self._conns.append(conn)
         finally:
@@ -303,14 +372,6 @@ class MultiRankHost(RequestChecks):
                 listener.close()
                 return
 
-    def _on_every_rank(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with self._lock:
-            if self._dead is not None:
-                raise WorkerError(f'{self._dead}; it restarts before the next request')
-            for conn in self._conns:
-                _send(conn, (name, args, kwargs))
-            return self._replies(name)
-
     def _replies(self, what: str, timeout: float | None = None, fail_fast: bool = False) -> Any:
         """Every rank's reply to the call just sent; rank 0's value, or the first rank's error
         (``fail_fast``: as soon as one rank fails, as at start-up, where the others may be waiting
@@ -320,14 +381,14 @@ class MultiRankHost(RequestChecks):
             waiting = [conn for rank, conn in enumerate(self._conns) if rank not in replies]
             ready = wait(waiting, timeout)
             if not ready:
-                self._fail(None, what)
+                raise self._died(None, what)
             for item in ready:
                 assert isinstance(item, Connection)
                 rank = self._conns.index(item)
                 try:
                     replies[rank] = _recv(item)
                 except (EOFError, OSError):  # the worker's end closed: it died
-                    self._fail(rank, what)
+                    raise self._died(rank, what) from None
                 if fail_fast and replies[rank][0] == 'error':
                     raise _rebuilt(replies[rank][1])
         for rank in range(self.ranks):
@@ -336,34 +397,13 @@ class MultiRankHost(RequestChecks):
                 raise _rebuilt(value)
         return replies[0][1]
 
-    def _fail(self, rank: int | None, what: str) -> None:
-        """A worker died (or the start timed out): stop the others, remember, raise. The error
-        names the workers that ended, killed ones first (a rank whose peer was killed may end
-        too, when its collective breaks)."""
+    def _died(self, rank: int | None, what: str) -> RankDied:
+        """What died: the workers that ended, killed ones first (a rank whose peer was killed may
+        end too, when its collective breaks); or the start that timed out."""
         if rank is None:
-            message = f'the model workers did not answer {what} within {START_TIMEOUT_S:.0f} s'
-        else:
-            ended = _ended(self._procs, rank)
-            deaths = ', '.join(f'rank {r} of {self.ranks} {_how(code)}' for r, code in ended)
-            message = f'model worker {deaths} during {what}'
-        self._stop()
-        self._dead = message
-        raise WorkerError(f'{message}; the model restarts, and its runs continue from their last saved state')
-
-    def _stop(self) -> None:
-        for conn in self._conns:
-            with contextlib.suppress(OSError, ValueError):  # that worker is gone already
-                _send(conn, None)
-        for proc in self._procs:
-            try:
-                proc.wait(STOP_TIMEOUT_S if self._dead is None else 0.1)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for conn in self._conns:
-            conn.close()
-        self._conns, self._procs = [], []
-        self._dead = self._dead or 'the model workers were stopped'
+            return RankDied(f'the model workers did not answer {what} within {START_TIMEOUT_S:.0f} s')
+        deaths = ', '.join(f'rank {r} of {self.ranks} {_how(code)}' for r, code in _ended(self._procs, rank))
+        return RankDied(f'model worker {deaths} during {what}')
 
 
 def _ended(procs: list[subprocess.Popen[bytes]], rank: int) -> list[tuple[int, int | None]]:
@@ -388,7 +428,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-__all__ = ['MultiRankHost', 'RankHost', 'serve_rank']
+__all__ = ['MultiRankHost', 'ProcessRanks', 'RankDied', 'RankHost', 'Ranks', 'serve_rank']
 
 if __name__ == '__main__':
     serve_rank(sys.argv[1], bytes.fromhex(os.environ.pop('TWINKLE_RANK_AUTHKEY')))

@@ -101,8 +101,12 @@ Host = ModelHost | RemoteHost | MultiRankHost
 
 
 def build_host(config: ServerConfig) -> Host:
-    """The model host a config asks for: in this process, in a Ray actor (``ray:`` set), or on
-    worker processes of this machine (``ranks`` > 1)."""
+    """The model host a config asks for: in this process, in a Ray actor (``ray:`` set), on
+    worker processes of this machine (``ranks`` > 1), or on Ray actors of a cluster (both)."""
+    if config.ranks > 1 and config.ray is not None:
+        from twinkle.server.ray_ranks import RayRanks
+
+        return MultiRankHost(config, RayRanks)
     if config.ranks > 1:
         return MultiRankHost(config)
     return RemoteHost(config) if config.ray is not None else ModelHost(config)
