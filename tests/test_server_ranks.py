@@ -34,6 +34,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost
 from twinkle.server.multi_rank import MultiRankHost
 from twinkle_client import TwinkleClient, init_twinkle_client
+from twinkle_client.checkpoint_engine import CheckpointEngineManager
 from twinkle_client.model import MultiLoraTransformersModel
 from twinkle_client.sampler import vLLMSampler
 
@@ -214,8 +215,10 @@ def test_a_tinker_sdk_client_trains_on_the_group(served):
         losses.append(-sum(float(x) for x in output.loss_fn_outputs[0]['logprobs'].to_torch()))
         trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     assert losses[-1] < losses[0]
-    reply = trainer.save_weights_and_get_sampling_client().sample(
-        types.ModelInput.from_ints([11, 23, 5]), 1, types.SamplingParams(max_tokens=3, temperature=0.0)
+    reply = (
+        trainer.save_weights_and_get_sampling_client()
+        .result()
+        .sample(types.ModelInput.from_ints([11, 23, 5]), 1, types.SamplingParams(max_tokens=3, temperature=0.0))
     )
     assert len(reply.result().sequences[0].tokens) == 3
 
@@ -275,9 +278,10 @@ twinkle.initialize(mode='http', groups=device_groups, base_model='tiny-qwen3', p
 
 def test_seed_003_server_script_and_client_loop(tmp_path):
     """Seed 003's ``server.py`` as written (no ``__main__`` guard: the model workers must not run
-    it again), with two CPU ranks for the model, and its client loop: a sampler from the model id
-    alone samples the base model, the run trains on what it sampled, and a saved checkpoint's
-    weights are sampled through their ``twinkle://`` path."""
+    it again), with two CPU ranks for the model and one for its sampler group, and its client
+    loop: a sampler from the model id alone samples the base model, the run trains on what it
+    sampled, a saved checkpoint's weights are sampled through their ``twinkle://`` path, and the
+    run's own sampler samples them once synced."""
     port, data_dir = free_port(), tmp_path / 'data'
     script = tmp_path / 'server.py'
     script.write_text(SEED_SERVER.format(port=port, data_dir=str(data_dir)))
@@ -307,8 +311,11 @@ def test_seed_003_server_script_and_client_loop(tmp_path):
         saved = vLLMSampler(model_id='tiny-qwen3', model_path=path)
         greedy = SamplingParams(max_tokens=3, temperature=0.0)
         through_path = saved.sample(inputs=prompts[:1], sampling_params=greedy)[0].sequences[0].tokens
-        through_run = vLLMSampler(model=model).sample(inputs=prompts[:1], sampling_params=greedy)[0].sequences[0].tokens
-        assert through_path == through_run and len(through_path) == 3
+        # The sampler group sees the run as of its last sync: sync, then sample through the run.
+        run_sampler = vLLMSampler(model=model)
+        assert CheckpointEngineManager(model, run_sampler).sync_weights().weight_version == 3
+        through_run = run_sampler.sample(inputs=prompts[:1], sampling_params=greedy)[0].sequences[0]
+        assert through_path == through_run.tokens and len(through_path) == 3 and through_run.weight_version == 3
         process.send_signal(signal.SIGINT)
         assert process.wait(120) == 0
     finally:

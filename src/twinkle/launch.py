@@ -9,7 +9,8 @@ Modes:
 
 - ``'local'``: this process (one device, or one rank of ``torchrun`` with ``global_device_mesh``);
 - ``'http'``: serve the training service (``twinkle-server`` from Python). ``groups`` says where
-  the model lives: the group named ``'model'`` (or the only group) gives the device;
+  the model lives: the group named ``'model'`` (or the only group) gives its device, or its N
+  worker processes (``ranks``); a group named ``'sampler'`` gives it a sampler group of its own;
 - ``'ray'``: components built with ``remote_group=`` become actors on those groups (see
   ``twinkle.infra.ray``): this process joins the Ray cluster ``RAY_ADDRESS`` names, else one
   running on this machine, else starts one, and reserves each group's devices there.
@@ -127,7 +128,7 @@ def _serve(server_config: ServerConfig, block: bool) -> RunningServer | None:
 def _model_placement(groups: list[DeviceGroup]) -> dict[str, Any]:
     """Where the service's model runs: the group named 'model' (or the only group). One rank:
     its device; N ranks: N worker processes (``ranks``), data parallel unless the options give
-    an ``fsdp_size``."""
+    an ``fsdp_size``. A group named 'sampler' is the model's sampler group (``sampler``)."""
     if not groups:
         return {}
     model = next((g for g in groups if g.name == 'model'), groups[0] if len(groups) == 1 else None)
@@ -140,13 +141,24 @@ def _model_placement(groups: list[DeviceGroup]) -> dict[str, Any]:
             f'the service runs one device per model worker; group {model.name!r} has gpus_per_worker='
             f'{model.gpus_per_worker}: give each rank one device'
         )
-    if len(groups) > 1:
-        logger.info('the service samples on its model group; groups other than "model" stay unused')
+    placement: dict[str, Any] = {'device': _device_of(model)}
     if model.world_size > 1:
-        return {'device': model.device_type, 'ranks': model.world_size}
-    if model.device_type == 'cpu':
-        return {'device': 'cpu'}
-    return {'device': f'{model.device_type}:{model.ranks[0]}'}
+        placement['ranks'] = model.world_size
+    sampler = next((g for g in groups if g.name == 'sampler'), None)
+    if sampler is not None:
+        placement['sampler'] = {'ranks': sampler.world_size, 'device': _device_of(sampler)}
+    unused = [g.name for g in groups if g is not model and g is not sampler]
+    if unused:
+        logger.info(f'the service places its model on "model" and its sampler on "sampler"; {unused} stay unused')
+    return placement
+
+
+def _device_of(group: DeviceGroup) -> str:
+    """One worker's device: 'cpu', or the group's device type (each rank of several takes its
+    own); with one rank, its device index."""
+    if group.device_type == 'cpu' or group.world_size > 1:
+        return group.device_type
+    return f'{group.device_type}:{group.ranks[0]}'
 
 
 __all__ = ['initialize']

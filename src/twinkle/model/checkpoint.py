@@ -43,6 +43,8 @@ from twinkle.model.group import TrainGroup
 
 ADAPTER_WEIGHTS = 'adapter_model.safetensors'
 TRAINER_STATE = 'trainer_state.json'
+#: The optimizer step the weights were saved at, in every checkpoint (a sampler's weight version).
+WEIGHTS_STEP = 'weights_step.json'
 OPTIMIZER = 'optimizer.pt'
 SCHEDULER = 'scheduler.pt'
 RNG_STATE = 'rng_state.pt'

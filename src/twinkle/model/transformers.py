@@ -470,6 +470,7 @@ class TransformersModel(TwinkleModel):
                 else:
                     ckpt.save_adapter(self.model, group, self.model_id, staging, weights)
                 self._template_for(group).tokenizer.save_pretrained(str(staging))
+                ckpt.write_json(staging / ckpt.WEIGHTS_STEP, {'optim_step': group.optim_step})
                 if save_optimizer:
                     ckpt.save_training_state(group, staging, consumed_train_samples, optimizer_state)
 

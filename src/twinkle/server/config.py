@@ -87,6 +87,17 @@ class RaySettings(BaseModel):
     num_gpus: float | None = Field(None, ge=0)
 
 
+class SamplerSettings(BaseModel):
+    """A sampler group of its own for a hosted model (``twinkle.server.sampler_group``)."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    #: Worker processes of the sampler (each loads the base model once).
+    ranks: int = Field(1, ge=1)
+    #: Its device ('cpu', 'cuda': one GPU per rank); None: the model's.
+    device: str | None = None
+
+
 class ModelSettings(BaseModel):
     """Another base model the server hosts, on a model group of its own (``more_models``)."""
 
@@ -97,6 +108,7 @@ class ModelSettings(BaseModel):
     ray: RaySettings | None = None
     ranks: int = Field(1, ge=1)
     fsdp_size: int = Field(1, ge=1)
+    sampler: SamplerSettings | None = None
 
 
 class ServerConfig(BaseModel):
@@ -152,6 +164,10 @@ class ServerConfig(BaseModel):
     #: Of those ranks, how many shard the base model with FSDP2; the rest replicate it (data
     #: parallel): the mesh ``DeviceMesh.from_sizes(fsdp_size=fsdp_size, dp_size=ranks // fsdp_size)``.
     fsdp_size: int = Field(1, ge=1)
+    #: Sample on devices of the model's own (``{ranks: 1, device: cuda:1}``): training and
+    #: sampling then run at the same time, and a run samples its weights as of its last sync
+    #: for sampling. None: sampling runs on the model's worker, on the trainer's weights.
+    sampler: SamplerSettings | None = None
     #: More base models, each on a model group of its own (its device or Ray actor, its worker
     #: thread, its adapters): a run names its base model, ``base_model`` above is the default.
     more_models: list[ModelSettings] = Field(default_factory=list)
@@ -172,8 +188,9 @@ class ServerConfig(BaseModel):
         """One config per hosted base model, the default first: this config with that model's
         ``base_model``, ``device`` and ``ray`` (and no ``more_models``)."""
         first = ModelSettings(
-            base_model=self.base_model, device=self.device, ray=self.ray, ranks=self.ranks, fsdp_size=self.fsdp_size
-        )
+            base_model=self.base_model, device=self.device, ray=self.ray, ranks=self.ranks, fsdp_size=self.fsdp_size,
+            sampler=self.sampler,
+        )  # fmt: skip
         return [
             self.model_copy(
                 update={**{name: getattr(m, name) for name in ModelSettings.model_fields}, 'more_models': []}

@@ -19,6 +19,7 @@ from twinkle.errors import CapacityError, NotFoundError, StateError
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost, is_mixable, request_tokens
 from twinkle.server.remote_host import Host
+from twinkle.server.sampler_group import SamplerGroup
 from twinkle.server.scheduler import Batchable, Job, JobCallback, Scheduler
 from twinkle.server.store import Run, Store
 
@@ -51,10 +52,13 @@ class ModelGroup:
         on_finish: JobCallback,
         on_idle: Callable[[ModelGroup], None],
         on_restart: Callable[[ModelGroup], None] = lambda group: None,
+        sampler: SamplerGroup | None = None,
     ):
         self.name = config.base_model  # as the config names it, and the store records it
         self.config, self.store, self.host = config, store, host
         self._on_start, self._on_finish, self._on_restart = on_start, on_finish, on_restart
+        #: Its sampler on devices of its own, or None: sampling runs on this group's worker.
+        self.sampler = sampler
         self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
         self._pinned: set[str] = set()  # runs the worker's current jobs use: not released to make room
         limits = config.limits
@@ -72,6 +76,21 @@ class ModelGroup:
         """Whether a client naming ``name`` means this model: its id as configured, without its
         ``ms://`` or ``hf://`` scheme, or the directory it was loaded from."""
         return name in {self.name, bare(self.name), self.host.model_id}
+
+    # ---- where a request runs --------------------------------------------------------------------
+    @property
+    def schedulers(self) -> list[Scheduler]:
+        """The worker threads of this model: its own, and its sampler's."""
+        return [self.scheduler] if self.sampler is None else [self.scheduler, self.sampler.scheduler]
+
+    def scheduler_for(self, operation: str) -> Scheduler:
+        """The worker a request runs on: a sampling request on the sampler's, if there is one."""
+        return self.sampler.scheduler if self.sampler is not None and operation == 'sample' else self.scheduler
+
+    @property
+    def sampling_host(self) -> Host:
+        """The host that samples: the sampler group's, else the model's own."""
+        return self.host if self.sampler is None else self.sampler.host
 
     def _started(self, job: Job) -> None:
         self._revive()

@@ -176,7 +176,8 @@ class ModelHost(RequestChecks):
         self.vocab_size = vocab_size(self.model.model)
         self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
         self._sampler: TorchSampler | None = None
-        self._sampler_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint directory -> adapter
+        # checkpoint directory -> (which save of it, adapter)
+        self._sampler_adapters: OrderedDict[str, tuple[tuple[int, int] | None, str]] = OrderedDict()
         self._sampler_ids = itertools.count()
         # The handler of each wire operation: the method ``_<name>`` here, else the model's ``<name>``.
         self.operations: dict[str, Callable[..., Any]] = {
@@ -377,15 +378,17 @@ class ModelHost(RequestChecks):
         sampling_params: dict[str, Any] | None,
         directory: Path | None,
         shown_as: str | None = None,
+        weight_version: int = 0,
     ) -> list[dict[str, Any]]:
         """Sample the base model (``directory`` None) or the weights saved in ``directory`` (a
-        checkpoint the tenant calls ``shown_as``), without a training run; ``messages`` prompts
-        are encoded with the base model's template. One ``SampleResponse`` per prompt, as a dict."""
+        checkpoint the tenant calls ``shown_as``, its sequences marked ``weight_version``),
+        without a training run; ``messages`` prompts are encoded with the base model's template.
+        One ``SampleResponse`` per prompt, as a dict."""
         prompts, params = self.sample_request(inputs, sampling_params)
         template = self.sampler().template
         prompts = [_encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
         adapter = None if directory is None else self.sampler_adapter(directory, shown_as)
-        return [asdict(response) for response in self.generate(prompts, params, adapter)]
+        return [asdict(response) for response in self.generate(prompts, params, adapter, weight_version)]
 
     def generate(
         self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
@@ -400,26 +403,30 @@ class ModelHost(RequestChecks):
 
     def sampler_adapter(self, directory: Path, shown_as: str | None = None) -> str:
         """The adapter holding the saved weights in ``directory`` (a ``save`` of any adapter),
-        loaded on first use; at most ``MAX_SAMPLER_ADAPTERS`` stay loaded. Errors name
-        ``shown_as`` (the tenant's path of the checkpoint) for ``directory``."""
-        key = str(directory)
-        if key in self._sampler_adapters:
+        loaded on first use and again once the directory holds a newer save (a sampler group
+        of its own sees each sync of a run into the same directory); at most
+        ``MAX_SAMPLER_ADAPTERS`` stay loaded. Errors name ``shown_as`` (the tenant's path of the
+        checkpoint) for ``directory``."""
+        key, stamp = str(directory), _stamp(directory)
+        loaded = self._sampler_adapters.get(key)
+        if loaded is not None and loaded[0] == stamp:
             self._sampler_adapters.move_to_end(key)
-            return self._sampler_adapters[key]
+            return loaded[1]
+        self.forget_sampler_weights(directory)
         if len(self._sampler_adapters) >= MAX_SAMPLER_ADAPTERS:
-            _, oldest = self._sampler_adapters.popitem(last=False)
+            _, (_, oldest) = self._sampler_adapters.popitem(last=False)
             self.remove_adapter(oldest)
         adapter = f'{SAMPLER_PREFIX}{next(self._sampler_ids)}'
         with shown_to_tenant(directory, shown_as):
             self.model.add_adapter_to_model(adapter, key)
-        self._sampler_adapters[key] = adapter
+        self._sampler_adapters[key] = (stamp, adapter)
         return adapter
 
     def forget_sampler_weights(self, directory: Path) -> None:
         """Unload the adapter of ``directory``'s weights, if loaded (its checkpoint was deleted)."""
-        adapter = self._sampler_adapters.pop(str(directory), None)
-        if adapter is not None:
-            self.remove_adapter(adapter)
+        loaded = self._sampler_adapters.pop(str(directory), None)
+        if loaded is not None:
+            self.remove_adapter(loaded[1])
 
     def sampler(self) -> TorchSampler:
         """The sampler over the model's own weights and adapters."""
@@ -500,6 +507,15 @@ def request_tokens(inputs: Any) -> int:
     """Tokens in a request's rows (checked already), for the pass's token budget."""
     rows = [inputs] if isinstance(inputs, Mapping) else inputs
     return sum(len(row['input_ids']) for row in rows)
+
+
+def _stamp(directory: Path) -> tuple[int, int] | None:
+    """Which save a checkpoint directory holds: a save swaps in a new directory (another inode)."""
+    try:
+        status = directory.stat()
+    except OSError:
+        return None  # gone: loading it says so, naming the tenant's path
+    return status.st_ino, status.st_mtime_ns
 
 
 def _row_logps(output: ModelOutput, features: list[InputFeature]) -> list[list[float]]:

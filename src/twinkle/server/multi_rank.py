@@ -170,7 +170,9 @@ def _rank_host(config: ServerConfig, world: int) -> RankHost:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     mesh = DeviceMesh.from_sizes(fsdp_size=config.fsdp_size, dp_size=world // config.fsdp_size, device_type=device_type)
     start_local(Runtime('local', None, global_device_mesh=mesh))
-    return RankHost(config.model_copy(update={'device': None if device_type == 'cuda' else 'cpu'}))
+    # One rank keeps its device as given (cuda:1, say); ranks of a mesh take cuda:LOCAL_RANK.
+    device = config.device if world == 1 else (None if device_type == 'cuda' else 'cpu')
+    return RankHost(config.model_copy(update={'device': device}))
 
 
 def _send(conn: Connection, message: Any) -> None:

@@ -25,6 +25,7 @@ from twinkle.errors import NotFoundError, UnknownNameError
 from twinkle.server.deps import Who
 from twinkle.server.errors import error_responses
 from twinkle.server.group import bare
+from twinkle.server.sampler_group import SYNC_NAME, version_of
 from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name, check_name
@@ -130,6 +131,13 @@ def _operation_endpoint(
         kwargs = body.arguments()
         group.host.validate(name, kwargs)  # names, token ids, sizes: a 4xx now, not a failed future
 
+        if name == 'sample' and group.sampler is not None:  # on the sampler group, the run's last sync
+            sampler = group.sampler
+            if not kwargs.get('base_model', False):
+                sampler.weights_of(run)  # a 409 now if the run has none yet
+            future = await service.submit_async(who, group, run_id, name, lambda: sampler.sample_run(run, kwargs))
+            return FutureAccepted(future_id=future.id)
+
         def compute() -> JsonValue:
             result = group.host.run(group.loaded(run), name, kwargs)
             if spec.setup:
@@ -190,6 +198,21 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'load', read)).id)
 
+    @router.post('/runs/{run_id}/sync_sampler', status_code=202, response_model=FutureAccepted)
+    async def sync_sampler(run_id: str, who: Who) -> FutureAccepted:
+        """Save the run's adapter weights for sampling (no optimizer): what its samples come from
+        on a server with a sampler group. The future's result: ``{path, weight_version}``."""
+        run = await service.adapter_of(who, run_id)
+        directory, group = service.checkpoint_dir(who, run_id) / 'sampler_weights', service.group_of(run)
+
+        def write() -> dict[str, JsonValue]:
+            path = Path(group.host.save(group.loaded(run), directory, SYNC_NAME, False))
+            size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
+            checkpoint = store.add_checkpoint(who.id, run_id, SYNC_NAME, str(path), 'sampler', size)
+            return {'path': checkpoint.twinkle_path, 'weight_version': version_of(path)}
+
+        return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'sync_sampler', write)).id)
+
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
         _own_run(service, who.id, run_id)
@@ -225,7 +248,8 @@ def _sample_route(router: APIRouter, service: Service) -> None:
         group.host.sample_request(inputs, body.sampling_params)  # a 4xx now, not a failed future
 
         def run() -> object:
-            return group.host.sample_weights(inputs, body.sampling_params, directory, body.model_path)
+            version = 0 if directory is None else version_of(directory)
+            return group.sampling_host.sample_weights(inputs, body.sampling_params, directory, body.model_path, version)
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, None, 'sample', run)).id)
 

@@ -25,6 +25,7 @@ from twinkle.server.host import ModelHost
 from twinkle.server.limits import RateLimiter
 from twinkle.server.multi_rank import MultiRankHost
 from twinkle.server.remote_host import Host, RemoteHost, build_host
+from twinkle.server.sampler_group import SamplerGroup
 from twinkle.server.scheduler import Batchable, Job, QueueFullError
 from twinkle.server.store import Checkpoint, Run, Store, Tenant
 from twinkle.server.tinker.state import TinkerState
@@ -79,9 +80,13 @@ class Service:
         self.groups: dict[str, ModelGroup] = {}
         for index, group_config in enumerate(config.model_groups()):
             group_host = host if index == 0 and host is not None else build_host(group_config)
+            sampler = None
+            if group_config.sampler is not None:
+                sampler = SamplerGroup(group_config, self.store, self._on_start, self._on_finish)
             self.groups[group_config.base_model] = ModelGroup(
-                group_config, self.store, group_host, self._on_start, self._on_finish, self._on_idle, self._on_restart
-            )
+                group_config, self.store, group_host, self._on_start, self._on_finish, self._on_idle, self._on_restart,
+                sampler,
+            )  # fmt: skip
         #: The group of ``config.base_model``: what a request that names no base model gets.
         self.default = self.groups[config.base_model]
         self.tinker = TinkerState(config.tinker)
@@ -131,12 +136,14 @@ class Service:
 
     def start(self) -> None:
         for group in self.groups.values():
-            group.scheduler.start()
+            for scheduler in group.schedulers:
+                scheduler.start()
 
     def stop(self) -> None:
-        """Stop every group's worker after its running job; the jobs still queued fail."""
+        """Stop every group's workers after their running jobs; the jobs still queued fail."""
         for group in self.groups.values():
-            for job in group.scheduler.stop(wait=True):
+            unrun = group.scheduler.stop(wait=True) + (group.sampler.stop() if group.sampler is not None else [])
+            for job in unrun:
                 self.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
             if isinstance(group.host, (RemoteHost, MultiRankHost)):
                 group.host.shutdown()  # model workers in a Ray actor or processes go with their server
@@ -183,7 +190,7 @@ class Service:
         job (the server's own, such as releasing an idle adapter) is not held to the tenant's
         queue limit."""
         try:
-            job = group.scheduler.submit(
+            job = group.scheduler_for(operation).submit(
                 tenant.id, fn, job_id=future_id, batch=batch, operation=operation, internal=internal
             )
         except QueueFullError as e:
@@ -194,11 +201,12 @@ class Service:
 
     def job(self, job_id: str) -> Job | None:
         """The job of a future, on whichever group runs it (None once forgotten)."""
-        return next((job for g in self.groups.values() if (job := g.scheduler.get(job_id)) is not None), None)
+        schedulers = (scheduler for group in self.groups.values() for scheduler in group.schedulers)
+        return next((job for scheduler in schedulers if (job := scheduler.get(job_id)) is not None), None)
 
     def queued_jobs(self, tenant_id: str | None = None) -> int:
         """Jobs waiting on every group, of ``tenant_id`` or of all tenants."""
-        return sum(group.scheduler.queued(tenant_id) for group in self.groups.values())
+        return sum(s.queued(tenant_id) for group in self.groups.values() for s in group.schedulers)
 
     def _on_idle(self, group: ModelGroup) -> None:
         """A group's worker has been idle a while: its model process gives freed heap pages back,

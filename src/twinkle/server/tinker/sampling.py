@@ -65,7 +65,7 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
             group, path = _sampling_target(api, who, body.base_model, body.model_path)
         directory = Path(api.checkpoint(who, path, kinds=('sampler', 'training')).path) if path else None
         prompt, params = _sample_request(body, api.settings.default_max_tokens)
-        host = group.host
+        host = group.sampling_host  # the sampler group's, if the model has one
         host.check_sampling_params(params)
 
         def sample() -> dict[str, str]:

@@ -1,0 +1,82 @@
+"""``SamplerGroup``: a base model's sampler on devices of its own, beside its model group.
+
+With ``sampler: {ranks: 1, device: cuda:1}`` in the config (seed 003's ``DeviceGroup(name=
+'sampler')``), a hosted model samples on worker processes of their own (``MultiRankHost``, each
+loading the base model once) with a worker thread of its own, so sampling runs at the same time
+as training. Only adapter tensors cross from the trainer to the sampler: a run's sampler weights
+are what it last saved for sampling (Tinker's ``save_weights_for_sampler``, or the native
+``sync_sampler`` that ``twinkle_client``'s ``CheckpointEngineManager.sync_weights`` calls),
+loaded from that checkpoint on first use. Every sample carries the version it came from: the
+optimizer step the weights were saved at (0 for the base model). Without a sampler group,
+sampling runs on the model group, on the trainer's current weights, as before.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from twinkle.errors import StateError
+from twinkle.model.checkpoint import WEIGHTS_STEP
+from twinkle.server.config import ServerConfig
+from twinkle.server.multi_rank import MultiRankHost
+from twinkle.server.scheduler import JobCallback, Scheduler
+from twinkle.server.store import Run, Store
+
+#: The name of the checkpoint a native ``sync_sampler`` writes (each sync replaces it).
+SYNC_NAME = 'sync'
+
+
+class SamplerGroup:
+    """The sampler's host (worker processes) and its own worker thread."""
+
+    def __init__(self, config: ServerConfig, store: Store, on_start: JobCallback, on_finish: JobCallback):
+        settings = config.sampler
+        if settings is None:
+            raise StateError('a SamplerGroup needs the sampler section of the config')
+        sampler_config = config.model_copy(
+            update={'ranks': settings.ranks, 'fsdp_size': 1, 'device': settings.device or config.device}
+        )
+        self.store = store
+        self.host = MultiRankHost(sampler_config)
+        self.scheduler = Scheduler(
+            max_queued_per_tenant=config.limits.max_queued_per_tenant, on_start=on_start, on_finish=on_finish
+        )
+
+    def weights_of(self, run: Run) -> tuple[Path, int]:
+        """The run's sampler weights: its newest sampler checkpoint and the step it was saved at."""
+        saved = [c for c in self.store.list_checkpoints(run.tenant_id, run.id) if c.kind == 'sampler']
+        if not saved:
+            raise StateError(
+                f'training run {run.id!r} has no sampler weights yet: this server samples on a sampler group of its '
+                'own, which sees a run as of its last sync (CheckpointEngineManager(model, sampler).sync_weights(), '
+                'or save_weights_for_sampler)'
+            )
+        directory = Path(saved[-1].path)
+        return directory, version_of(directory)
+
+    def sample_run(self, run: Run, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        """A run's ``sample`` request on the sampler: its last synced weights (``base_model``: the
+        base model), each sequence marked with their version."""
+        base = bool(kwargs.get('base_model', False))
+        directory, version = (None, 0) if base else self.weights_of(run)
+        return self.host.sample_weights(kwargs['inputs'], kwargs.get('sampling_params'), directory, None, version)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> list[Any]:
+        jobs = self.scheduler.stop(wait=True)
+        self.host.shutdown()
+        return jobs
+
+
+def version_of(directory: Path) -> int:
+    """The optimizer step a checkpoint's weights were saved at (0 for one saved before this was
+    recorded)."""
+    state = directory / WEIGHTS_STEP
+    return int(json.loads(state.read_text()).get('optim_step', 0)) if state.is_file() else 0
+
+
+__all__ = ['SYNC_NAME', 'SamplerGroup', 'version_of']
