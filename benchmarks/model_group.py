@@ -7,7 +7,9 @@ the server's side in this process), against an in-process ``ModelHost`` as the b
   layers; the embeddings and norms FSDP2 keeps gathered between passes are counted whole) and
   its resident set (``VmRSS``), for 1 rank, 2 ranks data parallel and 2 ranks FSDP2;
 * **step time**: a pass of ``--tenants`` tenants (one ``--seq-len``-token row each, rank-16
-  adapters, AdamW) then their optimizer steps, median over ``--rounds``, 1 rank against 2;
+  adapters, AdamW) then their optimizer steps, median over ``--rounds``, 1 rank against 2; and
+  against one tenant sending all those rows as one batch (one step), rounds alternating: the
+  ratio of issue 7 on the group itself, without HTTP (the aim is 0.9, on one rank and on two);
 * **dispatch**: the cost a group adds to a request, a no-op ``host.call`` through the group
   against the same call on the in-process host (target under 5 ms), and one 1-row
   ``forward_only`` both ways.
@@ -72,9 +74,9 @@ def setup(host: Any, tenants: int) -> list[str]:
     return names
 
 
-def step(host: Any, names: list[str], seq_len: int) -> float:
-    """One mixed pass of every tenant's row, then their optimizer steps; seconds."""
-    rows = [{'input_ids': list(range(5, 5 + seq_len)), 'labels': list(range(5, 5 + seq_len))}]
+def step(host: Any, names: list[str], seq_len: int, rows_each: int = 1) -> float:
+    """One mixed pass of every tenant's rows, then their optimizer steps; seconds."""
+    rows = [{'input_ids': list(range(5, 5 + seq_len)), 'labels': list(range(5, 5 + seq_len))}] * rows_each
     started = time.perf_counter()
     host.call(ModelHost.run_mixed, 'forward_backward', [(name, {'inputs': rows}) for name in names])
     host.call(ModelHost.run_steps, [(name, {'max_grad_norm': 1.0}) for name in names])
@@ -98,14 +100,21 @@ def measure_layout(config: ServerConfig, args: argparse.Namespace) -> dict[str, 
     held_bytes, noop = model_group.held_bytes, model_group.noop
     host = MultiRankHost(config)
     try:
-        names = setup(host, args.tenants)
-        step(host, names, args.seq_len)  # warm-up: optimizer states, FSDP2's lazy set-up
-        steps = [step(host, names, args.seq_len) for _ in range(args.rounds)]
+        names = setup(host, args.tenants + 1)
+        tenants, solo = names[:-1], names[-1:]
+        step(host, tenants, args.seq_len)  # warm-up: optimizer states, FSDP2's lazy set-up
+        step(host, solo, args.seq_len, args.tenants)
+        steps, combined = [], []
+        for _ in range(args.rounds):  # alternating: the tenants' mixed pass, one tenant's combined batch
+            steps.append(step(host, tenants, args.seq_len))
+            combined.append(step(host, solo, args.seq_len, args.tenants))
         row = [{'input_ids': [11, 23, 5, 42], 'labels': [11, 23, 5, 42]}]
         return {
             'ranks': host.call(held_bytes),
             'step_s': statistics.median(steps),
             'steps_s': steps,
+            'combined_step_s': statistics.median(combined),
+            'mixed_vs_combined': statistics.median(combined) / statistics.median(steps),
             'noop_call_ms': 1000 * timed(lambda: host.call(noop), args.calls),
             'forward_only_ms': 1000 * timed(lambda: host.run(names[0], 'forward_only', {'inputs': row}), args.calls),
         }
@@ -156,7 +165,8 @@ def main() -> None:
             f'  {name:24s} base weights per rank {held} MiB (of {figures["ranks"][0]["whole_base_mib"]:.0f}); '
             f'RSS {rss} MiB; pass + steps {1000 * figures["step_s"]:.0f} ms '
             f'(x{result["step_time_vs_one_rank"][name]:.2f} the speed of one rank); '
-            f'no-op call {figures["noop_call_ms"]:.2f} ms; 1-row forward_only {figures["forward_only_ms"]:.1f} ms'
+            f'no-op call {figures["noop_call_ms"]:.2f} ms; 1-row forward_only {figures["forward_only_ms"]:.1f} ms; '
+            f'mixed against one tenant combined x{figures["mixed_vs_combined"]:.2f}'
         )
     print(
         f'  in process               no-op call {local["noop_call_ms"]:.3f} ms; '

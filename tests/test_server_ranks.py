@@ -31,7 +31,7 @@ from twinkle import assets
 from twinkle.data_format import SamplingParams
 from twinkle.errors import UnknownNameError
 from twinkle.server.config import ServerConfig
-from twinkle.server.host import ModelHost
+from twinkle.server.host import ModelHost, base_dtype
 from twinkle.server.multi_rank import MultiRankHost
 from twinkle_client import TwinkleClient, init_twinkle_client
 from twinkle_client.checkpoint_engine import CheckpointEngineManager
@@ -321,3 +321,19 @@ def test_seed_003_server_script_and_client_loop(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_the_base_dtype_is_configured_and_adapters_and_optimizer_stay_float32():
+    config = ServerConfig(base_model=assets.tiny_model('tiny-qwen3'), device='cpu', dtype='bfloat16')
+    host = ModelHost(config)
+    host.add_adapter('a', {'r': 4, 'lora_alpha': 8, 'target_modules': 'all-linear'})
+    host.run('a', 'set_optimizer', {'optimizer_cls': 'AdamW', 'lr': 1e-3})
+    for _ in range(2):
+        assert math.isfinite(host.run('a', 'forward_backward', {'inputs': rows(2, 1)})['loss'])
+        host.run('a', 'clip_grad_and_step', {})
+    group = host.model.groups['a']
+    base = {p.dtype for name, p in host.model.model.named_parameters() if 'lora_' not in name}
+    state = {v.dtype for s in group.optimizer.state.values() for v in s.values() if v.is_floating_point()}
+    assert base == {torch.bfloat16}
+    assert {p.dtype for p in group.params} == {torch.float32} and state == {torch.float32}
+    assert base_dtype(ServerConfig(base_model='tiny-qwen3', device='cpu')) == torch.float32  # 'auto' on a CPU

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -87,6 +87,10 @@ class RaySettings(BaseModel):
     num_gpus: float | None = Field(None, ge=0)
 
 
+#: The dtypes the base weights may be held in ('auto': see ``ServerConfig.dtype``).
+Dtype = Literal['auto', 'bfloat16', 'float32']
+
+
 class SamplerSettings(BaseModel):
     """A sampler group of its own for a hosted model (``twinkle.server.sampler_group``)."""
 
@@ -108,6 +112,7 @@ class ModelSettings(BaseModel):
     ray: RaySettings | None = None
     ranks: int = Field(1, ge=1)
     fsdp_size: int = Field(1, ge=1)
+    dtype: Dtype = 'auto'
     sampler: SamplerSettings | None = None
 
 
@@ -164,6 +169,9 @@ class ServerConfig(BaseModel):
     #: Of those ranks, how many shard the base model with FSDP2; the rest replicate it (data
     #: parallel): the mesh ``DeviceMesh.from_sizes(fsdp_size=fsdp_size, dp_size=ranks // fsdp_size)``.
     fsdp_size: int = Field(1, ge=1)
+    #: The base weights' dtype: 'auto' is bfloat16 on a GPU that has it and float32 elsewhere.
+    #: Each tenant's LoRA weights and optimizer state are float32 whatever the base.
+    dtype: Dtype = 'auto'
     #: Sample on devices of the model's own (``{ranks: 1, device: cuda:1}``): training and
     #: sampling then run at the same time, and a run samples its weights as of its last sync
     #: for sampling. None: sampling runs on the model's worker, on the trainer's weights.
@@ -189,7 +197,7 @@ class ServerConfig(BaseModel):
         ``base_model``, ``device`` and ``ray`` (and no ``more_models``)."""
         first = ModelSettings(
             base_model=self.base_model, device=self.device, ray=self.ray, ranks=self.ranks, fsdp_size=self.fsdp_size,
-            sampler=self.sampler,
+            dtype=self.dtype, sampler=self.sampler,
         )  # fmt: skip
         return [
             self.model_copy(

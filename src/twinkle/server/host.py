@@ -166,7 +166,7 @@ class ModelHost(RequestChecks):
         if model_id in assets.MODELS:
             model_id = assets.tiny_model(model_id)
         self.model_id = model_id
-        self.model = TransformersModel(model_id, device=config.device)
+        self.model = TransformersModel(model_id, device=config.device, dtype=base_dtype(config))
         limits = config.limits
         if limits.max_optimizers_on_device is not None or limits.max_optimizers_in_memory is not None:
             self.model.offloader = OptimizerOffloader(
@@ -450,6 +450,16 @@ _COMPONENT_SLOTS: dict[str, dict[str, Any]] = {
     'scheduler_cls': {'optimizer': None},
     'template_cls': {'model_id': 'x'},
 }
+
+
+def base_dtype(config: ServerConfig) -> torch.dtype:
+    """The dtype of the base weights: the config's, or for 'auto' bfloat16 on a GPU that has it
+    (a device of ``cuda``, or none given where CUDA is there), float32 elsewhere."""
+    if config.dtype != 'auto':
+        return getattr(torch, config.dtype)
+    device = config.device or ('cuda' if torch.cuda.is_available() else 'cpu')
+    on_gpu = device.startswith('cuda') and torch.cuda.is_available()
+    return torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
 
 
 def _builds_components(operation: str) -> bool:
