@@ -28,6 +28,7 @@ Usage::
 
     .venv/bin/python benchmarks/mixed_tenants.py --rounds 5  # ~12 min on 2 CPU cores; results/mixed_tenants.json
     ... --model tiny-qwen3 --output /tmp/mixed_tiny.json   # a model too small to fill the device
+    ... --ranks 2 --no-memory --output benchmarks/results/mixed_tenants_2ranks.json   # on a 2-rank group
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class Settings:
     # The mixed server's mix_wait_ms (how long a request waits for the tenants its last pass
     # held); the first value is the server default's row, the others are run beside it.
     mix_wait_ms: list[float] = field(default_factory=lambda: [30.0])
+    # The model group of every server: worker ranks, and how many of them shard it with FSDP2
+    # (1 rank: the model in the server's process, as by default).
+    ranks: int = 1
+    fsdp_size: int = 1
     lora_alpha: int = 32
     lr: float = 1e-4
     # Seconds to wait for a server subprocess to answer /healthz.
@@ -90,7 +95,8 @@ class Server(ServerProcess):
     def __init__(self, settings: Settings, workdir: Path, **config: Any):
         workdir.mkdir(parents=True, exist_ok=True)
         super().__init__(settings, workdir)
-        (workdir / 'server.json').write_text(json.dumps({'device': settings.device, **config}))
+        group = {'ranks': settings.ranks, 'fsdp_size': settings.fsdp_size}
+        (workdir / 'server.json').write_text(json.dumps({'device': settings.device, **group, **config}))
 
     def rss_mib(self) -> float:
         status = Path(f'/proc/{self.process.pid}/status').read_text()
@@ -298,12 +304,14 @@ def main() -> None:
         '--mix-wait-ms', type=float, nargs='+', default=Settings().mix_wait_ms,
         help="the mixed server's mix_wait_ms; the first is the 'mixed' row, others run beside it",
     )  # fmt: skip
+    parser.add_argument('--ranks', type=int, default=Settings.ranks, help="every server's model group: ranks")
+    parser.add_argument('--fsdp-size', type=int, default=Settings.fsdp_size, help='of those ranks, FSDP2 shards')
     parser.add_argument('--no-memory', action='store_true', help='throughput only (no memory servers)')
     parser.add_argument('--output', default='benchmarks/results/mixed_tenants.json')
     args = parser.parse_args()
     settings = Settings(
         model=args.model, device=args.device, steps=args.steps, rounds=args.rounds, tenants=args.tenants,
-        mix_wait_ms=args.mix_wait_ms,
+        mix_wait_ms=args.mix_wait_ms, ranks=args.ranks, fsdp_size=args.fsdp_size,
     )  # fmt: skip
     model_dir = assets.tiny_model(settings.model)
     vocab = json.loads((Path(model_dir) / 'config.json').read_text())['vocab_size']
