@@ -29,10 +29,10 @@ from tinker import types
 
 from twinkle import assets
 from twinkle.data_format import SamplingParams
-from twinkle.errors import UnknownNameError
+from twinkle.errors import ConfigurationError, DataError, UnknownNameError
 from twinkle.server.config import ServerConfig
 from twinkle.server.host import ModelHost, base_dtype
-from twinkle.server.multi_rank import MultiRankHost
+from twinkle.server.multi_rank import MultiRankHost, gpu_env
 from twinkle_client import TwinkleClient, init_twinkle_client
 from twinkle_client.checkpoint_engine import CheckpointEngineManager
 from twinkle_client.model import MultiLoraTransformersModel
@@ -137,6 +137,9 @@ def test_errors_come_back_as_themselves_and_the_group_keeps_serving(two_ranks, t
         two_ranks.run('nobody', 'forward_only', {'inputs': rows(1, 1)})
     with pytest.raises(ValueError, match='micro_batch_size'):
         two_ranks.run('a', 'forward_backward', {'inputs': rows(2, 1), 'micro_batch_size': 1})
+    # Refused by every rank alike, before any collective: no rank is left waiting for another.
+    with pytest.raises(DataError, match="loss input 'advantages' has 3 entries for 5 rows"):
+        two_ranks.run('a', 'forward_backward', {'inputs': rows(5, 1), 'advantages': [1.0, 2.0, 3.0]})
     assert len(two_ranks.run('a', 'forward_only', {'inputs': rows(1, 2)})['logps']) == 1
 
 
@@ -197,30 +200,43 @@ def test_the_native_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
     assert on_group[-1] < on_group[0]
 
 
-def test_a_tinker_sdk_client_trains_on_the_group(served):
-    url, keys, _ = served
+def tinker_numbers(url: str, key: str) -> list[float]:
+    """Three Tinker SDK steps (2 datums, clipping at 0.5): each step's loss:sum and gradient norm."""
     trainer = (
-        tinker.ServiceClient(base_url=url, api_key=keys['bob'])
+        tinker.ServiceClient(base_url=url, api_key=key)
         .create_lora_training_client(base_model='tiny-qwen3', rank=4, seed=3)
         .result()
     )
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints([11, 23, 5, 42, 17]),
-        loss_fn_inputs={'target_tokens': [23, 5, 42, 17, 8], 'weights': [1.0] * 5},
-    )
-    losses = []
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={'target_tokens': tokens[1:], 'weights': [1.0] * (len(tokens) - 1)},
+        )
+        for tokens in ([11, 23, 5, 42, 17, 8], [7, 19, 3, 88, 21])
+    ]
+    numbers = []
     for _ in range(3):
-        output = trainer.forward_backward([datum, datum], 'cross_entropy').result()
+        output = trainer.forward_backward(data, 'cross_entropy').result()
         assert len(output.loss_fn_outputs) == 2
-        losses.append(-sum(float(x) for x in output.loss_fn_outputs[0]['logprobs'].to_torch()))
-        trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    assert losses[-1] < losses[0]
+        step = trainer.optim_step(types.AdamParams(learning_rate=5e-2, grad_clip_norm=0.5)).result()
+        numbers += [output.metrics['loss:sum'], step.metrics['grad_norm:mean']]
     reply = (
         trainer.save_weights_and_get_sampling_client()
         .result()
         .sample(types.ModelInput.from_ints([11, 23, 5]), 1, types.SamplingParams(max_tokens=3, temperature=0.0))
     )
     assert len(reply.result().sequences[0].tokens) == 3
+    return numbers
+
+
+def test_a_tinker_sdk_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
+    url, keys, _ = served
+    on_group = tinker_numbers(url, keys['bob'])
+    with background_server(tmp_path, 'tiny-qwen3') as (one_url, one_keys, _):
+        on_one = tinker_numbers(one_url, one_keys['bob'])
+    # Each rank runs a Tinker request whole; rank 0's counts: the gradient norm is one rank's, not 2x.
+    assert on_group == pytest.approx(on_one, rel=TOL, abs=TOL)
+    assert on_group[4] < on_group[0]  # trained: the loss went down
 
 
 def test_a_killed_worker_fails_its_request_and_the_group_comes_back(served):
@@ -337,3 +353,12 @@ def test_the_base_dtype_is_configured_and_adapters_and_optimizer_stay_float32():
     assert base == {torch.bfloat16}
     assert {p.dtype for p in group.params} == {torch.float32} and state == {torch.float32}
     assert base_dtype(ServerConfig(base_model='tiny-qwen3', device='cpu')) == torch.float32  # 'auto' on a CPU
+
+
+def test_a_group_pins_each_rank_to_its_listed_gpu():
+    assert gpu_env('cuda:2,3', 1) == {'CUDA_VISIBLE_DEVICES': '3', 'TWINKLE_RANK_DEVICE': '3'}
+    assert gpu_env('cuda', 1) == {} and gpu_env('cpu', 0) == {}
+    with pytest.raises(ConfigurationError, match="device 'cuda:0,1' lists 2 GPUs for 3 ranks"):
+        ServerConfig.build(base_model='tiny-qwen3', device='cuda:0,1', ranks=3)
+    with pytest.raises(ConfigurationError, match="device 'cuda:4,5' lists 2 GPUs for 1 ranks"):
+        ServerConfig.build(base_model='tiny-qwen3', sampler={'ranks': 1, 'device': 'cuda:4,5'})

@@ -154,11 +154,11 @@ def _model_placement(groups: list[DeviceGroup]) -> dict[str, Any]:
 
 
 def _device_of(group: DeviceGroup) -> str:
-    """One worker's device: 'cpu', or the group's device type (each rank of several takes its
-    own); with one rank, its device index."""
-    if group.device_type == 'cpu' or group.world_size > 1:
-        return group.device_type
-    return f'{group.device_type}:{group.ranks[0]}'
+    """A group's device in the server config: 'cpu', or its GPUs by index ('cuda:2', 'cuda:2,3':
+    one per rank, so a model group and its sampler group never share one)."""
+    if group.device_type == 'cpu':
+        return 'cpu'
+    return f'{group.device_type}:{",".join(str(index) for index in group.ranks)}'
 
 
 __all__ = ['initialize']

@@ -347,6 +347,9 @@ class TinkerLoss(Loss):
         self.ignore_index = ignore_index
         self.last_logps: torch.Tensor | None = None
         self.last_metrics: dict[str, torch.Tensor] = {}
+        # The share of the loss this process trains on: 1, or 0 on the ranks of a model group
+        # that run a request whole beside rank 0 (its metrics and logprobs stay whole).
+        self.share = 1.0
 
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **loss_inputs: Any) -> LossOutput:
         given = {name: value for name, value in loss_inputs.items() if value is not None}
@@ -363,6 +366,7 @@ class TinkerLoss(Loss):
             _check_targets(flat.pop('target_tokens'), labels[mask_BS], seq_BS[mask_BS])
         loss, metrics = tinker_loss_terms(self.loss_fn, logps_BS[mask_BS], flat, self.config, seq_BS[mask_BS])
         self.last_logps, self.last_metrics = logps_BS.detach(), metrics
+        loss = loss if self.share == 1.0 else loss * self.share
         return LossOutput(loss=loss, num_items=torch.zeros((), device=loss.device), metrics=metrics)
 
 

@@ -91,6 +91,17 @@ class RaySettings(BaseModel):
 Dtype = Literal['auto', 'bfloat16', 'float32']
 
 
+def gpu_indices(device: str | None) -> list[int]:
+    """The GPUs a model group's ``device`` lists, one per rank: 'cuda:2,3' -> [2, 3]; [] for
+    'cuda' (each rank takes the GPU of its local rank), 'cuda:1', 'cpu' or None."""
+    if not device or not device.startswith('cuda:') or ',' not in device:
+        return []
+    try:
+        return [int(index) for index in device[len('cuda:') :].split(',')]
+    except ValueError:
+        raise ConfigurationError(f"device {device!r} must be 'cuda', 'cuda:<index>' or 'cuda:<i>,<j>,...'") from None
+
+
 class SamplerSettings(BaseModel):
     """A sampler group of its own for a hosted model (``twinkle.server.sampler_group``)."""
 
@@ -190,6 +201,13 @@ class ServerConfig(BaseModel):
         for model in models:
             if model.ranks % model.fsdp_size:
                 raise ValueError(f'ranks={model.ranks} must be a multiple of fsdp_size={model.fsdp_size}')
+            groups = [(model.device, model.ranks)]
+            if model.sampler is not None:
+                groups.append((model.sampler.device, model.sampler.ranks))
+            for device, ranks in groups:
+                listed = gpu_indices(device)
+                if listed and len(listed) != ranks:
+                    raise ValueError(f'device {device!r} lists {len(listed)} GPUs for {ranks} ranks: list one per rank')
         return self
 
     def model_groups(self) -> list[ServerConfig]:

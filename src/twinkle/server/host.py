@@ -213,6 +213,11 @@ class ModelHost(RequestChecks):
         where the model is, here in this process, or in the actor of a ``RemoteHost``."""
         return fn(self, *args)
 
+    def whole_request_share(self) -> float:
+        """How much this process counts of a request every rank of a group runs whole: all of it
+        here (``RankHost``: rank 0 all, the others nothing)."""
+        return 1.0
+
     def release_free_memory(self) -> bool:
         """Give the model process's free heap pages back to the OS (``release_free_memory``)."""
         return release_free_memory()

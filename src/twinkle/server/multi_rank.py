@@ -40,16 +40,19 @@ from typing import Any, Protocol
 
 import torch
 
-from twinkle.errors import ConfigurationError, WorkerError
+from twinkle.errors import ConfigurationError, DataError, WorkerError
 from twinkle.infra import distributed
 from twinkle.infra.ray.dispatch import shard_bounds
-from twinkle.server.config import ServerConfig
+from twinkle.server.config import ServerConfig, gpu_indices
 from twinkle.server.host import ModelHost, RequestChecks
 
 #: Seconds a worker may take to load the model and join the others.
 START_TIMEOUT_S = 600.0
 #: Seconds the workers get to exit at shutdown before they are killed.
 STOP_TIMEOUT_S = 10.0
+#: Seconds the other ranks get to answer once one rank failed a call: every rank checks the same
+#: request, so they fail alike at once; ranks that do not answer wait in a collective for it.
+ERROR_GRACE_S = 30.0
 
 
 # ---- the worker side ----------------------------------------------------------------------------
@@ -84,12 +87,11 @@ class RankHost(ModelHost):
         return results
 
     def _forward_backward(self, adapter: str, inputs: Any, **kwargs: Any) -> dict[str, Any]:
-        if kwargs.get('micro_batch_size') is not None:
+        if kwargs.pop('micro_batch_size', None) is not None:
             raise ConfigurationError(
-                f'micro_batch_size is not taken by a model of {self.data_ranks} data-parallel ranks: each rank runs '
-                'its share of the rows in one pass; send smaller requests instead'
+                'micro_batch_size is not taken by a model on several ranks: each rank runs its share of the rows '
+                'in one pass; send smaller requests instead'
             )
-        kwargs.pop('micro_batch_size', None)
         (result,) = self.run_mixed('forward_backward', [(adapter, {'inputs': inputs, **kwargs})])
         if isinstance(result, Exception):
             raise result
@@ -102,6 +104,11 @@ class RankHost(ModelHost):
         if isinstance(result, Exception):
             raise result
         return result
+
+    def whole_request_share(self) -> float:
+        """Rank 0 counts a request every rank runs whole (Tinker's ``forward_backward``): the
+        others' losses are scaled by 0, so the summed gradient is one rank's, not N times it."""
+        return 1.0 if distributed.is_main() else 0.0
 
     def generate(
         self, prompts: list[dict[str, Any]], params: Any, adapter: str | None, weight_version: int = 0
@@ -119,10 +126,15 @@ class RankHost(ModelHost):
         """This rank's share of a request: its contiguous part of the rows (``inputs``) and of each
         per-row argument (a list as long as the rows: advantages, old logprobs)."""
         rows = kwargs['inputs']
-        if self.data_ranks == 1 or not isinstance(rows, list):
+        if not isinstance(rows, list):
+            return kwargs
+        for key, value in kwargs.items():  # every rank holds the whole request: all refuse it alike
+            if isinstance(value, list) and len(value) != len(rows):
+                raise DataError(f'loss input {key!r} has {len(value)} entries for {len(rows)} rows')
+        if self.data_ranks == 1:
             return kwargs
         start, end = shard_bounds(len(rows), self.data_rank, self.data_ranks)
-        return {k: v[start:end] if isinstance(v, list) and len(v) == len(rows) else v for k, v in kwargs.items()}
+        return {k: v[start:end] if isinstance(v, list) else v for k, v in kwargs.items()}
 
 
 def serve_rank(address: str, authkey: bytes) -> None:
@@ -131,10 +143,11 @@ def serve_rank(address: str, authkey: bytes) -> None:
     server_host, server_port = address.rsplit(':', 1)
     conn = Client((server_host, int(server_port)), authkey=authkey)
     rank, world, port, config, path = _recv(conn)
+    pinned = bool(os.environ.get('TWINKLE_RANK_DEVICE'))  # one visible GPU (CUDA_VISIBLE_DEVICES), its own
     sys.path[:] = path  # the modules the server imports (whose functions it sends) import here too
     os.environ.update(
         MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        LOCAL_RANK=str(0 if pinned else rank), LOCAL_WORLD_SIZE=str(1 if pinned else world),
     )  # fmt: skip
     try:
         host = _rank_host(ServerConfig(**config), world)
@@ -172,6 +185,8 @@ def _rank_host(config: ServerConfig, world: int) -> RankHost:
     start_local(Runtime('local', None, global_device_mesh=mesh))
     # One rank keeps its device as given (cuda:1, say); ranks of a mesh take cuda:LOCAL_RANK.
     device = config.device if world == 1 else (None if device_type == 'cuda' else 'cpu')
+    if os.environ.get('TWINKLE_RANK_DEVICE'):  # the one GPU CUDA_VISIBLE_DEVICES leaves this rank
+        device = None
     return RankHost(config.model_copy(update={'device': device}))
 
 
@@ -316,8 +331,9 @@ class ProcessRanks:
             host, port = listener.address
             env = {**os.environ, 'TWINKLE_RANK_AUTHKEY': authkey.hex()}
             command = [sys.executable, '-m', 'twinkle.server.multi_rank', f'{host}:{port}']
-            self._procs = [subprocess.Popen(command, env=env) for _ in range(self.ranks)]
             try:
+                for rank in range(self.ranks):
+                    self._procs.append(subprocess.Popen(command, env={**env, **gpu_env(config.device, rank)}))
                 self.described: dict[str, Any] = self._join(listener)
             except BaseException:
                 self.stop(dead=True)
@@ -381,7 +397,14 @@ class ProcessRanks:
         replies: dict[int, tuple[str, Any]] = {}
         while len(replies) < self.ranks:
             waiting = [conn for rank, conn in enumerate(self._conns) if rank not in replies]
-            ready = wait(waiting, timeout)
+            failed = [rank for rank, (status, _) in replies.items() if status == 'error']
+            ready = wait(waiting, ERROR_GRACE_S if failed else timeout)
+            if not ready and failed:  # the others wait in a collective for the rank that failed
+                error = _rebuilt(replies[failed[0]][1])
+                raise RankDied(
+                    f'model worker rank {failed[0]} of {self.ranks} failed during {what} ({error}) while '
+                    'the others went on'
+                )
             if not ready:
                 raise self._died(None, what)
             for item in ready:
@@ -406,6 +429,15 @@ class ProcessRanks:
             return RankDied(f'the model workers did not answer {what} within {START_TIMEOUT_S:.0f} s')
         deaths = ', '.join(f'rank {r} of {self.ranks} {_how(code)}' for r, code in _ended(self._procs, rank))
         return RankDied(f'model worker {deaths} during {what}')
+
+
+def gpu_env(device: str | None, rank: int) -> dict[str, str]:
+    """The environment that pins rank ``rank`` to its GPU of ``device`` ('cuda:2,3': rank 0 on
+    GPU 2, rank 1 on GPU 3); none for a device without a list of indices."""
+    indices = gpu_indices(device)
+    if not indices:
+        return {}
+    return {'CUDA_VISIBLE_DEVICES': str(indices[rank]), 'TWINKLE_RANK_DEVICE': str(indices[rank])}
 
 
 def _ended(procs: list[subprocess.Popen[bytes]], rank: int) -> list[tuple[int, int | None]]:

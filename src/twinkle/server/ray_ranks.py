@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from twinkle.errors import ConfigurationError
 from twinkle.infra.mesh import DeviceGroup, DeviceMesh
 from twinkle.infra.ray.cluster import RayCluster, torchrun_env
 from twinkle.infra.ray.worker import ComponentWorker
@@ -32,7 +33,7 @@ class RayRanks:
     def __init__(self, config: ServerConfig):
         settings = config.ray
         if settings is None:
-            raise ValueError('RayRanks needs the ray section of the config')
+            raise ConfigurationError('RayRanks needs the ray section of the config')
         if not ray.is_initialized():
             ray.init(address=settings.address, include_dashboard=False, log_to_driver=False)
         device_type = 'cuda' if (config.device or '').startswith('cuda') else 'cpu'
@@ -42,13 +43,12 @@ class RayRanks:
         mesh = DeviceMesh.from_sizes(
             fsdp_size=config.fsdp_size, dp_size=config.ranks // config.fsdp_size, device_type=device_type
         )
-        self._actors = [
-            _Worker.options(**self._cluster.actor_options(self._group, rank)).remote(
-                f'model rank {rank} of {config.ranks}', mesh.data_rank(rank), mesh.dp_world_size
-            )
-            for rank in range(config.ranks)
-        ]
+        self._actors: list[Any] = []
         try:
+            for rank in range(config.ranks):
+                options = self._cluster.actor_options(self._group, rank)
+                label = f'model rank {rank} of {config.ranks}'
+                self._actors.append(_Worker.options(**options).remote(label, mesh.data_rank(rank), mesh.dp_world_size))
             places = self._gather([actor.placement.remote() for actor in self._actors], 'start-up')
             self.nodes: list[str] = [place.node_id for place in places]
             rank_config = config.model_copy(update={'device': None if device_type == 'cuda' else 'cpu'})
@@ -92,10 +92,17 @@ class RayRanks:
             except RayActorError:
                 raise RankDied(f'model worker rank {rank} of {self.ranks} died (its Ray actor) during {what}') from None
             except RayTaskError as error:
-                errors[rank] = error.as_instanceof_cause()
+                errors[rank] = _cause(error)
         if errors:
             raise errors[min(errors)]
         return ray.get(refs)
+
+
+def _cause(error: RayTaskError) -> BaseException:
+    """The exception the rank raised, with its own message only: Ray's wrapper adds the remote
+    traceback (the workers' file paths) to its text."""
+    cause = error.cause
+    return cause if isinstance(cause, BaseException) else error.as_instanceof_cause()
 
 
 __all__ = ['RayRanks']

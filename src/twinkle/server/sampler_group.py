@@ -17,11 +17,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from twinkle.errors import StateError
+from twinkle.errors import ConfigurationError, StateError
 from twinkle.model.checkpoint import WEIGHTS_STEP
 from twinkle.server.config import ServerConfig
 from twinkle.server.multi_rank import MultiRankHost
-from twinkle.server.scheduler import JobCallback, Scheduler
+from twinkle.server.scheduler import Job, JobCallback, Scheduler
 from twinkle.server.store import Run, Store
 
 #: The name of the checkpoint a native ``sync_sampler`` writes (each sync replaces it).
@@ -34,15 +34,23 @@ class SamplerGroup:
     def __init__(self, config: ServerConfig, store: Store, on_start: JobCallback, on_finish: JobCallback):
         settings = config.sampler
         if settings is None:
-            raise StateError('a SamplerGroup needs the sampler section of the config')
+            raise ConfigurationError('a SamplerGroup needs the sampler section of the config')
         sampler_config = config.model_copy(
             update={'ranks': settings.ranks, 'fsdp_size': 1, 'device': settings.device or config.device}
         )
-        self.store = store
+        self.name, self.store, self._on_start = f'{config.base_model} (sampler)', store, on_start
         self.host = MultiRankHost(sampler_config)
         self.scheduler = Scheduler(
-            max_queued_per_tenant=config.limits.max_queued_per_tenant, on_start=on_start, on_finish=on_finish
+            max_queued_per_tenant=config.limits.max_queued_per_tenant, on_start=self._started, on_finish=on_finish
         )
+
+    def _started(self, job: Job) -> None:
+        """Before a job: a sampler whose worker died starts again (it holds no state of its own:
+        the runs' sampler weights are on disk)."""
+        reason = self.host.restart_if_dead()
+        if reason is not None:
+            self.store.record_restart(self.name, reason)
+        self._on_start(job)
 
     def weights_of(self, run: Run) -> tuple[Path, int]:
         """The run's sampler weights: its newest sampler checkpoint and the step it was saved at."""
@@ -61,7 +69,8 @@ class SamplerGroup:
         base model), each sequence marked with their version."""
         base = bool(kwargs.get('base_model', False))
         directory, version = (None, 0) if base else self.weights_of(run)
-        return self.host.sample_weights(kwargs['inputs'], kwargs.get('sampling_params'), directory, None, version)
+        shown_as = f'the sampler weights of training run {run.id!r}'  # what a load error names, not the path
+        return self.host.sample_weights(kwargs['inputs'], kwargs.get('sampling_params'), directory, shown_as, version)
 
     def start(self) -> None:
         self.scheduler.start()
