@@ -78,8 +78,8 @@ def step(host: Any, names: list[str], seq_len: int, rows_each: int = 1) -> float
     """One mixed pass of every tenant's rows, then their optimizer steps; seconds."""
     rows = [{'input_ids': list(range(5, 5 + seq_len)), 'labels': list(range(5, 5 + seq_len))}] * rows_each
     started = time.perf_counter()
-    host.call(ModelHost.run_mixed, 'forward_backward', [(name, {'inputs': rows}) for name in names])
-    host.call(ModelHost.run_steps, [(name, {'max_grad_norm': 1.0}) for name in names])
+    host.run_mixed('forward_backward', [(name, {'inputs': rows}) for name in names])
+    host.run_steps([(name, {'max_grad_norm': 1.0}) for name in names])
     return time.perf_counter() - started
 
 

@@ -9,6 +9,7 @@ losses and gradients in another order than one process does, so float32 rounding
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import signal
@@ -60,13 +61,11 @@ def train(host: Any, steps: int = 3) -> list[list[float]]:
     seen = []
     for step in range(steps):
         requests = [(name, {'inputs': rows(ROWS_PER_REQUEST[name], 10 * step + i)}) for i, name in enumerate(TENANTS)]
-        seen.append([out['loss'] for out in host.call(ModelHost.run_mixed, 'forward_backward', requests)])
-        seen.append(host.call(ModelHost.run_steps, [(name, {'max_grad_norm': 0.5}) for name in TENANTS]))
+        seen.append([out['loss'] for out in host.run_mixed('forward_backward', requests)])
+        seen.append(host.run_steps([(name, {'max_grad_norm': 0.5}) for name in TENANTS]))
     # One tenant alone (the host's plain forward_backward), and logprobs of a forward-only pass.
     seen.append([host.run('b', 'forward_backward', {'inputs': rows(1, 77)})['loss']])
-    outputs = host.call(
-        ModelHost.run_mixed, 'forward_only', [('a', {'inputs': rows(3, 88)}), ('c', {'inputs': rows(1, 99)})]
-    )
+    outputs = host.run_mixed('forward_only', [('a', {'inputs': rows(3, 88)}), ('c', {'inputs': rows(1, 99)})])
     seen.append([logp for out in outputs for row in out['logps'] for logp in row])
     return seen
 
@@ -130,6 +129,11 @@ def test_a_checkpoint_is_written_once_and_loads_on_one_rank(two_ranks, trained, 
     served = two_ranks.run('a', 'forward_only', {'inputs': probe})['logps']
     assert torch.allclose(flat(served), flat(local), rtol=TOL, atol=TOL)
     assert all(torch.isfinite(t).all() for t in saved.values()) and len(saved) > 0
+    # The counters are the global batch's on every rank: 'b' sent 3 rows a step for 3 steps, then 1.
+    state = json.loads(
+        (Path(two_ranks.save('b', tmp_path, 'b', save_optimizer=True)) / 'trainer_state.json').read_text()
+    )
+    assert (state['consumed_train_samples'], state['optim_step']) == (10, 3)
 
 
 def test_errors_come_back_as_themselves_and_the_group_keeps_serving(two_ranks, trained):

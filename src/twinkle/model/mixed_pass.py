@@ -169,7 +169,12 @@ def _mixed_backward(
         (pass_.logits.sum() * 0).backward()  # FSDP2's backward all-gathers run on every rank
     for param, grad in kept_grads:
         param.grad = grad
-    sums_N = torch.stack([_sums(model, loss, part) for loss, part in zip(losses, pass_.parts, strict=True)])
+    sums_N = torch.stack(
+        [
+            _sums(model, loss, part, len(rows))
+            for loss, part, rows in zip(losses, pass_.parts, pass_.features, strict=True)
+        ]
+    )
     sums = model._parallel.sum_(sums_N).tolist()  # the pass's one sync
     elapsed = time.perf_counter() - started
     outputs = []
@@ -180,11 +185,11 @@ def _mixed_backward(
     return outputs
 
 
-def _sums(model: TransformersModel, loss: LossOutput | None, part: Part | None) -> torch.Tensor:
+def _sums(model: TransformersModel, loss: LossOutput | None, part: Part | None, rows: int) -> torch.Tensor:
     """``loss_sums`` of a call on this rank (zeros where it has no rows here)."""
     if loss is None or part is None:
-        return torch.zeros(3, device=model.device)
-    return loss_sums(loss, part[0])
+        return torch.zeros(4, device=model.device)
+    return loss_sums(loss, part[0], rows)
 
 
 def _check_mixable(groups: list[TrainGroup], keys: list[tuple | None]) -> None:

@@ -88,19 +88,21 @@ def accumulate(group: TrainGroup, batch: dict, outputs: dict, loss: LossOutput, 
         metric.accumulate(inputs=batch, outputs=outputs, loss=loss)
 
 
-def loss_sums(loss: LossOutput, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[loss sum, loss items, trained tokens] of one backward, summed over ranks by the caller."""
+def loss_sums(loss: LossOutput, batch: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
+    """[loss sum, loss items, trained tokens, rows] of one backward, summed over ranks by the caller."""
     trained = (batch['labels'] != IGNORE_INDEX).sum()
-    return torch.stack([loss.loss.detach().float(), loss.num_items.float(), trained.float()])
+    counts = torch.tensor([float(rows)], device=trained.device)
+    return torch.cat([torch.stack([loss.loss.detach().float(), loss.num_items.float(), trained.float()]), counts])
 
 
 def record_call(
     group: TrainGroup, rows: Sequence[InputFeature], sums: Sequence[float], elapsed_s: float
 ) -> ModelOutput:
     """Count one ``forward_backward`` call (one accumulation micro step) on ``group``; its
-    output from ``sums`` = ``loss_sums`` of the call, over every rank."""
-    total, items, trained = sums
+    output from ``sums`` = ``loss_sums`` of the call, over every rank (so the samples consumed
+    are the global batch's on every rank, as one process counts them)."""
+    total, items, trained, global_rows = sums
     group.micro_step += 1
-    group.consumed_train_samples += len(rows)
+    group.consumed_train_samples += int(global_rows)
     group.stats.accumulate(num_tokens=sum(len(f['input_ids']) for f in rows), elapsed_s=elapsed_s)
     return ModelOutput(loss=total / max(items, 1.0), num_tokens=int(trained))

@@ -316,7 +316,7 @@ class TransformersModel(TwinkleModel):
             check_finite(group, loss, self._parallel.sum_)  # before the metrics and the gradients see it
             accumulate(group, batch, outputs, loss, training=True)
             self._backward(group, loss)
-            sums.append(loss_sums(loss, batch))
+            sums.append(loss_sums(loss, batch, len(rows)))
         call_sums = self._parallel.sum_(torch.stack(sums).sum(0)).tolist()
         return record_call(group, features, call_sums, time.perf_counter() - started)
 

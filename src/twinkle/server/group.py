@@ -17,7 +17,7 @@ from pydantic import JsonValue
 
 from twinkle.errors import CapacityError, NotFoundError, StateError
 from twinkle.server.config import ServerConfig
-from twinkle.server.host import ModelHost, is_mixable, request_tokens
+from twinkle.server.host import is_mixable, request_tokens
 from twinkle.server.remote_host import Host
 from twinkle.server.sampler_group import SamplerGroup
 from twinkle.server.scheduler import Batchable, Job, JobCallback, Scheduler
@@ -127,8 +127,8 @@ class ModelGroup:
         def run_many(payloads: list[tuple[Run, dict[str, JsonValue]]]) -> list[object]:
             requests = [(self.loaded(run), kwargs) for run, kwargs in payloads]
             if stepping:
-                return self.host.call(ModelHost.run_steps, requests)
-            return self.host.call(ModelHost.run_mixed, operation, requests)
+                return self.host.run_steps(requests)  # by name: a RankHost runs its own (its share)
+            return self.host.run_mixed(operation, requests)
 
         tokens = 0 if stepping else request_tokens(kwargs['inputs'])
         return Batchable(('native', operation), tokens, (run, kwargs), run_many)

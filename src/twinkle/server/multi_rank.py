@@ -68,12 +68,18 @@ class RankHost(ModelHost):
         self.data_ranks = mesh.dp_world_size if mesh is not None else 1
 
     def describe(self) -> dict[str, Any]:
+        """What the server keeps of the model: its shape, and the LoRA targets of each choice of
+        Tinker's switches (so a route never waits for a pass to learn them)."""
+        switches = [
+            (attn, mlp, unembed) for attn in (False, True) for mlp in (False, True) for unembed in (False, True)
+        ]
         return {
             'model_id': self.model_id,
             'vocab_size': self.vocab_size,
             'context': self.context,
             'architecture': self.architecture,
             'pid': os.getpid(),
+            'lora_targets': {choice: self.lora_targets(*choice) for choice in switches},
         }
 
     def run_mixed(self, operation: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
@@ -266,6 +272,7 @@ class MultiRankHost(RequestChecks):
         self.vocab_size: int = described['vocab_size']
         self.context: int | None = described['context']
         self.architecture: str | None = described['architecture']
+        self._lora_targets: dict[tuple[bool, bool, bool], list[str]] = described['lora_targets']
 
     @property
     def pids(self) -> list[int]:
@@ -281,7 +288,7 @@ class MultiRankHost(RequestChecks):
         return self._on_every_rank('call', (fn, *args), {})
 
     def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
-        return self._on_every_rank('lora_targets', (attn, mlp, unembed), {})
+        return list(self._lora_targets[(attn, mlp, unembed)])
 
     def shutdown(self) -> None:
         with self._lock:
