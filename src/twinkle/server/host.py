@@ -210,7 +210,10 @@ class ModelHost(RequestChecks):
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(self, *args)``: an operation written against the host (a Tinker step, say) runs
-        where the model is, here in this process, or in the actor of a ``RemoteHost``."""
+        where the model is, here in this process, in the actor of a ``RemoteHost`` or on every
+        rank of a ``MultiRankHost``. ``fn`` runs as given: call a host's own method by name
+        (``host.run_mixed(...)``), not as ``call(ModelHost.run_mixed, ...)``, or a ``RankHost``
+        would run the base class's instead of its own."""
         return fn(self, *args)
 
     def whole_request_share(self) -> float:
