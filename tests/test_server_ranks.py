@@ -2,8 +2,9 @@
 (gloo), data parallel or FSDP2, give every tenant the numbers of a one-rank server, whoever
 shares its pass; a checkpoint is written once and loads anywhere.
 
-Three tenants with LoRA ranks 2, 4 and 8 send requests of 1, 3 and 2 rows: on two ranks the
-one-row request lives on rank 0 alone, the three-row one is cut 2 + 1. The one-rank host is a
+Five tenants with LoRA ranks 2, 4, 8, 2 and 4 send requests of 1, 3, 2, 1 and 1 rows: on two
+ranks request i's first share goes to rank i, so the one-row requests of 'a' and 'e' live on
+rank 0 alone and that of 'd' on rank 1, and the three-row one is cut 1 + 2. The one-rank host is a
 ``ModelHost`` in this process. Tolerance 1e-5 (the issue's): the ranks sum their shares'
 losses and gradients in another order than one process does, so float32 rounding may differ."""
 
@@ -40,8 +41,10 @@ from twinkle_client.model import MultiLoraTransformersModel
 from twinkle_client.sampler import vLLMSampler
 
 TOL = 1e-5
-TENANTS = {'a': 2, 'b': 4, 'c': 8}  # adapter -> LoRA rank
-ROWS_PER_REQUEST = {'a': 1, 'b': 3, 'c': 2}
+TENANTS = {'a': 2, 'b': 4, 'c': 8, 'd': 2, 'e': 4}  # adapter -> LoRA rank
+# One-row requests land on one rank each, so the other ranks hold no gradient for them: every
+# rank must still decide alike which adapters step together (a mismatch hangs the group).
+ROWS_PER_REQUEST = {'a': 1, 'b': 3, 'c': 2, 'd': 1, 'e': 1}
 
 
 def rows(count: int, seed: int) -> list[dict[str, Any]]:
@@ -54,7 +57,7 @@ def rows(count: int, seed: int) -> list[dict[str, Any]]:
 
 
 def train(host: Any, steps: int = 3) -> list[list[float]]:
-    """Three tenants: add, configure, then mixed passes and optimizer steps; every number seen."""
+    """Five tenants: add, configure, then mixed passes and optimizer steps; every number seen."""
     for name, rank in TENANTS.items():
         host.add_adapter(name, {'r': rank, 'lora_alpha': 2 * rank, 'target_modules': 'all-linear'}, 1, seed=rank)
         host.run(name, 'set_optimizer', {'optimizer_cls': 'AdamW', 'lr': 1e-2})
@@ -104,8 +107,10 @@ def test_three_tenants_on_two_ranks_get_the_numbers_of_one_rank(trained, one_ran
 
 def test_each_rank_ran_its_share_and_the_fsdp_ranks_hold_half_the_layers(two_ranks):
     assert len(set(two_ranks.pids)) == 2
-    shares = two_ranks.call(_shares, {'inputs': rows(3, 1), 'advantages': [1.0, 2.0, 3.0], 'micro': 4})
+    shares = two_ranks.call(_shares, {'inputs': rows(3, 1), 'advantages': [1.0, 2.0, 3.0], 'micro': 4}, 0)
     assert shares == [(2, [1.0, 2.0], 4), (1, [3.0], 4)]
+    shares = two_ranks.call(_shares, {'inputs': rows(3, 1), 'advantages': [1.0, 2.0, 3.0], 'micro': 4}, 1)
+    assert shares == [(1, [3.0], 4), (2, [1.0, 2.0], 4)]  # the second request of a pass starts on rank 1
     held, total = zip(*two_ranks.call(_base_elements), strict=True)
     if two_ranks.config.fsdp_size == 2:
         assert sum(held) == total[0] and max(held) <= total[0] // 2 + 64  # each rank its half
@@ -147,10 +152,10 @@ def test_errors_come_back_as_themselves_and_the_group_keeps_serving(two_ranks, t
     assert len(two_ranks.run('a', 'forward_only', {'inputs': rows(1, 2)})['logps']) == 1
 
 
-def _shares(host: Any, kwargs: dict[str, Any]) -> list[Any]:
+def _shares(host: Any, kwargs: dict[str, Any], index: int) -> list[Any]:
     from twinkle.infra import distributed
 
-    share = host._share(kwargs)
+    share = host._share(kwargs, index)
     return distributed.all_gather_object((len(share['inputs']), share['advantages'], share['micro']))
 
 

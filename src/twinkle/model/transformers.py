@@ -376,6 +376,9 @@ class TransformersModel(TwinkleModel):
         results: dict[int, StepResult] = {}
         ready = [i for i, group in enumerate(groups) if group.at_open_boundary() and group.optimizer is not None]
         ready = [i for i in ready if not self._parallel.holds_shards(groups[i].params)]
+        if self._parallel.enabled:  # the same gradients on every rank first, so that every rank decides alike
+            for i in ready:
+                groups[i].normalize_grads(self._parallel.reduce_gradients)
         if ready:
             size = self._hot_optimizers(len(ready))
             for chunk in (ready[start : start + size] for start in range(0, len(ready), size)):

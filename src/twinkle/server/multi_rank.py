@@ -83,13 +83,15 @@ class RankHost(ModelHost):
         }
 
     def run_mixed(self, operation: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-        results = super().run_mixed(operation, [(adapter, self._share(kwargs)) for adapter, kwargs in requests])
+        shared = [(adapter, self._share(kwargs, index)) for index, (adapter, kwargs) in enumerate(requests)]
+        results = super().run_mixed(operation, shared)
         if operation != 'forward_only':
             return results  # losses and token counts are the pass's, summed over the ranks already
         shares = distributed.all_gather_object([r['logps'] if isinstance(r, dict) else [] for r in results])
         for index, result in enumerate(results):
-            if isinstance(result, dict):
-                result['logps'] = [row for share in shares for row in share[index]]
+            if isinstance(result, dict):  # the shares in row order: request i's first share is rank i's
+                ranks = sorted(range(self.data_ranks), key=lambda rank: (rank - index) % self.data_ranks)
+                result['logps'] = [row for rank in ranks for row in shares[rank][index]]
         return results
 
     def _forward_backward(self, adapter: str, inputs: Any, **kwargs: Any) -> dict[str, Any]:
@@ -128,9 +130,10 @@ class RankHost(ModelHost):
             torch.manual_seed(seed)
             return super().generate(prompts, params, adapter, weight_version)
 
-    def _share(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of a request: its contiguous part of the rows (``inputs``) and of each
-        per-row argument (a list as long as the rows: advantages, old logprobs)."""
+    def _share(self, kwargs: dict[str, Any], index: int = 0) -> dict[str, Any]:
+        """This rank's share of the ``index``-th request of a pass: its contiguous part of the rows
+        (``inputs``) and of each per-row argument (advantages, old logprobs). Request ``i``'s
+        first share goes to rank ``i`` (modulo the ranks), so one-row requests spread evenly."""
         rows = kwargs['inputs']
         if not isinstance(rows, list):
             return kwargs
@@ -139,7 +142,7 @@ class RankHost(ModelHost):
                 raise DataError(f'loss input {key!r} has {len(value)} entries for {len(rows)} rows')
         if self.data_ranks == 1:
             return kwargs
-        start, end = shard_bounds(len(rows), self.data_rank, self.data_ranks)
+        start, end = shard_bounds(len(rows), (self.data_rank - index) % self.data_ranks, self.data_ranks)
         return {k: v[start:end] if isinstance(v, list) else v for k, v in kwargs.items()}
 
 
