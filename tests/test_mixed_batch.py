@@ -8,13 +8,15 @@ gradient and logprobs (1e-5, fp32) and leave the same counters.
 from __future__ import annotations
 
 import copy
+import doctest
 
 import pytest
 import torch
 from peft import LoraConfig
 
 from twinkle.errors import ConfigurationError, DataError
-from twinkle.model import AdapterCall, TransformersModel
+from twinkle.model import AdapterCall, TransformersModel, mixed_pass
+from twinkle.model.mixed_pass import length_buckets
 
 TOL = 1e-5
 # Different ranks, alphas and target layers; 'b' adapts attention only.
@@ -125,3 +127,35 @@ def test_a_loss_that_raises_leaves_every_adapter_untouched(base: TransformersMod
     assert model.calculate_metric(adapter_name='a').get('loss') is None
     assert all(p.grad is None for name in ('a', 'b') for p in model.groups[name].params)
     assert (model.groups['a'].micro_step, model.groups['b'].micro_step) == (0, 0)
+
+
+def test_calls_of_far_apart_lengths_get_forwards_of_their_own_and_the_same_numbers(base: TransformersModel) -> None:
+    # 'a' brings two rows of about 300 tokens, 'b' and 'c' rows of at most 20: padding 'b' to 300
+    # would add 280 tokens (over BUCKET_FREE_TOKENS) and 45 % more than separate forwards, so 'a'
+    # runs in one forward and 'b' with 'c' in another (length_buckets); each still gets its numbers alone.
+    rows = {**ROWS, 'a': _rows(4, [300, 290])}
+    assert length_buckets([300, 20, 11], [2, 1, 3]) == [[0], [1, 2]]
+    alone, mixed = copy.deepcopy(base), copy.deepcopy(base)
+    losses = {name: alone.forward_backward(inputs=rows[name], adapter_name=name).loss for name in ADAPTERS}
+    widths: list[int] = []
+    hook = mixed.model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs['input_ids'].shape[1]), with_kwargs=True
+    )
+    try:
+        outputs = mixed.forward_backward_mixed([AdapterCall(name, rows[name]) for name in ADAPTERS])
+    finally:
+        hook.remove()
+    assert sorted(widths) == [20, 300]  # two forwards, each padded to its own longest row
+    for (name, loss), output in zip(losses.items(), outputs, strict=True):
+        assert abs(output.loss - loss) <= TOL, name
+        assert _worst(_grads(mixed, name), _grads(alone, name)) <= TOL, name
+
+
+def test_length_buckets_examples_and_the_cpu_token_cap(base: TransformersModel) -> None:
+    assert doctest.testmod(mixed_pass).failed == 0
+    # On a CPU a forward holds at most CPU_FORWARD_TOKENS padded tokens: 3 calls of 8 rows of 100
+    # tokens (800 each) make forwards of 2 calls and 1; a call over the cap is never split.
+    assert base.mixed_forward_tokens == mixed_pass.CPU_FORWARD_TOKENS == 2048
+    assert length_buckets([100, 100, 100], [8, 8, 8], 2048) == [[0, 1], [2]]
+    assert length_buckets([400, 100], [8, 1], 2048) == [[0], [1]]
+    assert length_buckets([100, 100, 100], [8, 8, 8], None) == [[0, 1, 2]]

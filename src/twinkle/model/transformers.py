@@ -115,6 +115,9 @@ class TransformersModel(TwinkleModel):
         # server sets one. None: every optimizer state stays where its parameters are.
         self.offloader: OptimizerOffloader | None = None
         self._mode: bool | None = None  # the train/eval mode _run last set on every module
+        #: Most padded tokens one forward of a mixed pass holds: calls past it get forwards of
+        #: their own (``mixed_pass.length_buckets``). None: no cap. See ``forward_token_cap``.
+        self.mixed_forward_tokens: int | None = mixed_pass.forward_token_cap(self.device)
 
     # ---- adapters and components ---------------------------------------------------------------
     def add_adapter_to_model(
