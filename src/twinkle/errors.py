@@ -50,6 +50,11 @@ class AssetNotFoundError(TwinkleError, FileNotFoundError):
     """A model or dataset id could not be resolved to local files."""
 
 
+class MissingExtraError(TwinkleError, ImportError):
+    """A component needs an optional dependency that is not installed; the message names the
+    extra to install (``pip install 'twinkle[vllm]'``)."""
+
+
 class StateError(TwinkleError, RuntimeError):
     """A method was called when the component is not in a state to run it."""
 

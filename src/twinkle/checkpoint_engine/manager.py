@@ -20,6 +20,7 @@ from twinkle.model import multi_lora
 from twinkle.model.group import FULL
 from twinkle.model.transformers import TransformersModel
 from twinkle.sampler.torch_sampler import TorchSampler
+from twinkle.sampler.vllm_sampler import vLLMSampler
 from twinkle.utils.logger import get_logger
 from twinkle.utils.weights import canonical_name
 
@@ -69,9 +70,9 @@ class CheckpointEngineManager:
     ``remote_group=`` in ray mode), on different device groups.
     """
 
-    def __init__(self, model: TransformersModel | RemoteHandle, sampler: TorchSampler | RemoteHandle):
+    def __init__(self, model: TransformersModel | RemoteHandle, sampler: TorchSampler | vLLMSampler | RemoteHandle):
         _check_component('model', model, TransformersModel)
-        _check_component('sampler', sampler, TorchSampler)
+        _check_component('sampler', sampler, (TorchSampler, vLLMSampler))
         self.model = model
         self.sampler = sampler
         self.version = sampler.weight_version
@@ -120,14 +121,15 @@ def export_weights(
     return export
 
 
-def apply_weights(sampler: TorchSampler, export: WeightExport, version: int) -> tuple[str, int, int]:
-    """The sampler's side of a sync; returns ``(mode, tensors, bytes)`` moved."""
-    if export.base:
-        sampler.load_weights(export.base)
+def apply_weights(sampler: TorchSampler | vLLMSampler, export: WeightExport, version: int) -> tuple[str, int, int]:
+    """The sampler's side of a sync; returns ``(mode, tensors, bytes)`` moved. Base and merged
+    weights go in as one load (a vLLM engine reloads once)."""
     if export.mode == 'merged':
-        sampler.load_weights(export.update)
+        sampler.load_weights({**export.base, **export.update})
         sampler.default_adapter = None
-    elif export.adapter_name is not None:  # an adapter export: export_weights names its adapter
+    elif export.base:
+        sampler.load_weights(export.base)
+    if export.adapter_name is not None:  # an adapter export: export_weights names its adapter
         sampler.load_adapter_weights(export.adapter_name, export.update, config=export.config)
         sampler.default_adapter = export.adapter_name
     sampler.weight_version = version
@@ -136,12 +138,11 @@ def apply_weights(sampler: TorchSampler, export: WeightExport, version: int) -> 
     return export.mode, len(moved), sum(t.numel() * t.element_size() for t in moved)
 
 
-def _check_component(role: str, component: object, expected: type) -> None:
+def _check_component(role: str, component: object, expected: type | tuple[type, ...]) -> None:
     kind = component.remote_class if isinstance(component, RemoteHandle) else type(component)
     if not issubclass(kind, expected):
-        raise ConfigurationError(
-            f'{role} must be a {expected.__name__} (built here or with remote_group=); got {kind.__name__}'
-        )
+        names = ' or '.join(e.__name__ for e in (expected if isinstance(expected, tuple) else (expected,)))
+        raise ConfigurationError(f'{role} must be a {names} (built here or with remote_group=); got {kind.__name__}')
 
 
 def _run(component: Any, fn: Any, *args: Any, on_rank0: bool = False) -> Any:

@@ -3,6 +3,7 @@ a finished completion into a ``SampledSequence`` ready to train on."""
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,15 @@ class Prompt:
     input_ids: list[int]
     messages: list[Message] | None = None
     user_data: Any = None
+
+
+@dataclass
+class PromptLogprobs:
+    """A prompt's own logprobs: each token's given the tokens before it (``None`` for the
+    first), and the ``k`` most likely tokens at each position."""
+
+    logprobs: list[float | None]
+    topk: list[list[TokenLogprob] | None]
 
 
 @dataclass
@@ -108,6 +118,25 @@ class Sampler(ABC):
             raise DataError(f'prompt {index} has no tokens')
         return Prompt(input_ids=ids, messages=list(messages) if messages else None, user_data=row.get('user_data'))
 
+    def _responses(
+        self,
+        prompts: list[Prompt],
+        completions: list[Completion],
+        prompt_info: list[PromptLogprobs],
+        params: SamplingParams,
+    ) -> list[SampleResponse]:
+        responses = []
+        for index, prompt in enumerate(prompts):
+            first = index * params.num_samples
+            group = completions[first : first + params.num_samples]
+            sequences: list[SampledSequence] = [self._sequence(prompt, c, params) for c in group]
+            response = SampleResponse(sequences=sequences, prompt_token_ids=prompt.input_ids)
+            if prompt_info:
+                response.prompt_logprobs = prompt_info[first].logprobs if params.prompt_logprobs else None
+                response.topk_prompt_logprobs = prompt_info[first].topk if params.topk_prompt_logprobs else None
+            responses.append(response)
+        return responses
+
     def _sequence(self, prompt: Prompt, completion: Completion, params: SamplingParams) -> SampledSequence:
         decoded = self._decode(completion, params)
         return SampledSequence(
@@ -139,6 +168,16 @@ def training_feature(prompt: Prompt, tokens: list[int], decoded: str) -> InputFe
     if prompt.user_data is not None:
         feature['user_data'] = prompt.user_data
     return feature
+
+
+def row_seed(seed: int | None, prompt: list[int], sample_index: int) -> int | None:
+    """The generator seed of sample ``j`` of ``prompt``: a hash of the three, so each of the
+    ``num_samples`` sequences differs, different prompts draw different noise, and the same
+    seed, prompt and weights give the same sequence in any batch."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(repr((seed, sample_index, prompt)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, 'little') >> 1
 
 
 SAMPLERS: Registry[Sampler] = Registry('sampler')

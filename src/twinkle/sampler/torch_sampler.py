@@ -10,7 +10,6 @@ soon as they finish.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,11 +18,11 @@ import torch
 from peft import PeftConfig
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
-from twinkle.data_format import SampledSequence, SampleResponse, SamplingParams, TokenLogprob
+from twinkle.data_format import SampleResponse, SamplingParams, TokenLogprob
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, UnknownNameError
 from twinkle.hub import resolve_model
 from twinkle.model import multi_lora
-from twinkle.sampler.base import SAMPLERS, Completion, Prompt, SampleInputs, Sampler
+from twinkle.sampler.base import SAMPLERS, Completion, Prompt, PromptLogprobs, SampleInputs, Sampler, row_seed
 from twinkle.sampler.logits import choose, processed_scores
 from twinkle.template import Template
 from twinkle.utils.weights import canonical_name, vocab_size
@@ -204,7 +203,7 @@ class TorchSampler(Sampler):
         prompts = self._prompts(inputs)
         self._check(prompts, params)
         rows = [prompt.input_ids for prompt in prompts for _ in range(params.num_samples)]
-        seeds = [_row_seed(params.seed, p.input_ids, j) for p in prompts for j in range(params.num_samples)]
+        seeds = [row_seed(params.seed, p.input_ids, j) for p in prompts for j in range(params.num_samples)]
         want_prompt = params.prompt_logprobs or params.topk_prompt_logprobs > 0
         completions: list[Completion] = []
         prompt_info: list[PromptLogprobs] = []
@@ -215,25 +214,6 @@ class TorchSampler(Sampler):
                 completions += batch.run()
                 prompt_info += batch.prompt_logprobs
         return self._responses(prompts, completions, prompt_info, params)
-
-    def _responses(
-        self,
-        prompts: list[Prompt],
-        completions: list[Completion],
-        prompt_info: list[PromptLogprobs],
-        params: SamplingParams,
-    ) -> list[SampleResponse]:
-        responses = []
-        for index, prompt in enumerate(prompts):
-            first = index * params.num_samples
-            group = completions[first : first + params.num_samples]
-            sequences: list[SampledSequence] = [self._sequence(prompt, c, params) for c in group]
-            response = SampleResponse(sequences=sequences, prompt_token_ids=prompt.input_ids)
-            if prompt_info:
-                response.prompt_logprobs = prompt_info[first].logprobs if params.prompt_logprobs else None
-                response.topk_prompt_logprobs = prompt_info[first].topk if params.topk_prompt_logprobs else None
-            responses.append(response)
-        return responses
 
     def _resolve_adapter(self, adapter_name: str | None) -> str | None:
         if adapter_name is None:
@@ -282,12 +262,6 @@ class TorchSampler(Sampler):
         if not params.ignore_eos:
             stop |= _eos_ids(self.model, self.template)
         return stop
-
-
-@dataclass
-class PromptLogprobs:
-    logprobs: list[float | None]
-    topk: list[list[TokenLogprob] | None]
 
 
 @dataclass
@@ -427,16 +401,6 @@ def _generators(seeds: list[int | None], device: torch.device) -> list[torch.Gen
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         generators.append(generator)
     return generators
-
-
-def _row_seed(seed: int | None, prompt: list[int], sample_index: int) -> int | None:
-    """The generator seed of sample ``j`` of ``prompt``: a hash of the three, so each of the
-    ``num_samples`` sequences differs, different prompts draw different noise, and the same
-    seed, prompt and weights give the same sequence in any batch."""
-    if seed is None:
-        return None
-    digest = hashlib.blake2b(repr((seed, sample_index, prompt)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, 'little') >> 1
 
 
 def _eos_ids(model: PreTrainedModel, template: Any) -> set[int]:
