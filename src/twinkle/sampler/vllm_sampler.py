@@ -261,7 +261,7 @@ class vLLMSampler(Sampler):
     def _lora_requests(self, adapter_name: str | Sequence[str | None] | None, rows: int) -> list[Any]:
         """The LoRA request of each prompt. Base-model rows beside adapter rows get an adapter
         of zeros: vLLM's CPU build, with one LoRA slot (``max_loras=1``), ran base rows of a
-        mixed batch through the adapter (tests/vllm/test_vllm_sampler.py shows the workaround)."""
+        mixed batch through the adapter (tests/vllm_engine/test_vllm_sampler.py shows the workaround)."""
         names: list[str | None]
         if adapter_name is None:
             names = [self.default_adapter] * rows

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from twinkle.errors import ConfigurationError
 
@@ -103,14 +103,42 @@ def gpu_indices(device: str | None) -> list[int]:
 
 
 class SamplerSettings(BaseModel):
-    """A sampler group of its own for a hosted model (``twinkle.server.sampler_group``)."""
+    """How a hosted model samples: ``backend``, and with ``group`` on devices of its own
+    (``twinkle.server.sampler_group``) or beside the model on its worker."""
 
     model_config = ConfigDict(extra='forbid')
 
-    #: Worker processes of the sampler (each loads the base model once).
+    #: 'torch': ``TorchSampler``; 'vllm': a vLLM engine (``twinkle[vllm]``), the runs' weights
+    #: as its LoRA adapters (``twinkle.server.vllm_sampling``).
+    backend: Literal['torch', 'vllm'] = 'torch'
+    #: True: a sampler group of its own (training and sampling at the same time; a run samples
+    #: its weights as of its last sync for sampling). False: sampling runs on the model's worker,
+    #: on the trainer's current weights (a vLLM engine then sits beside the model).
+    group: bool = True
+    #: Processes of a torch sampler group (each loads the base model once); of a vLLM one, its
+    #: engine's tensor-parallel size.
     ranks: int = Field(1, ge=1)
-    #: Its device ('cpu', 'cuda': one GPU per rank); None: the model's.
+    #: Its device ('cpu', 'cuda', 'cuda:2,3'); None: the model's.
     device: str | None = None
+    #: vLLM's ``EngineArgs`` over the server's (LoRA on, ``max_lora_rank`` from the limits):
+    #: ``{gpu_memory_utilization: 0.3, max_model_len: 8192}``, say.
+    engine_args: dict[str, JsonValue] = Field(default_factory=dict)
+
+    @model_validator(mode='before')
+    @classmethod
+    def _backend_name(cls, value: Any) -> Any:
+        """``sampler: vllm`` is ``{backend: vllm, group: false}`` (``torch``: the default sampling)."""
+        if isinstance(value, str):
+            return {'backend': value, 'group': False}
+        return value
+
+    @model_validator(mode='after')
+    def _vllm_only(self) -> SamplerSettings:
+        if self.engine_args and self.backend != 'vllm':
+            raise ValueError("engine_args are for backend: 'vllm'")
+        if not self.group and (self.ranks != 1 or self.device is not None):
+            raise ValueError('ranks and device are for a sampler group of its own (group: true)')
+        return self
 
 
 class ModelSettings(BaseModel):
@@ -183,9 +211,11 @@ class ServerConfig(BaseModel):
     #: The base weights' dtype: 'auto' is bfloat16 on a GPU that has it and float32 elsewhere.
     #: Each tenant's LoRA weights and optimizer state are float32 whatever the base.
     dtype: Dtype = 'auto'
-    #: Sample on devices of the model's own (``{ranks: 1, device: cuda:1}``): training and
-    #: sampling then run at the same time, and a run samples its weights as of its last sync
-    #: for sampling. None: sampling runs on the model's worker, on the trainer's weights.
+    #: How the model samples (``SamplerSettings``): ``{ranks: 1, device: cuda:1}`` on devices of
+    #: its own (training and sampling then run at the same time, and a run samples its weights
+    #: as of its last sync for sampling), ``vllm`` through a vLLM engine beside the model, or
+    #: ``{backend: vllm, device: cuda:1}`` a vLLM sampler group. None: a torch sampler on the
+    #: model's worker, on the trainer's current weights.
     sampler: SamplerSettings | None = None
     #: More base models, each on a model group of its own (its device or Ray actor, its worker
     #: thread, its adapters): a run names its base model, ``base_model`` above is the default.
@@ -202,7 +232,7 @@ class ServerConfig(BaseModel):
             if model.ranks % model.fsdp_size:
                 raise ValueError(f'ranks={model.ranks} must be a multiple of fsdp_size={model.fsdp_size}')
             groups = [(model.device, model.ranks)]
-            if model.sampler is not None:
+            if model.sampler is not None and model.sampler.group:
                 groups.append((model.sampler.device, model.sampler.ranks))
             for device, ranks in groups:
                 listed = gpu_indices(device)

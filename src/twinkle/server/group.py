@@ -22,6 +22,7 @@ from twinkle.server.remote_host import Host
 from twinkle.server.sampler_group import SamplerGroup
 from twinkle.server.scheduler import Batchable, Job, JobCallback, Scheduler
 from twinkle.server.store import Run, Store
+from twinkle.server.vllm_sampling import VllmSamplerHost
 
 #: Where a released adapter's state is kept, beside the run's checkpoints.
 RELEASE_STATE = 'released-state'
@@ -88,7 +89,7 @@ class ModelGroup:
         return self.sampler.scheduler if self.sampler is not None and operation == 'sample' else self.scheduler
 
     @property
-    def sampling_host(self) -> Host:
+    def sampling_host(self) -> Host | VllmSamplerHost:
         """The host that samples: the sampler group's, else the model's own."""
         return self.host if self.sampler is None else self.sampler.host
 

@@ -11,148 +11,51 @@ run samples its adapter as it is after its last step, with nothing to sync.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from peft import LoraConfig
 
-from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput, SamplingParams
+from twinkle.data_format import InputFeature, ModelOutput, SamplingParams
 from twinkle.errors import (
     CapacityError,
     ConfigurationError,
     DataError,
-    SequenceTooLongError,
     TwinkleError,
-    UnknownNameError,
 )
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model import AdapterCall, StepCall, TransformersModel
-from twinkle.model.multi_lora import lora_targets
+from twinkle.model.multi_lora import lora_targets, peft_state_dict
 from twinkle.model.offload import OptimizerOffloader
-from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, check_optimizer_args, check_scheduler_args
+from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
-from twinkle.registry import Registry
 from twinkle.sampler import TorchSampler
+from twinkle.server.checks import (
+    MAX_SAMPLER_ADAPTERS,
+    RequestChecks,
+    check_name,
+    checkpoint_stamp,
+    encoded_prompt,
+    shown_to_tenant,
+)
 from twinkle.server.config import ServerConfig
-from twinkle.template import TEMPLATES, Template
+from twinkle.server.vllm_sampling import VllmSampling, samples_on_vllm
+from twinkle.template import TEMPLATES
 from twinkle.utils.memory import release_free_memory
 from twinkle.utils.weights import vocab_size
-from twinkle.wire import LORA_FIELDS, OPERATIONS, Configure
+from twinkle.wire import OPERATIONS, Configure
 
-#: Most top-k logprobs per token a sampling request may ask for (vLLM's default ``max_logprobs``).
-MAX_TOP_LOGPROBS = 20
-#: Saved sampler weights kept loaded as adapters at once; the least recently used one goes first.
-MAX_SAMPLER_ADAPTERS = 4
 SAMPLER_PREFIX = 'sampler--'
 #: Held while an adapter is drawn from the process's random generator (``add_adapter``).
 _SEEDED_INIT = threading.Lock()
-
-
-class RequestChecks:
-    """What a request must satisfy before it is queued: the checks that need the model's
-    shape (vocabulary, context) and the limits, not its weights. A host answers them where the
-    routes run (``MultiRankHost`` without a round trip to its workers)."""
-
-    config: ServerConfig
-    vocab_size: int
-    context: int | None
-    device: torch.device
-
-    def check_adapter(self, lora: Mapping[str, Any]) -> None:
-        """Known LoRA fields and a rank within the limit (room on the model is the service's
-        to make, ``Service.make_room``; ``add_adapter`` checks that it is there)."""
-        limits = self.config.limits
-        unknown = sorted(set(lora) - LORA_FIELDS)
-        if unknown:
-            raise ConfigurationError(f'unknown LoRA fields {unknown}; accepted: {sorted(LORA_FIELDS)}')
-        rank = lora.get('r', 8)
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limits.max_lora_rank:
-            raise ConfigurationError(f'LoRA rank r={rank!r} must be an integer in [1, {limits.max_lora_rank}]')
-
-    def validate(self, operation: str, kwargs: dict[str, Any]) -> None:
-        """What the request's wire model (``twinkle.wire.OPERATIONS[operation]``, checked at the
-        route) cannot check: a registered component that takes these options, token ids in the
-        vocabulary, lengths within the context and the request limits. The server runs it before
-        queueing, so bad input is a 4xx and not a failed future."""
-        spec = OPERATIONS[operation]
-        if issubclass(spec, Configure):
-            _check_component(spec, kwargs)
-        if operation == 'sample':
-            self.sample_request(kwargs['inputs'], kwargs.get('sampling_params'))
-        elif 'inputs' in kwargs:
-            self.features(kwargs['inputs'])
-        if operation == 'set_optimizer':  # lr=-1 or lr='fast': a 4xx now, not a failed future at the step
-            options = {k: v for k, v in kwargs.items() if k != 'optimizer_cls'}
-            check_optimizer_args(kwargs.get('optimizer_cls', 'AdamW'), options, self.device)
-        elif operation == 'set_lr_scheduler':
-            check_scheduler_args(kwargs['scheduler_cls'], {k: v for k, v in kwargs.items() if k != 'scheduler_cls'})
-
-    def sample_request(
-        self, inputs: list[dict[str, Any]], sampling_params: dict[str, Any] | None
-    ) -> tuple[list[dict[str, Any]], SamplingParams]:
-        """The prompts (``twinkle.wire.Prompt`` s) and parameters of a ``sample`` request,
-        checked: known parameters with valid values, prompt token ids in the vocabulary, and
-        (for prompts given as token ids; ``messages`` are counted once encoded, on the worker)
-        each prompt plus ``max_tokens`` within the model context and the request within the
-        token limit."""
-        params = SamplingParams.from_dict(sampling_params)
-        self.check_sampling_params(params)
-        prompts = [_prompt(index, row, self.vocab_size) for index, row in enumerate(inputs)]
-        self._check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
-        return prompts, params
-
-    def check_sampling_params(self, params: SamplingParams) -> None:
-        for token in params.stop_token_ids:
-            if token >= self.vocab_size:
-                raise ConfigurationError(f'stop token id {token} is outside the vocabulary [0, {self.vocab_size})')
-        if not isinstance(params.topk_prompt_logprobs, int):  # SamplingParams lets null through; the sampler cannot
-            raise ConfigurationError(
-                f'topk_prompt_logprobs must be an integer >= 0; got {params.topk_prompt_logprobs!r}'
-            )
-        for name in ('logprobs', 'topk_prompt_logprobs'):
-            value = getattr(params, name) or 0
-            if value > MAX_TOP_LOGPROBS:
-                raise ConfigurationError(f'{name}={value} is over the limit of {MAX_TOP_LOGPROBS} top logprobs')
-
-    def _check_prompt_lengths(self, prompts: list[tuple[int, list[int]]], params: SamplingParams) -> None:
-        """Each prompt plus ``max_tokens`` fits the context; the request's sequences (prompt
-        plus ``max_tokens``, ``num_samples`` times per prompt) fit the token limit."""
-        for index, ids in prompts:
-            if self.context is not None and len(ids) + params.max_tokens > self.context:
-                raise SequenceTooLongError(
-                    f'prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} it would exceed '
-                    f'the model context of {self.context} tokens'
-                )
-        total = params.num_samples * sum(len(ids) + params.max_tokens for _, ids in prompts)
-        limit = self.config.limits.max_tokens_per_request
-        if total > limit:
-            raise DataError(
-                f'sampling would hold up to {total} tokens (num_samples={params.num_samples} sequences per prompt, '
-                f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
-            )
-
-    def features(self, inputs: list[dict[str, Any]]) -> list[InputFeature]:
-        """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
-        labels in the vocabulary, and the request's token total within the limit."""
-        features, total = [], 0
-        for index, row in enumerate(inputs):
-            feature = _feature(index, row, self.vocab_size)
-            total += len(feature['input_ids'])
-            features.append(feature)
-        limit = self.config.limits.max_tokens_per_request
-        if total > limit:
-            raise DataError(f'the request holds {total} tokens, over the limit of {limit} per request')
-        return features
 
 
 class ModelHost(RequestChecks):
@@ -179,6 +82,13 @@ class ModelHost(RequestChecks):
         # checkpoint directory -> (which save of it, adapter)
         self._sampler_adapters: OrderedDict[str, tuple[tuple[int, int] | None, str]] = OrderedDict()
         self._sampler_ids = itertools.count()
+        #: With ``sampler: vllm``: the vLLM engine beside the model (on rank 0 of a group).
+        self.vllm: VllmSampling | None = None
+        if config.sampler is not None and samples_on_vllm(config) and self.hosts_sampler_engine():
+            self.vllm = VllmSampling(model_id, config.sampler, limits.max_lora_rank)
+        # Bumped whenever an adapter's weights change other than by a step (added, loaded): with
+        # the optimizer step, what says a run's weights exported to the vLLM engine are current.
+        self._weights_epoch: dict[str, int] = {}
         # The handler of each wire operation: the method ``_<name>`` here, else the model's ``<name>``.
         self.operations: dict[str, Callable[..., Any]] = {
             name: getattr(self, f'_{name}', None) or self._simple(name) for name in OPERATIONS
@@ -207,6 +117,17 @@ class ModelHost(RequestChecks):
             raise
         except (TypeError, ValueError) as e:  # peft / torch refusing a LoRA field's type or value
             raise ConfigurationError(f'cannot add a LoRA adapter with {dict(lora)}: {type(e).__name__}: {e}') from e
+        self._weights_epoch[adapter] = self._weights_epoch.get(adapter, 0) + 1
+
+    def shutdown(self) -> None:
+        """Stop what the host started beside the model (the vLLM engine of ``sampler: vllm``)."""
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
+
+    def hosts_sampler_engine(self) -> bool:
+        """Whether this process starts the vLLM engine of ``sampler: vllm`` (a group's rank 0)."""
+        return True
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(self, *args)``: an operation written against the host (a Tinker step, say) runs
@@ -252,6 +173,8 @@ class ModelHost(RequestChecks):
     def remove_adapter(self, adapter: str) -> None:
         if adapter in self.model.adapter_names:
             self.model.remove_adapter(adapter)
+        if self.vllm is not None:
+            self.vllm.forget_run(adapter)
 
     def save(self, adapter: str, directory: Path, name: str, save_optimizer: bool) -> str:
         path = self.model.save(name, str(directory), adapter_name=adapter, save_optimizer=save_optimizer)
@@ -264,6 +187,7 @@ class ModelHost(RequestChecks):
         a directory of the server's."""
         with shown_to_tenant(path, shown_as):
             self.model.load(str(path), adapter_name=adapter, load_optimizer=load_optimizer)
+        self._weights_epoch[adapter] = self._weights_epoch.get(adapter, 0) + 1
 
     # ---- operations -----------------------------------------------------------------------------
     def run_mixed(self, operation: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
@@ -322,33 +246,33 @@ class ModelHost(RequestChecks):
         return call
 
     def _set_optimizer(self, adapter: str, optimizer_cls: str = 'AdamW', **kwargs: Any) -> None:
-        _check_name('optimizer', optimizer_cls, OPTIMIZERS.names())
+        check_name('optimizer', optimizer_cls, OPTIMIZERS.names())
         _check_scalars('set_optimizer', kwargs)
         self.model.set_optimizer(optimizer_cls, adapter_name=adapter, **kwargs)
 
     def _set_lr_scheduler(self, adapter: str, scheduler_cls: str, **kwargs: Any) -> None:
-        _check_name('lr scheduler', scheduler_cls, SCHEDULERS.names())
+        check_name('lr scheduler', scheduler_cls, SCHEDULERS.names())
         _check_scalars('set_lr_scheduler', kwargs)
         self.model.set_lr_scheduler(scheduler_cls, adapter_name=adapter, **kwargs)
 
     def _set_loss(self, adapter: str, loss_cls: str, **kwargs: Any) -> None:
-        _check_name('loss', loss_cls, LOSSES.names())
+        check_name('loss', loss_cls, LOSSES.names())
         _check_scalars('set_loss', kwargs)
         self.model.set_loss(loss_cls, adapter_name=adapter, **kwargs)
 
     def _set_template(self, adapter: str, template_cls: str = 'Template', **kwargs: Any) -> None:
-        _check_name('template', template_cls, TEMPLATES.names())
+        check_name('template', template_cls, TEMPLATES.names())
         kwargs.pop('model_id', None)  # the tokenizer is the base model's, whatever the client names
         _check_scalars('set_template', kwargs)
         self.model.set_template(template_cls, adapter_name=adapter, model_id=self.model_id, **kwargs)
 
     def _set_processor(self, adapter: str, processor_cls: str = 'InputProcessor', **kwargs: Any) -> None:
-        _check_name('processor', processor_cls, PROCESSORS.names())
+        check_name('processor', processor_cls, PROCESSORS.names())
         _check_scalars('set_processor', kwargs)
         self.model.set_processor(processor_cls, adapter_name=adapter, **kwargs)
 
     def _add_metric(self, adapter: str, metric: str, is_training: bool = True, **kwargs: Any) -> None:
-        _check_name('metric', metric, METRICS.names())
+        check_name('metric', metric, METRICS.names())
         _check_scalars('add_metric', kwargs)
         self.model.add_metric(metric, is_training=is_training, adapter_name=adapter, **kwargs)
 
@@ -373,12 +297,21 @@ class ModelHost(RequestChecks):
         sampler = self.sampler()
         group = self.model.groups[adapter]
         template = group.template or sampler.template
-        prompts = [_encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
+        prompts = [encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
         if base_model:
             responses = self.generate(prompts, params, None)
         else:
-            responses = self.generate(prompts, params, adapter, weight_version=group.optim_step)
+            responses = self.generate(prompts, params, self._current(adapter), weight_version=group.optim_step)
         return [asdict(response) for response in responses]
+
+    def _current(self, adapter: str) -> str:
+        """The adapter to sample a run's weights as they are now: its own (torch), or on the vLLM
+        engine its export, made again when a step, a load or a new adapter changed its weights."""
+        if self.vllm is None:
+            return adapter
+        group = self.model.groups[adapter]
+        key = (self._weights_epoch.get(adapter, 0), group.optim_step)
+        return self.vllm.run_adapter(adapter, key, group.config, lambda: peft_state_dict(self.model.model, adapter))
 
     def sample_weights(
         self,
@@ -394,7 +327,7 @@ class ModelHost(RequestChecks):
         One ``SampleResponse`` per prompt, as a dict."""
         prompts, params = self.sample_request(inputs, sampling_params)
         template = self.sampler().template
-        prompts = [_encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
+        prompts = [encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
         adapter = None if directory is None else self.sampler_adapter(directory, shown_as)
         return [asdict(response) for response in self.generate(prompts, params, adapter, weight_version)]
 
@@ -405,6 +338,8 @@ class ModelHost(RequestChecks):
         model); one ``SampleResponse`` per prompt."""
         self.check_sampling_params(params)
         self._check_prompt_lengths(list(enumerate(p['input_ids'] for p in prompts)), params)
+        if self.vllm is not None:
+            return self.vllm.generate(prompts, params, adapter, weight_version)
         sampler = self.sampler()
         sampler.weight_version = weight_version
         return sampler.sample(prompts, params, adapter_name=adapter)
@@ -415,7 +350,9 @@ class ModelHost(RequestChecks):
         of its own sees each sync of a run into the same directory); at most
         ``MAX_SAMPLER_ADAPTERS`` stay loaded. Errors name ``shown_as`` (the tenant's path of the
         checkpoint) for ``directory``."""
-        key, stamp = str(directory), _stamp(directory)
+        if self.vllm is not None:
+            return self.vllm.saved_adapter(directory, shown_as)
+        key, stamp = str(directory), checkpoint_stamp(directory)
         loaded = self._sampler_adapters.get(key)
         if loaded is not None and loaded[0] == stamp:
             self._sampler_adapters.move_to_end(key)
@@ -432,6 +369,8 @@ class ModelHost(RequestChecks):
 
     def forget_sampler_weights(self, directory: Path) -> None:
         """Unload the adapter of ``directory``'s weights, if loaded (its checkpoint was deleted)."""
+        if self.vllm is not None:
+            self.vllm.forget(directory)
         loaded = self._sampler_adapters.pop(str(directory), None)
         if loaded is not None:
             self.remove_adapter(loaded[1])
@@ -441,23 +380,6 @@ class ModelHost(RequestChecks):
         if self._sampler is None:
             self._sampler = TorchSampler.from_model(self.model.model, self.model_id)
         return self._sampler
-
-
-#: The registry of the component each ``twinkle.wire.Configure`` field names.
-_REGISTRIES: dict[str, Registry[Any]] = {
-    'optimizer_cls': OPTIMIZERS,
-    'scheduler_cls': SCHEDULERS,
-    'loss_cls': LOSSES,
-    'template_cls': TEMPLATES,
-    'processor_cls': PROCESSORS,
-    'metric': METRICS,
-}
-#: Constructor parameters the model fills in itself (the parameters, the optimizer, the model id).
-_COMPONENT_SLOTS: dict[str, dict[str, Any]] = {
-    'optimizer_cls': {'params': None},
-    'scheduler_cls': {'optimizer': None},
-    'template_cls': {'model_id': 'x'},
-}
 
 
 def base_dtype(config: ServerConfig) -> torch.dtype:
@@ -474,40 +396,6 @@ def _builds_components(operation: str) -> bool:
     """Whether ``operation`` hands its arguments to a component or a model method, whose
     ``TypeError`` / ``ValueError`` then means a bad argument (the user's error)."""
     return issubclass(OPERATIONS[operation], Configure) or not hasattr(ModelHost, f'_{operation}')
-
-
-def _check_component(spec: type[Configure], kwargs: Mapping[str, Any]) -> None:
-    """The component ``kwargs`` names is registered and its constructor takes the options."""
-    field = spec.component_field
-    registry = _REGISTRIES[field]
-    name = kwargs.get(field, spec.model_fields[field].default)
-    _check_name(registry.kind, name, registry.names())
-    slots = _COMPONENT_SLOTS.get(field, {})
-    options = {k: v for k, v in kwargs.items() if k not in spec.model_fields and k not in slots}
-    component = registry.get(name)
-    _bind(f'{registry.kind} {component.__name__}', component, options, slots)
-
-
-def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Any], filled: Mapping[str, Any]) -> None:
-    """``DataError`` unless ``target`` accepts ``kwargs`` (besides what the server fills in)."""
-    signature = inspect.signature(target)
-    try:
-        signature.bind(**filled, **kwargs)
-    except TypeError as e:
-        accepted = [n for n, p in signature.parameters.items() if n not in filled and p.kind not in (p.VAR_POSITIONAL,)]
-        raise DataError(f'{what}: {e}; it accepts {accepted}') from None
-
-
-@contextmanager
-def shown_to_tenant(path: Path, shown_as: str | None) -> Iterator[None]:
-    """Errors raised inside name ``shown_as`` (what the tenant calls the checkpoint) where they
-    would name ``path``, the server's directory of it: a tenant never sees the data directory."""
-    try:
-        yield
-    except TwinkleError as error:
-        if shown_as is not None:
-            error.args = tuple(a.replace(str(path), shown_as) if isinstance(a, str) else a for a in error.args)
-        raise
 
 
 def is_mixable(operation: str, kwargs: Mapping[str, Any]) -> bool:
@@ -527,62 +415,12 @@ def request_tokens(inputs: Any) -> int:
     return sum(len(row['input_ids']) for row in rows)
 
 
-def _stamp(directory: Path) -> tuple[int, int] | None:
-    """Which save a checkpoint directory holds: a save swaps in a new directory (another inode)."""
-    try:
-        status = directory.stat()
-    except OSError:
-        return None  # gone: loading it says so, naming the tenant's path
-    return status.st_ino, status.st_mtime_ns
-
-
 def _row_logps(output: ModelOutput, features: list[InputFeature]) -> list[list[float]]:
     return [output.logps[i, : len(f['input_ids'])].tolist() for i, f in enumerate(features)]
 
 
 def _brief(kwargs: Mapping[str, Any]) -> str:
     return ', '.join(f'{k}={str(v)[:40]}' for k, v in kwargs.items())
-
-
-def _feature(index: int, row: dict[str, Any], vocab: int) -> InputFeature:
-    """A row the wire checked (``twinkle.wire.InputRow``: integer ids >= 0, labels, equal
-    lengths), checked against the vocabulary."""
-    bad = next((t for t in row['input_ids'] if t >= vocab), None)
-    if bad is not None:
-        raise DataError(f'input row {index} has token id {bad}, outside the vocabulary [0, {vocab})')
-    bad = next((t for t in row['labels'] if t >= vocab), None)
-    if bad is not None:
-        raise DataError(f'input row {index} has label {bad}: labels are {IGNORE_INDEX} or token ids in [0, {vocab})')
-    return cast(InputFeature, row)  # an InputRow's fields: input_ids, labels and the token fields it has
-
-
-def _prompt(index: int, prompt: dict[str, Any], vocab: int) -> dict[str, Any]:
-    """A prompt the wire checked (``twinkle.wire.Prompt``), its token ids in the vocabulary;
-    the template checks the roles of ``messages`` when it encodes them."""
-    bad = next((t for t in prompt.get('input_ids') or [] if t >= vocab), None)
-    if bad is not None:
-        raise DataError(f'prompt {index} has token id {bad}, outside the vocabulary [0, {vocab})')
-    return prompt
-
-
-def _encoded_prompt(template: Template, index: int, prompt: dict[str, Any]) -> dict[str, Any]:
-    """``prompt`` with ``input_ids``: its own, or its ``messages`` encoded for generation."""
-    if 'input_ids' in prompt:
-        return prompt
-    try:
-        feature = template.encode(prompt, add_generation_prompt=True)
-    except TwinkleError:
-        raise
-    except Exception as e:  # the chat template refusing the tenant's messages (a jinja error, a bad type)
-        raise DataError(f'prompt {index}: its messages cannot be encoded: {type(e).__name__}: {e}') from e
-    if feature is None:
-        raise DataError(f"prompt {index} is over the template's max_length and its truncation_strategy drops it")
-    return {**prompt, 'input_ids': feature['input_ids']}
-
-
-def _check_name(kind: str, name: Any, valid: list[str]) -> None:
-    if not isinstance(name, str) or name not in valid:
-        raise UnknownNameError(kind, name, valid)
 
 
 def _check_scalars(operation: str, kwargs: Mapping[str, Any]) -> None:

@@ -43,8 +43,10 @@ import torch
 from twinkle.errors import ConfigurationError, DataError, WorkerError
 from twinkle.infra import distributed
 from twinkle.infra.ray.dispatch import shard_bounds
+from twinkle.server.checks import RequestChecks
 from twinkle.server.config import ServerConfig, gpu_indices
-from twinkle.server.host import ModelHost, RequestChecks
+from twinkle.server.host import ModelHost
+from twinkle.server.vllm_sampling import samples_on_vllm
 
 #: Seconds a worker may take to load the model and join the others.
 START_TIMEOUT_S = 600.0
@@ -66,6 +68,9 @@ class RankHost(ModelHost):
         mesh = self.model._parallel.mesh
         self.data_rank = distributed.data_rank(mesh) if mesh is not None else 0
         self.data_ranks = mesh.dp_world_size if mesh is not None else 1
+
+    def hosts_sampler_engine(self) -> bool:
+        return distributed.is_main()
 
     def describe(self) -> dict[str, Any]:
         """What the server keeps of the model: its shape, and the LoRA targets of each choice of
@@ -121,9 +126,10 @@ class RankHost(ModelHost):
     def generate(
         self, prompts: list[dict[str, Any]], params: Any, adapter: str | None, weight_version: int = 0
     ) -> list[Any]:
-        """Data parallel: rank 0 samples, the others wait. FSDP2: every rank samples the same
-        sequences in step (its forwards all-gather the weights), from one seed rank 0 draws."""
-        if not self.model._parallel.fsdp:
+        """Data parallel, or through vLLM (``sampler: vllm``, whose engine rank 0 holds): rank 0
+        samples, the others wait. FSDP2: every rank samples the same sequences in step (its
+        forwards all-gather the weights), from one seed rank 0 draws."""
+        if not self.model._parallel.fsdp or samples_on_vllm(self.config):
             return super().generate(prompts, params, adapter, weight_version) if distributed.is_main() else []
         seed = distributed.all_gather_object(int(torch.randint(0, 2**62, ()).item()))[0]
         with torch.random.fork_rng(devices=[]):
@@ -173,6 +179,7 @@ def serve_rank(address: str, authkey: bytes) -> None:
             _send(conn, ('error', _portable(error)))
             continue
         if message is None:
+            host.shutdown()
             return
         name, args, kwargs = message
         try:

@@ -44,10 +44,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from twinkle.data_format import SampledSequence, SamplingParams, StopReason
 from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
+from twinkle.server.checks import MAX_TOP_LOGPROBS
 from twinkle.server.deps import Who
 from twinkle.server.errors import MAX_LOCATION_CHARS, retry_after_header, status_of, unparsable
 from twinkle.server.group import ModelGroup, bare
-from twinkle.server.host import MAX_TOP_LOGPROBS, ModelHost
+from twinkle.server.host import ModelHost
 from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
 from twinkle.server.store import Checkpoint, Store, Tenant, parse_checkpoint_path

@@ -2,7 +2,8 @@
 
 With ``sampler: {ranks: 1, device: cuda:1}`` in the config (seed 003's ``DeviceGroup(name=
 'sampler')``), a hosted model samples on worker processes of their own (``MultiRankHost``, each
-loading the base model once) with a worker thread of its own, so sampling runs at the same time
+loading the base model once; with ``backend: vllm`` a vLLM engine, ``VllmSamplerHost``) with a
+worker thread of its own, so sampling runs at the same time
 as training. Only adapter tensors cross from the trainer to the sampler: a run's sampler weights
 are what it last saved for sampling (Tinker's ``save_weights_for_sampler``, or the native
 ``sync_sampler`` that ``twinkle_client``'s ``CheckpointEngineManager.sync_weights`` calls),
@@ -23,6 +24,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.multi_rank import MultiRankHost
 from twinkle.server.scheduler import Job, JobCallback, Scheduler
 from twinkle.server.store import Run, Store
+from twinkle.server.vllm_sampling import VllmSamplerHost
 
 #: The name of the checkpoint a native ``sync_sampler`` writes (each sync replaces it).
 SYNC_NAME = 'sync'
@@ -39,7 +41,11 @@ class SamplerGroup:
             update={'ranks': settings.ranks, 'fsdp_size': 1, 'device': settings.device or config.device}
         )
         self.name, self.store, self._on_start = f'{config.base_model} (sampler)', store, on_start
-        self.host = MultiRankHost(sampler_config)
+        self.host: MultiRankHost | VllmSamplerHost
+        if settings.backend == 'vllm':
+            self.host = VllmSamplerHost(sampler_config)
+        else:
+            self.host = MultiRankHost(sampler_config)
         self.scheduler = Scheduler(
             max_queued_per_tenant=config.limits.max_queued_per_tenant, on_start=self._started, on_finish=on_finish
         )

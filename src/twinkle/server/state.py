@@ -23,8 +23,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.group import RELEASE_STATE, ModelGroup, bare
 from twinkle.server.host import ModelHost
 from twinkle.server.limits import RateLimiter
-from twinkle.server.multi_rank import MultiRankHost
-from twinkle.server.remote_host import Host, RemoteHost, build_host
+from twinkle.server.remote_host import Host, build_host
 from twinkle.server.sampler_group import SamplerGroup
 from twinkle.server.scheduler import Batchable, Job, QueueFullError
 from twinkle.server.store import Checkpoint, Run, Store, Tenant
@@ -81,7 +80,7 @@ class Service:
         for index, group_config in enumerate(config.model_groups()):
             group_host = host if index == 0 and host is not None else build_host(group_config)
             sampler = None
-            if group_config.sampler is not None:
+            if group_config.sampler is not None and group_config.sampler.group:
                 sampler = SamplerGroup(group_config, self.store, self._on_start, self._on_finish)
             self.groups[group_config.base_model] = ModelGroup(
                 group_config, self.store, group_host, self._on_start, self._on_finish, self._on_idle, self._on_restart,
@@ -145,8 +144,7 @@ class Service:
             unrun = group.scheduler.stop(wait=True) + (group.sampler.stop() if group.sampler is not None else [])
             for job in unrun:
                 self.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
-            if isinstance(group.host, (RemoteHost, MultiRankHost)):
-                group.host.shutdown()  # model workers in a Ray actor or processes go with their server
+            group.host.shutdown()  # model workers in a Ray actor or processes, and a vLLM engine, go with their server
 
     # ---- jobs -----------------------------------------------------------------------------------
     async def submit_async(

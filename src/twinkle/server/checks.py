@@ -1,0 +1,247 @@
+"""What a request must satisfy before it is queued, and the helpers every host uses to read one.
+
+``RequestChecks`` answers the checks that need the model's shape (vocabulary, context) and the
+limits, not its weights, where the routes run: a ``ModelHost`` in the server's process, a
+``MultiRankHost`` without a round trip to its workers, a vLLM sampler group without a trainer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from twinkle.data_format import IGNORE_INDEX, InputFeature, SamplingParams
+from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, TwinkleError, UnknownNameError
+from twinkle.loss import LOSSES
+from twinkle.metric import METRICS
+from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, check_optimizer_args, check_scheduler_args
+from twinkle.processor import PROCESSORS
+from twinkle.registry import Registry
+from twinkle.server.config import ServerConfig
+from twinkle.template import TEMPLATES, Template
+from twinkle.wire import LORA_FIELDS, OPERATIONS, Configure
+
+#: Most top-k logprobs per token a sampling request may ask for (vLLM's default ``max_logprobs``).
+MAX_TOP_LOGPROBS = 20
+#: Saved sampler weights kept loaded as adapters at once; the least recently used one goes first.
+MAX_SAMPLER_ADAPTERS = 4
+
+
+class RequestChecks:
+    """What a request must satisfy before it is queued: the checks that need the model's
+    shape (vocabulary, context) and the limits, not its weights. A host answers them where the
+    routes run (``MultiRankHost`` without a round trip to its workers)."""
+
+    config: ServerConfig
+    vocab_size: int
+    context: int | None
+    device: torch.device
+
+    def check_adapter(self, lora: Mapping[str, Any]) -> None:
+        """Known LoRA fields and a rank within the limit (room on the model is the service's
+        to make, ``Service.make_room``; ``add_adapter`` checks that it is there)."""
+        limits = self.config.limits
+        unknown = sorted(set(lora) - LORA_FIELDS)
+        if unknown:
+            raise ConfigurationError(f'unknown LoRA fields {unknown}; accepted: {sorted(LORA_FIELDS)}')
+        rank = lora.get('r', 8)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limits.max_lora_rank:
+            raise ConfigurationError(f'LoRA rank r={rank!r} must be an integer in [1, {limits.max_lora_rank}]')
+
+    def validate(self, operation: str, kwargs: dict[str, Any]) -> None:
+        """What the request's wire model (``twinkle.wire.OPERATIONS[operation]``, checked at the
+        route) cannot check: a registered component that takes these options, token ids in the
+        vocabulary, lengths within the context and the request limits. The server runs it before
+        queueing, so bad input is a 4xx and not a failed future."""
+        spec = OPERATIONS[operation]
+        if issubclass(spec, Configure):
+            _check_component(spec, kwargs)
+        if operation == 'sample':
+            self.sample_request(kwargs['inputs'], kwargs.get('sampling_params'))
+        elif 'inputs' in kwargs:
+            self.features(kwargs['inputs'])
+        if operation == 'set_optimizer':  # lr=-1 or lr='fast': a 4xx now, not a failed future at the step
+            options = {k: v for k, v in kwargs.items() if k != 'optimizer_cls'}
+            check_optimizer_args(kwargs.get('optimizer_cls', 'AdamW'), options, self.device)
+        elif operation == 'set_lr_scheduler':
+            check_scheduler_args(kwargs['scheduler_cls'], {k: v for k, v in kwargs.items() if k != 'scheduler_cls'})
+
+    def sample_request(
+        self, inputs: list[dict[str, Any]], sampling_params: dict[str, Any] | None
+    ) -> tuple[list[dict[str, Any]], SamplingParams]:
+        """The prompts (``twinkle.wire.Prompt`` s) and parameters of a ``sample`` request,
+        checked: known parameters with valid values, prompt token ids in the vocabulary, and
+        (for prompts given as token ids; ``messages`` are counted once encoded, on the worker)
+        each prompt plus ``max_tokens`` within the model context and the request within the
+        token limit."""
+        params = SamplingParams.from_dict(sampling_params)
+        self.check_sampling_params(params)
+        prompts = [_prompt(index, row, self.vocab_size) for index, row in enumerate(inputs)]
+        self._check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
+        return prompts, params
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        for token in params.stop_token_ids:
+            if token >= self.vocab_size:
+                raise ConfigurationError(f'stop token id {token} is outside the vocabulary [0, {self.vocab_size})')
+        if not isinstance(params.topk_prompt_logprobs, int):  # SamplingParams lets null through; the sampler cannot
+            raise ConfigurationError(
+                f'topk_prompt_logprobs must be an integer >= 0; got {params.topk_prompt_logprobs!r}'
+            )
+        for name in ('logprobs', 'topk_prompt_logprobs'):
+            value = getattr(params, name) or 0
+            if value > MAX_TOP_LOGPROBS:
+                raise ConfigurationError(f'{name}={value} is over the limit of {MAX_TOP_LOGPROBS} top logprobs')
+        sampler = self.config.sampler
+        on_cpu_vllm = sampler is not None and sampler.backend == 'vllm' and self.device.type == 'cpu'
+        if on_cpu_vllm and (params.prompt_logprobs or params.topk_prompt_logprobs):
+            raise ConfigurationError(
+                "prompt logprobs are not served by this server's sampler (vLLM's CPU build fails on them with LoRA "
+                "enabled); ask for the sampled tokens' logprobs only, or use a server with the torch sampler"
+            )
+
+    def _check_prompt_lengths(self, prompts: list[tuple[int, list[int]]], params: SamplingParams) -> None:
+        """Each prompt plus ``max_tokens`` fits the context; the request's sequences (prompt
+        plus ``max_tokens``, ``num_samples`` times per prompt) fit the token limit."""
+        for index, ids in prompts:
+            if self.context is not None and len(ids) + params.max_tokens > self.context:
+                raise SequenceTooLongError(
+                    f'prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} it would exceed '
+                    f'the model context of {self.context} tokens'
+                )
+        total = params.num_samples * sum(len(ids) + params.max_tokens for _, ids in prompts)
+        limit = self.config.limits.max_tokens_per_request
+        if total > limit:
+            raise DataError(
+                f'sampling would hold up to {total} tokens (num_samples={params.num_samples} sequences per prompt, '
+                f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
+            )
+
+    def features(self, inputs: list[dict[str, Any]]) -> list[InputFeature]:
+        """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
+        labels in the vocabulary, and the request's token total within the limit."""
+        features, total = [], 0
+        for index, row in enumerate(inputs):
+            feature = _feature(index, row, self.vocab_size)
+            total += len(feature['input_ids'])
+            features.append(feature)
+        limit = self.config.limits.max_tokens_per_request
+        if total > limit:
+            raise DataError(f'the request holds {total} tokens, over the limit of {limit} per request')
+        return features
+
+
+#: The registry of the component each ``twinkle.wire.Configure`` field names.
+_REGISTRIES: dict[str, Registry[Any]] = {
+    'optimizer_cls': OPTIMIZERS,
+    'scheduler_cls': SCHEDULERS,
+    'loss_cls': LOSSES,
+    'template_cls': TEMPLATES,
+    'processor_cls': PROCESSORS,
+    'metric': METRICS,
+}
+#: Constructor parameters the model fills in itself (the parameters, the optimizer, the model id).
+_COMPONENT_SLOTS: dict[str, dict[str, Any]] = {
+    'optimizer_cls': {'params': None},
+    'scheduler_cls': {'optimizer': None},
+    'template_cls': {'model_id': 'x'},
+}
+
+
+def _check_component(spec: type[Configure], kwargs: Mapping[str, Any]) -> None:
+    """The component ``kwargs`` names is registered and its constructor takes the options."""
+    field = spec.component_field
+    registry = _REGISTRIES[field]
+    name = kwargs.get(field, spec.model_fields[field].default)
+    check_name(registry.kind, name, registry.names())
+    slots = _COMPONENT_SLOTS.get(field, {})
+    options = {k: v for k, v in kwargs.items() if k not in spec.model_fields and k not in slots}
+    component = registry.get(name)
+    _bind(f'{registry.kind} {component.__name__}', component, options, slots)
+
+
+def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Any], filled: Mapping[str, Any]) -> None:
+    """``DataError`` unless ``target`` accepts ``kwargs`` (besides what the server fills in)."""
+    signature = inspect.signature(target)
+    try:
+        signature.bind(**filled, **kwargs)
+    except TypeError as e:
+        accepted = [n for n, p in signature.parameters.items() if n not in filled and p.kind not in (p.VAR_POSITIONAL,)]
+        raise DataError(f'{what}: {e}; it accepts {accepted}') from None
+
+
+def check_name(kind: str, name: Any, valid: list[str]) -> None:
+    if not isinstance(name, str) or name not in valid:
+        raise UnknownNameError(kind, name, valid)
+
+
+def _feature(index: int, row: dict[str, Any], vocab: int) -> InputFeature:
+    """A row the wire checked (``twinkle.wire.InputRow``: integer ids >= 0, labels, equal
+    lengths), checked against the vocabulary."""
+    bad = next((t for t in row['input_ids'] if t >= vocab), None)
+    if bad is not None:
+        raise DataError(f'input row {index} has token id {bad}, outside the vocabulary [0, {vocab})')
+    bad = next((t for t in row['labels'] if t >= vocab), None)
+    if bad is not None:
+        raise DataError(f'input row {index} has label {bad}: labels are {IGNORE_INDEX} or token ids in [0, {vocab})')
+    return cast(InputFeature, row)  # an InputRow's fields: input_ids, labels and the token fields it has
+
+
+def _prompt(index: int, prompt: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """A prompt the wire checked (``twinkle.wire.Prompt``), its token ids in the vocabulary;
+    the template checks the roles of ``messages`` when it encodes them."""
+    bad = next((t for t in prompt.get('input_ids') or [] if t >= vocab), None)
+    if bad is not None:
+        raise DataError(f'prompt {index} has token id {bad}, outside the vocabulary [0, {vocab})')
+    return prompt
+
+
+def encoded_prompt(template: Template, index: int, prompt: dict[str, Any]) -> dict[str, Any]:
+    """``prompt`` with ``input_ids``: its own, or its ``messages`` encoded for generation."""
+    if 'input_ids' in prompt:
+        return prompt
+    try:
+        feature = template.encode(prompt, add_generation_prompt=True)
+    except TwinkleError:
+        raise
+    except Exception as e:  # the chat template refusing the tenant's messages (a jinja error, a bad type)
+        raise DataError(f'prompt {index}: its messages cannot be encoded: {type(e).__name__}: {e}') from e
+    if feature is None:
+        raise DataError(f"prompt {index} is over the template's max_length and its truncation_strategy drops it")
+    return {**prompt, 'input_ids': feature['input_ids']}
+
+
+@contextmanager
+def shown_to_tenant(path: Path, shown_as: str | None) -> Iterator[None]:
+    """Errors raised inside name ``shown_as`` (what the tenant calls the checkpoint) where they
+    would name ``path``, the server's directory of it: a tenant never sees the data directory."""
+    try:
+        yield
+    except TwinkleError as error:
+        if shown_as is not None:
+            error.args = tuple(a.replace(str(path), shown_as) if isinstance(a, str) else a for a in error.args)
+        raise
+
+
+def checkpoint_stamp(directory: Path) -> tuple[int, int] | None:
+    """Which save a checkpoint directory holds: a save swaps in a new directory (another inode)."""
+    try:
+        status = directory.stat()
+    except OSError:
+        return None  # gone: loading it says so, naming the tenant's path
+    return status.st_ino, status.st_mtime_ns
+
+
+__all__ = [
+    'MAX_SAMPLER_ADAPTERS',
+    'MAX_TOP_LOGPROBS',
+    'RequestChecks',
+    'checkpoint_stamp',
+    'encoded_prompt',
+    'shown_to_tenant',
+]

@@ -1,0 +1,214 @@
+"""The service's sampling through vLLM (``sampler: vllm``, or ``sampler: {backend: vllm, ...}``).
+
+``VllmSampling`` is one ``vLLMSampler`` engine holding the base model, with the runs' weights as
+vLLM LoRA adapters: a run's current adapter (exported from the trainer when its weights changed
+since the last export: ``sampler: vllm``, sampling beside the model), or a saved checkpoint's
+(a sampler group's runs sample their last sync; Tinker sampling clients and published weights).
+Only adapter tensors reach the engine; it loads the base once.
+
+``VllmSamplerHost`` is a sampler group of its own on vLLM (``sampler: {backend: vllm}``): the
+engine alone, without a trainer's copy of the model, behind the methods the sampling routes call
+on a group's ``sampling_host``. Its engine is a process of vLLM's own; on GPUs the group's
+``device`` ('cuda:2,3') picks the GPUs it sees, and ``ranks`` > 1 shard it with tensor
+parallelism (unless ``engine_args`` set ``tensor_parallel_size``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftConfig
+
+from twinkle.data_format import SampleResponse, SamplingParams
+from twinkle.errors import ConfigurationError
+from twinkle.sampler.vllm_sampler import vLLMSampler
+from twinkle.server.checks import MAX_SAMPLER_ADAPTERS, RequestChecks, checkpoint_stamp, encoded_prompt, shown_to_tenant
+from twinkle.server.config import SamplerSettings, ServerConfig, gpu_indices
+from twinkle.template import Template
+
+#: The LoRA ranks vLLM can be started with; the engine takes the smallest that holds the server's limit.
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class VllmSampling:
+    """One vLLM engine for a hosted model, and the adapters it holds for runs and checkpoints."""
+
+    def __init__(self, model_id: str, settings: SamplerSettings, max_lora_rank: int, ranks: int = 1):
+        args: dict[str, Any] = {'enable_lora': True, 'max_lora_rank': engine_lora_rank(max_lora_rank)}
+        if ranks > 1:
+            args['tensor_parallel_size'] = ranks
+        args.update(settings.engine_args)
+        with visible_gpus(settings.device):
+            self.sampler = vLLMSampler(model_id, engine_args=args)
+        self.vocab_size, self.context = self.sampler.vocab_size, self.sampler.context
+        self._saved: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # directory -> (its save, adapter)
+        self._runs: dict[str, tuple[Any, str]] = {}  # run adapter -> (weights key, adapter)
+        self._ids = itertools.count()
+
+    @property
+    def template(self) -> Template:
+        return self.sampler.template
+
+    def saved_adapter(self, directory: Path, shown_as: str | None = None) -> str:
+        """The adapter of the weights saved in ``directory``, loaded again once it holds a newer
+        save; at most ``MAX_SAMPLER_ADAPTERS`` stay loaded."""
+        key, stamp = str(directory), checkpoint_stamp(directory)
+        loaded = self._saved.get(key)
+        if loaded is not None and loaded[0] == stamp:
+            self._saved.move_to_end(key)
+            return loaded[1]
+        self.forget(directory)
+        if len(self._saved) >= MAX_SAMPLER_ADAPTERS:
+            _, (_, oldest) = self._saved.popitem(last=False)
+            self.sampler.remove_adapter(oldest)
+        adapter = f'saved-{next(self._ids)}'
+        with shown_to_tenant(directory, shown_as):
+            self.sampler.add_adapter(adapter, str(directory))
+        self._saved[key] = (stamp, adapter)
+        return adapter
+
+    def run_adapter(
+        self, adapter: str, key: Any, config: PeftConfig, weights: Callable[[], Mapping[str, torch.Tensor]]
+    ) -> str:
+        """A run's adapter as it is now: ``weights()`` is exported to the engine when ``key`` (the
+        run's weights version) changed since the last export."""
+        held = self._runs.get(adapter)
+        if held is not None and held[0] == key:
+            return held[1]
+        tensors = weights()
+        name = f'run-{adapter}'
+        self.sampler.load_adapter_weights(name, tensors, config)
+        self._runs[adapter] = (key, name)
+        return name
+
+    def forget_run(self, adapter: str) -> None:
+        """A run's adapter left the model: its exported weights go too."""
+        held = self._runs.pop(adapter, None)
+        if held is not None:
+            self.sampler.remove_adapter(held[1])
+
+    def forget(self, directory: Path) -> None:
+        """Unload the adapter of ``directory``'s weights, if loaded (its checkpoint was deleted)."""
+        loaded = self._saved.pop(str(directory), None)
+        if loaded is not None:
+            self.sampler.remove_adapter(loaded[1])
+
+    def generate(
+        self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
+    ) -> list[SampleResponse]:
+        self.sampler.weight_version = weight_version
+        return self.sampler.sample(prompts, params, adapter_name=adapter)
+
+    def alive(self) -> bool:
+        """Whether the engine's processes still run (vLLM gives up an engine whose core died)."""
+        core = self.sampler.llm.llm_engine.engine_core
+        return not getattr(core, 'resources', None) or not getattr(core.resources, 'engine_dead', False)
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+class VllmSamplerHost(RequestChecks):
+    """A sampler group of its own on vLLM: what the routes call on ``ModelGroup.sampling_host``."""
+
+    def __init__(self, config: ServerConfig):
+        from twinkle import assets
+
+        settings = config.sampler
+        if not isinstance(settings, SamplerSettings):
+            raise ConfigurationError('a vLLM sampler group needs the sampler section of the config')
+        self.config, self.settings = config, settings
+        self.model_id = (
+            assets.tiny_model(config.base_model) if config.base_model in assets.MODELS else config.base_model
+        )
+        self.device = torch.device('cuda' if (settings.device or config.device or '').startswith('cuda') else 'cpu')
+        self.restarts = 0
+        self.sampling = self._start()
+        self.vocab_size: int = self.sampling.vocab_size
+        self.context: int | None = self.sampling.context
+
+    def _start(self) -> VllmSampling:
+        return VllmSampling(self.model_id, self.settings, self.config.limits.max_lora_rank, self.settings.ranks)
+
+    def sampler_adapter(self, directory: Path, shown_as: str | None = None) -> str:
+        return self.sampling.saved_adapter(directory, shown_as)
+
+    def forget_sampler_weights(self, directory: Path) -> None:
+        self.sampling.forget(directory)
+
+    def generate(
+        self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
+    ) -> list[SampleResponse]:
+        self._check_prompt_lengths(list(enumerate(p['input_ids'] for p in prompts)), params)
+        return self.sampling.generate(prompts, params, adapter, weight_version)
+
+    def sample_weights(
+        self,
+        inputs: list[dict[str, Any]],
+        sampling_params: dict[str, Any] | None,
+        directory: Path | None,
+        shown_as: str | None = None,
+        weight_version: int = 0,
+    ) -> list[dict[str, Any]]:
+        """``ModelHost.sample_weights`` on the engine: the base model, or the weights in ``directory``."""
+        prompts, params = self.sample_request(inputs, sampling_params)
+        prompts = [encoded_prompt(self.sampling.template, index, prompt) for index, prompt in enumerate(prompts)]
+        adapter = None if directory is None else self.sampler_adapter(directory, shown_as)
+        return [asdict(response) for response in self.generate(prompts, params, adapter, weight_version)]
+
+    def restart_if_dead(self) -> str | None:
+        """Start the engine again if its process died; then what happened, else None."""
+        if self.sampling.alive():
+            return None
+        with contextlib.suppress(Exception):
+            self.sampling.close()
+        self.sampling = self._start()
+        self.restarts += 1
+        return 'the vLLM engine of the sampler died'
+
+    def shutdown(self) -> None:
+        self.sampling.close()
+
+
+def samples_on_vllm(config: ServerConfig) -> bool:
+    """Whether the model's own worker samples through vLLM (``sampler: vllm``)."""
+    return config.sampler is not None and config.sampler.backend == 'vllm' and not config.sampler.group
+
+
+def engine_lora_rank(limit: int) -> int:
+    """The smallest rank vLLM starts with that holds adapters of rank ``limit``.
+
+    >>> engine_lora_rank(64), engine_lora_rank(48), engine_lora_rank(4)
+    (64, 64, 8)
+    """
+    return next((rank for rank in VLLM_LORA_RANKS if rank >= limit), VLLM_LORA_RANKS[-1])
+
+
+@contextlib.contextmanager
+def visible_gpus(device: str | None) -> Iterator[None]:
+    """While the engine starts (its processes inherit the environment): only the GPUs ``device``
+    lists ('cuda:2,3' or 'cuda:1') are visible; other devices leave the environment alone."""
+    indices = gpu_indices(device) or ([int(device.split(':')[1])] if device and device.startswith('cuda:') else [])
+    if not indices:
+        yield
+        return
+    before = os.environ.get('CUDA_VISIBLE_DEVICES')
+    os.environ['CUDA_VISIBLE_DEVICES'] = ','.join(map(str, indices))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop('CUDA_VISIBLE_DEVICES', None)
+        else:
+            os.environ['CUDA_VISIBLE_DEVICES'] = before
+
+
+__all__ = ['VllmSamplerHost', 'VllmSampling', 'engine_lora_rank']
