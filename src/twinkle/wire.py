@@ -39,7 +39,16 @@ from twinkle.errors import DataError
 FEATURE_FIELDS = ('input_ids', 'attention_mask', 'position_ids', 'labels', 'completion_mask')
 #: peft ``LoraConfig`` fields a run's ``lora`` may set.
 LORA_FIELDS = frozenset(
-    {'r', 'lora_alpha', 'lora_dropout', 'target_modules', 'bias', 'use_rslora', 'init_lora_weights'}
+    {
+        'r',
+        'lora_alpha',
+        'lora_dropout',
+        'target_modules',
+        'target_parameters',
+        'bias',
+        'use_rslora',
+        'init_lora_weights',
+    }
 )
 #: Fields of a prompt to sample from.
 PROMPT_FIELDS = ('input_ids', 'messages', 'tools')

@@ -5,7 +5,7 @@ Everything is generated deterministically on first use into ``twinkle_home()/ass
 
 >>> from twinkle.assets import DATASETS, MODELS
 >>> MODELS, DATASETS
-(('tiny-qwen3', 'small-qwen3'), ('self-cognition', 'gsm8k'))
+(('tiny-qwen3', 'small-qwen3', 'tiny-qwen3.5', 'tiny-qwen3-moe', 'tiny-qwen3.5-moe'), ('self-cognition', 'gsm8k'))
 
 Typical use (``path`` is a normal Hugging Face folder)::
 

@@ -1,9 +1,12 @@
-"""Embedded Qwen3 causal LMs with random weights, for tests and benchmarks without a hub.
+"""Embedded causal LMs with random weights in the seeds' families, for tests and benchmarks without a hub.
 
 ``tiny-qwen3`` (about 0.9M parameters) is for unit and end-to-end tests; ``small-qwen3``
-(about 25.7M) for benchmarks. Both share the embedded tokenizer. Weights are drawn from a seeded
-generator as Qwen3 initialises them (normal(0, initializer_range) matrices, RMSNorm scales of
-one), so a model folder is the same bytes on every build.
+(about 25.7M) for benchmarks. ``tiny-qwen3.5`` has Qwen3.5's hybrid layers (gated-deltanet linear
+attention beside full attention); ``tiny-qwen3-moe`` and ``tiny-qwen3.5-moe`` are mixtures of
+experts (fused 3-D expert weights, a top-k router; Qwen3.5-MoE adds a gated shared expert). All
+share the embedded tokenizer. Weights are drawn from a seeded generator as Qwen initialises them
+(normal(0, initializer_range) matrices, expert stacks and router; RMSNorm scales of one, or of
+zero where the norm computes ``1 + weight``), so a model folder is the same bytes on every build.
 """
 
 from __future__ import annotations
@@ -11,14 +14,14 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from twinkle.assets import tokenizer as tok
 from twinkle.assets.cache import build_asset
 from twinkle.errors import UnknownNameError
 
 if TYPE_CHECKING:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import PretrainedConfig, PreTrainedModel, Qwen3Config
 
 MODEL_VERSION = 2  # bump when the config or weight recipe below changes
 # Scale of the output head. With normal(0, 0.02) and a 128-wide model, logits stay within about
@@ -26,10 +29,13 @@ MODEL_VERSION = 2  # bump when the config or weight recipe below changes
 # at 0.1 the head can express confident predictions, as a trained model's does.
 LM_HEAD_STD = 0.1
 
+#: Model families the recipes build: transformers' causal-LM classes by family.
+FAMILIES = ('qwen3', 'qwen3_moe', 'qwen3_5', 'qwen3_5_moe')
+
 
 @dataclass(frozen=True)
 class ModelRecipe:
-    """The shape of one embedded Qwen3 model; everything else is shared (see ``qwen3_config``)."""
+    """The shape of one embedded model; everything else is shared (see ``model_config``)."""
 
     # Width of the residual stream.
     hidden_size: int
@@ -40,17 +46,32 @@ class ModelRecipe:
     num_key_value_heads: int
     # Width of one attention head (Qwen3 sets it apart from hidden_size / heads).
     head_dim: int
-    # Width of the SwiGLU MLP.
+    # Width of the SwiGLU MLP (of each expert in an MoE family).
     intermediate_size: int
     # Seed of the weight generator.
     seed: int = 0
+    # One of FAMILIES.
+    family: str = 'qwen3'
+    # Mixture of experts: experts per layer and experts each token is routed to.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    # Qwen3.5-MoE's shared expert width.
+    shared_expert_size: int = 0
 
 
 MODEL_RECIPES: dict[str, ModelRecipe] = {
     'tiny-qwen3': ModelRecipe(128, 2, 4, 2, 32, 384),
     'small-qwen3': ModelRecipe(512, 8, 8, 4, 64, 1408),
+    # Layers: linear attention, then full attention (Qwen3.5 alternates them 3:1).
+    'tiny-qwen3.5': ModelRecipe(128, 2, 4, 2, 32, 384, family='qwen3_5'),
+    'tiny-qwen3-moe': ModelRecipe(128, 2, 4, 2, 32, 96, family='qwen3_moe', num_experts=8, experts_per_token=2),
+    'tiny-qwen3.5-moe': ModelRecipe(
+        128, 2, 4, 2, 32, 96, family='qwen3_5_moe', num_experts=8, experts_per_token=2, shared_expert_size=128
+    ),
 }
 MODELS: tuple[str, ...] = tuple(MODEL_RECIPES)
+#: The embedded models whose MLPs are mixtures of experts.
+MOE_MODELS: tuple[str, ...] = tuple(name for name, r in MODEL_RECIPES.items() if r.num_experts)
 
 
 def recipe(name: str) -> ModelRecipe:
@@ -60,37 +81,85 @@ def recipe(name: str) -> ModelRecipe:
     return MODEL_RECIPES[name]
 
 
+def _shared_settings() -> dict[str, Any]:
+    """Config fields every family shares: the tokenizer's ids and lengths, fp32, untied head."""
+    return {
+        'vocab_size': tok.VOCAB_SIZE,
+        'max_position_embeddings': tok.MODEL_MAX_LENGTH,
+        'initializer_range': 0.02,
+        'rms_norm_eps': 1e-6,
+        'tie_word_embeddings': False,
+        'bos_token_id': tok.TOKEN_IDS[tok.PAD_TOKEN],
+        'eos_token_id': tok.TOKEN_IDS[tok.EOS_TOKEN],
+        'pad_token_id': tok.TOKEN_IDS[tok.PAD_TOKEN],
+        'dtype': 'float32',
+    }
+
+
 def qwen3_config(name: str) -> Qwen3Config:
-    """The ``Qwen3Config`` of model ``name`` (no weights are built)."""
+    """The ``Qwen3Config`` of a dense Qwen3 model ``name`` (no weights are built)."""
     from transformers import Qwen3Config
 
     r = recipe(name)
+    if r.family != 'qwen3':
+        raise UnknownNameError('Qwen3 model', name, [n for n, m in MODEL_RECIPES.items() if m.family == 'qwen3'])
     return Qwen3Config(
-        vocab_size=tok.VOCAB_SIZE,
         hidden_size=r.hidden_size,
         intermediate_size=r.intermediate_size,
         num_hidden_layers=r.num_hidden_layers,
         num_attention_heads=r.num_attention_heads,
         num_key_value_heads=r.num_key_value_heads,
         head_dim=r.head_dim,
-        max_position_embeddings=tok.MODEL_MAX_LENGTH,
-        initializer_range=0.02,
-        rms_norm_eps=1e-6,
         rope_parameters={'rope_type': 'default', 'rope_theta': 1_000_000.0},
-        tie_word_embeddings=False,
-        bos_token_id=tok.TOKEN_IDS[tok.PAD_TOKEN],
-        eos_token_id=tok.TOKEN_IDS[tok.EOS_TOKEN],
-        pad_token_id=tok.TOKEN_IDS[tok.PAD_TOKEN],
-        dtype='float32',
+        **_shared_settings(),
     )
 
 
-def init_weights(model: Qwen3ForCausalLM, seed: int) -> None:
+def model_config(name: str) -> PretrainedConfig:
+    """The transformers config of model ``name``, in its family (no weights are built)."""
+    r = recipe(name)
+    if r.family == 'qwen3':
+        return qwen3_config(name)
+    import transformers
+
+    shape: dict[str, object] = {
+        'hidden_size': r.hidden_size,
+        'num_hidden_layers': r.num_hidden_layers,
+        'num_attention_heads': r.num_attention_heads,
+        'num_key_value_heads': r.num_key_value_heads,
+        'head_dim': r.head_dim,
+        'rope_parameters': {'rope_type': 'default', 'rope_theta': 1_000_000.0},
+    }
+    if r.family in ('qwen3_5', 'qwen3_5_moe'):
+        shape['rope_parameters'] = {'rope_type': 'default', 'rope_theta': 1_000_000.0, 'partial_rotary_factor': 0.25}
+        shape['layer_types'] = ['linear_attention', 'full_attention'] * (r.num_hidden_layers // 2)
+        shape |= {'linear_key_head_dim': 32, 'linear_value_head_dim': 32}
+        shape |= {'linear_num_key_heads': 2, 'linear_num_value_heads': 4, 'linear_conv_kernel_dim': 4}
+    if r.num_experts:
+        shape |= {'num_experts': r.num_experts, 'num_experts_per_tok': r.experts_per_token}
+        shape |= {'moe_intermediate_size': r.intermediate_size, 'norm_topk_prob': True}
+        shape |= {'router_aux_loss_coef': 0.001}
+    else:
+        shape['intermediate_size'] = r.intermediate_size
+    if r.shared_expert_size:
+        shape['shared_expert_intermediate_size'] = r.shared_expert_size
+    config_class = {
+        'qwen3_moe': transformers.Qwen3MoeConfig,
+        'qwen3_5': transformers.Qwen3_5TextConfig,
+        'qwen3_5_moe': transformers.Qwen3_5MoeTextConfig,
+    }[r.family]
+    return config_class(**shape, **_shared_settings())
+
+
+def init_weights(model: PreTrainedModel, seed: int) -> None:
     """Fill every parameter from one seeded stream, in ``named_parameters`` order.
 
-    Matrices (projections, the embedding) ~ normal(0, initializer_range), the output head
-    ~ normal(0, LM_HEAD_STD); vectors (the RMSNorm scales; Qwen3 has no biases) = 1.
-    Independent of transformers' own init code.
+    Matrices and stacks (projections, the embedding, expert weights, the router, the short
+    convolution) ~ normal(0, initializer_range), the output head ~ normal(0, LM_HEAD_STD); vectors
+    keep the constant their module starts with (RMSNorm scales of one, or of zero where the norm
+    computes ``1 + weight``; gated deltanet's ``dt_bias`` of one), and gated deltanet's ``A_log``
+    spans log 1 .. log 16 evenly (the range Qwen3.5 draws it from). Independent of transformers'
+    own init code.
     """
     import torch
 
@@ -98,17 +167,27 @@ def init_weights(model: Qwen3ForCausalLM, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 1:
-                param.fill_(1.0)
+            if name.endswith('A_log'):
+                param.copy_(torch.linspace(1.0, 16.0, param.numel()).log())
+            elif param.ndim == 1:
+                if not bool((param == param.flatten()[0]).all()):
+                    raise ValueError(f'{name} starts with varying values: give it a rule in init_weights')
             else:
                 param.normal_(0.0, LM_HEAD_STD if name == 'lm_head.weight' else std, generator=generator)
 
 
-def build_model(name: str) -> Qwen3ForCausalLM:
+def build_model(name: str) -> PreTrainedModel:
     """Model ``name`` in memory, with its seeded random weights (float32)."""
-    from transformers import Qwen3ForCausalLM
+    import transformers
 
-    model = Qwen3ForCausalLM(qwen3_config(name)).float()
+    config = model_config(name)
+    model_class = {
+        'qwen3': transformers.Qwen3ForCausalLM,
+        'qwen3_moe': transformers.Qwen3MoeForCausalLM,
+        'qwen3_5': transformers.Qwen3_5ForCausalLM,
+        'qwen3_5_moe': transformers.Qwen3_5MoeForCausalLM,
+    }[recipe(name).family]
+    model = model_class(config).float()
     init_weights(model, recipe(name).seed)
     return model.eval()
 

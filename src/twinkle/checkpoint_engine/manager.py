@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -162,9 +162,8 @@ def _merged_weights(model: TransformersModel, adapter_name: str) -> dict[str, to
     with torch.no_grad():
         for path, layer in multi_lora.multi_lora_layers(model.model).items():
             if adapter_name in layer.adapters:
-                base = layer.base_layer.weight
-                delta = cast(multi_lora.LoraAdapter, layer.adapters[adapter_name]).delta_weight()
-                weights[canonical_name(f'{path}.weight')] = base + delta.to(base.dtype)
+                for suffix, merged in layer.merged_stacks(adapter_name).items():
+                    weights[canonical_name(f'{path}.{suffix}')] = merged
     return weights
 
 

@@ -207,6 +207,13 @@ def save_adapter(
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS))
     config = copy.copy(group.config)
     config.base_model_name_or_path = base_model_id
+    # Expert stacks are named for peft, which 'all-linear' does not reach, and the linear layers by
+    # their paths: peft reads a pattern on an MoE model as targets of transformers 4's per-expert
+    # layers, fused into the stacks with twice the rank.
+    stacks = multi_lora.adapter_expert_stacks(model, group.name)
+    if stacks:
+        config.target_parameters = stacks
+        config.target_modules = multi_lora.adapter_linear_paths(model, group.name) or None
     config.inference_mode = True
     config.save_pretrained(str(directory))
 
@@ -224,7 +231,8 @@ def read_adapter(
     """The adapter's weights in ``directory`` keyed by the model's parameter names (``names``):
     what ``load_adapter`` copies in, for a model whose parameters are shards (FSDP2)."""
     weights = _adapter_file(directory)
-    by_key = {multi_lora.peft_key(name, adapter_name): name for name in names}
+    keys = multi_lora.peft_keys(model, adapter_name)
+    by_key = {keys[name]: name for name in names}
     _check_missing(directory, adapter_name, [name for key, name in by_key.items() if key not in weights])
     return {name: weights[key] for key, name in by_key.items()}
 

@@ -23,157 +23,27 @@ Example::
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNameError, one_of
+from twinkle.model.expert_lora import (
+    EXPERT_PARAMETERS,
+    MultiLoraExperts,
+    expert_stacks,
+    is_fused_experts,
+    peft_stack_prefix,
+)
+from twinkle.model.lora_adapter import LoraAdapter, LoraSpec, RowAssignment, check_name, check_spec
 from twinkle.model.lora_delta import Run, add_run_deltas
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-_ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_:-]+$')
-
-
-#: ``LoraSpec.init`` values: how a new adapter's A and B are drawn (peft's ``init_lora_weights``
-#: True, 'gaussian' and False). The first two keep B = 0, so a new adapter starts as the base model.
-LORA_INITS = ('kaiming', 'gaussian', 'random')
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """One adapter's shape and where it goes."""
-
-    # Rank of A [r, in] and B [out, r]; > 0.
-    r: int
-    # The delta is scaled by alpha / r (alpha / sqrt(r) with use_rslora).
-    alpha: float
-    # Leaf (or dotted suffix) names of the linear layers to adapt, a regular expression the whole
-    # layer path must match, or 'all-linear' (every nn.Linear but the output head, as peft does).
-    target_modules: tuple[str, ...] | str = 'all-linear'
-    # Dropout on the adapter's input, in [0, 1).
-    dropout: float = 0.0
-    # One of LORA_INITS.
-    init: str = 'kaiming'
-    # Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023, "A Rank Stabilization Scaling Factor").
-    use_rslora: bool = False
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
-
-
-class LoraAdapter(nn.Module):
-    """One adapter of one layer: ``lora_A`` [r, in] then ``lora_B`` [out, r], scaled.
-
-    Without a ``generator`` the weights are drawn from the global RNG in the order and manner
-    peft draws them, so ``torch.manual_seed(s)`` gives the adapter peft gives for that seed."""
-
-    def __init__(self, base: nn.Linear, spec: LoraSpec, generator: torch.Generator | None = None):
-        super().__init__()
-        _check_spec(spec)
-        # Like peft's autocast_adapter_dtype: half-precision bases get float32 adapters.
-        dtype = torch.float32 if base.weight.dtype in (torch.float16, torch.bfloat16) else base.weight.dtype
-        build = {'device': 'meta'} if generator is not None else {}
-        self.lora_A = nn.Linear(base.in_features, spec.r, bias=False, **build)
-        self.lora_B = nn.Linear(spec.r, base.out_features, bias=False, **build)
-        if generator is not None:
-            self.to_empty(device='cpu')
-            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
-            nn.init.kaiming_uniform_(self.lora_B.weight, a=math.sqrt(5), generator=generator)
-        _initialise(self.lora_A.weight.data, self.lora_B.weight.data, spec, generator)
-        self.to(device=base.weight.device, dtype=dtype)
-        self.scaling = spec.scaling
-        # A probability, not an nn.Dropout module: one module fewer per layer and adapter (the
-        # same draws, through the same function).
-        self.dropout = spec.dropout
-
-    def forward(self, x_N_I: torch.Tensor) -> torch.Tensor:
-        x_N_I = nn.functional.dropout(x_N_I.to(self.lora_A.weight.dtype), self.active_dropout)
-        return self.lora_B(self.lora_A(x_N_I)) * self.scaling
-
-    @property
-    def active_dropout(self) -> float:
-        """The dropout probability this forward applies: none in eval mode."""
-        return self.dropout if self.training else 0.0
-
-    def delta_weight(self) -> torch.Tensor:
-        """B @ A * scaling [out, in]: what merging the adapter adds to the base weight."""
-        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
-
-
-def _initialise(lora_A: torch.Tensor, lora_B: torch.Tensor, spec: LoraSpec, generator: torch.Generator | None) -> None:
-    """peft's ``reset_lora_parameters``: A re-drawn, B zero; 'random' keeps nn.Linear's draws."""
-    if spec.init == 'kaiming':  # A like nn.Linear's own init (Hu et al. 2021, section 4.1)
-        nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5), generator=generator)
-    elif spec.init == 'gaussian':
-        nn.init.normal_(lora_A, std=1 / spec.r, generator=generator)
-    if spec.init != 'random':
-        nn.init.zeros_(lora_B)
-
-
-def _check_spec(spec: LoraSpec) -> None:
-    if isinstance(spec.r, bool) or not isinstance(spec.r, int) or spec.r <= 0:
-        raise ConfigurationError(f'Invalid LoRA rank r={spec.r!r}: it must be an integer > 0')
-    if not math.isfinite(spec.alpha) or spec.alpha <= 0:
-        raise ConfigurationError(f'Invalid LoRA alpha={spec.alpha!r}: it must be a finite number > 0')
-    if not 0 <= spec.dropout < 1:
-        raise ConfigurationError(f'Invalid LoRA dropout={spec.dropout!r}: it must be in [0, 1)')
-    if spec.init not in LORA_INITS:
-        raise one_of('LoRA init', spec.init, LORA_INITS)
-
-
-@dataclass
-class RowAssignment:
-    """Which rows of the batch use which adapter; shared by every layer of one forward."""
-
-    # One entry per row: an adapter name, or None for the base model only. None here (not a
-    # tuple): one name for every row whatever the batch size, the single key of ``rows``.
-    names: tuple[str | None, ...] | None
-    # Adapter name -> indices of its rows (CPU, int64); None: all rows.
-    rows: dict[str, torch.Tensor | None]
-    # When each name's rows are contiguous (a mixed pass lays tenants out so): (name, start,
-    # end) runs covering the batch in order, which a layer slices instead of gathering.
-    runs: list[tuple[str | None, int, int]] | None = None
-    _by_device: dict[torch.device, dict[str, torch.Tensor | None]] = field(default_factory=dict)
-
-    @classmethod
-    def from_names(cls, names: Sequence[str | None] | str | None) -> RowAssignment:
-        if names is None or isinstance(names, str):
-            return cls(None, {} if names is None else {names: None})
-        rows: dict[str, list[int]] = {}
-        for i, name in enumerate(names):
-            if name is not None:
-                rows.setdefault(name, []).append(i)
-        if len(rows) == 1 and len(next(iter(rows.values()))) == len(names):  # one adapter for the whole batch
-            return cls(tuple(names), dict.fromkeys(rows))
-        indices: dict[str, torch.Tensor | None] = {n: torch.tensor(idx, dtype=torch.long) for n, idx in rows.items()}
-        return cls(tuple(names), indices, _contiguous_runs(names))
-
-    def rows_on(self, device: torch.device) -> dict[str, torch.Tensor | None]:
-        """The row indices on ``device``, copied there once per forward."""
-        if device not in self._by_device:
-            self._by_device[device] = {n: None if i is None else i.to(device) for n, i in self.rows.items()}
-        return self._by_device[device]
-
-
-def _contiguous_runs(names: Sequence[str | None]) -> list[tuple[str | None, int, int]] | None:
-    """``names`` as (name, start, end) runs, or None when some name's rows are not all in one run."""
-    runs: list[tuple[str | None, int, int]] = []
-    for i, name in enumerate(names):
-        if runs and runs[-1][0] == name:
-            runs[-1] = (name, runs[-1][1], i + 1)
-        else:
-            runs.append((name, i, i + 1))
-    named = [name for name, _, _ in runs if name is not None]
-    return runs if len(named) == len(set(named)) else None
 
 
 class MultiLoraLinear(nn.Module):
@@ -190,7 +60,7 @@ class MultiLoraLinear(nn.Module):
         self.assignment: RowAssignment | None = None
 
     def add_adapter(self, name: str, spec: LoraSpec, generator: torch.Generator | None = None) -> LoraAdapter:
-        _check_name(name)
+        check_name(name)
         if name in self.adapters:
             raise ConfigurationError(f'Adapter {name!r} already exists in this layer; remove it first')
         adapter = LoraAdapter(self.base_layer, spec, generator)
@@ -207,12 +77,12 @@ class MultiLoraLinear(nn.Module):
         del self.adapters[name]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [B, ..., in] -> [B, ..., out]; row b goes through ``assignment.names[b]``."""
+        """``x`` [B, ..., in] -> [B, ..., out]; row b goes through ``assignment.names[b]`` (or
+        [B * T, in], the batch flattened to tokens: token i through row i // T's adapter)."""
         assignment = self.assignment
         if assignment is None:
             raise StateError('MultiLoraLinear ran outside row_adapters(model, names): wrap the forward in it')
-        if assignment.names is not None and len(assignment.names) != x.shape[0]:
-            raise DataError(f'row_adapters assigned {len(assignment.names)} rows but the batch has {x.shape[0]} rows')
+        assignment = assignment.over(x.shape[0])
         out = self.base_layer(x)
         if assignment.runs is not None:
             return self._by_runs(x, out, assignment.runs)
@@ -237,18 +107,22 @@ class MultiLoraLinear(nn.Module):
             weights += [adapter.lora_A.weight, adapter.lora_B.weight]
         return add_run_deltas(out, x, plan, weights) if plan else out
 
+    def merged_stacks(self, name: str) -> dict[str, torch.Tensor]:
+        """The layer's weight with adapter ``name`` merged in, by parameter name."""
+        weight = self.base_layer.weight
+        return {'weight': weight + self.adapter(name).delta_weight().to(weight.dtype)}
+
     def extra_repr(self) -> str:
         return f'adapters={list(self.adapters.keys())}'
 
 
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
-        raise ConfigurationError(f'Invalid adapter name {name!r}: use letters, digits, "_", "-" and ":" only')
+#: A layer that holds adapters: a wrapped linear layer, or a wrapped experts module.
+AdapterLayer = MultiLoraLinear | MultiLoraExperts
 
 
-def multi_lora_layers(model: nn.Module) -> dict[str, MultiLoraLinear]:
-    """Every ``MultiLoraLinear`` of ``model`` by its dotted path."""
-    return {path: module for path, module in model.named_modules() if isinstance(module, MultiLoraLinear)}
+def multi_lora_layers(model: nn.Module) -> dict[str, AdapterLayer]:
+    """Every layer holding adapters (``MultiLoraLinear``, ``MultiLoraExperts``) by its dotted path."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, MultiLoraLinear | MultiLoraExperts)}
 
 
 def adapter_names(model: nn.Module) -> list[str]:
@@ -265,6 +139,8 @@ def _linear_layers(model: nn.Module) -> dict[str, nn.Linear | MultiLoraLinear]:
             continue
         if isinstance(module, MultiLoraLinear):
             layers[path], inside = module, f'{path}.'
+        elif isinstance(module, MultiLoraExperts):
+            inside = f'{path}.'
         elif isinstance(module, nn.Linear) and path:
             layers[path] = module
     return layers
@@ -291,7 +167,9 @@ def resolve_targets(model: nn.Module, target_modules: tuple[str, ...] | str) -> 
             raise ConfigurationError(f'target_modules pattern {target_modules!r} matches no linear layer path')
         return paths
     if not target_modules:
-        raise ConfigurationError('target_modules is empty: give layer names, a pattern or "all-linear"')
+        raise ConfigurationError(
+            'target_modules is empty: give layer names, a pattern or "all-linear" (or target_parameters for experts)'
+        )
     for target in target_modules:
         if not any(p == target or p.endswith(f'.{target}') for p in layers):
             leaves = sorted({p.rsplit('.', 1)[-1] for p in layers})
@@ -299,12 +177,34 @@ def resolve_targets(model: nn.Module, target_modules: tuple[str, ...] | str) -> 
     return [p for p in layers if any(p == t or p.endswith(f'.{t}') for t in target_modules)]
 
 
-def _wrap(model: nn.Module, path: str) -> MultiLoraLinear:
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The fused-experts modules of ``model`` (plain or wrapped) by path."""
+    found: dict[str, nn.Module] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, MultiLoraExperts) or (is_fused_experts(module) and not path.endswith('.base_layer')):
+            found[path] = module
+    return found
+
+
+def resolve_expert_targets(model: nn.Module, spec: LoraSpec) -> dict[str, list[str]]:
+    """The expert stacks ``spec`` adapts, by experts module path: all of them under 'all-linear',
+    else those ``spec.target_parameters`` names (each entry must name some)."""
+    modules = experts_modules(model)
+    all_linear = spec.target_modules == 'all-linear'
+    targets = {path: expert_stacks(spec, path, all_linear) for path in modules}
+    for target in spec.target_parameters:
+        if not any(expert_stacks(LoraSpec(1, 1.0, target_parameters=(target,)), path, False) for path in modules):
+            stacks = expert_target_parameters(model) or 'none: the model has no fused experts'
+            raise ConfigurationError(f'target_parameters entry {target!r} matches no expert stack; stacks: {stacks}')
+    return {path: stacks for path, stacks in targets.items() if stacks}
+
+
+def _wrap(model: nn.Module, path: str, kind: type[AdapterLayer]) -> AdapterLayer:
     module = model.get_submodule(path)
-    if isinstance(module, MultiLoraLinear):
+    if isinstance(module, kind):
         return module
     parent_path, _, leaf = path.rpartition('.')
-    wrapped = MultiLoraLinear(module)
+    wrapped = kind(module)
     setattr(model.get_submodule(parent_path), leaf, wrapped)
     return wrapped
 
@@ -320,15 +220,18 @@ def freeze_base(model: nn.Module) -> None:
 def add_adapter(model: nn.Module, name: str, spec: LoraSpec, generator: torch.Generator | None = None) -> list[str]:
     """Add adapter ``name`` to the layers ``spec.target_modules`` names, wrapping them as needed,
     and freeze the base model. Returns the adapted layer paths. Nothing changes on error."""
-    _check_name(name)
-    _check_spec(spec)
+    check_name(name)
+    check_spec(spec)
     if name in adapter_names(model):
         raise ConfigurationError(f'Adapter {name!r} already exists; remove_adapter(model, {name!r}) first')
-    paths = resolve_targets(model, spec.target_modules)
+    experts = resolve_expert_targets(model, spec)
+    paths = [] if experts and not spec.target_modules else resolve_targets(model, spec.target_modules)
     for path in paths:
-        _wrap(model, path).add_adapter(name, spec, generator)
+        cast(MultiLoraLinear, _wrap(model, path, MultiLoraLinear)).add_adapter(name, spec, generator)
+    for path, stacks in experts.items():
+        cast(MultiLoraExperts, _wrap(model, path, MultiLoraExperts)).add_adapter(name, spec, stacks, generator)
     freeze_base(model)
-    return paths
+    return [*paths, *experts]
 
 
 def inject(
@@ -339,7 +242,7 @@ def inject(
 
 
 def remove_adapter(model: nn.Module, name: str) -> None:
-    """Drop adapter ``name`` from every layer; layers left with no adapter become plain linears again."""
+    """Drop adapter ``name`` from every layer; layers left with no adapter become what they were again."""
     layers = multi_lora_layers(model)
     holders = {path: layer for path, layer in layers.items() if name in layer.adapters}
     if not holders:
@@ -358,7 +261,8 @@ def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
 
 def adapter_named_parameters(model: nn.Module, name: str) -> dict[str, nn.Parameter]:
     """Adapter ``name``'s parameters by their names in ``model.named_parameters()``
-    ('<layer path>.adapters.<name>.lora_A.weight' and '.lora_B.weight')."""
+    ('<layer path>.adapters.<name>.lora_A.weight' and '.lora_B.weight'; on an experts module
+    '<path>.adapters.<name>.<stack>.lora_A.weight')."""
     params = {
         f'{path}.adapters.{name}.{pname}': param
         for path, layer in multi_lora_layers(model).items()
@@ -405,12 +309,33 @@ PEFT_PREFIX = 'base_model.model.'
 
 
 def peft_key(param_name: str, name: str) -> str:
-    """The key peft files use for one of adapter ``name``'s parameters (a name from
+    """The key peft files use for one of adapter ``name``'s linear-layer parameters (a name from
     ``adapter_named_parameters``): '<path>.adapters.<name>.lora_A.weight' -> 'base_model.model.<path>.lora_A.weight'."""
     path, marker, rest = param_name.partition(f'.adapters.{name}.')
     if not marker:
         raise ConfigurationError(f'{param_name!r} is not a parameter of adapter {name!r}')
     return f'{PEFT_PREFIX}{path}.{rest}'
+
+
+def peft_keys(model: nn.Module, name: str) -> dict[str, str]:
+    """Adapter ``name``'s parameter names -> the keys peft files use for them. Expert stacks are
+    keyed as peft's nested ``ParamWrapper`` s save them ('<path>.base_layer.lora_A.weight' for the
+    inner stack)."""
+    keys: dict[str, str] = {}
+    for path, layer in multi_lora_layers(model).items():
+        if name not in layer.adapters:
+            continue
+        prefix = f'{path}.adapters.{name}.'
+        if isinstance(layer, MultiLoraLinear):
+            keys |= {f'{prefix}{p}': f'{PEFT_PREFIX}{path}.{p}' for p, _ in layer.adapters[name].named_parameters()}
+            continue
+        stacks = list(layer.adapter_stacks(name))
+        for stack, adapter in layer.adapter_stacks(name).items():
+            nested = peft_stack_prefix(stacks, stack)
+            keys |= {f'{prefix}{stack}.{p}': f'{PEFT_PREFIX}{path}.{nested}{p}' for p, _ in adapter.named_parameters()}
+    if not keys:
+        raise UnknownNameError('adapter', name, adapter_names(model))
+    return keys
 
 
 def peft_state_dict(
@@ -419,13 +344,14 @@ def peft_state_dict(
     """Adapter ``name``'s tensors keyed as peft saves them (``PeftModel.from_pretrained`` loads
     them); ``weights`` replaces the model's own tensors by parameter name (gathered shards)."""
     params = adapter_named_parameters(model, name)
-    return {peft_key(pname, name): (weights or {}).get(pname, param) for pname, param in params.items()}
+    return {key: (weights or {}).get(pname, params[pname]) for pname, key in peft_keys(model, name).items()}
 
 
 def load_peft_state_dict(model: nn.Module, name: str, state: Mapping[str, torch.Tensor]) -> None:
     """Copy a peft adapter file's tensors into adapter ``name``. Every parameter must be there
     with its shape; keys for layers the adapter does not have are an error too."""
-    params = {peft_key(pname, name): param for pname, param in adapter_named_parameters(model, name).items()}
+    named = adapter_named_parameters(model, name)
+    params = {key: named[pname] for pname, key in peft_keys(model, name).items()}
     state = {_without_adapter_name(key, name): tensor for key, tensor in state.items()}
     missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
     if missing or unexpected:
@@ -470,10 +396,13 @@ def spec_from_peft(config: Any, model: nn.Module) -> LoraSpec:
     init = {True: 'kaiming', 'gaussian': 'gaussian', False: 'random'}.get(config.init_lora_weights)
     if init is None:
         raise one_of('LoraConfig init_lora_weights', config.init_lora_weights, [True, False, 'gaussian'])
+    target_parameters = tuple(sorted(getattr(config, 'target_parameters', None) or ()))
+    linear_targets = () if config.target_modules is None and target_parameters else config.target_modules
     return LoraSpec(
         r=config.r,
         alpha=config.lora_alpha,
-        target_modules=_peft_targets(config.target_modules, model),
+        target_modules=_peft_targets(linear_targets, model),
+        target_parameters=target_parameters,
         dropout=config.lora_dropout,
         init=init,
         use_rslora=config.use_rslora,
@@ -516,3 +445,34 @@ def lora_targets(model: PreTrainedModel, attn: bool, mlp: bool, unembed: bool) -
         if unembed if leaf == head_leaf else (attn and in_attention) or (mlp and in_mlp):
             names.add(leaf)
     return sorted(names)
+
+
+def adapter_expert_stacks(model: nn.Module, name: str) -> list[str]:
+    """The expert stacks adapter ``name`` adapts, as peft's ``target_parameters`` names them
+    ('<experts module path>.<stack>')."""
+    return [
+        f'{path}.{stack}'
+        for path, layer in multi_lora_layers(model).items()
+        if isinstance(layer, MultiLoraExperts) and name in layer.adapters
+        for stack in layer.adapter_stacks(name)
+    ]
+
+
+def expert_target_parameters(model: nn.Module) -> list[str]:
+    """peft ``target_parameters`` naming every expert stack of ``model`` ('mlp.experts.gate_up_proj',
+    ...: the experts module's last two path parts and the stack); [] for a dense model."""
+    names = {
+        f'{".".join(path.split(".")[-2:])}.{stack}': None
+        for path in experts_modules(model)
+        for stack in EXPERT_PARAMETERS
+    }
+    return list(names)
+
+
+def adapter_linear_paths(model: nn.Module, name: str) -> list[str]:
+    """The paths of the linear layers adapter ``name`` adapts."""
+    return [
+        path
+        for path, layer in multi_lora_layers(model).items()
+        if isinstance(layer, MultiLoraLinear) and name in layer.adapters
+    ]

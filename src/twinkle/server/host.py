@@ -33,7 +33,7 @@ from twinkle.errors import (
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model import AdapterCall, StepCall, TransformersModel
-from twinkle.model.multi_lora import lora_targets, peft_state_dict
+from twinkle.model.multi_lora import expert_target_parameters, lora_targets, peft_state_dict
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
@@ -149,6 +149,11 @@ class ModelHost(RequestChecks):
     def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
         """Leaf names of the linear layers under attention, MLP blocks and the output head."""
         return lora_targets(self.model.model, attn, mlp, unembed)
+
+    def expert_targets(self) -> list[str]:
+        """peft ``target_parameters`` naming the model's expert stacks ([] for a dense model):
+        what Tinker's ``train_mlp`` trains besides the MLP's linear layers."""
+        return expert_target_parameters(self.model.model)
 
     @property
     def architecture(self) -> str | None:

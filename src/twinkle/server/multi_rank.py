@@ -85,6 +85,7 @@ class RankHost(ModelHost):
             'architecture': self.architecture,
             'pid': os.getpid(),
             'lora_targets': {choice: self.lora_targets(*choice) for choice in switches},
+            'expert_targets': self.expert_targets(),
         }
 
     def run_mixed(self, operation: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
@@ -283,6 +284,7 @@ class MultiRankHost(RequestChecks):
         self.context: int | None = described['context']
         self.architecture: str | None = described['architecture']
         self._lora_targets: dict[tuple[bool, bool, bool], list[str]] = described['lora_targets']
+        self._expert_targets: list[str] = described['expert_targets']
 
     @property
     def pids(self) -> list[int]:
@@ -299,6 +301,9 @@ class MultiRankHost(RequestChecks):
 
     def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
         return list(self._lora_targets[(attn, mlp, unembed)])
+
+    def expert_targets(self) -> list[str]:
+        return list(self._expert_targets)
 
     def shutdown(self) -> None:
         with self._lock:

@@ -27,13 +27,19 @@ from twinkle.server.tinker.codec import ForwardBackwardCall, forward_backward_ou
 
 def lora_config(host: Host, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:
     """The peft ``LoraConfig`` fields of a Tinker ``LoraConfig``: rank, no dropout, and the
-    linear layers its ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches name."""
+    linear layers its ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches name; on a
+    mixture of experts ``train_mlp`` trains the expert stacks too (``target_parameters``)."""
     targets = host.lora_targets(lora.train_attn, lora.train_mlp, lora.train_unembed)
-    if not targets:
+    stacks = host.expert_targets() if lora.train_mlp else []
+    if not targets and not stacks:
         raise ConfigurationError(
             'the LoRA config trains nothing: set at least one of train_attn, train_mlp, train_unembed'
         )
-    return {'r': lora.rank, 'lora_alpha': alpha, 'lora_dropout': 0.0, 'target_modules': targets}
+    config: dict[str, Any] = {'r': lora.rank, 'lora_alpha': alpha, 'lora_dropout': 0.0}
+    config['target_modules'] = targets or None
+    if stacks:
+        config['target_parameters'] = stacks
+    return config
 
 
 def run_forward_backward(host: ModelHost, adapter: str, call: ForwardBackwardCall) -> bytes:
