@@ -91,14 +91,19 @@ def test_the_sampler_samples_the_trained_adapter(name: str, merge: bool) -> None
     model = model_with(name, {'a': ALL_LINEAR})
     sampler = TorchSampler(assets.tiny_model(name), device='cpu')
     CheckpointEngineManager(model, sampler).sync_weights(merge_and_sync=merge, adapter_name='a')
-    params = SamplingParams(max_tokens=6, seed=0, ignore_eos=True)
-    reply = sampler.sample([{'input_ids': [11, 23, 5, 42]}], params, adapter_name=None if merge else 'a')
-    sequence = reply[0].sequences[0]
-    feature = sequence.new_input_feature
-    logps = model.forward_only(inputs=[feature], adapter_name='a').logps[0, : len(feature['labels'])]
-    teacher = logps[torch.tensor(feature['completion_mask']).bool()]
-    assert len(sequence.token_logprobs) == len(teacher) == 6
-    assert (torch.tensor(sequence.token_logprobs) - teacher).abs().max().item() <= 1e-4
+    # Prompts of different lengths (left padding), two sequences each, and a stop on a third of
+    # the vocabulary, so rows finish at different steps and the cache drops them as they do.
+    params = SamplingParams(max_tokens=8, seed=0, num_samples=2, ignore_eos=True, stop=list(range(0, 4096, 3)))
+    prompts = [{'input_ids': [11, 23, 5, 42]}, {'input_ids': [7, 300, 9]}, {'input_ids': [1000, 2, 77, 18, 6, 4]}]
+    replies = sampler.sample(prompts, params, adapter_name=None if merge else 'a')
+    sequences = [sequence for reply in replies for sequence in reply.sequences]
+    assert len({len(s.tokens) for s in sequences}) > 1  # rows did finish at different steps
+    features = [sequence.new_input_feature for sequence in sequences]
+    logps = model.forward_only(inputs=features, adapter_name='a').logps
+    for i, (sequence, feature) in enumerate(zip(sequences, features, strict=True)):
+        teacher = logps[i, : len(feature['labels'])][torch.tensor(feature['completion_mask']).bool()]
+        assert len(sequence.token_logprobs) == len(teacher) == len(sequence.tokens)
+        assert (torch.tensor(sequence.token_logprobs) - teacher).abs().max().item() <= 1e-4
 
 
 # ---- LoRA on experts --------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import PeftConfig
@@ -309,7 +309,7 @@ class _Generation:
             keep = [j for j, row in enumerate(active) if row not in finished]
             if finished:
                 index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
+                _keep_rows(cache, index)
                 tokens, mask, next_pos = tokens[index], mask[index], next_pos[index]
                 seen = seen[index] if seen is not None else None
                 generators = [generators[j] for j in keep] if generators is not None else None
@@ -418,3 +418,15 @@ def _read_adapter(path: str) -> dict[str, torch.Tensor]:
     from peft.utils import load_peft_weights
 
     return load_peft_weights(path, device='cpu')
+
+
+def _keep_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Keep rows ``index`` of every cache layer. A linear-attention layer (Qwen3.5's gated
+    deltanet) has no ``batch_select_indices``; its ``reorder_cache`` selects its conv and
+    recurrent states the same way."""
+    for layer in cache.layers:
+        select = getattr(layer, 'batch_select_indices', None)
+        if select is not None:
+            select(index)
+        else:
+            layer.reorder_cache(cast(torch.LongTensor, index))
