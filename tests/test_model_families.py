@@ -182,3 +182,52 @@ def test_target_parameters_that_match_no_stack_are_refused_by_name() -> None:
     config = LoraConfig(r=2, target_parameters=['mlp.experts.up_proj'])
     with pytest.raises(ConfigurationError, match=r"'mlp.experts.up_proj' matches no expert stack.*experts.down_proj"):
         model_with('tiny-qwen3-moe', {'a': config})
+
+
+# ---- the router: its load-balancing loss and the experts' load ----------------------------------------
+
+
+@pytest.mark.parametrize('name', MOE)
+def test_the_routers_load_balancing_loss_joins_the_training_loss(name: str) -> None:
+    """With coefficient c the loss is the language-model loss plus c x transformers' own
+    ``aux_loss`` of the same batch (padding left out), and the adapter's gradient changes."""
+    batch = rows(7, [12, 7])
+    losses, grad_norms = {}, {}
+    for coef in (0.0, 0.5):
+        model = TransformersModel(model_id=assets.tiny_model(name), device='cpu', router_aux_loss_coef=coef)
+        torch.manual_seed(0)
+        model.add_adapter_to_model('a', LoraConfig(r=4, lora_alpha=8, target_modules='all-linear'))  # B = 0
+        losses[coef] = model.forward_backward(inputs=batch, adapter_name='a').loss
+        grad_norms[coef] = torch.stack([p.grad.norm() for p in model.groups['a'].params]).norm().item()
+    reference = AutoModelForCausalLM.from_pretrained(assets.tiny_model(name), dtype=torch.float32)
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    for i, row in enumerate(batch):
+        ids[i, : len(row['input_ids'])], mask[i, : len(row['input_ids'])] = torch.tensor(row['input_ids']), 1
+    with torch.no_grad():
+        aux = reference(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss.item()
+    assert abs(losses[0.5] - losses[0.0] - 0.5 * aux) <= TOL
+    assert aux > 1.0  # not a perfect balance, so the term is there to see
+    assert abs(grad_norms[0.5] - grad_norms[0.0]) > 1e-4
+
+
+@pytest.mark.parametrize('name', MOE)
+def test_the_experts_load_is_a_metric(name: str) -> None:
+    model = model_with(name, {'a': ALL_LINEAR})
+    batch = rows(8, [10, 6])
+    model.forward_backward(inputs=batch, adapter_name='a')
+    load = next(m for m in model.groups['a'].train_metrics if type(m).__name__ == 'ExpertLoad')
+    tokens = load.tokens_per_expert
+    assert tokens is not None
+    metrics = model.calculate_metric(adapter_name='a')
+    assert tokens.shape == (2, 8)
+    assert tokens.sum(dim=1).tolist() == [16 * 2, 16 * 2]  # every real token, to its top 2 experts
+    for layer in range(2):
+        assert metrics[f'expert_imbalance/layer_{layer}'] == pytest.approx((tokens[layer].max() / 4).item())
+    assert metrics['expert_imbalance'] >= 1.0
+    assert metrics['router_aux_loss'] > 0
+
+
+def test_a_router_loss_on_a_dense_model_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match='needs a mixture of experts'):
+        TransformersModel(model_id=assets.tiny_model('tiny-qwen3.5'), device='cpu', router_aux_loss_coef=0.1)

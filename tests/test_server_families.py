@@ -72,7 +72,7 @@ def test_the_tinker_sdk_trains_and_samples_each_family(server, model_name):
         losses.append(-sum(float(x) for x in output.loss_fn_outputs[0]['logprobs'].to_torch()))
         trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert losses[-1] < losses[0]
-    sampler = trainer.save_weights_and_get_sampling_client_async('families').result()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
     reply = sampler.sample(types.ModelInput.from_ints([11, 23, 5]), 1, greedy).result()
     assert len(reply.sequences[0].tokens) == 3

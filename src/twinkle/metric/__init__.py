@@ -1,9 +1,19 @@
-"""Metrics: loss, token accuracy, learning rate, gradient norm, throughput."""
+"""Metrics: loss, token accuracy, learning rate, gradient norm, throughput, experts' load."""
 
 from twinkle.metric.base import METRICS, Metric
 from twinkle.metric.completion import CompletionRewardMetric
+from twinkle.metric.experts import ExpertLoad
 from twinkle.metric.grpo import GRPOMetric
 from twinkle.metric.loss import Accuracy, LossMetric
 from twinkle.metric.train import TrainMetric
 
-__all__ = ['METRICS', 'Accuracy', 'CompletionRewardMetric', 'GRPOMetric', 'LossMetric', 'Metric', 'TrainMetric']
+__all__ = [
+    'METRICS',
+    'Accuracy',
+    'CompletionRewardMetric',
+    'ExpertLoad',
+    'GRPOMetric',
+    'LossMetric',
+    'Metric',
+    'TrainMetric',
+]

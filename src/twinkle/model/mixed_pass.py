@@ -162,16 +162,16 @@ def _forward(
     batch = {k: v.to(model.device, non_blocking=True) for k, v in groups[calls[0]].processor(flat, pad).items()}
     multi_lora.assign_rows(model.model, names)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        logits = model._logits(batch)
+        outputs = model._outputs(batch)
     # split, not slices: a slice's backward would write into zeros the size of all the logits
     sizes = [len(features[i]) for i in calls]
     columns = {k: v.split(sizes) for k, v in batch.items()}
-    pieces = logits.split(sizes)
+    pieces = {k: v.split(sizes, dim=1 if k == 'router_logits' else 0) for k, v in outputs.items()}
     parts: list[Part | None] = [
-        ({k: v[j] for k, v in columns.items()}, {'logits': piece}) if sizes[j] else None
-        for j, piece in enumerate(pieces)
+        ({k: v[j] for k, v in columns.items()}, {k: v[j] for k, v in pieces.items()}) if sizes[j] else None
+        for j in range(len(sizes))
     ]
-    return parts, logits
+    return parts, outputs['logits']
 
 
 #: Calls of different lengths share a forward while padding them to its length costs at most this

@@ -22,9 +22,9 @@ from twinkle.hub import resolve_model
 from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss, LossOutput
-from twinkle.metric import METRICS, Metric, TrainMetric
+from twinkle.metric import METRICS, ExpertLoad, Metric, TrainMetric
 from twinkle.model import checkpoint as ckpt
-from twinkle.model import mixed_pass, multi_lora, multi_step
+from twinkle.model import mixed_pass, multi_lora, multi_step, router
 from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, TwinkleModel
 from twinkle.model.group import FULL, Pending, TrainGroup
 from twinkle.model.offload import OptimizerOffloader
@@ -85,6 +85,7 @@ class TransformersModel(TwinkleModel):
         attn_implementation: str = 'sdpa',
         gradient_checkpointing: bool = False,
         device_mesh: DeviceMesh | None = None,
+        router_aux_loss_coef: float | None = None,
         **from_pretrained_kwargs: Any,
     ):
         if model_id is None and config is None:
@@ -109,7 +110,11 @@ class TransformersModel(TwinkleModel):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
             self.model.enable_input_require_grads()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.groups: dict[str, TrainGroup] = {FULL: TrainGroup(name=FULL, params=params)}
+        #: A mixture of experts' router (None for a dense model): its load-balancing loss joins the
+        #: training loss with ``router.aux_loss_coef`` (the config's ``router_aux_loss_coef``
+        #: unless given), and the experts' load is a metric (``ExpertLoad``).
+        self.router = router.model_router(self.model.config, router_aux_loss_coef)
+        self.groups: dict[str, TrainGroup] = {FULL: self._with_router_metric(TrainGroup(name=FULL, params=params))}
         self._template: Template | None = None
         # Moves idle adapters' optimizer state off the device (to CPU memory, then disk); the
         # server sets one. None: every optimizer state stays where its parameters are.
@@ -144,11 +149,13 @@ class TransformersModel(TwinkleModel):
         spec = multi_lora.spec_from_peft(config_or_dir, self.model)
         multi_lora.add_adapter(self.model, adapter_name, spec)
         self.groups.pop(FULL, None)
-        self.groups[adapter_name] = TrainGroup(
-            name=adapter_name,
-            params=multi_lora.adapter_parameters(self.model, adapter_name),
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            config=config_or_dir,
+        self.groups[adapter_name] = self._with_router_metric(
+            TrainGroup(
+                name=adapter_name,
+                params=multi_lora.adapter_parameters(self.model, adapter_name),
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                config=config_or_dir,
+            )
         )
         if weights_dir is not None:
             try:
@@ -648,7 +655,7 @@ class TransformersModel(TwinkleModel):
         pad = self._template_for(group).pad_token_id
         batch = {k: v.to(self.device, non_blocking=True) for k, v in group.processor(rows, pad).items()}
         multi_lora.assign_rows(self.model, group.name if lora and group.name != FULL else None)
-        return batch, {'logits': self._logits(batch)}
+        return batch, self._outputs(batch)
 
     def _set_mode(self, training: bool) -> None:
         if self._mode is not training:
@@ -658,9 +665,38 @@ class TransformersModel(TwinkleModel):
             self._mode = training
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._outputs(batch, router_logits=False)['logits']
+
+    def _outputs(self, batch: dict[str, torch.Tensor], router_logits: bool = True) -> dict[str, torch.Tensor]:
+        """The batch's ``logits`` and, on a mixture of experts, its ``router_logits`` per row
+        ([layers, rows, positions, experts])."""
         model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
         with self._autocast():
-            return self.model(**model_inputs, use_cache=False).logits
+            if self.router is None or not router_logits:
+                return {'logits': self.model(**model_inputs, use_cache=False).logits}
+            out = self.model(**model_inputs, use_cache=False, output_router_logits=True)
+        return {'logits': out.logits, 'router_logits': router.per_row(out.router_logits, len(batch['input_ids']))}
+
+    def _with_router_metric(self, group: TrainGroup) -> TrainGroup:
+        if self.router is not None:
+            group.train_metrics.append(ExpertLoad())
+            group.eval_metrics.append(ExpertLoad())
+        return group
+
+    def _router_loss(self, batch: dict, outputs: dict, loss: LossOutput) -> LossOutput:
+        """The experts' load into ``outputs`` for the metrics and, in training, the router's
+        load-balancing loss of these rows added to ``loss`` (x its items: the step divides by
+        them, so the optimizer sees the mean loss plus coef x aux, as transformers adds it)."""
+        if self.router is None or 'router_logits' not in outputs:
+            return loss
+        logits, mask = outputs['router_logits'], batch.get('attention_mask')
+        outputs['expert_tokens'] = router.expert_tokens(self.router, logits.detach(), mask)
+        if not self._mode or not self.router.aux_loss_coef:
+            return loss
+        aux = router.aux_loss(self.router, logits, mask)
+        outputs['router_aux_loss'] = aux.detach()
+        total = loss.loss + self.router.aux_loss_coef * aux * loss.num_items.detach()
+        return LossOutput(total, loss.num_items, loss.metrics)
 
     def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Label-token logprobs under the base model with every adapter switched off: the KL
@@ -684,7 +720,7 @@ class TransformersModel(TwinkleModel):
     def _loss_value(self, group: TrainGroup, batch: dict, outputs: dict, loss_inputs: dict) -> LossOutput:
         if group.loss.needs_reference and 'ref_logps' not in loss_inputs and group.name != FULL:
             outputs['ref_logps'] = self._reference_logps(batch)
-        return group.loss(batch, outputs, **loss_inputs)
+        return self._router_loss(batch, outputs, group.loss(batch, outputs, **loss_inputs))
 
     def _backward(self, group: TrainGroup, loss: LossOutput) -> None:
         check_trainable(group, loss)
