@@ -38,11 +38,11 @@ def server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Any]]:
         yield running
 
 
-def local_logps(model_name: str, seed: int) -> torch.Tensor:
+def local_logps(model_name: str, seed: int, config: LoraConfig = LORA) -> torch.Tensor:
     model = TransformersModel(assets.tiny_model(model_name), device='cpu')
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model.add_adapter_to_model('local', LORA)
+        model.add_adapter_to_model('local', config)
     return model.forward_only(inputs=ROWS, adapter_name='local').logps[0, : len(ROWS[0]['input_ids'])]
 
 
@@ -59,6 +59,19 @@ def test_a_native_run_gets_the_numbers_of_a_local_model_and_trains(server, model
         losses.append(model.forward_backward(inputs=ROWS).loss)
         model.clip_grad_and_step()
     assert losses[-1] < losses[0]
+
+
+def test_a_native_run_adapts_the_expert_stacks_it_names(server):
+    url, keys, background = server
+    config = LoraConfig(r=2, lora_alpha=4, target_parameters=['mlp.experts.down_proj'], init_lora_weights=False)
+    model = MultiLoraTransformersModel('tiny-qwen3-moe', client=TwinkleClient(url, keys['alice']))
+    run_id = model.add_adapter_to_model('default', config, seed=5)
+    served = torch.tensor(model.forward_only(inputs=ROWS).logps[0])
+    assert (served - local_logps('tiny-qwen3-moe', 5, config)).abs().max().item() <= TOL
+    layers = multi_lora.multi_lora_layers(background.app.state.service.groups['tiny-qwen3-moe'].host.model.model)
+    held = {path: layer for path, layer in layers.items() if run_id in layer.adapters}
+    assert sorted(held) == ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']
+    assert all(list(layer.adapter_stacks(run_id)) == ['down_proj'] for layer in held.values())
 
 
 @pytest.mark.parametrize('model_name', FAMILIES)
