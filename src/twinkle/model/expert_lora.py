@@ -36,8 +36,13 @@ def is_fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds its experts as fused 3-D stacks these adapters know how to run:
     SwiGLU experts with ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], no biases."""
     stacks = [getattr(module, name, None) for name in EXPERT_PARAMETERS]
+    if not all(isinstance(p, nn.Parameter) and p.ndim == 3 for p in stacks):
+        return False
+    gate_up, down = cast(list[nn.Parameter], stacks)
     return (
-        all(isinstance(p, nn.Parameter) and p.ndim == 3 for p in stacks)
+        gate_up.shape[0] == down.shape[0]
+        and gate_up.shape[1] == 2 * down.shape[2]  # [E, 2I, H] and [E, H, I]: the layout forward runs
+        and gate_up.shape[2] == down.shape[1]
         and callable(getattr(module, 'act_fn', None))
         and not getattr(module, 'is_transposed', False)
         and not any(getattr(module, f'{name}_bias', None) is not None for name in EXPERT_PARAMETERS)
@@ -178,9 +183,10 @@ class MultiLoraExperts(nn.Module):
 
 
 def expert_stacks(spec: LoraSpec, path: str, all_linear: bool) -> list[str]:
-    """The stacks of the experts module at ``path`` that ``spec`` adapts: every one under
-    'all-linear', else those ``target_parameters`` names ('<path suffix>.<stack>', or the stack)."""
-    if all_linear:
+    """The stacks of the experts module at ``path`` that ``spec`` adapts: those
+    ``target_parameters`` names ('<path suffix>.<stack>', or the stack), or every one under
+    'all-linear' when it names none."""
+    if all_linear and not spec.target_parameters:
         return list(EXPERT_PARAMETERS)
     return [
         stack

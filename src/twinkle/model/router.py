@@ -31,6 +31,8 @@ class Router:
 def model_router(config: object, aux_loss_coef: float | None = None) -> Router | None:
     """The router of a model with this transformers ``config``, None for a dense model;
     ``aux_loss_coef`` overrides the config's ``router_aux_loss_coef``."""
+    get_text_config = getattr(config, 'get_text_config', None)
+    config = get_text_config() if callable(get_text_config) else config  # Qwen3.5-MoE's is composite
     experts = getattr(config, 'num_experts', None) or getattr(config, 'num_local_experts', None)
     top_k = getattr(config, 'num_experts_per_tok', None)
     if not experts or not top_k or not hasattr(config, 'output_router_logits'):

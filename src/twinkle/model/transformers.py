@@ -684,19 +684,22 @@ class TransformersModel(TwinkleModel):
         return group
 
     def _router_loss(self, batch: dict, outputs: dict, loss: LossOutput) -> LossOutput:
-        """The experts' load into ``outputs`` for the metrics and, in training, the router's
-        load-balancing loss of these rows added to ``loss`` (x its items: the step divides by
-        them, so the optimizer sees the mean loss plus coef x aux, as transformers adds it)."""
+        """The experts' load into ``outputs`` for the metrics and, where the loss trains (its
+        router logits carry gradients: not ``forward_only``), the router's load-balancing loss of
+        these rows added to ``loss``, x its items: the step divides by them, so the optimizer sees
+        the mean loss plus coef x aux, as transformers adds it. A summed loss (no items: Tinker's)
+        gets coef x aux per real token, what that sum of per-token losses would get."""
         if self.router is None or 'router_logits' not in outputs:
             return loss
         logits, mask = outputs['router_logits'], batch.get('attention_mask')
         outputs['expert_tokens'] = router.expert_tokens(self.router, logits.detach(), mask)
-        if not self._mode or not self.router.aux_loss_coef:
+        if not logits.requires_grad or not self.router.aux_loss_coef:
             return loss
         aux = router.aux_loss(self.router, logits, mask)
         outputs['router_aux_loss'] = aux.detach()
-        total = loss.loss + self.router.aux_loss_coef * aux * loss.num_items.detach()
-        return LossOutput(total, loss.num_items, loss.metrics)
+        tokens = mask.sum() if mask is not None else torch.tensor(batch['input_ids'].numel())
+        items = torch.where(loss.num_items > 0, loss.num_items.detach(), tokens.to(loss.num_items.device))
+        return LossOutput(loss.loss + self.router.aux_loss_coef * aux * items, loss.num_items, loss.metrics)
 
     def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Label-token logprobs under the base model with every adapter switched off: the KL

@@ -421,12 +421,7 @@ def _read_adapter(path: str) -> dict[str, torch.Tensor]:
 
 
 def _keep_rows(cache: DynamicCache, index: torch.Tensor) -> None:
-    """Keep rows ``index`` of every cache layer. A linear-attention layer (Qwen3.5's gated
-    deltanet) has no ``batch_select_indices``; its ``reorder_cache`` selects its conv and
-    recurrent states the same way."""
-    for layer in cache.layers:
-        select = getattr(layer, 'batch_select_indices', None)
-        if select is not None:
-            select(index)
-        else:
-            layer.reorder_cache(cast(torch.LongTensor, index))
+    """Keep rows ``index`` of every cache layer. ``reorder_cache`` selects every state a layer
+    holds: keys and values, and a linear-attention layer's (Qwen3.5's gated deltanet) conv and
+    recurrent states, which ``batch_select_indices`` does not know."""
+    cache.reorder_cache(cast(torch.LongTensor, index))

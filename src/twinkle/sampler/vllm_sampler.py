@@ -413,6 +413,11 @@ def adapter_config_json(config: PeftConfig, weights: Mapping[str, torch.Tensor])
     options = config.to_dict()
     if options.get('use_dora'):
         raise ConfigurationError('vLLM does not serve DoRA adapters (use_dora=True): sync merged weights instead')
+    if options.get('target_parameters') or any('.experts.' in key for key in weights):
+        raise ConfigurationError(
+            'adapters on MoE expert stacks are not served as vLLM LoRA adapters here: sync merged weights instead '
+            '(merge_and_sync=True)'
+        )
     modules = sorted({key[: key.index('.lora_')].rsplit('.', 1)[-1] for key in weights if '.lora_' in key})
     if not modules:
         raise ConfigurationError('the adapter weights hold no lora_A/lora_B tensors')

@@ -162,12 +162,14 @@ def _module_targets(host: Host) -> dict[str, set[str]]:
 def _switches(lora: JsonObject, targets: dict[str, set[str]]) -> dict[str, bool]:
     """Tinker's switches of a native run's peft config, where its ``target_modules`` tell them
     (a list of layer names, or 'all-linear', which leaves out the output head); {} otherwise."""
-    modules = lora.get('target_modules')
+    modules, stacks = lora.get('target_modules'), lora.get('target_parameters')
     if modules == 'all-linear':
         return {'train_attn': True, 'train_mlp': True, 'train_unembed': False}
-    if isinstance(modules, list):
-        names = {module for module in modules if isinstance(module, str)}
-        return {name: bool(names & layers) for name, layers in targets.items()}
+    if isinstance(modules, list) or (modules is None and stacks):
+        names = {module for module in modules or [] if isinstance(module, str)}
+        switches = {name: bool(names & layers) for name, layers in targets.items()}
+        switches['train_mlp'] = switches['train_mlp'] or bool(stacks)  # expert stacks are the MLP's
+        return switches
     return {}
 
 
