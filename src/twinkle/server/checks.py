@@ -8,6 +8,8 @@ limits, not its weights, where the routes run: a ``ModelHost`` in the server's p
 from __future__ import annotations
 
 import inspect
+import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -237,10 +239,49 @@ def checkpoint_stamp(directory: Path) -> tuple[int, int] | None:
     return status.st_ino, status.st_mtime_ns
 
 
+class SavedAdapters:
+    """Adapters holding checkpoints' saved weights, by directory: loaded on first use and again
+    once the directory holds a newer save; at most ``MAX_SAMPLER_ADAPTERS`` stay loaded, the
+    least recently used unloaded first. ``load(adapter, directory)`` and ``unload(adapter)`` act
+    on whatever samples (the model's own adapters, a vLLM engine's)."""
+
+    def __init__(self, prefix: str, load: Callable[[str, Path], None], unload: Callable[[str], None]):
+        self._prefix, self._load, self._unload = prefix, load, unload
+        self._held: OrderedDict[str, tuple[tuple[int, int] | None, str]] = OrderedDict()  # directory -> (save, adapter)
+        self._ids = itertools.count()
+
+    def __contains__(self, directory: str) -> bool:
+        return directory in self._held
+
+    def adapter(self, directory: Path, shown_as: str | None = None) -> str:
+        """The adapter of ``directory``'s weights; errors name ``shown_as`` (the tenant's path)."""
+        key, stamp = str(directory), checkpoint_stamp(directory)
+        held = self._held.get(key)
+        if held is not None and held[0] == stamp:
+            self._held.move_to_end(key)
+            return held[1]
+        self.forget(directory)
+        if len(self._held) >= MAX_SAMPLER_ADAPTERS:
+            _, (_, oldest) = self._held.popitem(last=False)
+            self._unload(oldest)
+        adapter = f'{self._prefix}{next(self._ids)}'
+        with shown_to_tenant(directory, shown_as):
+            self._load(adapter, directory)
+        self._held[key] = (stamp, adapter)
+        return adapter
+
+    def forget(self, directory: Path) -> None:
+        """Unload the adapter of ``directory``'s weights, if loaded (its checkpoint was deleted)."""
+        held = self._held.pop(str(directory), None)
+        if held is not None:
+            self._unload(held[1])
+
+
 __all__ = [
     'MAX_SAMPLER_ADAPTERS',
     'MAX_TOP_LOGPROBS',
     'RequestChecks',
+    'SavedAdapters',
     'checkpoint_stamp',
     'encoded_prompt',
     'shown_to_tenant',

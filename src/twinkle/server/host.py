@@ -11,10 +11,8 @@ run samples its adapter as it is after its last step, with nothing to sync.
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -39,10 +37,9 @@ from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
 from twinkle.sampler import TorchSampler
 from twinkle.server.checks import (
-    MAX_SAMPLER_ADAPTERS,
     RequestChecks,
+    SavedAdapters,
     check_name,
-    checkpoint_stamp,
     encoded_prompt,
     shown_to_tenant,
 )
@@ -79,9 +76,11 @@ class ModelHost(RequestChecks):
         self.vocab_size = vocab_size(self.model.model)
         self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
         self._sampler: TorchSampler | None = None
-        # checkpoint directory -> (which save of it, adapter)
-        self._sampler_adapters: OrderedDict[str, tuple[tuple[int, int] | None, str]] = OrderedDict()
-        self._sampler_ids = itertools.count()
+        self._sampler_adapters = SavedAdapters(
+            SAMPLER_PREFIX,
+            lambda adapter, directory: self.model.add_adapter_to_model(adapter, str(directory)),
+            self.remove_adapter,
+        )
         #: With ``sampler: vllm``: the vLLM engine beside the model (on rank 0 of a group).
         self.vllm: VllmSampling | None = None
         if config.sampler is not None and samples_on_vllm(config) and self.hosts_sampler_engine():
@@ -357,28 +356,13 @@ class ModelHost(RequestChecks):
         checkpoint) for ``directory``."""
         if self.vllm is not None:
             return self.vllm.saved_adapter(directory, shown_as)
-        key, stamp = str(directory), checkpoint_stamp(directory)
-        loaded = self._sampler_adapters.get(key)
-        if loaded is not None and loaded[0] == stamp:
-            self._sampler_adapters.move_to_end(key)
-            return loaded[1]
-        self.forget_sampler_weights(directory)
-        if len(self._sampler_adapters) >= MAX_SAMPLER_ADAPTERS:
-            _, (_, oldest) = self._sampler_adapters.popitem(last=False)
-            self.remove_adapter(oldest)
-        adapter = f'{SAMPLER_PREFIX}{next(self._sampler_ids)}'
-        with shown_to_tenant(directory, shown_as):
-            self.model.add_adapter_to_model(adapter, key)
-        self._sampler_adapters[key] = (stamp, adapter)
-        return adapter
+        return self._sampler_adapters.adapter(directory, shown_as)
 
     def forget_sampler_weights(self, directory: Path) -> None:
         """Unload the adapter of ``directory``'s weights, if loaded (its checkpoint was deleted)."""
         if self.vllm is not None:
             self.vllm.forget(directory)
-        loaded = self._sampler_adapters.pop(str(directory), None)
-        if loaded is not None:
-            self.remove_adapter(loaded[1])
+        self._sampler_adapters.forget(directory)
 
     def sampler(self) -> TorchSampler:
         """The sampler over the model's own weights and adapters."""

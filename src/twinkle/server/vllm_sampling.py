@@ -16,9 +16,7 @@ parallelism (unless ``engine_args`` set ``tensor_parallel_size``).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -30,7 +28,7 @@ from peft import PeftConfig
 from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import ConfigurationError
 from twinkle.sampler.vllm_sampler import vLLMSampler
-from twinkle.server.checks import MAX_SAMPLER_ADAPTERS, RequestChecks, checkpoint_stamp, encoded_prompt, shown_to_tenant
+from twinkle.server.checks import RequestChecks, SavedAdapters, encoded_prompt
 from twinkle.server.config import SamplerSettings, ServerConfig, gpu_indices
 from twinkle.template import Template
 
@@ -49,31 +47,20 @@ class VllmSampling:
         with visible_gpus(settings.device):
             self.sampler = vLLMSampler(model_id, engine_args=args)
         self.vocab_size, self.context = self.sampler.vocab_size, self.sampler.context
-        self._saved: OrderedDict[str, tuple[Any, str]] = OrderedDict()  # directory -> (its save, adapter)
+        self._saved = SavedAdapters(
+            'saved-',
+            lambda adapter, directory: self.sampler.add_adapter(adapter, str(directory)),
+            self.sampler.remove_adapter,
+        )
         self._runs: dict[str, tuple[Any, str]] = {}  # run adapter -> (weights key, adapter)
-        self._ids = itertools.count()
 
     @property
     def template(self) -> Template:
         return self.sampler.template
 
     def saved_adapter(self, directory: Path, shown_as: str | None = None) -> str:
-        """The adapter of the weights saved in ``directory``, loaded again once it holds a newer
-        save; at most ``MAX_SAMPLER_ADAPTERS`` stay loaded."""
-        key, stamp = str(directory), checkpoint_stamp(directory)
-        loaded = self._saved.get(key)
-        if loaded is not None and loaded[0] == stamp:
-            self._saved.move_to_end(key)
-            return loaded[1]
-        self.forget(directory)
-        if len(self._saved) >= MAX_SAMPLER_ADAPTERS:
-            _, (_, oldest) = self._saved.popitem(last=False)
-            self.sampler.remove_adapter(oldest)
-        adapter = f'saved-{next(self._ids)}'
-        with shown_to_tenant(directory, shown_as):
-            self.sampler.add_adapter(adapter, str(directory))
-        self._saved[key] = (stamp, adapter)
-        return adapter
+        """The adapter of the weights saved in ``directory`` (``SavedAdapters``)."""
+        return self._saved.adapter(directory, shown_as)
 
     def run_adapter(
         self, adapter: str, key: Any, config: PeftConfig, weights: Callable[[], Mapping[str, torch.Tensor]]
@@ -97,9 +84,7 @@ class VllmSampling:
 
     def forget(self, directory: Path) -> None:
         """Unload the adapter of ``directory``'s weights, if loaded (its checkpoint was deleted)."""
-        loaded = self._saved.pop(str(directory), None)
-        if loaded is not None:
-            self.sampler.remove_adapter(loaded[1])
+        self._saved.forget(directory)
 
     def generate(
         self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
