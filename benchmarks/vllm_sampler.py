@@ -43,13 +43,12 @@ from typing import Any
 
 import torch
 from peft import LoraConfig
+from sampler_throughput import encode_prompts  # the same GSM8K prompts (this folder is on the path)
 
 from twinkle import assets
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
-from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.model import TransformersModel, multi_lora
-from twinkle.preprocessor import GSM8KProcessor
 from twinkle.sampler import TorchSampler, vLLMSampler
 
 
@@ -69,14 +68,6 @@ class Settings:
     # The engine's dtype: float32 as the torch sampler holds it, or vLLM's 'auto'.
     dtype: str = 'float32'
     seed: int = 0
-
-
-def encode_prompts(model_dir: str, count: int) -> list[dict[str, Any]]:
-    dataset = Dataset(DatasetMeta(assets.dataset('gsm8k'), data_slice=range(count)))
-    dataset.set_template('Template', model_id=model_dir, max_length=1024)
-    dataset.map(GSM8KProcessor())
-    dataset.encode(add_generation_prompt=True)
-    return [{'input_ids': dataset[i]['input_ids']} for i in range(len(dataset))]
 
 
 def timed(call: Callable[[], int]) -> tuple[float, int]:
@@ -153,7 +144,7 @@ def main() -> None:
     settings = Settings(**args)
     warnings.filterwarnings('ignore')
     model_dir = assets.tiny_model(settings.model) if settings.model in assets.MODELS else settings.model
-    prompts = encode_prompts(model_dir, settings.prompts)
+    prompts = [{'input_ids': row['input_ids']} for row in encode_prompts(model_dir, settings.prompts)]
 
     engine = {'enable_lora': True, 'max_lora_rank': settings.lora_rank, 'dtype': settings.dtype}
     sampler = vLLMSampler(model_dir, engine_args=engine)

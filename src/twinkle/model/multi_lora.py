@@ -327,7 +327,7 @@ def peft_keys(model: nn.Module, name: str) -> dict[str, str]:
             continue
         prefix = f'{path}.adapters.{name}.'
         if isinstance(layer, MultiLoraLinear):
-            keys |= {f'{prefix}{p}': f'{PEFT_PREFIX}{path}.{p}' for p, _ in layer.adapters[name].named_parameters()}
+            keys |= {f'{prefix}{p}': peft_key(f'{prefix}{p}', name) for p, _ in layer.adapters[name].named_parameters()}
             continue
         stacks = list(layer.adapter_stacks(name))
         for stack, adapter in layer.adapter_stacks(name).items():
