@@ -23,7 +23,7 @@ from peft import LoraConfig
 from server_helpers import free_port
 
 import twinkle
-from twinkle import DeviceGroup, DeviceMesh
+from twinkle import DeviceGroup, DeviceMesh, assets
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
 from twinkle.dataloader import DataLoader
@@ -296,6 +296,34 @@ def test_two_model_ranks_train_exactly_as_one_process(tiny_model_dir):
     # Each rank's loader yields its half of the global batch; they go to the model's ranks lazily.
     assert train(model, loader) == pytest.approx(expected, abs=1e-5)
     assert 'data parallel over' in model.get_train_configs()
+
+
+def test_two_model_ranks_holding_half_the_experts_each_train_as_one_process():
+    """Expert parallel in the model group: each of two Ray ranks keeps 4 of tiny-qwen3-moe's 8
+    experts and sends tokens to the other's experts; the adapter (on the experts too) trains as
+    in one process."""
+    moe = assets.tiny_model('tiny-qwen3-moe')
+    rows = [{'input_ids': [(5 * i + 11 * j) % 3000 + 20 for j in range(5 + 2 * i)]} for i in range(8)]
+    for row in rows:
+        row['labels'] = [-100, *row['input_ids'][1:]]
+
+    def train(model, loader) -> list[float]:
+        model.add_adapter_to_model('default', LORA)
+        model.set_optimizer('AdamW', lr=1e-3)
+        losses = []
+        for batch in loader:
+            losses.append(float(model.forward_backward(inputs=batch).loss))
+            model.clip_grad_and_step()
+        return losses
+
+    twinkle.initialize(mode='local', seed=0)
+    expected = train(TransformersModel(moe, router_aux_loss_coef=0.0), DataLoader(rows, batch_size=4))
+    ray_mode(DeviceGroup('model', 2, CPU), lazy=True)
+    mesh = DeviceMesh.from_sizes(dp_size=2, ep_size=2, device_type=CPU)
+    model = TransformersModel(model_id=moe, device_mesh=mesh, remote_group='model', router_aux_loss_coef=0.0)
+    loader = DataLoader(rows, batch_size=4, device_mesh=mesh, remote_group='model')
+    assert train(model, loader) == pytest.approx(expected, rel=1e-5)
+    assert 'data parallel, experts split over 2 ranks, over' in model.get_train_configs()
 
 
 # ---- an existing cluster ------------------------------------------------------------------------

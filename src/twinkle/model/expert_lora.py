@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from twinkle.errors import ConfigurationError, StateError, UnknownNameError
+from twinkle.model.expert_parallel import ExpertShard
 from twinkle.model.lora_adapter import LoraAdapter, LoraSpec, RowAssignment, check_name
 
 #: The fused stacks an experts module may hold, in the order its forward applies them.
@@ -52,9 +53,13 @@ def is_fused_experts(module: nn.Module) -> bool:
 class ExpertLoraAdapter(LoraAdapter):
     """One adapter of one fused stack [E, out, in]: a rank-r pair per expert, in peft's layout."""
 
-    def __init__(self, stack: torch.Tensor, spec: LoraSpec, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, stack: torch.Tensor, spec: LoraSpec, generator: torch.Generator | None = None, experts: int | None = None
+    ) -> None:
+        """``experts``: how many the model has (more than ``stack`` holds under expert parallel)."""
         nn.Module.__init__(self)
-        experts, out_features, in_features = stack.shape
+        held, out_features, in_features = stack.shape
+        experts = held if experts is None else experts
         self._build(in_features, out_features, stack, spec, generator, experts=experts)
         self.experts, self.r = experts, spec.r
 
@@ -91,6 +96,18 @@ class MultiLoraExperts(nn.Module):
         self.base_layer = base.requires_grad_(False)
         self.adapters = nn.ModuleDict()
         self.assignment: RowAssignment | None = None
+        #: The experts this process holds: all of them, until ``shard_experts`` keeps its share.
+        self.shard = ExpertShard(num_experts=self.stack('gate_up_proj').shape[0], ep_size=1, ep_rank=0)
+
+    def shard_experts(self, shard: ExpertShard) -> None:
+        """Keep only ``shard``'s experts of the base stacks (expert parallel), before any adapter."""
+        if self.adapters or self.shard.ep_size > 1:
+            raise StateError('experts are sharded once, before any adapter is added')
+        if shard.num_experts != self.shard.num_experts:
+            raise ConfigurationError(f'{shard.num_experts} experts in the shard, {self.shard.num_experts} in the layer')
+        for name in EXPERT_PARAMETERS:
+            setattr(self.base_layer, name, nn.Parameter(shard.local(self.stack(name)), requires_grad=False))
+        self.shard = shard
 
     def stack(self, name: str) -> torch.Tensor:
         return cast(torch.Tensor, getattr(self.base_layer, name))
@@ -103,7 +120,11 @@ class MultiLoraExperts(nn.Module):
             raise ConfigurationError(f'Adapter {name!r} already exists in this layer; remove it first')
         # Drawn in the stacks' declaration order, as peft wraps them.
         self.adapters[name] = nn.ModuleDict(
-            {s: ExpertLoraAdapter(self.stack(s), spec, generator) for s in EXPERT_PARAMETERS if s in stacks}
+            {
+                s: ExpertLoraAdapter(self.stack(s), spec, generator, experts=self.shard.num_experts)
+                for s in EXPERT_PARAMETERS
+                if s in stacks
+            }
         )
 
     def adapter_stacks(self, name: str) -> dict[str, ExpertLoraAdapter]:
@@ -117,6 +138,11 @@ class MultiLoraExperts(nn.Module):
 
     def merged_stacks(self, name: str) -> dict[str, torch.Tensor]:
         """Each stack adapter ``name`` adapts, with its delta merged in."""
+        if self.shard.ep_size > 1:
+            raise StateError(
+                f'this rank holds {self.shard.per_rank} of {self.shard.num_experts} experts (ep_size='
+                f'{self.shard.ep_size}): merged expert weights need every expert; sync the adapter instead'
+            )
         return {
             stack: self.stack(stack) + adapter.delta_weight().to(self.stack(stack).dtype)
             for stack, adapter in self.adapter_stacks(name).items()
@@ -126,29 +152,32 @@ class MultiLoraExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """The base module's computation on ``hidden_states`` [N, H] (the batch's tokens), each
-        token's experts adding the delta of the adapter its row uses."""
+        token's experts adding the delta of the adapter its row uses; under expert parallel the
+        tokens go to the ranks holding their experts (``ExpertShard.run``)."""
         if self.assignment is None:
             raise StateError('MultiLoraExperts ran outside row_adapters(model, names): wrap the forward in it')
         assignment = self.assignment.over(hidden_states.shape[0])
         rows = assignment.rows_on(hidden_states.device)
         present = [(name, idx) for name, idx in rows.items() if name in self.adapters]
-        if not present:
+        if not present and self.shard.group is None:
             return cast(torch.Tensor, self.base_layer(hidden_states, top_k_index, top_k_weights))
-        # Each token's adapter as an ordinal into `present` (-1: the base model only).
-        token_adapter = torch.full((hidden_states.shape[0],), -1, dtype=torch.long, device=hidden_states.device)
-        for ordinal, (_, idx) in enumerate(present):
-            token_adapter[slice(None) if idx is None else idx] = ordinal
-        adapters = [self.adapter_stacks(name) for name, _ in present]
-        out = torch.zeros_like(hidden_states)
-        experts = self.stack('gate_up_proj').shape[0]
-        for expert in torch.unique(top_k_index).tolist():
-            if expert >= experts:  # the index some routers give tokens sent nowhere
-                continue
-            token_idx, top_k_pos = torch.where(top_k_index == expert)
-            by_adapter = token_adapter[token_idx]
-            selections = [(a, (by_adapter == k).nonzero().flatten()) for k, a in enumerate(adapters)]
-            y = self._expert(expert, hidden_states[token_idx], selections)
-            out.index_add_(0, token_idx, (y * top_k_weights[token_idx, top_k_pos, None]).to(out.dtype))
+        # Each token's adapter as its ordinal in `self.adapters`, the same on every rank (-1: none).
+        ordinals = {name: ordinal for ordinal, name in enumerate(self.adapters)}
+        token_adapters = torch.full((hidden_states.shape[0],), -1, dtype=torch.long, device=hidden_states.device)
+        for name, idx in present:
+            token_adapters[slice(None) if idx is None else idx] = ordinals[name]
+        return self.shard.run(hidden_states, top_k_index, top_k_weights, token_adapters, self._compute)
+
+    def _compute(self, x: torch.Tensor, experts: torch.Tensor, adapters: torch.Tensor) -> torch.Tensor:
+        """Row i of ``x`` [M, H] through expert ``experts[i]`` (global index, held here) with the
+        delta of adapter ordinal ``adapters[i]`` (-1: none); unweighted, in the rows' order."""
+        held = [self.adapter_stacks(name) for name in self.adapters]
+        out = x.new_zeros(x.shape[0], self.stack('down_proj').shape[1])
+        for expert in torch.unique(experts).tolist():
+            rows = (experts == expert).nonzero().flatten()
+            by_adapter = adapters[rows]
+            selections = [(a, (by_adapter == k).nonzero().flatten()) for k, a in enumerate(held)]
+            out.index_copy_(0, rows, self._expert(expert, x.index_select(0, rows), selections).to(out.dtype))
         return out
 
     def _expert(
@@ -167,7 +196,7 @@ class MultiLoraExperts(nn.Module):
         x: torch.Tensor,
         selections: list[tuple[dict[str, ExpertLoraAdapter], torch.Tensor]],
     ) -> torch.Tensor:
-        y = nn.functional.linear(x, self.stack(stack)[expert])
+        y = nn.functional.linear(x, self.stack(stack)[expert - self.shard.first])
         for adapters, rows in selections:
             adapter = adapters.get(stack)
             if adapter is None or not rows.numel():

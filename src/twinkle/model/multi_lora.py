@@ -39,6 +39,7 @@ from twinkle.model.expert_lora import (
     is_fused_experts,
     peft_stack_prefix,
 )
+from twinkle.model.expert_parallel import ExpertShard
 from twinkle.model.lora_adapter import LoraAdapter, LoraSpec, RowAssignment, check_name, check_spec
 from twinkle.model.lora_delta import Run, add_run_deltas
 
@@ -209,6 +210,17 @@ def _wrap(model: nn.Module, path: str, kind: type[AdapterLayer]) -> AdapterLayer
     return wrapped
 
 
+def shard_experts(model: nn.Module, ep_size: int, ep_rank: int, group: Any) -> int:
+    """Expert parallel: every fused-experts module keeps experts ``ep_rank``'s share of them
+    (``ExpertShard``), wrapped as a ``MultiLoraExperts`` that stays so without adapters too.
+    Returns how many modules were sharded (0 on a dense model)."""
+    paths = list(experts_modules(model))
+    for path in paths:
+        layer = cast(MultiLoraExperts, _wrap(model, path, MultiLoraExperts))
+        layer.shard_experts(ExpertShard(layer.shard.num_experts, ep_size, ep_rank, group))
+    return len(paths)
+
+
 def freeze_base(model: nn.Module) -> None:
     """Every parameter that is not an adapter's stops requiring gradients."""
     adapter_params = {id(p) for layer in multi_lora_layers(model).values() for p in layer.adapters.parameters()}
@@ -249,7 +261,7 @@ def remove_adapter(model: nn.Module, name: str) -> None:
         raise UnknownNameError('adapter', name, adapter_names(model))
     for path, layer in holders.items():
         layer.remove_adapter(name)
-        if not layer.adapters:
+        if not layer.adapters and not (isinstance(layer, MultiLoraExperts) and layer.shard.ep_size > 1):
             parent_path, _, leaf = path.rpartition('.')
             setattr(model.get_submodule(parent_path), leaf, layer.base_layer)
 

@@ -1,4 +1,4 @@
-"""How a ``TransformersModel`` spreads over its device mesh: data parallel, or FSDP2 sharding.
+"""How a ``TransformersModel`` spreads over its device mesh: data parallel or FSDP2 sharding, and expert parallel.
 
 The loss semantics stay those of one process holding the whole global batch: each rank's loss
 is a *sum* with an item count, the gradient at the step is (the sum over ranks of the summed
@@ -24,6 +24,11 @@ process up to float rounding.
   which gloo also supports), and the step divides by the global item count as above. On CPU it
   runs over gloo (torch 2.13: reduce-scatter and all-gather work there).
 
+- ``ep_size > 1`` (beside either): expert parallel. At load, each block of ``ep_size`` ranks
+  splits every MoE layer's experts between its ranks and tokens travel to them by all-to-all
+  (``twinkle.model.expert_parallel``); FSDP2 leaves those expert stacks alone. It trains
+  adapters only (each rank holds a share of the base experts).
+
 A server adds adapters while it trains, so it shards the base model first (``shard_base``, before
 any adapter): the adapters added later stay whole on every rank (replicated, as under data
 parallel), and their gradients are all-reduced at their step like data-parallel ones. FSDP2
@@ -45,10 +50,13 @@ from twinkle.errors import ConfigurationError, StateError
 from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
 from twinkle.metric import Metric
+from twinkle.model import multi_lora
+from twinkle.model.expert_lora import EXPERT_PARAMETERS, MultiLoraExperts
+from twinkle.model.expert_parallel import expert_groups
 from twinkle.model.group import TrainGroup
 
 # Mesh dimensions a TransformersModel can use; the others need tensor/pipeline/sequence parallel code.
-SUPPORTED_DIMS = ('fsdp', 'dp')
+SUPPORTED_DIMS = ('fsdp', 'dp', 'ep')
 # Gradients are all-reduced in flat buckets of at most this many bytes (as DDP's default 25 MiB).
 BUCKET_BYTES = 25 * 2**20
 
@@ -80,6 +88,11 @@ class ModelParallel:
         return self.enabled and self._mesh.fsdp_size > 1
 
     @property
+    def ep(self) -> bool:
+        """Whether the experts are split across ranks (``ep_size`` > 1)."""
+        return self.enabled and self._mesh.ep_size > 1
+
+    @property
     def sharded(self) -> bool:
         """Whether the weights are FSDP2 shards now (DTensors) rather than whole tensors."""
         return self.fsdp and self.prepared
@@ -96,6 +109,8 @@ class ModelParallel:
         if not self.enabled:
             return 'one process'
         kind = 'FSDP2' if self.fsdp else 'data parallel'
+        if self.ep:
+            kind += f', experts split over {self._mesh.ep_size} ranks,'
         return f'{kind} over {self.mesh!r}, rank {distributed.rank()}'
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -120,6 +135,27 @@ class ModelParallel:
             raise StateError('the model is prepared already (a forward ran): shard_base comes before it')
         _shard(model, list(groups), self._fsdp_mesh())
         self.prepared = self.replicated_adapters = True
+
+    def shard_experts(self, model: torch.nn.Module) -> None:
+        """Expert parallel: each rank keeps its share of every MoE layer's experts, at load
+        (``twinkle.model.expert_parallel``). Nothing to do without an ``ep`` dimension."""
+        if not self.ep:
+            return
+        ep_size = self._mesh.ep_size
+        ep_rank, group = expert_groups(ep_size)
+        if not multi_lora.shard_experts(model, ep_size, ep_rank, group):
+            raise ConfigurationError(
+                f'ep_size={ep_size} splits the experts of a mixture of experts; {type(model).__name__} has no '
+                'fused experts: use dp_size or fsdp_size'
+            )
+
+    def check_trainable(self, full: bool) -> None:
+        """Expert parallel trains adapters: each rank holds a share of the experts' base weights."""
+        if full and self.ep:
+            raise ConfigurationError(
+                f'expert parallel (ep_size={self._mesh.ep_size}) trains LoRA adapters, not every weight: each rank '
+                'holds only its share of the experts; add an adapter (add_adapter_to_model) or drop ep_size'
+            )
 
     def check_can_add_adapter(self, adapter_name: str) -> None:
         if self.sharded and not self.replicated_adapters:
@@ -244,7 +280,7 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     if extra:
         raise ConfigurationError(
             f'TransformersModel parallelises over {list(SUPPORTED_DIMS)} only; {mesh!r} also asks for {extra}: '
-            'build the mesh with fsdp_size and dp_size'
+            'build the mesh with fsdp_size, dp_size and ep_size'
         )
     if not distributed.is_initialized():
         raise StateError(
@@ -275,9 +311,12 @@ def _shard(model: torch.nn.Module, groups: list[TrainGroup], mesh: Any) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     names = {id(p): name for name, p in model.named_parameters()}
+    # Expert-parallel stacks differ between ranks (each holds its own experts): not FSDP's to shard.
+    held = [m for m in model.modules() if isinstance(m, MultiLoraExperts) and m.shard.ep_size > 1]
+    ignored = {getattr(m.base_layer, stack) for m in held for stack in EXPERT_PARAMETERS}
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum: the step divides by the global item count

@@ -106,6 +106,7 @@ class TransformersModel(TwinkleModel):
         else:  # a model class has no public from_config; _from_config is what the Auto class calls
             self.model = model_cls._from_config(config, **kwargs)
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers wraps to() in functools.wraps: self is not bound
+        self._parallel.shard_experts(self.model)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
             self.model.enable_input_require_grads()
@@ -650,6 +651,7 @@ class TransformersModel(TwinkleModel):
         self, group: TrainGroup, rows: Sequence[InputFeature], training: bool, lora: bool = True
     ) -> tuple[dict, dict]:
         """The group's rows through the model (``lora=False``: the base model alone)."""
+        self._parallel.check_trainable(training and group.name == FULL)
         self._parallel.prepare(self.model, self.groups.values())  # the first forward: sync, then shard
         self._set_mode(training)
         pad = self._template_for(group).pad_token_id
