@@ -35,6 +35,9 @@ class SamplingParams:
       the first); ``topk_prompt_logprobs=k`` adds the ``k`` most likely tokens there.
     - ``repetition_penalty``: divides positive (multiplies negative) logits of tokens already in
       the prompt or the completion, as in CTRL and transformers; 1 is off.
+    - ``return_routed_experts``: on a mixture of experts, record the experts each MoE layer
+      chose for every token; ``new_input_feature['routed_experts']`` carries them, and the
+      trainer's forward of that feature routes the same (routing replay).
     """
 
     max_tokens: int = 64
@@ -49,6 +52,7 @@ class SamplingParams:
     topk_prompt_logprobs: int = 0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         _positive_int('max_tokens', self.max_tokens)
@@ -72,6 +76,8 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ConfigurationError(f'seed must be an integer or None; got {self.seed!r}')
         self.stop = _normalize_stop(self.stop)
+        if not isinstance(self.return_routed_experts, bool):
+            raise ConfigurationError(f'return_routed_experts must be true or false; got {self.return_routed_experts!r}')
 
     @property
     def stop_strings(self) -> list[str]:

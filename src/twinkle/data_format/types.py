@@ -47,6 +47,9 @@ class InputFeature(TypedDict):
     user_data: NotRequired[dict[str, Any]]
     #: The conversation the tokens encode, on a row a sampler made (its completion the last turn).
     messages: NotRequired[list[Message]]
+    #: The experts a sampler's MoE router chose for each token: [tokens][MoE layers][top_k] (-1:
+    #: none recorded); the trainer's forward routes the same (``router.replay_routing``).
+    routed_experts: NotRequired[list[list[list[int]]]]
 
 
 @dataclass

@@ -673,7 +673,7 @@ class TransformersModel(TwinkleModel):
         """The batch's ``logits`` and, on a mixture of experts, its ``router_logits`` per row
         ([layers, rows, positions, experts])."""
         model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
-        with self._autocast():
+        with self._autocast(), router.replay_routing(self.model, batch.get('routed_experts')):
             if self.router is None or not router_logits:
                 return {'logits': self.model(**model_inputs, use_cache=False).logits}
             out = self.model(**model_inputs, use_cache=False, output_router_logits=True)

@@ -50,9 +50,36 @@ class InputProcessor:
                     "but 'input_ids' and 'labels' are needed (call dataset.encode() or set a template)"
                 )
         fields = [name for name in get_args(TokenField) if all(name in f for f in features)]
+        batch = self._pack(features, fields) if self.padding_free else self._pad(features, fields, pad_token_id)
+        if any('routed_experts' in f for f in features):
+            batch['routed_experts'] = self._routed_experts(features, batch['input_ids'].shape[-1])
+        return batch
+
+    def _routed_experts(self, features: Sequence[InputFeature], width: int) -> torch.Tensor:
+        """The rows' recorded experts laid out as their tokens are: [rows, positions, layers, K]
+        (one row when packed), -1 (route anew) on padding and on rows without a record."""
+        recorded = {
+            i: torch.as_tensor(f['routed_experts'], dtype=torch.long)
+            for i, f in enumerate(features)
+            if 'routed_experts' in f
+        }
+        shape = next(iter(recorded.values())).shape[1:]
+        for i, experts in recorded.items():
+            if experts.ndim != 3 or experts.shape[1:] != shape or len(experts) != len(features[i]['input_ids']):
+                raise DataError(
+                    f'batch row {i} has routed_experts of shape {tuple(experts.shape)}; expected one '
+                    f'[layers, top_k] = {list(shape)} per token, {len(features[i]["input_ids"])} tokens'
+                )
+        rows = [recorded.get(i, torch.full((len(f['input_ids']), *shape), -1)) for i, f in enumerate(features)]
         if self.padding_free:
-            return self._pack(features, fields)
-        return self._pad(features, fields, pad_token_id)
+            return torch.cat(rows)[None]
+        out = torch.full((len(rows), width, *shape), -1, dtype=torch.long)
+        for i, experts in enumerate(rows):
+            if self.padding_side == 'right':
+                out[i, : len(experts)] = experts
+            else:
+                out[i, width - len(experts) :] = experts
+        return out
 
     def _pad(
         self, features: Sequence[InputFeature], fields: list[TokenField], pad_token_id: int

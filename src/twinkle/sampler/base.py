@@ -54,6 +54,8 @@ class Completion:
     logprobs: list[list[TokenLogprob]]
     stop_reason: StopReason
     text_end: int | None = None  # where a matched stop string starts in the decoded text
+    # [prompt + completion tokens][MoE layers][top_k] experts, with ``return_routed_experts``.
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class Sampler(ABC):
@@ -144,7 +146,7 @@ class Sampler(ABC):
             tokens=completion.tokens,
             logprobs=completion.logprobs,
             decoded=decoded,
-            new_input_feature=training_feature(prompt, completion.tokens, decoded),
+            new_input_feature=training_feature(prompt, completion.tokens, decoded, completion.routed_experts),
             weight_version=self.weight_version,
         )
 
@@ -158,11 +160,16 @@ class Sampler(ABC):
         return text
 
 
-def training_feature(prompt: Prompt, tokens: list[int], decoded: str) -> InputFeature:
+def training_feature(
+    prompt: Prompt, tokens: list[int], decoded: str, routed_experts: list[list[list[int]]] | None = None
+) -> InputFeature:
     """The prompt plus the completion ``tokens`` as an ``InputFeature`` whose labels are the
-    completion (pre-shifted), with the conversation extended by the assistant's ``decoded``."""
+    completion (pre-shifted), with the conversation extended by the assistant's ``decoded`` and
+    the sampler's routing, when recorded."""
     trained = [False] * len(prompt.input_ids) + [True] * len(tokens)
     feature = encoded_feature(prompt.input_ids + tokens, trained)
+    if routed_experts is not None:
+        feature['routed_experts'] = routed_experts
     if prompt.messages is not None:
         feature['messages'] = [*prompt.messages, {'role': 'assistant', 'content': decoded}]
     if prompt.user_data is not None:

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, P
 from twinkle.data_format import SampleResponse, SamplingParams, TokenLogprob
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, UnknownNameError
 from twinkle.hub import resolve_model
-from twinkle.model import multi_lora
+from twinkle.model import multi_lora, router
 from twinkle.sampler.base import SAMPLERS, Completion, Prompt, PromptLogprobs, SampleInputs, Sampler, row_seed
 from twinkle.sampler.logits import choose, processed_scores
 from twinkle.template import Template
@@ -275,8 +275,16 @@ class _Generation:
     want_prompt: bool
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
-    @torch.no_grad()
     def run(self) -> list[Completion]:
+        """Decode the rows; with ``return_routed_experts`` each completion also gets the experts
+        every MoE layer chose for its tokens (``RoutingRecorder``)."""
+        if not self.params.return_routed_experts:
+            return self._decode(None)
+        with router.RoutingRecorder(self.sampler.model) as recorder:
+            return self._decode(recorder)
+
+    @torch.no_grad()
+    def _decode(self, recorder: router.RoutingRecorder | None) -> list[Completion]:
         sampler, params = self.sampler, self.params
         model, device = sampler.model, sampler.device
         ids, mask = _left_pad(self.rows, sampler.template.pad_token_id, device)
@@ -292,6 +300,8 @@ class _Generation:
         ).logits
         if self.want_prompt:
             self.prompt_logprobs = _prompt_logprobs(logits, ids, mask, self.params.topk_prompt_logprobs)
+        routes = _Routes(recorder, self.rows)
+        routes.prefilled(ids.shape[-1])
         logits = logits[:, -1]
         seen = _seen(ids, mask, logits.shape[-1]) if params.repetition_penalty != 1.0 else None
         generators = _generators(self.seeds, device)
@@ -324,7 +334,9 @@ class _Generation:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
+            routes.decoded(active)
             next_pos = next_pos + 1
+        routes.finish(out)
         return out
 
     def _record(self, out: list[Completion], active: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -355,6 +367,41 @@ class _Generation:
         completion.stop_reason = 'stop'
         completion.text_end = min(found) if found else len(text)
         return True
+
+
+@dataclass
+class _Routes:
+    """The experts each row's tokens were routed to, call by call (nothing without a recorder)."""
+
+    recorder: router.RoutingRecorder | None
+    rows: list[list[int]]
+    parts: list[list[torch.Tensor]] = field(default_factory=list)  # per row: [layers, tokens, K] pieces
+
+    def prefilled(self, width: int) -> None:
+        """The prompts' routing, from the left-padded prefill of ``width`` positions."""
+        if self.recorder is None:
+            return
+        experts = self.recorder.take()
+        experts = experts.view(experts.shape[0], len(self.rows), width, experts.shape[-1])
+        self.parts = [[experts[:, j, width - len(row) :]] for j, row in enumerate(self.rows)]
+
+    def decoded(self, active: list[int]) -> None:
+        """The routing of the token each ``active`` row was just fed."""
+        if self.recorder is None:
+            return
+        experts = self.recorder.take()
+        for j, row in enumerate(active):
+            self.parts[row].append(experts[:, j : j + 1])
+
+    def finish(self, out: list[Completion]) -> None:
+        """Each completion's ``routed_experts`` [tokens][layers][K] over prompt plus completion;
+        the last token was never fed to the model: -1 (not recorded) there."""
+        if self.recorder is None:
+            return
+        for completion, parts in zip(out, self.parts, strict=True):
+            experts = torch.cat(parts, dim=1).permute(1, 0, 2)
+            last = torch.full_like(experts[:1], router.NOT_RECORDED)
+            completion.routed_experts = torch.cat([experts, last]).tolist()
 
 
 def _left_pad(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -295,6 +295,11 @@ class vLLMSampler(Sampler):
         return self._zero
 
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        if params.return_routed_experts:
+            raise ConfigurationError(
+                'return_routed_experts (routing replay) is recorded by TorchSampler; vLLMSampler does not pass '
+                "vLLM's routed experts through yet"
+            )
         if (params.prompt_logprobs or params.topk_prompt_logprobs) and not self.prompt_logprobs_ok:
             raise ConfigurationError(
                 "prompt logprobs are not served by vLLM's CPU build with LoRA enabled (its engine fails on them): "
