@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from twinkle.dataset import Dataset
-from twinkle.errors import ConfigurationError, DataError
+from twinkle.dataloader.stream import StreamBatches
+from twinkle.dataset import Dataset, IterableDataset
+from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.runtime import get_runtime
@@ -53,11 +54,33 @@ class DataLoader:
         data_seed: int = 0,
         drop_last: bool = False,
         device_mesh: DeviceMesh | None = None,
+        num_workers: int = 0,
     ):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
             raise ConfigurationError(f'batch_size must be a positive integer; got {batch_size!r}')
         self.device_mesh = device_mesh if device_mesh is not None else get_runtime().global_device_mesh
         self.data_world_size, self.data_rank = _data_position(self.device_mesh, batch_size)
+        self.batch_size = batch_size
+        #: Batches of a stream (an ``IterableDataset``), read by ``num_workers`` processes; None for a table.
+        self.stream: StreamBatches | None = None
+        self.dataset: Dataset | Sequence[dict[str, Any]] | IterableDataset
+        if isinstance(dataset, IterableDataset):
+            if shuffle:
+                raise ConfigurationError('a stream (IterableDataset) is read in order: shuffle=True needs a Dataset')
+            self.dataset = dataset
+            local = batch_size // self.data_world_size
+            self.stream = StreamBatches(
+                dataset,
+                local_batch=local,
+                data_world=self.data_world_size,
+                data_rank=self.data_rank,
+                num_workers=num_workers,
+            )
+            return
+        if num_workers:
+            raise ConfigurationError(
+                'num_workers reads a stream (IterableDataset) in worker processes; a Dataset is in memory already'
+            )
         if drop_last:
             min_batch_size = batch_size
         if min_batch_size is not None and not 0 < min_batch_size <= batch_size:
@@ -97,6 +120,8 @@ class DataLoader:
 
     def __len__(self) -> int:
         """Batches per epoch."""
+        if self.stream is not None:
+            raise TypeError('a stream (IterableDataset) has no length: count steps instead')
         return -(-self.samples_per_epoch // self.batch_size)
 
     def _order(self, epoch: int) -> list[int]:
@@ -115,6 +140,9 @@ class DataLoader:
         The position moves on as each batch is handed out, and to the next epoch with the last
         batch, so ``get_state()`` is right even when the caller stops pulling batches early
         (``zip(range(steps), loader)``) and the next ``iter`` starts a full epoch."""
+        if self.stream is not None:
+            yield from self.stream
+            return
         end = self.samples_per_epoch
         if self._offset >= end:  # the rows were cut down (filter, encode) under a half-read epoch
             self.epoch, self._offset = self.epoch + 1, 0
@@ -142,13 +170,19 @@ class DataLoader:
         """Start epoch ``epoch`` from its beginning at the next iteration."""
         self.epoch, self._offset = epoch, 0
 
-    def get_state(self) -> dict[str, int]:
+    def get_state(self) -> dict[str, Any]:
+        """Where the loader is: ``consumed_train_samples`` and ``epoch`` (and, for a stream,
+        every shard's position: ``load_state`` resumes from it exactly)."""
+        if self.stream is not None:
+            return self.stream.get_state()
         return {'consumed_train_samples': self._consumed, 'epoch': self.epoch}
 
     def skip_consumed_samples(self, consumed_train_samples: int) -> None:
         """Position the loader as if ``consumed_train_samples`` had been handed out from the start."""
         if consumed_train_samples < 0:
             raise ConfigurationError(f'consumed_train_samples must be >= 0; got {consumed_train_samples}')
+        if self.stream is not None:
+            raise StateError("a stream resumes from its shards' positions: loader.load_state(loader.get_state())")
         if self.samples_per_epoch == 0:
             raise DataError(f'the dataset has {len(self._rows)} rows, fewer than min_batch_size={self.min_batch_size}')
         self.epoch, self._offset = divmod(consumed_train_samples, self.samples_per_epoch)
@@ -157,6 +191,14 @@ class DataLoader:
     def resume_from_checkpoint(self, consumed_train_samples: int) -> None:
         """Alias of ``skip_consumed_samples``, for ``model.resume_from_checkpoint``'s result."""
         self.skip_consumed_samples(consumed_train_samples)
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Resume from ``get_state()``: a stream seeks each shard to its saved position, a table
+        skips ``consumed_train_samples``."""
+        if self.stream is not None:
+            self.stream.load_state(state)
+        else:
+            self.skip_consumed_samples(int(state['consumed_train_samples']))
 
 
 def _data_position(mesh: DeviceMesh | None, batch_size: int) -> tuple[int, int]:

@@ -123,7 +123,7 @@ class Dataset:
         """Apply a preprocessor (an instance, a class or a registered name built with
         ``init_args``, or a plain function of one row) to every row. A ``None`` result drops the
         row; the result's fields replace the row's."""
-        fn = _as_row_fn(preprocessor, init_args)
+        fn = as_row_fn(preprocessor, init_args)
         self._transform(dataset_meta, fn, False, load_from_cache_file, batch_size)
         return self
 
@@ -220,7 +220,7 @@ class Dataset:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def _as_row_fn(preprocessor: Any, init_args: Mapping[str, Any] | None) -> Callable[[Mapping[str, Any]], Any]:
+def as_row_fn(preprocessor: Any, init_args: Mapping[str, Any] | None) -> Callable[[Mapping[str, Any]], Any]:
     if isinstance(preprocessor, (str, type)):
         preprocessor = PREPROCESSORS.build(preprocessor, Preprocessor, **(init_args or {}))
     elif init_args:

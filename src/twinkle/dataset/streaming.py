@@ -1,0 +1,295 @@
+"""Datasets streamed from files: rows read when they are needed, never all held in memory.
+
+``IterableDataset`` reads JSONL, Parquet and Arrow files (a file, a folder of them, a list, or a
+hub id resolved to its local files) row by row. ``map``, ``filter`` and ``encode`` are recorded
+and run on each row as it is read. A stream split into shards (``shard(n, i)``, which the
+``DataLoader`` does for data-parallel ranks and its worker processes) gives raw row ``k`` to
+shard ``k % n``: together the shards read every row once. Its position (file, byte offset or
+row in the file, rows read) moves on as rows are handed out; ``state_dict()`` saved after a
+row and ``load_state_dict`` in a new process resume at the row after it, mid-file included,
+by seeking, not by reading again.
+
+A JSONL line that is not a JSON object is named by file and line number. With
+``bad_lines='raise'`` (the default) it stops the stream; with ``'skip'`` it is left out and
+counted (``counts['bad_lines']``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from twinkle.dataset.base import as_row_fn
+from twinkle.errors import ConfigurationError, DataError, StateError, one_of
+from twinkle.hub import resolve_dataset
+from twinkle.preprocessor import FILTERS, DataFilter
+from twinkle.template import TEMPLATES, Template
+
+#: File extensions a stream reads, by kind.
+STREAM_KINDS = {'.jsonl': 'jsonl', '.parquet': 'parquet', '.arrow': 'arrow'}
+BadLines = Literal['raise', 'skip']
+#: Rows a Parquet or Arrow file hands over at once.
+READ_BATCH = 1024
+
+
+@dataclass
+class StreamPosition:
+    """Where a stream goes on: file ``file`` at ``offset`` (a byte offset into JSONL, a row
+    index into Parquet/Arrow), ``line`` lines of that file behind it (JSONL), ``row`` raw rows
+    of all files read so far (what decides a row's shard)."""
+
+    file: int = 0
+    offset: int = 0
+    line: int = 0
+    row: int = 0
+
+
+class IterableDataset:
+    """Rows streamed from files, transformed lazily.
+
+    Example::
+
+        stream = IterableDataset('data/train.jsonl', bad_lines='skip')
+        stream.set_template('Template', model_id=assets.tiny_model(), max_length=512)
+        stream.map(SelfCognitionProcessor('twinkle LLM', 'ModelScope Community')).encode()
+        for batch in DataLoader(stream, batch_size=8, num_workers=2):
+            ...
+    """
+
+    def __init__(
+        self, source: str | Path | Sequence[str | Path], *, bad_lines: BadLines = 'raise', revision: str | None = None
+    ):
+        if bad_lines not in ('raise', 'skip'):
+            raise one_of('bad_lines', bad_lines, ['raise', 'skip'])
+        self.files = stream_files(source, revision)
+        self.bad_lines = bad_lines
+        self.template: Template | None = None
+        self._steps: list[tuple[str, Callable[[dict[str, Any]], Any]]] = []
+        self.num_shards, self.shard_index = 1, 0
+        self.position = StreamPosition()
+        #: Raw rows read (this shard's), bad lines skipped, rows dropped by a map or filter.
+        self.counts = {'rows_read': 0, 'bad_lines': 0, 'dropped': 0}
+
+    # ---- lazy transforms ----------------------------------------------------------------------
+    def map(self, preprocessor: Any, init_args: Mapping[str, Any] | None = None) -> IterableDataset:
+        """Apply a preprocessor (as ``Dataset.map`` takes it) to each row when it is read; a
+        ``None`` result drops the row."""
+        self._steps.append(('map', as_row_fn(preprocessor, init_args)))
+        return self
+
+    def filter(self, predicate: Any, init_args: Mapping[str, Any] | None = None) -> IterableDataset:
+        """Keep the rows for which ``predicate(row)`` is true (a ``DataFilter``, a registered
+        filter's name or class, or a function)."""
+        if isinstance(predicate, (str, type)):
+            predicate = FILTERS.build(predicate, DataFilter, **(init_args or {}))
+        if not callable(predicate):
+            raise ConfigurationError(
+                f'a filter must be a DataFilter, a registered name or a function; got {predicate!r}'
+            )
+        self._steps.append(('filter', predicate))
+        return self
+
+    def set_template(self, template: str | type[Template] | Template, **kwargs: Any) -> IterableDataset:
+        self.template = TEMPLATES.build(template, Template, **kwargs)
+        return self
+
+    def encode(self, add_generation_prompt: bool = False) -> IterableDataset:
+        """Tokenize each row with the template when it is read; the row keeps its other fields."""
+        if self.template is None:
+            raise StateError('IterableDataset.encode() needs a template: call set_template(...) first')
+        encode = partial(self.template.encode, add_generation_prompt=add_generation_prompt)
+        self._steps.append(('encode', encode))
+        return self
+
+    def shard(self, num_shards: int, index: int) -> IterableDataset:
+        """This stream's shard ``index`` of ``num_shards`` (of the shard it is, when already one),
+        from the beginning."""
+        if (
+            not isinstance(num_shards, int)
+            or num_shards < 1
+            or not isinstance(index, int)
+            or not 0 <= index < num_shards
+        ):
+            raise ConfigurationError(
+                f'shard takes num_shards >= 1 and 0 <= index < num_shards; got {num_shards}, {index}'
+            )
+        view = copy.copy(self)
+        view.num_shards = self.num_shards * num_shards
+        view.shard_index = self.shard_index + self.num_shards * index
+        view.position, view.counts = StreamPosition(), dict.fromkeys(self.counts, 0)
+        return view
+
+    # ---- reading ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """This shard's rows from the current position on; the position follows each row handed out."""
+        for raw, after in self._raw_rows():
+            self.counts['rows_read'] += 1
+            row = self._apply(raw)
+            self.position = after
+            if row is not None:
+                yield row
+        self.position = StreamPosition(file=len(self.files), row=self.position.row)
+
+    def restart(self) -> None:
+        """Back to the first row (a new epoch)."""
+        self.position = StreamPosition()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            'position': asdict(self.position),
+            'counts': dict(self.counts),
+            'shard': [self.num_shards, self.shard_index],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume where ``state`` (from ``state_dict`` of the same shard) left off."""
+        if list(state.get('shard', ())) != [self.num_shards, self.shard_index]:
+            raise StateError(
+                f'this state belongs to shard {state.get("shard")} (num_shards, index); this stream is '
+                f'{[self.num_shards, self.shard_index]}'
+            )
+        self.position = StreamPosition(**state['position'])
+        self.counts = dict(state['counts'])
+
+    def _apply(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        for kind, step in self._steps:
+            if kind == 'filter':
+                if not step(row):
+                    self.counts['dropped'] += 1
+                    return None
+                continue
+            result = step(row)
+            if result is None:
+                self.counts['dropped'] += 1
+                return None
+            if not isinstance(result, Mapping):
+                raise DataError(f'a preprocessor returned {type(result).__name__}; expected a dict or None')
+            row = {**row, **result} if kind == 'encode' else dict(result)
+        return row
+
+    def _raw_rows(self) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
+        """(row, the position after it) for this shard's rows from ``self.position`` on."""
+        position = self.position
+        for index in range(position.file, len(self.files)):
+            path = self.files[index]
+            reader = _jsonl_rows if STREAM_KINDS[path.suffix.lower()] == 'jsonl' else _table_rows
+            # Every shard counts every raw row, its own or not: the count decides the next file's shards.
+            rows = yield from reader(self, path, position)
+            position = StreamPosition(file=index + 1, row=rows)
+
+    def mine(self, row_number: int) -> bool:
+        return row_number % self.num_shards == self.shard_index
+
+    def bad_line(self, path: Path, line: int, why: str) -> None:
+        message = f'{path.name} line {line}: {why}'
+        if self.bad_lines == 'raise':
+            raise DataError(f"{message} (IterableDataset(bad_lines='skip') leaves such lines out and counts them)")
+        self.counts['bad_lines'] += 1
+
+    def __repr__(self) -> str:
+        steps = [kind for kind, _ in self._steps]
+        return f'IterableDataset({len(self.files)} files, steps={steps}, shard {self.shard_index} of {self.num_shards})'
+
+
+def _jsonl_rows(
+    stream: IterableDataset, path: Path, start: StreamPosition
+) -> Generator[tuple[dict[str, Any], StreamPosition], None, int]:
+    """A JSONL file's rows of this shard from byte ``start.offset`` (blank lines are not rows);
+    returns the raw rows read by the end of the file, from the stream's start."""
+    offset, line, row_number = start.offset, start.line, start.row
+    with path.open('rb') as handle:
+        handle.seek(offset)
+        for raw in handle:
+            offset += len(raw)
+            line += 1
+            if not raw.strip():
+                continue
+            row_number += 1
+            if not stream.mine(row_number - 1):
+                continue
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                stream.bad_line(path, line, f'not valid JSON ({error.msg if hasattr(error, "msg") else error})')
+                continue
+            if not isinstance(row, dict):
+                stream.bad_line(path, line, f'a JSON {type(row).__name__}, not an object (a row)')
+                continue
+            yield row, StreamPosition(start.file, offset, line, row_number)
+    return row_number
+
+
+def _table_rows(
+    stream: IterableDataset, path: Path, start: StreamPosition
+) -> Generator[tuple[dict[str, Any], StreamPosition], None, int]:
+    """A Parquet or Arrow file's rows of this shard from row ``start.offset``; returns the raw
+    rows read by the end of the file, from the stream's start."""
+    index, row_number = start.offset, start.row
+    for batch in _record_batches(path, start.offset):
+        for row in batch.to_pylist():
+            index += 1
+            row_number += 1
+            if stream.mine(row_number - 1):
+                yield row, StreamPosition(start.file, index, 0, row_number)
+    return row_number
+
+
+def _record_batches(path: Path, skip: int) -> Iterator[pa.RecordBatch]:
+    """The record batches of a Parquet or Arrow (IPC file or stream) file past its first ``skip`` rows."""
+    if path.suffix.lower() == '.parquet':
+        parquet = pq.ParquetFile(path)
+        groups, seen = [], 0
+        for group in range(parquet.num_row_groups):  # whole row groups before the position are not read
+            rows = parquet.metadata.row_group(group).num_rows
+            if seen + rows > skip:
+                groups.append(group)
+            else:
+                seen += rows
+        batches: Iterator[pa.RecordBatch] = parquet.iter_batches(batch_size=READ_BATCH, row_groups=groups)
+    else:
+        source = pa.memory_map(str(path))
+        try:
+            reader: Any = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:
+            source.seek(0)
+            batches = iter(pa.ipc.open_stream(source))
+        seen = 0
+    for batch in batches:
+        if seen + batch.num_rows <= skip:
+            seen += batch.num_rows
+            continue
+        yield batch.slice(max(0, skip - seen))
+        seen += batch.num_rows
+
+
+def stream_files(source: str | Path | Sequence[str | Path], revision: str | None = None) -> list[Path]:
+    """The files a stream reads, in order: a file, the data files of a folder (sorted), a list
+    of those, or a hub id (``ms://``, ``hf://``) resolved to its local files."""
+    sources = [source] if isinstance(source, (str, Path)) else list(source)
+    if not sources:
+        raise ConfigurationError('IterableDataset needs at least one file or folder')
+    files: list[Path] = []
+    for item in sources:
+        text = str(item)
+        path = Path(resolve_dataset(text, revision=revision)) if '://' in text else Path(text)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob('*') if p.is_file() and p.suffix.lower() in STREAM_KINDS)
+            if not found:
+                raise DataError(f'no {sorted(STREAM_KINDS)} files under the folder {path.name!r}')
+            files += found
+        elif path.is_file():
+            if path.suffix.lower() not in STREAM_KINDS:
+                raise one_of('stream file type', path.suffix or path.name, sorted(STREAM_KINDS))
+            files.append(path)
+        else:
+            raise DataError(f'no such file or folder: {text!r}')
+    return files

@@ -1,0 +1,165 @@
+"""Streaming datasets: rows read from JSONL, Parquet and Arrow files as they are needed.
+
+Sharding over data ranks and DataLoader workers (no row twice, none missed), exact resume in
+the middle of a file (with and without workers), lazy map/filter/encode, and bad lines named by
+file and line, raised or skipped and counted."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from twinkle import DeviceMesh, assets
+from twinkle.dataloader import DataLoader
+from twinkle.dataset import IterableDataset
+from twinkle.errors import ConfigurationError, DataError, StateError
+from twinkle.preprocessor import SelfCognitionProcessor
+
+
+def write_jsonl(path: Path, rows: list[dict], extra: dict[int, str] | None = None) -> Path:
+    """``rows`` one per line; ``extra[i]`` is written as line ``i + 1`` instead of a row."""
+    lines, rows_left = [], iter(rows)
+    for number in range(len(rows) + len(extra or {})):
+        special = (extra or {}).get(number)
+        lines.append(special if special is not None else json.dumps(next(rows_left)))
+    path.write_text('\n'.join(lines) + '\n')
+    return path
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> list[Path]:
+    """230 rows {'i': 0..229} over a JSONL (100 rows, a blank line), a Parquet (80, row groups of
+    16) and an Arrow stream (50)."""
+    jsonl = write_jsonl(tmp_path / 'a.jsonl', [{'i': i} for i in range(100)], {40: ''})
+    parquet = tmp_path / 'b.parquet'
+    pq.write_table(pa.table({'i': list(range(100, 180))}), parquet, row_group_size=16)
+    arrow = tmp_path / 'c.arrow'
+    table = pa.table({'i': list(range(180, 230))})
+    with pa.ipc.new_stream(str(arrow), table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=7):
+            writer.write_batch(batch)
+    return [jsonl, parquet, arrow]
+
+
+def ids(batches) -> list[int]:
+    return [row['i'] for batch in batches for row in batch]
+
+
+def loader(stream: IterableDataset, monkeypatch, rank: int, ranks: int, **kwargs) -> DataLoader:
+    mesh = None
+    if ranks > 1:
+        monkeypatch.setenv('WORLD_SIZE', str(ranks))
+        monkeypatch.setenv('RANK', str(rank))
+        mesh = DeviceMesh.from_sizes(dp_size=ranks, device_type='cpu')
+    return DataLoader(stream, device_mesh=mesh, **kwargs)
+
+
+def test_a_stream_reads_every_file_kind_in_order(files):
+    assert [row['i'] for row in IterableDataset(files)] == list(range(230))
+    assert [row['i'] for row in IterableDataset(files[0].parent)] == list(range(230))  # a folder, sorted
+
+
+def test_two_ranks_of_two_workers_read_every_row_once(files, monkeypatch):
+    seen = []
+    for rank in (0, 1):
+        batches = list(loader(IterableDataset(files), monkeypatch, rank, 2, batch_size=8, num_workers=2))
+        assert all(len(batch) <= 4 for batch in batches)  # each rank's share of the global batch
+        seen += ids(batches)
+    assert sorted(seen) == list(range(230))
+
+
+def test_map_filter_and_encode_run_lazily_as_rows_are_read(files):
+    calls = []
+
+    def double(row):
+        calls.append(row['i'])
+        return {'i': row['i'], 'twice': 2 * row['i']}
+
+    stream = IterableDataset(files).map(double).filter(lambda row: row['i'] % 3 == 0)
+    assert calls == []
+    first = next(iter(stream))
+    assert first == {'i': 0, 'twice': 0} and calls == [0]
+    rows = list(stream)
+    assert [row['i'] for row in rows] == list(range(3, 230, 3))
+    assert stream.counts['dropped'] == 230 - 77
+
+
+def test_encode_tokenizes_each_row_when_read():
+    stream = IterableDataset(assets.dataset('self-cognition'))  # the embedded JSONL file
+    stream.set_template('Template', model_id=assets.tiny_model(), max_length=128)
+    stream.map(SelfCognitionProcessor('twinkle LLM', 'ModelScope Community')).encode()
+    encoded = list(itertools.islice(stream, 6))
+    assert len(encoded) == 6 and all(len(row['input_ids']) == len(row['labels']) > 0 for row in encoded)
+    assert stream.counts['rows_read'] == 6  # nothing past the rows asked for was read
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+@pytest.mark.parametrize('ranks', [1, 2])
+def test_a_resumed_run_gets_exactly_the_rows_an_uninterrupted_one_gets_next(files, monkeypatch, workers, ranks):
+    for rank in range(ranks):
+        whole = list(loader(IterableDataset(files), monkeypatch, rank, ranks, batch_size=6, num_workers=workers))
+        first = loader(IterableDataset(files), monkeypatch, rank, ranks, batch_size=6, num_workers=workers)
+        taken = []
+        for batch in first:
+            taken.append(batch)
+            if len(taken) == 7:  # in the middle of the JSONL file
+                break
+        state = json.loads(json.dumps(first.get_state()))  # as a checkpoint keeps it
+        resumed = loader(IterableDataset(files), monkeypatch, rank, ranks, batch_size=6, num_workers=workers)
+        resumed.load_state(state)
+        assert taken + list(resumed) == whole
+        assert state['consumed_train_samples'] == sum(len(b) for b in taken) * ranks
+
+
+def test_a_resume_seeks_instead_of_reading_the_rows_again(files):
+    stream = IterableDataset(files)
+    rows = iter(stream)
+    for _ in range(150):
+        next(rows)
+    state = stream.state_dict()
+    assert state['position']['file'] == 1 and state['position']['offset'] == 50  # row 50 of the Parquet file
+    read = []
+    again = IterableDataset(files).map(lambda row: read.append(row['i']) or row)
+    again.load_state_dict(state)
+    assert [row['i'] for row in again] == list(range(150, 230)) and read == list(range(150, 230))
+
+
+def test_a_state_from_another_layout_is_refused(files, monkeypatch):
+    state = loader(IterableDataset(files), monkeypatch, 0, 1, batch_size=4, num_workers=2).get_state()
+    other = loader(IterableDataset(files), monkeypatch, 0, 1, batch_size=4)
+    with pytest.raises(StateError, match='resume with the same data ranks and num_workers'):
+        other.load_state(state)
+    with pytest.raises(StateError, match='resumes from its shards'):
+        other.skip_consumed_samples(4)
+    with pytest.raises(TypeError, match='has no length'):
+        len(other)
+
+
+def test_a_malformed_line_is_named_by_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / 'big.jsonl', [{'i': i} for i in range(20)], {7: '{"i": 7,', 12: '[1, 2]'})
+    with pytest.raises(DataError, match=r"big.jsonl line 8: not valid JSON .*bad_lines='skip'"):
+        list(IterableDataset(path))
+    stream = IterableDataset(path, bad_lines='skip')
+    assert [row['i'] for row in stream] == list(range(20))
+    assert stream.counts['bad_lines'] == 2
+    # Shard 0 of 2 parses the even rows only: not line 8 (row 7), but line 13 (row 12).
+    with pytest.raises(DataError, match=r'big\.jsonl line 13: a JSON list, not an object'):
+        list(IterableDataset(path).shard(2, 0))
+
+
+def test_bad_sources_and_settings_are_refused(tmp_path):
+    (tmp_path / 'notes.txt').write_text('x')
+    with pytest.raises(ConfigurationError, match=r"stream file type.*'\.txt'.*\['\.arrow', '\.jsonl', '\.parquet'\]"):
+        IterableDataset(tmp_path / 'notes.txt')
+    with pytest.raises(DataError, match=r"no such file or folder: 'missing\.jsonl'"):
+        IterableDataset('missing.jsonl')
+    with pytest.raises(ConfigurationError, match=r"bad_lines.*'raise', 'skip'"):
+        IterableDataset(tmp_path, bad_lines='ignore')  # type: ignore[arg-type]
+    path = write_jsonl(tmp_path / 'r.jsonl', [{'i': 1}])
+    with pytest.raises(ConfigurationError, match='read in order'):
+        DataLoader(IterableDataset(path), batch_size=2, shuffle=True)
