@@ -1,6 +1,7 @@
-"""Datasets: load, map, filter, encode, mix; or stream from files (``IterableDataset``)."""
+"""Datasets: load, map, filter, encode, mix; stream from files (``IterableDataset``); pack (``PackingDataset``)."""
 
 from twinkle.dataset.base import Dataset, DatasetMeta
+from twinkle.dataset.packing import PackingDataset
 from twinkle.dataset.streaming import IterableDataset
 
-__all__ = ['Dataset', 'DatasetMeta', 'IterableDataset']
+__all__ = ['Dataset', 'DatasetMeta', 'IterableDataset', 'PackingDataset']

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Literal, get_args
 
 import torch
@@ -50,6 +51,12 @@ class InputProcessor:
                     "but 'input_ids' and 'labels' are needed (call dataset.encode() or set a template)"
                 )
         fields = [name for name in get_args(TokenField) if all(name in f for f in features)]
+        if not self.padding_free and any(_is_packed(f) for f in features):
+            raise DataError(
+                'a batch row holds packed rows (its position_ids restart): collate it with '
+                "InputProcessor(padding_free=True) (model.set_processor('InputProcessor', padding_free=True)), "
+                'which keeps attention within each packed row'
+            )
         batch = self._pack(features, fields) if self.padding_free else self._pad(features, fields, pad_token_id)
         if any('routed_experts' in f for f in features):
             batch['routed_experts'] = self._routed_experts(features, batch['input_ids'].shape[-1])
@@ -110,8 +117,16 @@ class InputProcessor:
             for name in fields
             if name != 'attention_mask'
         }
-        batch['position_ids'] = torch.cat([torch.arange(len(f['input_ids'])) for f in features])[None]
+        # Each row's own positions (a packed row's restart at each of its rows), else 0, 1, ...
+        positions = [f.get('position_ids', range(len(f['input_ids']))) for f in features]
+        batch['position_ids'] = torch.cat([torch.as_tensor(p, dtype=torch.long) for p in positions])[None]
         return batch
+
+
+def _is_packed(feature: InputFeature) -> bool:
+    """Whether the row's positions restart (rows packed into it)."""
+    positions = feature.get('position_ids')
+    return positions is not None and any(b <= a for a, b in pairwise(positions))
 
 
 PROCESSORS: Registry[InputProcessor] = Registry('processor')

@@ -1,0 +1,123 @@
+"""Packing: rows of skewed lengths laid end to end (first-fit-decreasing), trained padding-free.
+
+A packed batch gives the loss and gradients of the same rows padded (1e-5), with gradient
+accumulation too, and attention never crosses from one packed row into another."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from twinkle import assets
+from twinkle.dataloader import DataLoader
+from twinkle.dataset import PackingDataset
+from twinkle.dataset.packing import first_fit_decreasing, pack
+from twinkle.errors import DataError
+from twinkle.model import TransformersModel
+
+TOL = 1e-5
+LENGTHS = [40, 7, 23, 5, 31, 12, 9, 3, 18, 27, 6, 14]
+
+
+def rows(seed: int = 0, lengths: list[int] = LENGTHS) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for length in lengths:
+        ids = torch.randint(5, 3000, (length,), generator=generator).tolist()
+        out.append({'input_ids': ids, 'labels': [*ids[1:], -100]})
+    return out
+
+
+def model() -> TransformersModel:
+    trainer = TransformersModel(model_id=assets.tiny_model(), device='cpu')
+    torch.manual_seed(0)
+    trainer.add_adapter_to_model(
+        'a', LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weights=False)
+    )
+    return trainer
+
+
+def grads(trainer: TransformersModel) -> list[torch.Tensor]:
+    group = trainer.groups['a']
+    return [p.grad / group.pending_items for p in group.params]
+
+
+def test_first_fit_decreasing_places_every_row_once_within_the_length():
+    bins = first_fit_decreasing(LENGTHS, 48)
+    assert sorted(i for b in bins for i in b) == list(range(len(LENGTHS)))
+    assert all(sum(LENGTHS[i] for i in b) <= 48 for b in bins)
+    assert len(bins) == -(-sum(LENGTHS) // 48)  # as few sequences as the tokens need, here
+    with pytest.raises(DataError, match='row 0 has 40 tokens, more than max_length=32'):
+        first_fit_decreasing(LENGTHS, 32)
+
+
+def test_each_packed_row_keeps_its_own_positions_and_labels():
+    packed = pack(rows(), 48)
+    for sequence in packed:
+        assert len(sequence['input_ids']) <= 48
+        starts = [i for i, p in enumerate(sequence['position_ids']) if p == 0]
+        ends = [*starts[1:], len(sequence['input_ids'])]
+        for start, end in zip(starts, ends, strict=True):  # each row: positions 0.., last label ignored
+            assert sequence['position_ids'][start:end] == list(range(end - start))
+            assert sequence['labels'][end - 1] == -100
+
+
+def test_a_packed_batch_gives_the_loss_and_gradients_of_the_rows_padded():
+    padded = model()
+    packed = copy.deepcopy(padded)
+    packed.set_processor('InputProcessor', padding_free=True, adapter_name='a')
+    batch = rows()
+    loss = padded.forward_backward(inputs=batch, adapter_name='a').loss
+    packed_rows = list(PackingDataset(batch, max_length=48))
+    assert len(packed_rows) < len(batch)
+    assert packed.forward_backward(inputs=packed_rows, adapter_name='a').loss == pytest.approx(loss, rel=TOL)
+    for got, want in zip(grads(packed), grads(padded), strict=True):
+        assert torch.allclose(got, want, rtol=TOL, atol=TOL * float(want.abs().max()))
+
+
+def test_gradient_accumulation_over_packed_batches_stays_exact():
+    padded, packed = model(), model()
+    for trainer in (padded, packed):
+        trainer.groups['a'].gradient_accumulation_steps = 2
+        trainer.set_optimizer('AdamW', lr=1e-2, adapter_name='a')
+    packed.set_processor('InputProcessor', padding_free=True, adapter_name='a')
+    halves = [rows(1, LENGTHS[:6]), rows(2, LENGTHS[6:])]
+    for half in halves:
+        padded.forward_backward(inputs=half, adapter_name='a')
+        packed.forward_backward(inputs=list(PackingDataset(half, max_length=64)), adapter_name='a')
+    norms = [trainer.clip_grad_and_step(adapter_name='a') for trainer in (padded, packed)]
+    assert norms[1] == pytest.approx(norms[0], rel=TOL)
+    for got, want in zip(packed.groups['a'].params, padded.groups['a'].params, strict=True):
+        assert torch.allclose(got, want, atol=TOL)
+
+
+def test_attention_never_crosses_from_one_packed_row_into_another():
+    """The row changed is packed first (the longest): causal attention alone would carry the
+    change into the rows after it."""
+    trainer = model()
+    trainer.set_processor('InputProcessor', padding_free=True, adapter_name='a')
+    changed_row, second, third = rows(3, [11, 9, 7])
+    changed = {**changed_row, 'input_ids': [token + 1 for token in changed_row['input_ids']]}
+    logits = []
+    for first in (changed_row, changed):
+        sequence = pack([second, first, third], 64)
+        assert len(sequence) == 1 and sequence[0]['input_ids'][:11] == first['input_ids']  # longest first
+        logits.append(trainer.forward_only(inputs=sequence, adapter_name='a').logits[0])
+    assert not torch.allclose(logits[0][:11], logits[1][:11], atol=TOL)
+    assert torch.allclose(logits[0][11:], logits[1][11:], atol=TOL)  # the other two rows: unchanged
+
+
+def test_packed_rows_need_the_padding_free_collator():
+    trainer = model()
+    with pytest.raises(DataError, match=r'position_ids restart.*padding_free=True'):
+        trainer.forward_backward(inputs=pack(rows(), 48), adapter_name='a')
+
+
+def test_a_data_loader_takes_a_packing_dataset():
+    packed = PackingDataset(rows(), max_length=48, buffer_size=6)
+    assert packed.source_rows == len(LENGTHS) and 0 < packed.fill <= 1
+    batches = list(DataLoader(packed, batch_size=2))
+    assert sum(len(r['input_ids']) for b in batches for r in b) == sum(LENGTHS)
