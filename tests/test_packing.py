@@ -121,3 +121,31 @@ def test_a_data_loader_takes_a_packing_dataset():
     assert packed.source_rows == len(LENGTHS) and 0 < packed.fill <= 1
     batches = list(DataLoader(packed, batch_size=2))
     assert sum(len(r['input_ids']) for b in batches for r in b) == sum(LENGTHS)
+
+
+@pytest.mark.parametrize('loss_type', ['grpo', 'token_mean'])
+def test_a_packed_grpo_batch_gives_the_loss_and_gradients_of_the_rows_padded(loss_type):
+    """The rows carry their advantages and sampler logprobs; packing moves them with the rows
+    (first-fit-decreasing reorders the rows), and the loss reads them per packed sequence."""
+    batch = rows(4)
+    for index, row in enumerate(batch):
+        prompt = len(row['input_ids']) // 2
+        row['labels'] = [-100] * prompt + row['labels'][prompt:]
+        trained = sum(label != -100 for label in row['labels'])
+        row['advantages'] = (-1.0) ** index * (0.5 + index / 10)
+        row['old_logps'] = [-2.0 - 0.01 * (index + t) for t in range(trained)]
+    padded = model()
+    padded.set_loss('GRPOLoss', adapter_name='a', loss_type=loss_type, epsilon=0.2)
+    packed = copy.deepcopy(padded)
+    packed.set_processor('InputProcessor', padding_free=True, adapter_name='a')
+    plain = [{'input_ids': r['input_ids'], 'labels': r['labels']} for r in batch]
+    loss = padded.forward_backward(
+        inputs=plain,
+        adapter_name='a',
+        advantages=[r['advantages'] for r in batch],
+        old_logps=[r['old_logps'] for r in batch],
+    ).loss
+    packed_rows = list(PackingDataset(batch, max_length=48))
+    assert packed.forward_backward(inputs=packed_rows, adapter_name='a').loss == pytest.approx(loss, rel=TOL)
+    for got, want in zip(grads(packed), grads(padded), strict=True):
+        assert torch.allclose(got, want, rtol=TOL, atol=TOL * float(want.abs().max()))

@@ -27,6 +27,10 @@ class Trajectory(TypedDict):
     user_data: NotRequired[dict[str, Any]]
 
 
+#: Per-sequence RL loss inputs a row may carry (a packed row: one entry per row packed into it).
+RL_ROW_FIELDS = ('advantages', 'old_logps', 'ref_logps')
+
+
 class InputFeature(TypedDict):
     """One encoded sequence of ``length`` tokens, ready to collate.
 
@@ -50,6 +54,12 @@ class InputFeature(TypedDict):
     #: The experts a sampler's MoE router chose for each token: [tokens][MoE layers][top_k] (-1:
     #: none recorded); the trainer's forward routes the same (``router.replay_routing``).
     routed_experts: NotRequired[list[list[list[int]]]]
+    #: How many rows ``PackingDataset`` packed into this one; its ``advantages``, ``old_logps`` and
+    #: ``ref_logps``, when it carries them, hold one entry per packed row, in order.
+    packed_rows: NotRequired[int]
+    advantages: NotRequired[Any]
+    old_logps: NotRequired[Any]
+    ref_logps: NotRequired[Any]
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from twinkle.data_format import InputFeature
+from twinkle.data_format import RL_ROW_FIELDS, InputFeature
 from twinkle.errors import ConfigurationError, DataError
 
 #: The per-token fields a packed sequence concatenates (each row's own ``position_ids`` are made
@@ -60,6 +60,10 @@ def _concatenate(rows: list[InputFeature]) -> InputFeature:
             packed[name] = [value for row in rows for value in row[name]]  # type: ignore[literal-required]
     packed['position_ids'] = [p for row in rows for p in row.get('position_ids', range(len(row['input_ids'])))]
     packed['length'] = len(packed['input_ids'])
+    packed['packed_rows'] = len(rows)
+    for name in RL_ROW_FIELDS:  # RL loss inputs follow their rows, one entry per row
+        if all(name in row for row in rows):
+            packed[name] = [row[name] for row in rows]  # type: ignore[literal-required]
     return InputFeature(**packed)  # type: ignore[typeddict-item]
 
 

@@ -3,13 +3,14 @@ the mixed pass: micro-batch chunks, label logprobs, metrics, and the call's coun
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
+from twinkle.data_format import IGNORE_INDEX, RL_ROW_FIELDS, InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.loss import LossOutput
 from twinkle.model.group import TrainGroup
@@ -59,17 +60,50 @@ def _non_finite_error(group: TrainGroup, loss: LossOutput | None) -> DataError:
 def chunks(
     features: list[InputFeature], size: int | None, loss_inputs: dict[str, Any]
 ) -> Iterator[tuple[list[InputFeature], dict[str, Any]]]:
-    """Split rows, and the per-row loss inputs beside them, into micro-batches of ``size``."""
+    """Split rows, and the per-sequence loss inputs beside them, into micro-batches of ``size``
+    rows. A row is one sequence, a packed row several (``sequences_in``); a loss input given
+    per sequence follows its rows. Loss inputs the rows carry themselves (a packed row's
+    ``advantages``, say) are gathered when not given (``RL_ROW_FIELDS``)."""
+    counts = [sequences_in(feature) for feature in features]
+    loss_inputs = {**_carried(features), **loss_inputs}
+    total = sum(counts)
     for key, value in loss_inputs.items():
-        if isinstance(value, Sequence) and len(value) != len(features):
-            raise DataError(f'loss input {key!r} has {len(value)} entries for {len(features)} rows')
+        if isinstance(value, Sequence) and len(value) != total:
+            where = f'{len(features)} rows' if total == len(features) else f'{total} sequences in {len(features)} rows'
+            raise DataError(f'loss input {key!r} has {len(value)} entries for {where}')
     if size is None or size >= len(features):
         yield features, loss_inputs
         return
     check_positive('micro_batch_size', size)
+    offsets = [0, *itertools.accumulate(counts)]
     for start in range(0, len(features), size):
-        part = {k: v[start : start + size] if isinstance(v, Sequence) else v for k, v in loss_inputs.items()}
-        yield features[start : start + size], part
+        end = min(start + size, len(features))
+        first, last = offsets[start], offsets[end]
+        part = {k: v[first:last] if isinstance(v, Sequence) else v for k, v in loss_inputs.items()}
+        yield features[start:end], part
+
+
+def sequences_in(feature: InputFeature) -> int:
+    """The sequences a row holds: one, or as many as its ``position_ids`` restart (packed)."""
+    if 'packed_rows' in feature:
+        return feature['packed_rows']
+    positions = feature.get('position_ids')
+    return max(1, sum(1 for p in positions if p == 0)) if positions is not None else 1
+
+
+def _carried(features: list[InputFeature]) -> dict[str, list[Any]]:
+    """The ``RL_ROW_FIELDS`` every row carries, per sequence in order (a packed row's are lists
+    of its sequences' values)."""
+    carried = {}
+    for name in RL_ROW_FIELDS:
+        if not features or not all(name in feature for feature in features):
+            continue
+        values: list[Any] = []
+        for feature in features:
+            value = feature[name]  # type: ignore[literal-required]
+            values.extend(value if 'packed_rows' in feature else [value])
+        carried[name] = values
+    return carried
 
 
 def with_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> ModelOutput:
