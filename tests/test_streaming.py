@@ -16,7 +16,7 @@ import pytest
 
 from twinkle import DeviceMesh, assets
 from twinkle.dataloader import DataLoader
-from twinkle.dataset import IterableDataset
+from twinkle.dataset import IterableDataset, MixedStream
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.preprocessor import SelfCognitionProcessor
 
@@ -163,3 +163,52 @@ def test_bad_sources_and_settings_are_refused(tmp_path):
     path = write_jsonl(tmp_path / 'r.jsonl', [{'i': 1}])
     with pytest.raises(ConfigurationError, match='read in order'):
         DataLoader(IterableDataset(path), batch_size=2, shuffle=True)
+
+
+@pytest.fixture
+def two_sources(tmp_path: Path) -> tuple[Path, Path]:
+    chat = write_jsonl(tmp_path / 'chat.jsonl', [{'src': 'chat', 'i': i} for i in range(3000)])
+    math = write_jsonl(tmp_path / 'math.jsonl', [{'src': 'math', 'i': i} for i in range(3000)])
+    return chat, math
+
+
+def test_streams_mix_by_ratio_deterministically_for_a_seed(two_sources):
+    def first(seed: int, n: int = 2000) -> list[tuple[str, int]]:
+        mixed = MixedStream([IterableDataset(p) for p in two_sources], [0.7, 0.3], seed=seed)
+        return [(row['src'], row['i']) for row in itertools.islice(mixed, n)]
+
+    rows = first(0)
+    share = sum(src == 'chat' for src, _ in rows) / len(rows)
+    assert abs(share - 0.7) < 4 * (0.7 * 0.3 / len(rows)) ** 0.5  # four standard deviations: 0.041
+    assert rows == first(0) and rows != first(1)
+    # Each stream's own rows come in their order.
+    assert [i for src, i in rows if src == 'math'] == list(range(sum(src == 'math' for src, _ in rows)))
+
+
+def test_streams_concatenate_or_take_turns(two_sources):
+    chat, math = two_sources
+    joined = MixedStream([IterableDataset(chat), IterableDataset(math)], interleave=False)
+    assert [row['src'] for row in joined] == ['chat'] * 3000 + ['math'] * 3000
+    turns = MixedStream([IterableDataset(chat), IterableDataset(math)])
+    assert [row['src'] for row in itertools.islice(turns, 4)] == ['chat', 'math', 'chat', 'math']
+    with pytest.raises(ConfigurationError, match='probabilities must be 2 numbers >= 0 with a positive sum'):
+        MixedStream([IterableDataset(chat), IterableDataset(math)], [0.5])
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_a_mixture_resumes_exactly(two_sources, monkeypatch, workers):
+    def mixed() -> MixedStream:
+        return MixedStream([IterableDataset(p) for p in two_sources], [0.6, 0.4], seed=3)
+
+    whole = [
+        ids_of(b) for b in itertools.islice(loader(mixed(), monkeypatch, 0, 1, batch_size=16, num_workers=workers), 20)
+    ]
+    first = loader(mixed(), monkeypatch, 0, 1, batch_size=16, num_workers=workers)
+    taken = [ids_of(b) for b in itertools.islice(first, 9)]
+    resumed = loader(mixed(), monkeypatch, 0, 1, batch_size=16, num_workers=workers)
+    resumed.load_state(json.loads(json.dumps(first.get_state())))
+    assert taken + [ids_of(b) for b in itertools.islice(resumed, 11)] == whole
+
+
+def ids_of(batch: list[dict]) -> list[tuple[str, int]]:
+    return [(row['src'], row['i']) for row in batch]

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from twinkle.dataloader.stream import StreamBatches
-from twinkle.dataset import Dataset, IterableDataset
+from twinkle.dataset import Dataset, IterableDataset, MixedStream
+from twinkle.dataset.streaming import Stream
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
@@ -63,8 +64,8 @@ class DataLoader:
         self.batch_size = batch_size
         #: Batches of a stream (an ``IterableDataset``), read by ``num_workers`` processes; None for a table.
         self.stream: StreamBatches | None = None
-        self.dataset: Dataset | Sequence[dict[str, Any]] | IterableDataset
-        if isinstance(dataset, IterableDataset):
+        self.dataset: Dataset | Sequence[dict[str, Any]] | Stream
+        if isinstance(dataset, (IterableDataset, MixedStream)):
             if shuffle:
                 raise ConfigurationError('a stream (IterableDataset) is read in order: shuffle=True needs a Dataset')
             self.dataset = dataset

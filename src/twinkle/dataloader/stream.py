@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.utils.data
 
-from twinkle.dataset.streaming import IterableDataset
+from twinkle.dataset.streaming import Stream
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.infra import distributed
 
@@ -25,9 +25,7 @@ from twinkle.infra import distributed
 class StreamBatches:
     """This data rank's batches of ``local_batch`` rows from ``dataset``, one pass per epoch."""
 
-    def __init__(
-        self, dataset: IterableDataset, *, local_batch: int, data_world: int, data_rank: int, num_workers: int = 0
-    ):
+    def __init__(self, dataset: Stream, *, local_batch: int, data_world: int, data_rank: int, num_workers: int = 0):
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigurationError(f'num_workers must be an integer >= 0; got {num_workers!r}')
         self.workers = num_workers
@@ -89,9 +87,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     """(rows, shard lane, the shard's state after them): in the main process its one lane, in
     DataLoader worker ``i`` lane ``(i + first_lane) % workers`` (worker 0's batch comes first)."""
 
-    def __init__(
-        self, shards: list[IterableDataset], states: list[dict[str, Any] | None], local_batch: int, first_lane: int
-    ):
+    def __init__(self, shards: list[Stream], states: list[dict[str, Any] | None], local_batch: int, first_lane: int):
         self.shards, self.states, self.local_batch, self.first_lane = shards, list(states), local_batch, first_lane
 
     def __iter__(self) -> Iterator[tuple[list[dict[str, Any]], int, dict[str, Any]]]:

@@ -2,6 +2,6 @@
 
 from twinkle.dataset.base import Dataset, DatasetMeta
 from twinkle.dataset.packing import PackingDataset
-from twinkle.dataset.streaming import IterableDataset
+from twinkle.dataset.streaming import IterableDataset, MixedStream
 
-__all__ = ['Dataset', 'DatasetMeta', 'IterableDataset', 'PackingDataset']
+__all__ = ['Dataset', 'DatasetMeta', 'IterableDataset', 'MixedStream', 'PackingDataset']

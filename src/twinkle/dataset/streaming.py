@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -293,3 +294,104 @@ def stream_files(source: str | Path | Sequence[str | Path], revision: str | None
         else:
             raise DataError(f'no such file or folder: {text!r}')
     return files
+
+
+class MixedStream:
+    """Several streams as one: interleaved, each row drawn from stream ``k`` with probability
+    ``probabilities[k]`` (a seeded draw: the same seed gives the same mixture), or concatenated
+    (``probabilities=None, interleave=False``). Interleaving stops when a drawn stream runs out,
+    as ``datasets.interleave_datasets`` does by default; without probabilities the streams take
+    turns. It shards, saves and resumes as a stream does; its state holds each stream's and the
+    number of draws made.
+
+    >>> mixed = MixedStream([chat, math], probabilities=[0.7, 0.3], seed=0)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        streams: list[IterableDataset],
+        probabilities: list[float] | None = None,
+        *,
+        seed: int = 0,
+        interleave: bool = True,
+    ):
+        if len(streams) < 2 or not all(isinstance(s, IterableDataset) for s in streams):
+            raise ConfigurationError('MixedStream mixes two or more IterableDatasets')
+        if probabilities is not None:
+            if not interleave:
+                raise ConfigurationError('probabilities interleave the streams; concatenation takes none')
+            if (
+                len(probabilities) != len(streams)
+                or any(not p >= 0 for p in probabilities)
+                or not sum(probabilities) > 0
+            ):
+                raise ConfigurationError(
+                    f'probabilities must be {len(streams)} numbers >= 0 with a positive sum; got {probabilities!r}'
+                )
+        self.streams, self.probabilities, self.seed, self.interleave = streams, probabilities, seed, interleave
+        self.shard_index = 0
+        self.draws = 0
+
+    def shard(self, num_shards: int, index: int) -> MixedStream:
+        """Shard ``index`` of ``num_shards`` of every stream, mixed with a seed of its own."""
+        view = MixedStream(
+            [s.shard(num_shards, index) for s in self.streams],
+            self.probabilities,
+            seed=self.seed,
+            interleave=self.interleave,
+        )
+        view.shard_index = index
+        return view
+
+    def _choices(self) -> Iterator[int]:
+        """Which stream each row comes from, past the draws already made."""
+        generator = random.Random(f'{self.seed}:{self.shard_index}')
+        weights = self.probabilities
+        draw = 0
+        while True:
+            if weights is None:
+                choice = draw % len(self.streams)
+            else:
+                choice = generator.choices(range(len(self.streams)), weights=weights)[0]
+            draw += 1
+            if draw > self.draws:
+                yield choice
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.interleave:
+            for stream in self.streams:
+                yield from stream
+            return
+        iterators = [iter(stream) for stream in self.streams]
+        for choice in self._choices():
+            row = next(iterators[choice], None)
+            if row is None:
+                return
+            self.draws += 1
+            yield row
+
+    def restart(self) -> None:
+        self.draws = 0
+        for stream in self.streams:
+            stream.restart()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'draws': self.draws, 'streams': [stream.state_dict() for stream in self.streams]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if len(state.get('streams', ())) != len(self.streams):
+            raise StateError(
+                f'this state mixes {len(state.get("streams", ()))} streams; this mixture has {len(self.streams)}'
+            )
+        self.draws = int(state['draws'])
+        for stream, saved in zip(self.streams, state['streams'], strict=True):
+            stream.load_state_dict(saved)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The streams' counts, summed."""
+        return {key: sum(s.counts[key] for s in self.streams) for key in self.streams[0].counts}
+
+
+#: What a DataLoader reads as a stream.
+Stream = IterableDataset | MixedStream
