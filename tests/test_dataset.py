@@ -12,7 +12,9 @@ from typing import Any
 import datasets as hf
 import pytest
 
+from twinkle import assets
 from twinkle.data_format import IGNORE_INDEX
+from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.preprocessor import SelfCognitionProcessor
@@ -303,3 +305,18 @@ def test_adding_the_same_dataset_twice_or_picking_an_unknown_one(tmp_path: Path)
         dataset.add_dataset(DatasetMeta(path))
     with pytest.raises(ConfigurationError, match='was not added'):
         dataset.map(lambda row: row, dataset_meta=DatasetMeta(path, split='test'))
+
+
+def test_lazy_encoding_stores_nothing_and_gives_the_rows_eager_encoding_gives():
+    def dataset() -> Dataset:
+        data = Dataset(DatasetMeta(assets.dataset('self-cognition'), data_slice=range(12)))
+        data.set_template('Template', model_id=assets.tiny_model(), max_length=128)
+        return data.map(SelfCognitionProcessor('twinkle LLM', 'ModelScope Community'))
+
+    eager, lazy = dataset().encode(), dataset().encode(lazy=True)
+    assert 'input_ids' in eager.dataset.column_names and 'input_ids' not in lazy.dataset.column_names
+    assert [lazy[i]['input_ids'] for i in range(12)] == [eager[i]['input_ids'] for i in range(12)]
+    batches = list(DataLoader(lazy, batch_size=5))
+    assert [row['labels'] for batch in batches for row in batch] == [eager[i]['labels'] for i in range(12)]
+    with pytest.raises(StateError, match='encode\\(lazy=True\\) comes last'):
+        lazy.map(lambda row: row)

@@ -137,7 +137,7 @@ class Dataset:
         if isinstance(predicate, (str, type)):
             predicate = FILTERS.build(predicate, DataFilter, **(init_args or {}))
         key = self._target(dataset_meta)
-        self._store(key, self._get(key).filter(predicate, num_proc=self.num_proc, load_from_cache_file=False))
+        self._store(key, self._writable(key).filter(predicate, num_proc=self.num_proc, load_from_cache_file=False))
         return self
 
     def encode(
@@ -146,13 +146,28 @@ class Dataset:
         batched: bool = True,
         load_from_cache_file: bool = False,
         dataset_meta: DatasetMeta | None = None,
+        lazy: bool = False,
     ) -> Dataset:
         """Tokenize every row with the template (``set_template`` first). The rows keep their
         other fields (``messages``, ``user_data``); rows the template drops
-        (``truncation_strategy='delete'``) leave the dataset."""
+        (``truncation_strategy='delete'``) leave the dataset.
+
+        ``lazy=True`` stores nothing: each row is encoded when it is read (``datasets``'
+        ``with_transform``), for data whose encoded form does not fit on disk or in memory. It
+        comes last (no ``map`` or ``filter`` after it), and a lazy row cannot be dropped, so the
+        template must not use ``truncation_strategy='delete'``."""
         if self.template is None:
             raise StateError('Dataset.encode() needs a template: call dataset.set_template(...) first')
         fn = partial(self.template.encode, add_generation_prompt=add_generation_prompt)
+        if lazy:
+            if self.template.truncation_strategy == 'delete':
+                raise ConfigurationError(
+                    "encode(lazy=True) cannot drop rows: use truncation_strategy 'raise', 'left' or 'right', "
+                    "or encode eagerly for 'delete'"
+                )
+            key = self._target(dataset_meta)
+            self._store(key, self._get(key).with_transform(partial(_encode_on_access, fn)))
+            return self
         self._transform(dataset_meta, fn, True, load_from_cache_file, 1000 if batched else 1)
         return self
 
@@ -177,6 +192,13 @@ class Dataset:
     def _get(self, key: str | None) -> hf.Dataset:
         return self._mixed if key is None else self.datasets[key]
 
+    def _writable(self, key: str | None) -> hf.Dataset:
+        """The target dataset of a ``map`` or ``filter``: not one encoded lazily."""
+        data = self._get(key)
+        if data.format.get('type') == 'custom':
+            raise StateError('encode(lazy=True) comes last: map and filter the rows before it')
+        return data
+
     def _store(self, key: str | None, data: hf.Dataset) -> None:
         if key is None:
             self._mixed = data
@@ -192,7 +214,7 @@ class Dataset:
         The output columns are found first from the first row ``fn`` keeps, so that a batch whose
         rows are all dropped still hands Arrow the same columns (empty) as the others."""
         key = self._target(dataset_meta)
-        data = self._get(key)
+        data = self._writable(key)
         columns = _output_columns(fn, data, merge)
         if columns is None:
             raise DataError(f'every one of the {len(data)} rows was dropped, leaving an empty dataset')
@@ -256,6 +278,20 @@ def _map_batch(
             rows.append({**row, **result} if merge else dict(result))
     keys = list(dict.fromkeys([*columns, *(key for row in rows for key in row)]))
     return {key: [row.get(key) for row in rows] for key in keys}
+
+
+def _encode_on_access(fn: Callable, batch: dict[str, list]) -> dict[str, list]:
+    """``with_transform``'s function: the rows read, each with its encoding beside its fields."""
+    names = list(batch)
+    rows = [{name: batch[name][i] for name in names} for i in range(len(batch[names[0]]) if names else 0)]
+    encoded = []
+    for row in rows:
+        result = _call_row(fn, row)
+        if result is None:
+            raise DataError(f'the template dropped a row read lazily (fields {sorted(row)}); encode it eagerly')
+        encoded.append({**row, **result})
+    keys = list(dict.fromkeys(key for row in encoded for key in row))
+    return {key: [row.get(key) for row in encoded] for key in keys}
 
 
 def _call_row(fn: Callable, row: dict[str, Any]) -> Mapping[str, Any] | None:
