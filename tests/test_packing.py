@@ -6,6 +6,8 @@ accumulation too, and attention never crosses from one packed row into another."
 from __future__ import annotations
 
 import copy
+import itertools
+import json
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from peft import LoraConfig
 
 from twinkle import assets
 from twinkle.dataloader import DataLoader
-from twinkle.dataset import PackingDataset
+from twinkle.dataset import IterableDataset, PackedStream, PackingDataset
 from twinkle.dataset.packing import first_fit_decreasing, pack
 from twinkle.errors import DataError
 from twinkle.model import TransformersModel
@@ -149,3 +151,24 @@ def test_a_packed_grpo_batch_gives_the_loss_and_gradients_of_the_rows_padded(los
     assert packed.forward_backward(inputs=packed_rows, adapter_name='a').loss == pytest.approx(loss, rel=TOL)
     for got, want in zip(grads(packed), grads(padded), strict=True):
         assert torch.allclose(got, want, rtol=TOL, atol=TOL * float(want.abs().max()))
+
+
+def test_a_packed_stream_packs_buffer_by_buffer_and_resumes_mid_buffer(tmp_path, monkeypatch):
+    path = tmp_path / 'encoded.jsonl'
+    encoded = rows(5, [int(n) for n in torch.randint(3, 40, (60,), generator=torch.Generator().manual_seed(5))])
+    path.write_text('\n'.join(json.dumps(row) for row in encoded))
+
+    def packed_stream() -> PackedStream:
+        return PackedStream(IterableDataset(path), max_length=48, buffer_size=7)
+
+    sequences = list(packed_stream())
+    assert all(len(s['input_ids']) <= 48 for s in sequences)
+    assert sorted(t for s in sequences for t in s['input_ids']) == sorted(t for r in encoded for t in r['input_ids'])
+    assert sum(s['packed_rows'] for s in sequences) == 60
+    whole = [b for b in DataLoader(packed_stream(), batch_size=2)]
+    first = DataLoader(packed_stream(), batch_size=2)
+    taken = list(itertools.islice(first, 5))
+    assert first.get_state()['streams']['0.0']['handed'] not in (0, None)  # stopped inside a buffer
+    resumed = DataLoader(packed_stream(), batch_size=2)
+    resumed.load_state(json.loads(json.dumps(first.get_state())))
+    assert taken + list(resumed) == whole

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from twinkle.dataloader.stream import StreamBatches
-from twinkle.dataset import Dataset, IterableDataset, MixedStream
-from twinkle.dataset.streaming import Stream
+from twinkle.dataset import Dataset
+from twinkle.dataset.streaming import IterableDataset, MixedStream, PackedStream, Stream
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
@@ -65,7 +65,7 @@ class DataLoader:
         #: Batches of a stream (an ``IterableDataset``), read by ``num_workers`` processes; None for a table.
         self.stream: StreamBatches | None = None
         self.dataset: Dataset | Sequence[dict[str, Any]] | Stream
-        if isinstance(dataset, (IterableDataset, MixedStream)):
+        if isinstance(dataset, (IterableDataset, MixedStream, PackedStream)):
             if shuffle:
                 raise ConfigurationError('a stream (IterableDataset) is read in order: shuffle=True needs a Dataset')
             self.dataset = dataset

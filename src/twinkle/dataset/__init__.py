@@ -2,6 +2,6 @@
 
 from twinkle.dataset.base import Dataset, DatasetMeta
 from twinkle.dataset.packing import PackingDataset
-from twinkle.dataset.streaming import IterableDataset, MixedStream
+from twinkle.dataset.streaming import IterableDataset, MixedStream, PackedStream
 
-__all__ = ['Dataset', 'DatasetMeta', 'IterableDataset', 'MixedStream', 'PackingDataset']
+__all__ = ['Dataset', 'DatasetMeta', 'IterableDataset', 'MixedStream', 'PackedStream', 'PackingDataset']

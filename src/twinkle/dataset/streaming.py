@@ -17,6 +17,7 @@ counted (``counts['bad_lines']``).
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import random
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -393,5 +394,52 @@ class MixedStream:
         return {key: sum(s.counts[key] for s in self.streams) for key in self.streams[0].counts}
 
 
+class PackedStream:
+    """A stream's encoded rows packed (first-fit-decreasing, ``twinkle.dataset.packing``) into
+    sequences of up to ``max_length`` tokens, ``buffer_size`` rows at a time: the streaming form
+    of ``PackingDataset``. Its state is the source's position at the start of the current buffer
+    and how many of that buffer's sequences were handed out; a resume reads that buffer again
+    (at most ``buffer_size`` rows), packs it the same way and goes on after them."""
+
+    def __init__(self, source: IterableDataset | MixedStream, max_length: int, buffer_size: int = 1000):
+        if not isinstance(buffer_size, int) or buffer_size < 1:
+            raise ConfigurationError(f'buffer_size must be a positive integer; got {buffer_size!r}')
+        self.source, self.max_length, self.buffer_size = source, max_length, buffer_size
+        self.buffer_start: dict[str, Any] = source.state_dict()
+        self.handed = 0
+
+    def shard(self, num_shards: int, index: int) -> PackedStream:
+        return PackedStream(self.source.shard(num_shards, index), self.max_length, self.buffer_size)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from twinkle.dataset.packing import pack
+
+        self.source.load_state_dict(self.buffer_start)
+        rows = iter(self.source)
+        while True:
+            buffer = list(itertools.islice(rows, self.buffer_size))
+            if not buffer:
+                return
+            packed = pack(buffer, self.max_length)  # type: ignore[arg-type]
+            for sequence in packed[self.handed :]:
+                self.handed += 1
+                yield dict(sequence)
+            self.buffer_start, self.handed = self.source.state_dict(), 0
+
+    def restart(self) -> None:
+        self.source.restart()
+        self.buffer_start, self.handed = self.source.state_dict(), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'buffer_start': self.buffer_start, 'handed': self.handed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.buffer_start, self.handed = dict(state['buffer_start']), int(state['handed'])
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.source.counts
+
+
 #: What a DataLoader reads as a stream.
-Stream = IterableDataset | MixedStream
+Stream = IterableDataset | MixedStream | PackedStream
