@@ -320,3 +320,15 @@ def test_lazy_encoding_stores_nothing_and_gives_the_rows_eager_encoding_gives():
     assert [row['labels'] for batch in batches for row in batch] == [eager[i]['labels'] for i in range(12)]
     with pytest.raises(StateError, match='encode\\(lazy=True\\) comes last'):
         lazy.map(lambda row: row)
+
+
+def test_lazily_encoded_datasets_are_mixed_before_not_after():
+    first = DatasetMeta(data=[{'messages': [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'a'}]}])
+    second = DatasetMeta(
+        data=[{'messages': [{'role': 'user', 'content': 'yo'}, {'role': 'assistant', 'content': 'b'}]}]
+    )
+    data = Dataset(first).add_dataset(second)
+    data.set_template('Template', model_id=assets.tiny_model(), max_length=64)
+    data.encode(lazy=True, dataset_meta=first)
+    with pytest.raises(StateError, match='mix_dataset\\(\\) first, then encode\\(lazy=True\\) the mix'):
+        data.mix_dataset()

@@ -69,3 +69,9 @@ def test_a_rule_on_a_field_as_a_function_or_a_pattern(tmp_path: Path):
     assert stream.counts['dropped'] == 3
     with pytest.raises(DataError, match=r"no field 'missing'"):
         RuleFilter('missing', r'x')({'text': 'x'})
+
+
+def test_a_rule_pattern_reads_a_conversation_s_text_not_its_json():
+    rows = chats(['café au lait', '你好世界', 'plain'])
+    assert [RuleFilter('messages', 'café|你好')(row) for row in rows] == [True, True, False]
+    assert not RuleFilter('messages', 'assistant')(rows[2])  # roles and keys are not the text

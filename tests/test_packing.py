@@ -18,7 +18,7 @@ from twinkle.dataloader import DataLoader
 from twinkle.dataset import IterableDataset, PackedStream, PackingDataset
 from twinkle.dataset.packing import first_fit_decreasing, pack
 from twinkle.errors import DataError
-from twinkle.model import TransformersModel
+from twinkle.model import AdapterCall, TransformersModel
 
 TOL = 1e-5
 LENGTHS = [40, 7, 23, 5, 31, 12, 9, 3, 18, 27, 6, 14]
@@ -172,3 +172,32 @@ def test_a_packed_stream_packs_buffer_by_buffer_and_resumes_mid_buffer(tmp_path,
     resumed = DataLoader(packed_stream(), batch_size=2)
     resumed.load_state(json.loads(json.dumps(first.get_state())))
     assert taken + list(resumed) == whole
+
+
+def test_rl_fields_carried_by_rows_reach_the_loss_in_a_mixed_pass_and_calculate_loss():
+    batch = rows(6, [12, 9, 15])
+    for index, row in enumerate(batch):
+        row['advantages'] = [1.0, -0.5, 2.0][index]
+    trainer = model()
+    trainer.add_adapter_to_model('b', LoraConfig(r=2, target_modules='all-linear'))
+    for name in ('a', 'b'):
+        trainer.set_loss('GRPOLoss', adapter_name=name)
+    alone = copy.deepcopy(trainer)
+    given = alone.forward_backward(inputs=batch, adapter_name='a', advantages=[1.0, -0.5, 2.0]).loss
+    mixed = trainer.forward_backward_mixed(
+        [AdapterCall('a', batch), AdapterCall('b', rows(7, [8]), {'advantages': [1.0]})]
+    )
+    assert mixed[0].loss == pytest.approx(given, rel=TOL)
+    trainer.forward_only(inputs=batch, adapter_name='a')
+    assert trainer.calculate_loss(adapter_name='a') == pytest.approx(given, rel=1e-4)
+
+
+def test_packing_refuses_rows_that_disagree_on_a_field_and_keeps_routing_records():
+    first, second = rows(8, [5, 6])
+    with pytest.raises(DataError, match="1 of the 2 rows packed together have 'advantages'"):
+        pack([{**first, 'advantages': 1.0}, second], 64)
+    routed = [
+        {**row, 'routed_experts': [[[i, i + 1]]] * len(row['input_ids'])} for i, row in enumerate((first, second))
+    ]
+    (sequence,) = pack(routed, 64)
+    assert len(sequence['routed_experts']) == 11

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from server_helpers import free_port
 
 from twinkle import DeviceMesh, assets
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import IterableDataset, MixedStream
 from twinkle.errors import ConfigurationError, DataError, StateError
-from twinkle.preprocessor import SelfCognitionProcessor
+from twinkle.preprocessor import ExactDedupFilter, SelfCognitionProcessor
 
 
 def write_jsonl(path: Path, rows: list[dict], extra: dict[int, str] | None = None) -> Path:
@@ -212,3 +216,81 @@ def test_a_mixture_resumes_exactly(two_sources, monkeypatch, workers):
 
 def ids_of(batch: list[dict]) -> list[tuple[str, int]]:
     return [(row['src'], row['i']) for row in batch]
+
+
+def test_under_torchrun_two_ranks_of_two_workers_stop_together_and_read_each_row_once(tmp_path):
+    data, out = tmp_path / 'data', tmp_path / 'out'
+    data.mkdir(), out.mkdir()
+    write_jsonl(data / 'a.jsonl', [{'i': i} for i in range(0, 97)])
+    write_jsonl(data / 'b.jsonl', [{'i': i} for i in range(97, 150)])
+    command = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2', f'--master_port={free_port()}']
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    done = subprocess.run(
+        [*command, str(Path(__file__).with_name('dist_stream.py')), str(data), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((out / f'rank{r}.json').read_text()) for r in (0, 1)]
+    assert len(ranks[0]['batches']) == len(ranks[1]['batches'])  # the same number of steps
+    seen = [i for rank in ranks for batch in rank['batches'] for i in batch]
+    assert len(seen) == len(set(seen))  # no row twice
+    kept = [i for i in range(150) if i % 7 != 3]
+    assert set(seen) <= set(kept) and len(kept) - len(seen) < 2 * 2 * 4  # at most the tails the ranks left
+    assert ranks[0]['state']['streams'] == ranks[1]['state']['streams']  # every rank holds every shard's position
+    assert sorted(ranks[0]['state']['streams']) == ['0.0', '0.1', '1.0', '1.1']
+
+
+def test_a_parquet_file_resumes_exactly_at_any_row_with_row_groups_of_any_size(tmp_path):
+    path = tmp_path / 'groups.parquet'
+    pq.write_table(pa.table({'i': list(range(230))}), path, row_group_size=100)  # groups of 100, 100, 30
+    for cut in (0, 1, 99, 100, 150, 199, 200, 215, 229, 230):
+        stream = IterableDataset(path)
+        head = [row['i'] for row in itertools.islice(iter(stream), cut)]
+        resumed = IterableDataset(path)
+        resumed.load_state_dict(stream.state_dict())
+        assert head + [row['i'] for row in resumed] == list(range(230)), cut
+
+
+def test_a_folder_streams_the_split_asked_for(tmp_path):
+    write_jsonl(tmp_path / 'train.jsonl', [{'split': 'train'}] * 3)
+    write_jsonl(tmp_path / 'test.jsonl', [{'split': 'test'}] * 2)
+    assert {row['split'] for row in IterableDataset(tmp_path)} == {'train'}
+    assert [row['split'] for row in IterableDataset(tmp_path, split='test')] == ['test', 'test']
+
+
+def test_a_deduplicating_filter_reads_a_stream_whole_and_forgets_between_epochs(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / 'dups.jsonl', [{'text': f'row {i % 3}'} for i in range(6)])
+
+    def stream() -> IterableDataset:
+        return IterableDataset(path).filter(ExactDedupFilter('text'))
+
+    single = loader(stream(), monkeypatch, 0, 1, batch_size=2)
+    assert [ids_text(b) for b in single] == [['row 0', 'row 1'], ['row 2']]
+    assert [ids_text(b) for b in single] == [['row 0', 'row 1'], ['row 2']]  # the second epoch, not empty
+    with pytest.raises(ConfigurationError, match='ExactDedupFilter remembers the rows it kept'):
+        loader(stream(), monkeypatch, 0, 1, batch_size=2, num_workers=2)
+    started = stream()
+    next(iter(started))
+    with pytest.raises(StateError, match='a resumed stream would let earlier duplicates through'):
+        stream().load_state_dict(started.state_dict())
+
+
+def ids_text(batch: list[dict]) -> list[str]:
+    return [row['text'] for row in batch]
+
+
+def test_drop_last_drops_each_shard_s_short_last_batch(files, monkeypatch):
+    batches = list(loader(IterableDataset(files), monkeypatch, 0, 1, batch_size=8, drop_last=True, num_workers=2))
+    assert {len(batch) for batch in batches} == {8}
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_the_loader_reports_what_the_stream_counted(tmp_path, monkeypatch, workers):
+    path = write_jsonl(tmp_path / 'rows.jsonl', [{'i': i} for i in range(40)], {5: 'oops', 30: '[]'})
+    stream = IterableDataset(path, bad_lines='skip').filter(lambda row: row['i'] % 4)
+    read = loader(stream, monkeypatch, 0, 1, batch_size=4, num_workers=workers)
+    list(read)
+    assert read.get_state()['counts'] == {'rows_read': 40, 'bad_lines': 2, 'dropped': 10}

@@ -70,12 +70,19 @@ class DataLoader:
                 raise ConfigurationError('a stream (IterableDataset) is read in order: shuffle=True needs a Dataset')
             self.dataset = dataset
             local = batch_size // self.data_world_size
+            if min_batch_size is not None and not 0 < min_batch_size <= batch_size:
+                raise ConfigurationError(
+                    f'min_batch_size must be in [1, batch_size={batch_size}]; got {min_batch_size!r}'
+                )
+            # Each shard's batches: a last one with fewer rows than this rank's share of the minimum is dropped.
+            min_rows = local if drop_last else -(-(min_batch_size or 1) // self.data_world_size)
             self.stream = StreamBatches(
                 dataset,
                 local_batch=local,
                 data_world=self.data_world_size,
                 data_rank=self.data_rank,
                 num_workers=num_workers,
+                min_rows=min_rows,
             )
             return
         if num_workers:

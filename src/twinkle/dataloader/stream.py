@@ -25,11 +25,23 @@ from twinkle.infra import distributed
 class StreamBatches:
     """This data rank's batches of ``local_batch`` rows from ``dataset``, one pass per epoch."""
 
-    def __init__(self, dataset: Stream, *, local_batch: int, data_world: int, data_rank: int, num_workers: int = 0):
+    def __init__(
+        self,
+        dataset: Stream,
+        *,
+        local_batch: int,
+        data_world: int,
+        data_rank: int,
+        num_workers: int = 0,
+        min_rows: int = 1,
+    ):
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigurationError(f'num_workers must be an integer >= 0; got {num_workers!r}')
         self.workers = num_workers
         self.local_batch, self.data_world, self.data_rank = local_batch, data_world, data_rank
+        self.min_rows = min_rows  # a shard's last batch with fewer rows is dropped
+        #: What this rank's shards counted this epoch (rows read, bad lines skipped, rows dropped).
+        self.counts: dict[str, int] = {}
         lanes = max(num_workers, 1)
         self.shards = [dataset.shard(data_world * lanes, data_rank * lanes + k) for k in range(lanes)]
         self.states: list[dict[str, Any] | None] = [None] * lanes  # None: from the start
@@ -49,12 +61,29 @@ class StreamBatches:
                 num_workers=self.workers,
                 persistent_workers=False,
             )
-        for rows, lane, state in batches:
+        lane_counts: list[dict[str, int]] = [{} for _ in self.shards]
+        for rows, lane, state, counts in batches:
+            lane_counts[lane] = counts
+            self.counts = _summed(lane_counts)
+            if len(rows) < self.min_rows:
+                continue
+            if not self._every_rank_has_a_batch(True):
+                return  # another data rank's shard ran out: every rank stops at the same step
             self.states[lane], self.next_lane = state, (lane + 1) % len(self.shards)
             self.consumed += len(rows) * self.data_world
             yield rows
-        self.epoch, self.next_lane = self.epoch + 1, 0
-        self.states = [None] * len(self.shards)
+        if not self._every_rank_has_a_batch(False):
+            self.epoch, self.next_lane = self.epoch + 1, 0
+            self.states = [None] * len(self.shards)
+
+    def _every_rank_has_a_batch(self, mine: bool) -> bool:
+        """Whether every data rank has a next batch (each rank says whether it has; one small
+        all-reduce under torchrun). Shards of a stream hold different numbers of rows, and a rank
+        that trained one step more than the others would wait for them in its collectives."""
+        if self.data_world == 1 or not distributed.is_initialized():
+            return mine
+        missing = distributed.all_reduce_sum(torch.tensor([0.0 if mine else 1.0]))
+        return bool(missing.item() == 0)
 
     def get_state(self) -> dict[str, Any]:
         """The global rows consumed, the epoch, and every shard's position (all ranks' under torchrun)."""
@@ -63,7 +92,7 @@ class StreamBatches:
         for part in distributed.all_gather_object(mine) if distributed.is_initialized() else [mine]:
             streams.update(part)
         state = {'consumed_train_samples': self.consumed, 'epoch': self.epoch, 'streams': streams}
-        return {**state, 'next_lane': self.next_lane}
+        return {**state, 'next_lane': self.next_lane, 'counts': dict(self.counts)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Resume from ``get_state()`` of a run with the same data ranks and workers."""
@@ -90,7 +119,7 @@ class _ShardBatches(torch.utils.data.IterableDataset):
     def __init__(self, shards: list[Stream], states: list[dict[str, Any] | None], local_batch: int, first_lane: int):
         self.shards, self.states, self.local_batch, self.first_lane = shards, list(states), local_batch, first_lane
 
-    def __iter__(self) -> Iterator[tuple[list[dict[str, Any]], int, dict[str, Any]]]:
+    def __iter__(self) -> Iterator[tuple[list[dict[str, Any]], int, dict[str, Any], dict[str, int]]]:
         info = torch.utils.data.get_worker_info()
         lanes = [(info.id + self.first_lane) % info.num_workers] if info is not None else list(range(len(self.shards)))
         for lane in lanes:
@@ -104,7 +133,14 @@ class _ShardBatches(torch.utils.data.IterableDataset):
             for row in shard:
                 rows.append(row)
                 if len(rows) == self.local_batch:
-                    yield rows, lane, shard.state_dict()
+                    yield rows, lane, shard.state_dict(), dict(shard.counts)
                     rows = []
-            if rows:
-                yield rows, lane, shard.state_dict()
+            yield rows, lane, shard.state_dict(), dict(shard.counts)  # the rest (maybe none): the counts too
+
+
+def _summed(parts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0) + value
+    return total

@@ -94,6 +94,8 @@ class Dataset:
         (as ``datasets.interleave_datasets`` does by default), so rows of longer datasets past
         that point are left out. Later ``map``/``encode`` calls apply to the mix."""
         parts = list(self.datasets.values())
+        if any(part.format.get('type') == 'custom' for part in parts):
+            raise StateError('a dataset was encoded lazily: mix_dataset() first, then encode(lazy=True) the mix')
         if len(parts) == 1:
             self._mixed = parts[0]
         elif interleave:

@@ -20,7 +20,7 @@ from twinkle.errors import ConfigurationError, DataError
 
 #: The per-token fields a packed sequence concatenates (each row's own ``position_ids`` are made
 #: when it has none).
-PACKED_FIELDS = ('input_ids', 'labels', 'completion_mask')
+PACKED_FIELDS = ('input_ids', 'labels', 'completion_mask', 'routed_experts')
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -55,8 +55,12 @@ def pack(rows: Sequence[InputFeature], max_length: int) -> list[InputFeature]:
 
 def _concatenate(rows: list[InputFeature]) -> InputFeature:
     packed: dict[str, Any] = {}
+    for name in (*PACKED_FIELDS, *RL_ROW_FIELDS):
+        holders = sum(name in row for row in rows)
+        if 0 < holders < len(rows):
+            raise DataError(f'{holders} of the {len(rows)} rows packed together have {name!r} and the others not')
     for name in PACKED_FIELDS:
-        if all(name in row for row in rows):
+        if name in rows[0]:
             packed[name] = [value for row in rows for value in row[name]]  # type: ignore[literal-required]
     packed['position_ids'] = [p for row in rows for p in row.get('position_ids', range(len(row['input_ids'])))]
     packed['length'] = len(packed['input_ids'])

@@ -67,11 +67,18 @@ class IterableDataset:
     """
 
     def __init__(
-        self, source: str | Path | Sequence[str | Path], *, bad_lines: BadLines = 'raise', revision: str | None = None
+        self,
+        source: str | Path | Sequence[str | Path],
+        *,
+        split: str = 'train',
+        bad_lines: BadLines = 'raise',
+        revision: str | None = None,
     ):
+        """``split``: in a folder (or a hub dataset), the files whose path names it, as
+        ``Dataset`` picks them (every file when none does)."""
         if bad_lines not in ('raise', 'skip'):
             raise one_of('bad_lines', bad_lines, ['raise', 'skip'])
-        self.files = stream_files(source, revision)
+        self.files = stream_files(source, revision, split)
         self.bad_lines = bad_lines
         self.template: Template | None = None
         self._steps: list[tuple[str, Callable[[dict[str, Any]], Any]]] = []
@@ -114,6 +121,13 @@ class IterableDataset:
     def shard(self, num_shards: int, index: int) -> IterableDataset:
         """This stream's shard ``index`` of ``num_shards`` (of the shard it is, when already one),
         from the beginning."""
+        remembering = [type(step).__name__ for _, step in self._steps if getattr(step, 'remembers', False)]
+        if remembering and num_shards * self.num_shards > 1:
+            raise ConfigurationError(
+                f'{remembering[0]} remembers the rows it kept, and each shard of a stream (a data rank, a worker) '
+                'would keep its own: deduplicate the files first (Dataset.filter), or read the stream whole '
+                '(one rank, num_workers=0)'
+            )
         if (
             not isinstance(num_shards, int)
             or num_shards < 1
@@ -141,8 +155,13 @@ class IterableDataset:
         self.position = StreamPosition(file=len(self.files), row=self.position.row)
 
     def restart(self) -> None:
-        """Back to the first row (a new epoch)."""
+        """Back to the first row (a new epoch), the counts from zero."""
         self.position = StreamPosition()
+        self.counts = dict.fromkeys(self.counts, 0)
+        for _, step in self._steps:
+            reset = getattr(step, 'reset', None)
+            if getattr(step, 'remembers', False) and callable(reset):
+                reset()  # a new pass: a deduplicating filter forgets the last one's rows
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -158,7 +177,14 @@ class IterableDataset:
                 f'this state belongs to shard {state.get("shard")} (num_shards, index); this stream is '
                 f'{[self.num_shards, self.shard_index]}'
             )
-        self.position = StreamPosition(**state['position'])
+        position = StreamPosition(**state['position'])
+        remembering = [type(step).__name__ for _, step in self._steps if getattr(step, 'remembers', False)]
+        if remembering and position != StreamPosition():
+            raise StateError(
+                f'{remembering[0]} remembers the rows it kept, which a stream state does not hold: a resumed '
+                'stream would let earlier duplicates through; deduplicate the files first (Dataset.filter)'
+            )
+        self.position = position
         self.counts = dict(state['counts'])
 
     def _apply(self, row: dict[str, Any]) -> dict[str, Any] | None:
@@ -248,13 +274,10 @@ def _record_batches(path: Path, skip: int) -> Iterator[pa.RecordBatch]:
     """The record batches of a Parquet or Arrow (IPC file or stream) file past its first ``skip`` rows."""
     if path.suffix.lower() == '.parquet':
         parquet = pq.ParquetFile(path)
-        groups, seen = [], 0
-        for group in range(parquet.num_row_groups):  # whole row groups before the position are not read
-            rows = parquet.metadata.row_group(group).num_rows
-            if seen + rows > skip:
-                groups.append(group)
-            else:
-                seen += rows
+        # Whole row groups before the position are not read: start at the group holding row `skip`.
+        ends = list(itertools.accumulate(parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)))
+        first = next((g for g, end in enumerate(ends) if end > skip), len(ends))
+        groups, seen = list(range(first, len(ends))), ends[first - 1] if first else 0
         batches: Iterator[pa.RecordBatch] = parquet.iter_batches(batch_size=READ_BATCH, row_groups=groups)
     else:
         source = pa.memory_map(str(path))
@@ -273,9 +296,12 @@ def _record_batches(path: Path, skip: int) -> Iterator[pa.RecordBatch]:
         seen += batch.num_rows
 
 
-def stream_files(source: str | Path | Sequence[str | Path], revision: str | None = None) -> list[Path]:
-    """The files a stream reads, in order: a file, the data files of a folder (sorted), a list
-    of those, or a hub id (``ms://``, ``hf://``) resolved to its local files."""
+def stream_files(
+    source: str | Path | Sequence[str | Path], revision: str | None = None, split: str = 'train'
+) -> list[Path]:
+    """The files a stream reads, in order: a file, the data files of a folder (sorted; those
+    whose path names ``split`` when some do), a list of those, or a hub id (``ms://``,
+    ``hf://``) resolved to its local files."""
     sources = [source] if isinstance(source, (str, Path)) else list(source)
     if not sources:
         raise ConfigurationError('IterableDataset needs at least one file or folder')
@@ -287,7 +313,7 @@ def stream_files(source: str | Path | Sequence[str | Path], revision: str | None
             found = sorted(p for p in path.rglob('*') if p.is_file() and p.suffix.lower() in STREAM_KINDS)
             if not found:
                 raise DataError(f'no {sorted(STREAM_KINDS)} files under the folder {path.name!r}')
-            files += found
+            files += [f for f in found if split in f.relative_to(path).as_posix()] or found
         elif path.is_file():
             if path.suffix.lower() not in STREAM_KINDS:
                 raise one_of('stream file type', path.suffix or path.name, sorted(STREAM_KINDS))

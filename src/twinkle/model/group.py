@@ -30,6 +30,8 @@ class Pending:
     training: bool
     rows: int  # sequences in the batch (a packed batch holds them all in one tensor row)
     loss: LossOutput | None = None
+    # Loss inputs the rows carried (``passes.carried``): calculate_loss uses them unless given.
+    carried: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

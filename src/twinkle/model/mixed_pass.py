@@ -31,6 +31,7 @@ from twinkle.model.base import AdapterCall
 from twinkle.model.group import FULL, Pending, TrainGroup
 from twinkle.model.passes import (
     accumulate,
+    carried,
     check_trainable,
     chunks,
     loss_sums,
@@ -51,18 +52,20 @@ def forward_backward_mixed(
     groups = [model._group(call.adapter_name) for call in calls]
     _check_mixable(groups, [batch_key(model, group.name) for group in groups])
     features = [_rows(model, group, call) for group, call in zip(groups, calls, strict=True)]
-    for rows, call in zip(features, calls, strict=True):
-        next(chunks(rows, None, call.loss_inputs))  # per-row loss inputs match the rows
+    # Each call's loss inputs with those its rows carry (per-sequence inputs checked against the rows).
+    loss_inputs = [next(chunks(rows, None, call.loss_inputs))[1] for rows, call in zip(features, calls, strict=True)]
     started = time.perf_counter()
     parts, logits = _mixed_forward(model, groups, features, forward_only)
     if forward_only:
         for group, rows, part in zip(groups, features, parts, strict=True):
-            group.pending = None if part is None else Pending(*part, training=False, rows=len(rows))
+            group.pending = (
+                None if part is None else Pending(*part, training=False, rows=len(rows), carried=carried(rows))
+            )
         return [_empty_output() if part is None else with_logps(part[1]['logits'], part[0]) for part in parts]
     # Every loss first, then the metrics: a loss that raises leaves no adapter half-counted.
     losses = [
-        None if part is None else model._loss_value(group, *part, call.loss_inputs)
-        for group, call, part in zip(groups, calls, parts, strict=True)
+        None if part is None else model._loss_value(group, *part, inputs)
+        for group, inputs, part in zip(groups, loss_inputs, parts, strict=True)
     ]
     errors = non_finite(groups, losses, model._parallel.sum_)
     kept = [i for i, error in enumerate(errors) if error is None]

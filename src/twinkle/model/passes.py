@@ -65,7 +65,7 @@ def chunks(
     per sequence follows its rows. Loss inputs the rows carry themselves (a packed row's
     ``advantages``, say) are gathered when not given (``RL_ROW_FIELDS``)."""
     counts = [sequences_in(feature) for feature in features]
-    loss_inputs = {**_carried(features), **loss_inputs}
+    loss_inputs = {**carried(features), **loss_inputs}
     total = sum(counts)
     for key, value in loss_inputs.items():
         if isinstance(value, Sequence) and len(value) != total:
@@ -91,7 +91,7 @@ def sequences_in(feature: InputFeature) -> int:
     return max(1, sum(1 for p in positions if p == 0)) if positions is not None else 1
 
 
-def _carried(features: list[InputFeature]) -> dict[str, list[Any]]:
+def carried(features: Sequence[InputFeature]) -> dict[str, list[Any]]:
     """The ``RL_ROW_FIELDS`` every row carries, per sequence in order (a packed row's are lists
     of its sequences' values)."""
     carried = {}

@@ -32,6 +32,7 @@ from twinkle.model.optim import build_optimizer, build_scheduler, set_hyperparam
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.passes import (
     accumulate,
+    carried,
     check_finite,
     check_positive,
     check_trainable,
@@ -268,7 +269,7 @@ class TransformersModel(TwinkleModel):
         group = self._group(adapter_name)
         features = self._features(group, inputs)
         batch, outputs = self._run(group, features, training=True)
-        group.pending = Pending(batch, outputs, training=True, rows=len(features))
+        group.pending = Pending(batch, outputs, training=True, rows=len(features), carried=carried(features))
         return with_logps(outputs['logits'], batch)
 
     def forward_only(
@@ -280,7 +281,7 @@ class TransformersModel(TwinkleModel):
         features = self._features(group, inputs)
         with torch.no_grad():
             batch, outputs = self._run(group, features, training=False, lora=not disable_lora)
-        group.pending = Pending(batch, outputs, training=False, rows=len(features))
+        group.pending = Pending(batch, outputs, training=False, rows=len(features), carried=carried(features))
         return with_logps(outputs['logits'], batch)
 
     def calculate_loss(self, *, adapter_name: str | None = None, **loss_inputs: Any) -> float:
@@ -289,6 +290,7 @@ class TransformersModel(TwinkleModel):
         if group.pending is None:
             raise StateError(f'calculate_loss() needs a forward()/forward_only() first (adapter {group.name!r})')
         pending = group.pending
+        loss_inputs = {**pending.carried, **loss_inputs}
         pending.loss = self._loss(group, pending.batch, pending.outputs, pending.training, loss_inputs)
         sums = torch.stack([pending.loss.loss.detach().float(), pending.loss.num_items.float()])
         total, items = self._parallel.sum_(sums)

@@ -22,9 +22,17 @@ from twinkle.preprocessor.base import FILTERS, DataFilter
 class CountingFilter(DataFilter):
     """A filter that counts the rows it saw and those it dropped, by reason."""
 
+    #: Whether the filter remembers rows it kept (a row's fate depends on the rows before it).
+    remembers = False
+
     def __init__(self) -> None:
         self.seen = 0
         self.dropped: Counter[str] = Counter()
+
+    def reset(self) -> None:
+        """Forget the rows seen (a new pass over the data)."""
+        self.seen = 0
+        self.dropped.clear()
 
     def __call__(self, row: Mapping[str, Any]) -> bool:
         self.seen += 1
@@ -52,7 +60,10 @@ def field_text(row: Mapping[str, Any], field: str) -> str:
     """The text of ``row[field]``: a string as it is, a conversation's contents joined, else JSON."""
     if field not in row:
         raise DataError(f'the row has no field {field!r}; it has {sorted(row)}')
-    value = row[field]
+    return _text(row[field])
+
+
+def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(m, Mapping) and 'content' in m for m in value):
@@ -85,10 +96,16 @@ class LengthFilter(CountingFilter):
 class ExactDedupFilter(CountingFilter):
     """Keep the first row of each exact text of ``field`` (runs of whitespace count as one space)."""
 
+    remembers = True
+
     def __init__(self, field: str = 'messages'):
         super().__init__()
         self.field = field
         self._hashes: set[bytes] = set()
+
+    def reset(self) -> None:
+        super().reset()
+        self._hashes.clear()
 
     def reject(self, row: Mapping[str, Any]) -> str | None:
         normalised = ' '.join(field_text(row, self.field).split())
@@ -113,6 +130,16 @@ class NearDedupFilter(CountingFilter):
             raise ConfigurationError(f'threshold must be in (0, 1]; got {threshold!r}')
         self.field, self.threshold, self.num_perm, self.ngram = field, threshold, num_perm, ngram
         self._index = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        self._kept: dict[str, Any] = {}  # key -> MinHash of the rows kept
+
+    remembers = True
+
+    def reset(self) -> None:
+        from datasketch import MinHashLSH
+
+        super().reset()
+        self._index = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
+        self._kept.clear()
 
     def reject(self, row: Mapping[str, Any]) -> str | None:
         from datasketch import MinHash
@@ -121,9 +148,12 @@ class NearDedupFilter(CountingFilter):
         shingles = {' '.join(words[i : i + self.ngram]) for i in range(max(1, len(words) - self.ngram + 1))}
         signature = MinHash(num_perm=self.num_perm)
         signature.update_batch([s.encode() for s in shingles])
-        if self._index.query(signature):
+        # LSH finds candidates; their estimated similarity decides (LSH alone lets some below the threshold in).
+        if any(signature.jaccard(self._kept[key]) >= self.threshold for key in self._index.query(signature)):
             return 'near duplicate'
-        self._index.insert(str(self.seen), signature)
+        key = str(self.seen)
+        self._index.insert(key, signature)
+        self._kept[key] = signature
         return None
 
 
@@ -136,9 +166,7 @@ class RuleFilter(CountingFilter):
         super().__init__()
         if isinstance(rule, str):
             pattern = re.compile(rule)
-            self.rule: Callable[[Any], bool] = lambda value: (
-                pattern.search(value if isinstance(value, str) else json.dumps(value)) is not None
-            )
+            self.rule: Callable[[Any], bool] = lambda value: pattern.search(_text(value)) is not None
         elif callable(rule):
             self.rule = rule
         else:
