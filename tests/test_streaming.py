@@ -21,7 +21,7 @@ from server_helpers import free_port
 from twinkle import DeviceMesh, assets
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import IterableDataset, MixedStream
-from twinkle.errors import ConfigurationError, DataError, StateError
+from twinkle.errors import AssetNotFoundError, ConfigurationError, DataError, StateError
 from twinkle.preprocessor import ExactDedupFilter, SelfCognitionProcessor
 
 
@@ -294,3 +294,36 @@ def test_the_loader_reports_what_the_stream_counted(tmp_path, monkeypatch, worke
     read = loader(stream, monkeypatch, 0, 1, batch_size=4, num_workers=workers)
     list(read)
     assert read.get_state()['counts'] == {'rows_read': 40, 'bad_lines': 2, 'dropped': 10}
+
+
+def test_a_stream_reads_any_fsspec_filesystem_and_resumes_there(tmp_path):
+    """The same reading through fsspec's in-memory filesystem as through a hub's or object
+    storage's: JSONL by byte offset, Parquet by row group, an Arrow file without a memory map."""
+    import fsspec
+
+    memory = fsspec.filesystem('memory')
+    root = f'/stream-{tmp_path.name}'
+    memory.pipe(f'{root}/a.jsonl', ''.join(json.dumps({'i': i}) + '\n' for i in range(30)).encode())
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({'i': list(range(30, 60))}), sink, row_group_size=8)
+    memory.pipe(f'{root}/b.parquet', sink.getvalue().to_pybytes())
+    sink = pa.BufferOutputStream()
+    table = pa.table({'i': list(range(60, 75))})
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=4)
+    memory.pipe(f'{root}/c.arrow', sink.getvalue().to_pybytes())
+    url = f'memory://{root}'
+    assert [row['i'] for row in IterableDataset(url)] == list(range(75))
+    for cut in (10, 45, 66):
+        stream = IterableDataset(url)
+        head = [row['i'] for row in itertools.islice(iter(stream), cut)]
+        resumed = IterableDataset(url)
+        resumed.load_state_dict(stream.state_dict())
+        assert head + [row['i'] for row in resumed] == list(range(75)), cut
+    memory.rm(root, recursive=True)
+
+
+def test_a_hub_dataset_that_is_not_cached_is_not_found_offline(monkeypatch):
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    with pytest.raises(AssetNotFoundError, match='no-such-org/no-such-set'):
+        IterableDataset('hf://no-such-org/no-such-set')

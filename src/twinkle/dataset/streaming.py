@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import posixpath
 import random
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -30,8 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from twinkle.dataset.base import as_row_fn
-from twinkle.errors import ConfigurationError, DataError, StateError, one_of
-from twinkle.hub import resolve_dataset
+from twinkle.errors import AssetNotFoundError, ConfigurationError, DataError, StateError, one_of
+from twinkle.hub import is_offline, parse_hub_id, resolve_dataset
 from twinkle.preprocessor import FILTERS, DataFilter
 from twinkle.template import TEMPLATES, Template
 
@@ -208,7 +209,7 @@ class IterableDataset:
         position = self.position
         for index in range(position.file, len(self.files)):
             path = self.files[index]
-            reader = _jsonl_rows if STREAM_KINDS[path.suffix.lower()] == 'jsonl' else _table_rows
+            reader = _jsonl_rows if path.kind == 'jsonl' else _table_rows
             # Every shard counts every raw row, its own or not: the count decides the next file's shards.
             rows = yield from reader(self, path, position)
             position = StreamPosition(file=index + 1, row=rows)
@@ -216,7 +217,7 @@ class IterableDataset:
     def mine(self, row_number: int) -> bool:
         return row_number % self.num_shards == self.shard_index
 
-    def bad_line(self, path: Path, line: int, why: str) -> None:
+    def bad_line(self, path: StreamFile, line: int, why: str) -> None:
         message = f'{path.name} line {line}: {why}'
         if self.bad_lines == 'raise':
             raise DataError(f"{message} (IterableDataset(bad_lines='skip') leaves such lines out and counts them)")
@@ -228,12 +229,12 @@ class IterableDataset:
 
 
 def _jsonl_rows(
-    stream: IterableDataset, path: Path, start: StreamPosition
+    stream: IterableDataset, path: StreamFile, start: StreamPosition
 ) -> Generator[tuple[dict[str, Any], StreamPosition], None, int]:
     """A JSONL file's rows of this shard from byte ``start.offset`` (blank lines are not rows);
     returns the raw rows read by the end of the file, from the stream's start."""
     offset, line, row_number = start.offset, start.line, start.row
-    with path.open('rb') as handle:
+    with path.open() as handle:
         handle.seek(offset)
         for raw in handle:
             offset += len(raw)
@@ -256,7 +257,7 @@ def _jsonl_rows(
 
 
 def _table_rows(
-    stream: IterableDataset, path: Path, start: StreamPosition
+    stream: IterableDataset, path: StreamFile, start: StreamPosition
 ) -> Generator[tuple[dict[str, Any], StreamPosition], None, int]:
     """A Parquet or Arrow file's rows of this shard from row ``start.offset``; returns the raw
     rows read by the end of the file, from the stream's start."""
@@ -270,17 +271,17 @@ def _table_rows(
     return row_number
 
 
-def _record_batches(path: Path, skip: int) -> Iterator[pa.RecordBatch]:
+def _record_batches(path: StreamFile, skip: int) -> Iterator[pa.RecordBatch]:
     """The record batches of a Parquet or Arrow (IPC file or stream) file past its first ``skip`` rows."""
-    if path.suffix.lower() == '.parquet':
-        parquet = pq.ParquetFile(path)
+    if path.kind == 'parquet':
+        parquet = pq.ParquetFile(path.open())
         # Whole row groups before the position are not read: start at the group holding row `skip`.
         ends = list(itertools.accumulate(parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)))
         first = next((g for g, end in enumerate(ends) if end > skip), len(ends))
         groups, seen = list(range(first, len(ends))), ends[first - 1] if first else 0
         batches: Iterator[pa.RecordBatch] = parquet.iter_batches(batch_size=READ_BATCH, row_groups=groups)
     else:
-        source = pa.memory_map(str(path))
+        source = pa.memory_map(path.path) if path.local else pa.PythonFile(path.open(), mode='r')
         try:
             reader: Any = pa.ipc.open_file(source)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
@@ -296,31 +297,88 @@ def _record_batches(path: Path, skip: int) -> Iterator[pa.RecordBatch]:
         seen += batch.num_rows
 
 
+@dataclass(frozen=True)
+class StreamFile:
+    """One file a stream reads, on an fsspec filesystem (the local disk, a hub, object storage)."""
+
+    fs: Any  # fsspec.AbstractFileSystem
+    path: str
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+    @property
+    def kind(self) -> str:
+        return STREAM_KINDS[posixpath.splitext(self.path)[1].lower()]
+
+    @property
+    def local(self) -> bool:
+        return 'file' in _protocols(self.fs)
+
+    def open(self) -> Any:
+        return self.fs.open(self.path, 'rb')
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
 def stream_files(
     source: str | Path | Sequence[str | Path], revision: str | None = None, split: str = 'train'
-) -> list[Path]:
+) -> list[StreamFile]:
     """The files a stream reads, in order: a file, the data files of a folder (sorted; those
-    whose path names ``split`` when some do), a list of those, or a hub id (``ms://``,
-    ``hf://``) resolved to its local files."""
+    whose path names ``split`` when some do), or a list of those; each a local path or an
+    fsspec URL (``s3://``, ``memory://``, ...). A hub id reads its snapshot's files when they
+    are in the local cache. Otherwise a ``hf://org/name`` dataset streams from the Hugging Face
+    Hub through ``huggingface_hub.HfFileSystem`` without a download, and an ``ms://`` one is
+    downloaded first (ModelScope has no filesystem to stream from)."""
     sources = [source] if isinstance(source, (str, Path)) else list(source)
     if not sources:
         raise ConfigurationError('IterableDataset needs at least one file or folder')
-    files: list[Path] = []
+    files: list[StreamFile] = []
     for item in sources:
-        text = str(item)
-        path = Path(resolve_dataset(text, revision=revision)) if '://' in text else Path(text)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob('*') if p.is_file() and p.suffix.lower() in STREAM_KINDS)
+        fs, root = _filesystem(str(item), revision)
+        if fs.isdir(root):
+            found = sorted(p for p in fs.find(root) if posixpath.splitext(p)[1].lower() in STREAM_KINDS)
             if not found:
-                raise DataError(f'no {sorted(STREAM_KINDS)} files under the folder {path.name!r}')
-            files += [f for f in found if split in f.relative_to(path).as_posix()] or found
-        elif path.is_file():
-            if path.suffix.lower() not in STREAM_KINDS:
-                raise one_of('stream file type', path.suffix or path.name, sorted(STREAM_KINDS))
-            files.append(path)
+                raise DataError(f'no {sorted(STREAM_KINDS)} files under the folder {posixpath.basename(root)!r}')
+            picked = [p for p in found if split in posixpath.relpath(p, root)] or found
+            files += [StreamFile(fs, p) for p in picked]
+        elif fs.isfile(root):
+            suffix = posixpath.splitext(root)[1].lower()
+            if suffix not in STREAM_KINDS:
+                raise one_of('stream file type', suffix or posixpath.basename(root), sorted(STREAM_KINDS))
+            files.append(StreamFile(fs, root))
         else:
-            raise DataError(f'no such file or folder: {text!r}')
+            raise DataError(f'no such file or folder: {str(item)!r}')
     return files
+
+
+def _filesystem(text: str, revision: str | None) -> tuple[Any, str]:
+    """(the fsspec filesystem, the path on it) of a local path, an fsspec URL or a hub id."""
+    import fsspec
+
+    if text.startswith(('ms://', 'hf://')):
+        hub_id = parse_hub_id(text)
+        if hub_id.hub == 'hf' and not is_offline('hf') and not _cached(text, revision):
+            from huggingface_hub import HfFileSystem
+
+            return HfFileSystem(), f'datasets/{hub_id.name}' + (f'@{revision}' if revision else '')
+        text = resolve_dataset(text, revision=revision)
+    if '://' not in text:
+        return fsspec.filesystem('file'), str(Path(text).expanduser().absolute())
+    fs, path = fsspec.core.url_to_fs(text)
+    return fs, path
+
+
+def _cached(hub_id: str, revision: str | None) -> bool:
+    try:
+        resolve_dataset(hub_id, revision=revision, offline=True)
+    except AssetNotFoundError:
+        return False
+    return True
 
 
 class MixedStream:
