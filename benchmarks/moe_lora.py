@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import machine
 import torch
 from peft import LoraConfig
 
@@ -257,13 +257,7 @@ def main() -> None:
             args.model, args.tenants, args.rows, args.length, args.rank, args.rounds
         ),
         'ep_vs_one_process': ep_against_one_process(args.model, batch, args.rank, args.rounds, args.ranks),
-        'environment': {
-            'python': platform.python_version(),
-            'torch': torch.__version__,
-            'cpu_count': os.cpu_count(),
-            'torch_threads': torch.get_num_threads(),
-            'load_average': os.getloadavg(),
-        },
+        'environment': machine.describe(),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + '\n')

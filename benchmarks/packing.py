@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
+import machine
 import torch
 from peft import LoraConfig
 
@@ -132,13 +131,7 @@ def main() -> None:
         'packed_fill': packed.fill,
         'systems': figures,
         'packed_over_padded': figures['packed']['real_tokens_per_s'] / figures['padded']['real_tokens_per_s'],
-        'environment': {
-            'python': platform.python_version(),
-            'torch': torch.__version__,
-            'cpu_count': os.cpu_count(),
-            'torch_threads': torch.get_num_threads(),
-            'load_average': os.getloadavg(),
-        },
+        'environment': machine.describe(),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + '\n')

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import tempfile
 import time
 from pathlib import Path
+
+import machine
 
 from twinkle import assets
 from twinkle.dataloader import DataLoader
@@ -113,11 +113,7 @@ def main() -> None:
         'rss_mb_peak': peak,
         'rss_mb_growth_per_million_rows': slope_per_million(samples[1:]),
         'samples_rows_rss_mb': samples,
-        'environment': {
-            'python': platform.python_version(),
-            'cpu_count': os.cpu_count(),
-            'load_average': os.getloadavg(),
-        },
+        'environment': machine.describe(),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + '\n')

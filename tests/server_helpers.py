@@ -24,6 +24,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def here_and_under_torchrun(script: Path, main: Any, one: Path, two: Path, timeout_s: float = 400) -> list[dict]:
+    """Run ``script`` under torchrun (2 ranks, gloo, 1 thread each) writing to ``two`` while
+    ``main(one)``, the same script, runs in this process; both results.json, one process's first."""
+    import json
+    import os
+
+    command = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2']
+    command += [f'--master_port={free_port()}', str(script), str(two)]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'HF_DATASETS_DISABLE_PROGRESS_BARS': '1'}
+    torchrun = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        main(one)
+        output, _ = torchrun.communicate(timeout=timeout_s)
+    finally:
+        if torchrun.poll() is None:
+            torchrun.kill()
+            torchrun.wait()
+    assert torchrun.returncode == 0, output.decode()[-4000:]
+    return [json.loads((folder / 'results.json').read_text()) for folder in (one, two)]
+
+
 def wait_until_healthy(process: subprocess.Popen, port: int, timeout_s: float = 60.0) -> None:
     """Return once ``/healthz`` answers 200; fail with the process's stderr if it died first."""
     deadline = time.monotonic() + timeout_s

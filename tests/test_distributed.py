@@ -7,16 +7,13 @@ runs both, and the tests compare what they wrote.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_train import GLOBAL_BATCH, SCENARIOS, main, rows
-from server_helpers import free_port
+from server_helpers import here_and_under_torchrun
 
 import twinkle
 from twinkle import DeviceMesh
@@ -39,17 +36,8 @@ def local_again():
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path, Path]:
     """(one process's results, two ranks' results, their output folders)."""
-    import json
-
     one, two = tmp_path_factory.mktemp('one'), tmp_path_factory.mktemp('two')
-    command = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2']
-    command += [f'--master_port={free_port()}', str(SCRIPT), str(two)]
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'HF_DATASETS_DISABLE_PROGRESS_BARS': '1'}
-    torchrun = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    main(one)  # meanwhile, the same script in this process
-    output, _ = torchrun.communicate(timeout=300)
-    assert torchrun.returncode == 0, output.decode()[-4000:]
-    results = [json.loads((folder / 'results.json').read_text()) for folder in (one, two)]
+    results = here_and_under_torchrun(SCRIPT, main, one, two)
     return results[0], results[1], one, two
 
 

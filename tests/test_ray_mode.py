@@ -273,28 +273,30 @@ def test_grpo_pieces_model_and_sampler_on_two_groups(tiny_model_dir):
     assert step == 1 and sampler.weight_version == 2
 
 
+def train_default_adapter(model, loader, lr: float) -> list[float]:
+    """A LoRA adapter 'default' trained over every batch of ``loader``; the losses."""
+    model.add_adapter_to_model('default', LORA)
+    model.set_optimizer('AdamW', lr=lr)
+    losses = []
+    for batch in loader:
+        losses.append(float(model.forward_backward(inputs=batch).loss))
+        model.clip_grad_and_step()
+    return losses
+
+
 def test_two_model_ranks_train_exactly_as_one_process(tiny_model_dir):
     rows = [{'input_ids': [(3 * i + 7 * j) % 300 + 20 for j in range(6 + i % 3)]} for i in range(8)]
     for row in rows:
         row['labels'] = [*row['input_ids'][1:], -100]
 
-    def train(model, loader) -> list[float]:
-        model.add_adapter_to_model('default', LORA)
-        model.set_optimizer('AdamW', lr=1e-2)
-        losses = []
-        for batch in loader:
-            losses.append(float(model.forward_backward(inputs=batch).loss))
-            model.clip_grad_and_step()
-        return losses
-
     twinkle.initialize(mode='local', seed=0)
-    expected = train(TransformersModel(tiny_model_dir), DataLoader(rows, batch_size=4))
+    expected = train_default_adapter(TransformersModel(tiny_model_dir), DataLoader(rows, batch_size=4), lr=1e-2)
     ray_mode(DeviceGroup('model', 2, CPU), lazy=True)
     mesh = DeviceMesh.from_sizes(dp_size=2, device_type=CPU)
     model = TransformersModel(model_id=tiny_model_dir, device_mesh=mesh, remote_group='model')
     loader = DataLoader(rows, batch_size=4, device_mesh=mesh, remote_group='model')
     # Each rank's loader yields its half of the global batch; they go to the model's ranks lazily.
-    assert train(model, loader) == pytest.approx(expected, abs=1e-5)
+    assert train_default_adapter(model, loader, lr=1e-2) == pytest.approx(expected, abs=1e-5)
     assert 'data parallel over' in model.get_train_configs()
 
 
@@ -307,22 +309,14 @@ def test_two_model_ranks_holding_half_the_experts_each_train_as_one_process():
     for row in rows:
         row['labels'] = [-100, *row['input_ids'][1:]]
 
-    def train(model, loader) -> list[float]:
-        model.add_adapter_to_model('default', LORA)
-        model.set_optimizer('AdamW', lr=1e-3)
-        losses = []
-        for batch in loader:
-            losses.append(float(model.forward_backward(inputs=batch).loss))
-            model.clip_grad_and_step()
-        return losses
-
     twinkle.initialize(mode='local', seed=0)
-    expected = train(TransformersModel(moe, router_aux_loss_coef=0.0), DataLoader(rows, batch_size=4))
+    local = TransformersModel(moe, router_aux_loss_coef=0.0)
+    expected = train_default_adapter(local, DataLoader(rows, batch_size=4), lr=1e-3)
     ray_mode(DeviceGroup('model', 2, CPU), lazy=True)
     mesh = DeviceMesh.from_sizes(dp_size=2, ep_size=2, device_type=CPU)
     model = TransformersModel(model_id=moe, device_mesh=mesh, remote_group='model', router_aux_loss_coef=0.0)
     loader = DataLoader(rows, batch_size=4, device_mesh=mesh, remote_group='model')
-    assert train(model, loader) == pytest.approx(expected, rel=1e-5)
+    assert train_default_adapter(model, loader, lr=1e-3) == pytest.approx(expected, rel=1e-5)
     assert 'data parallel, experts split over 2 ranks, over' in model.get_train_configs()
 
 

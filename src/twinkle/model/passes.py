@@ -64,14 +64,18 @@ def chunks(
     rows. A row is one sequence, a packed row several (``sequences_in``); a loss input given
     per sequence follows its rows. Loss inputs the rows carry themselves (a packed row's
     ``advantages``, say) are gathered when not given (``RL_ROW_FIELDS``)."""
-    counts = [sequences_in(feature) for feature in features]
     loss_inputs = {**carried(features), **loss_inputs}
+    splitting = size is not None and size < len(features)
+    if not splitting and not any(isinstance(value, Sequence) for value in loss_inputs.values()):
+        yield features, loss_inputs  # nothing given per sequence: no need to count them
+        return
+    counts = [sequences_in(feature) for feature in features]
     total = sum(counts)
     for key, value in loss_inputs.items():
         if isinstance(value, Sequence) and len(value) != total:
             where = f'{len(features)} rows' if total == len(features) else f'{total} sequences in {len(features)} rows'
             raise DataError(f'loss input {key!r} has {len(value)} entries for {where}')
-    if size is None or size >= len(features):
+    if size is None or not splitting:
         yield features, loss_inputs
         return
     check_positive('micro_batch_size', size)
@@ -88,7 +92,10 @@ def sequences_in(feature: InputFeature) -> int:
     if 'packed_rows' in feature:
         return feature['packed_rows']
     positions = feature.get('position_ids')
-    return max(1, sum(1 for p in positions if p == 0)) if positions is not None else 1
+    if positions is None:
+        return 1
+    starts = positions.count(0) if isinstance(positions, (list, tuple)) else sum(1 for p in positions if p == 0)
+    return max(1, starts)
 
 
 def carried(features: Sequence[InputFeature]) -> dict[str, list[Any]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
 from typing import Literal, get_args
 
 import torch
@@ -51,13 +50,13 @@ class InputProcessor:
                     "but 'input_ids' and 'labels' are needed (call dataset.encode() or set a template)"
                 )
         fields = [name for name in get_args(TokenField) if all(name in f for f in features)]
-        if not self.padding_free and any(_is_packed(f) for f in features):
+        batch = self._pack(features, fields) if self.padding_free else self._pad(features, fields, pad_token_id)
+        if not self.padding_free and 'position_ids' in batch and _restarts(batch, features, self.padding_side):
             raise DataError(
                 'a batch row holds packed rows (its position_ids restart): collate it with '
                 "InputProcessor(padding_free=True) (model.set_processor('InputProcessor', padding_free=True)), "
                 'which keeps attention within each packed row'
             )
-        batch = self._pack(features, fields) if self.padding_free else self._pad(features, fields, pad_token_id)
         if any('routed_experts' in f for f in features):
             batch['routed_experts'] = self._routed_experts(features, batch['input_ids'].shape[-1])
         return batch
@@ -123,10 +122,16 @@ class InputProcessor:
         return batch
 
 
-def _is_packed(feature: InputFeature) -> bool:
-    """Whether the row's positions restart (rows packed into it)."""
-    positions = feature.get('position_ids')
-    return positions is not None and any(b <= a for a, b in pairwise(positions))
+def _restarts(batch: dict[str, torch.Tensor], features: Sequence[InputFeature], side: str) -> bool:
+    """Whether some row's positions restart within its tokens (rows packed into it): one
+    comparison over the padded ``position_ids``, padding left out."""
+    positions = batch['position_ids']
+    width = positions.shape[-1]
+    lengths = torch.tensor([len(f['input_ids']) for f in features])
+    columns = torch.arange(width).expand(len(features), width)
+    real = columns < lengths[:, None] if side == 'right' else columns >= width - lengths[:, None]
+    backwards = (positions[:, 1:] <= positions[:, :-1]) & real[:, 1:] & real[:, :-1]
+    return bool(backwards.any())
 
 
 PROCESSORS: Registry[InputProcessor] = Registry('processor')
