@@ -6,12 +6,17 @@ file and line, raised or skipped and counted."""
 
 from __future__ import annotations
 
+import http.server
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import urllib.parse
 from pathlib import Path
+from typing import ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,6 +26,7 @@ from server_helpers import free_port
 from twinkle import DeviceMesh, assets
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import IterableDataset, MixedStream
+from twinkle.dataset.streaming import REMOTE_BUFFER
 from twinkle.errors import AssetNotFoundError, ConfigurationError, DataError, StateError
 from twinkle.preprocessor import ExactDedupFilter, SelfCognitionProcessor
 
@@ -327,3 +333,99 @@ def test_a_hub_dataset_that_is_not_cached_is_not_found_offline(monkeypatch):
     monkeypatch.setenv('HF_HUB_OFFLINE', '1')
     with pytest.raises(AssetNotFoundError, match='no-such-org/no-such-set'):
         IterableDataset('hf://no-such-org/no-such-set')
+
+
+class ModelScopeFiles(http.server.BaseHTTPRequestHandler):
+    """The two routes of ModelScope's API that a streamed dataset reads, over a local folder:
+    the paged file tree (``/api/v1/datasets/{org}/{name}/repo/tree``) and a file's bytes
+    (``/api/v1/datasets/{org}/{name}/repo?FilePath=``), honouring ``Range`` as the hub does.
+    ``served`` records the byte ranges sent."""
+
+    root: Path
+    repo = 'org/set'
+    served: ClassVar[list[tuple[str, int, int]]] = []
+
+    def log_message(self, *args) -> None:  # keep the test output clean
+        pass
+
+    def do_HEAD(self) -> None:
+        self.do_GET(head=True)
+
+    def do_GET(self, head: bool = False) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        prefix = f'/api/v1/datasets/{self.repo}/repo'
+        if url.path == prefix + '/tree':
+            files = sorted(p for p in self.root.rglob('*') if p.is_file())
+            size, page = int(query['PageSize']), int(query['PageNumber'])
+            listed = [
+                {'Path': p.relative_to(self.root).as_posix(), 'Size': p.stat().st_size, 'Type': 'blob'}
+                for p in files[(page - 1) * size : page * size]
+            ]
+            self.answer(200, json.dumps({'Code': 200, 'Data': {'Files': listed}, 'Success': True}).encode())
+        elif url.path == prefix and (self.root / query.get('FilePath', '-')).is_file():
+            data = (self.root / query['FilePath']).read_bytes()
+            ranged = re.fullmatch(r'bytes=(\d+)-(\d*)', self.headers.get('Range', ''))
+            if not ranged:
+                self.answer(200, data, head=head)
+                return
+            start, end = int(ranged[1]), min(int(ranged[2] or len(data) - 1), len(data) - 1)
+            self.served.append((query['FilePath'], start, end + 1))
+            self.answer(206, data[start : end + 1], {'Content-Range': f'bytes {start}-{end}/{len(data)}'}, head)
+        else:
+            self.answer(404, b'{"Code": 404, "Message": "not found"}')
+
+    def answer(self, status: int, body: bytes, headers: dict | None = None, head: bool = False) -> None:
+        self.send_response(status)
+        for name, value in {'Content-Length': str(len(body)), 'Accept-Ranges': 'bytes', **(headers or {})}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+
+@pytest.fixture
+def modelscope_hub(tmp_path, monkeypatch):
+    """A loopback server answering as ModelScope does for ``org/set``, whose files are a JSONL (6 MB)
+    of 3,000 rows and a Parquet of 40; nothing in the local cache, the hub online."""
+    root = tmp_path / 'repo'
+    (root / 'data').mkdir(parents=True)
+    write_jsonl(root / 'data' / 'train.jsonl', [{'i': i, 'pad': 'x' * 2000} for i in range(3000)])
+    pq.write_table(pa.table({'i': list(range(3000, 3040))}), root / 'data' / 'train_2.parquet', row_group_size=8)
+    (root / 'README.md').write_text('# org/set\n')
+    handler = type('Handler', (ModelScopeFiles,), {'root': root, 'served': []})
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv('MODELSCOPE_ENDPOINT', f'http://127.0.0.1:{server.server_address[1]}')
+    monkeypatch.setenv('MODELSCOPE_CACHE', str(tmp_path / 'empty-cache'))
+    monkeypatch.delenv('MODELSCOPE_OFFLINE', raising=False)
+    monkeypatch.delenv('TWINKLE_OFFLINE', raising=False)
+    yield handler
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+def test_a_modelscope_dataset_streams_without_a_download_and_resumes_mid_file(modelscope_hub):
+    """``ms://`` reads the hub's files in ranged blocks, as ModelScope's streaming mode reads
+    them: the first rows cost one block, not the file, and a resume seeks into the middle."""
+    size = (modelscope_hub.root / 'data' / 'train.jsonl').stat().st_size
+    stream = IterableDataset('ms://org/set')
+    head = [row['i'] for row in itertools.islice(iter(stream), 5)]
+    assert head == list(range(5))
+    assert modelscope_hub.served == [('data/train.jsonl', 0, REMOTE_BUFFER)] and size > REMOTE_BUFFER
+    state = stream.state_dict()
+
+    modelscope_hub.served.clear()
+    resumed = IterableDataset('ms://org/set')
+    resumed.load_state_dict(state)
+    rest = [row['i'] for row in resumed]
+    assert head + rest == list(range(3040))
+    first_read = min(start for name, start, _ in modelscope_hub.served if name == 'data/train.jsonl')
+    assert first_read == state['position']['offset'] > 0
+
+
+def test_an_unknown_modelscope_dataset_is_not_found(modelscope_hub):
+    with pytest.raises(AssetNotFoundError, match='org/missing'):
+        IterableDataset('ms://org/missing')

@@ -1,7 +1,7 @@
 """Datasets streamed from files: rows read when they are needed, never all held in memory.
 
 ``IterableDataset`` reads JSONL, Parquet and Arrow files (a file, a folder of them, a list, or a
-hub id resolved to its local files) row by row. ``map``, ``filter`` and ``encode`` are recorded
+hub dataset, read from its cache or streamed from the hub) row by row. ``map``, ``filter`` and ``encode`` are recorded
 and run on each row as it is read. A stream split into shards (``shard(n, i)``, which the
 ``DataLoader`` does for data-parallel ranks and its worker processes) gives raw row ``k`` to
 shard ``k % n``: together the shards read every row once. Its position (file, byte offset or
@@ -17,6 +17,7 @@ counted (``counts['bad_lines']``).
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 import json
 import posixpath
@@ -41,6 +42,8 @@ STREAM_KINDS = {'.jsonl': 'jsonl', '.parquet': 'parquet', '.arrow': 'arrow'}
 BadLines = Literal['raise', 'skip']
 #: Rows a Parquet or Arrow file hands over at once.
 READ_BATCH = 1024
+#: Bytes one read of a remote file asks for.
+REMOTE_BUFFER = 2**20
 
 
 @dataclass
@@ -317,7 +320,10 @@ class StreamFile:
         return 'file' in _protocols(self.fs)
 
     def open(self) -> Any:
-        return self.fs.open(self.path, 'rb')
+        """The file for reading; a remote one behind a read buffer, so that a line costs a
+        buffered read, not a request (fsspec's own buffer reads a whole block per line)."""
+        handle = self.fs.open(self.path, 'rb')
+        return handle if self.local else io.BufferedReader(handle, buffer_size=REMOTE_BUFFER)
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -331,9 +337,9 @@ def stream_files(
     """The files a stream reads, in order: a file, the data files of a folder (sorted; those
     whose path names ``split`` when some do), or a list of those; each a local path or an
     fsspec URL (``s3://``, ``memory://``, ...). A hub id reads its snapshot's files when they
-    are in the local cache. Otherwise a ``hf://org/name`` dataset streams from the Hugging Face
-    Hub through ``huggingface_hub.HfFileSystem`` without a download, and an ``ms://`` one is
-    downloaded first (ModelScope has no filesystem to stream from)."""
+    are in the local cache. Otherwise it streams from its hub without a download: ``hf://org/name``
+    through ``huggingface_hub.HfFileSystem``, ``ms://org/name`` through ``ModelScopeFileSystem``
+    (the per-file URLs ModelScope's own streaming mode reads, in ranged blocks)."""
     sources = [source] if isinstance(source, (str, Path)) else list(source)
     if not sources:
         raise ConfigurationError('IterableDataset needs at least one file or folder')
@@ -362,11 +368,17 @@ def _filesystem(text: str, revision: str | None) -> tuple[Any, str]:
 
     if text.startswith(('ms://', 'hf://')):
         hub_id = parse_hub_id(text)
-        if hub_id.hub == 'hf' and not is_offline('hf') and not _cached(text, revision):
+        hub: Literal['ms', 'hf'] = 'hf' if hub_id.hub == 'hf' else 'ms'
+        if is_offline(hub) or _cached(text, revision):
+            text = resolve_dataset(text, revision=revision)
+        elif hub == 'hf':
             from huggingface_hub import HfFileSystem
 
             return HfFileSystem(), f'datasets/{hub_id.name}' + (f'@{revision}' if revision else '')
-        text = resolve_dataset(text, revision=revision)
+        else:
+            from twinkle.dataset.modelscope_fs import ModelScopeFileSystem
+
+            return ModelScopeFileSystem(hub_id.name, revision), hub_id.name
     if '://' not in text:
         return fsspec.filesystem('file'), str(Path(text).expanduser().absolute())
     fs, path = fsspec.core.url_to_fs(text)
