@@ -36,6 +36,7 @@ from twinkle import DeviceGroup, DeviceMesh, assets, get_logger
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.infra import distributed
+from twinkle.metric import MetricWriter, add_sink_arguments
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import SelfCognitionProcessor
 
@@ -96,13 +97,22 @@ def train(args: argparse.Namespace) -> list[float]:
     model.set_lr_scheduler('CosineWarmupScheduler', num_warmup_steps=2, num_training_steps=optimizer_steps)
     log(model.get_train_configs())
     losses = []
+    # Every rank computes the metrics (they gather across ranks); rank 0 writes them.
+    writer = MetricWriter(args.report_to, args.log_dir, config=vars(args)) if distributed.is_main() else None
     for step, batch in enumerate(dataloader, start=1):
         losses.append(float(model.forward_backward(inputs=batch).loss))
         model.clip_grad_and_step()
         log(f'step {step}/{len(dataloader)} loss {losses[-1]:.6f}')
-        if step % 10 == 0:
-            log(f'metric at step {step}: {model.calculate_metric(is_training=True)}')
-    log(f'eval: {evaluate(model, eval_dataset, args.batch_size)}')
+        if step % 5 == 0:
+            metric = model.calculate_metric(is_training=True)
+            log(f'metric at step {step}: {metric}')
+            if writer is not None:
+                writer.write(metric, step=step)
+    evaluation = evaluate(model, eval_dataset, args.batch_size)
+    log(f'eval: {evaluation}')
+    if writer is not None:
+        writer.write(evaluation, step=len(dataloader), prefix='eval')
+        writer.close()
     output_dir = str(Path(args.output_dir).resolve())  # Ray's actors write it too: no relative paths
     log(f'saved {model.save("last-checkpoint", output_dir=output_dir)}')
     return losses
@@ -124,6 +134,7 @@ def main() -> None:
     parser.add_argument('--lr', type=float, default=5e-3)
     parser.add_argument('--output-dir', default='output/fsdp-self-cognition')
     parser.add_argument('--losses', default='', help='a JSON file for the per-step losses (rank 0 writes it)')
+    add_sink_arguments(parser, log_dir='output/fsdp-self-cognition/logs')
     args = parser.parse_args()
     losses = train(args)
     if args.losses and distributed.is_main():

@@ -29,7 +29,7 @@ from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
-from twinkle.metric import CompletionRewardMetric
+from twinkle.metric import CompletionRewardMetric, MetricWriter, add_sink_arguments
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import GSM8KProcessor
 from twinkle.processor import InputProcessor
@@ -64,7 +64,7 @@ def compute_rewards(trajectories: list[dict[str, Any]]) -> tuple[list[float], li
     return total_rewards, format_rewards, accuracy_rewards
 
 
-def main(max_steps: int, output_dir: str) -> list[dict[str, float]]:
+def main(max_steps: int, output_dir: str, writer: MetricWriter | None = None) -> list[dict[str, float]]:
     lora_config = LoraConfig(target_modules='all-linear', r=16, lora_alpha=32, lora_dropout=0.05)
     model = TransformersModel(model_id=MODEL_ID)
     model.add_adapter_to_model(ADAPTER_NAME, lora_config, gradient_accumulation_steps=1)
@@ -122,6 +122,8 @@ def main(max_steps: int, output_dir: str) -> list[dict[str, float]]:
             log_dict.update(model.calculate_metric(is_training=True))
             metrics.reset()
             log.append(log_dict)
+            if writer is not None:
+                writer.write(log_dict, step=optim_step)
             logger.info(f'[Step {optim_step}/{max_steps}] {log_dict}')
             if optim_step >= max_steps:
                 break
@@ -135,5 +137,7 @@ if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--max-steps', type=int, default=20)
     parser.add_argument('--output-dir', default='output')
+    add_sink_arguments(parser, log_dir='output/grpo-gsm8k/logs')
     args = parser.parse_args()
-    main(args.max_steps, args.output_dir)
+    with MetricWriter(args.report_to, args.log_dir, config=vars(args)) as metric_writer:
+        main(args.max_steps, args.output_dir, metric_writer)

@@ -40,7 +40,7 @@ from twinkle import assets, get_logger
 from twinkle.advantage import GRPOAdvantage
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
-from twinkle.metric import CompletionRewardMetric
+from twinkle.metric import CompletionRewardMetric, MetricWriter, add_sink_arguments
 from twinkle.model import TransformersModel
 from twinkle.reward import Reward
 from twinkle.reward.base import completion_of, user_data_of
@@ -100,7 +100,8 @@ def build(config: Config) -> tuple[TransformersModel, TorchSampler, CheckpointEn
     return model, sampler, CheckpointEngineManager(model, sampler)
 
 
-def train(config: Config) -> list[dict[str, float]]:
+def train(config: Config, writer: MetricWriter | None = None) -> list[dict[str, float]]:
+    """The GRPO loop; each step's record also goes to ``writer`` when given."""
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     model, sampler, manager = build(config)
@@ -130,6 +131,8 @@ def train(config: Config) -> list[dict[str, float]]:
         record = {'step': step, **metrics.calculate(), **model.calculate_metric(is_training=True)}
         metrics.reset()
         history.append(record)
+        if writer is not None:
+            writer.write({k: v for k, v in record.items() if k != 'step'}, step=step)
         logger.info(
             f'step {step:4d}  reward {record["total_reward"]:.3f}  kl {record.get("kl", 0.0):.4f}  '
             f'entropy {record.get("entropy", 0.0):.2f}  completion length {record["completion_length"]:.1f}'
@@ -137,19 +140,25 @@ def train(config: Config) -> list[dict[str, float]]:
     return history
 
 
-def parse_args() -> Config:
+def parse_args() -> tuple[Config, argparse.Namespace]:
+    """The run's ``Config`` and the metric sinks' flags."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     for name, default in asdict(Config()).items():
         parser.add_argument(f'--{name.replace("_", "-")}', type=type(default), default=default)
-    return Config(**vars(parser.parse_args()))
+    add_sink_arguments(parser, log_dir='output/grpo-letter-words/logs')
+    args = vars(parser.parse_args())
+    sinks = argparse.Namespace(report_to=args.pop('report_to'), log_dir=args.pop('log_dir'))
+    return Config(**args), sinks
 
 
 def main() -> None:
-    config = parse_args()
-    history = train(config)
+    config, sinks = parse_args()
+    with MetricWriter(sinks.report_to, sinks.log_dir, config=asdict(config)) as writer:
+        history = train(config, writer)
     first = sum(r['total_reward'] for r in history[:10]) / min(10, len(history))
     last = sum(r['total_reward'] for r in history[-10:]) / min(10, len(history))
     logger.info(f'mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}')
+    logger.info(f'metrics in {sinks.log_dir} ({", ".join(sinks.report_to)})')
     if config.output:
         Path(config.output).write_text(json.dumps({'config': asdict(config), 'history': history}, indent=1))
 

@@ -1,6 +1,8 @@
 """Self-cognition SFT with LoRA: the seed documents' first loop, on the embedded tiny model.
 
     python cookbook/sft_self_cognition.py            # ~1 minute on 2 CPU cores
+    python cookbook/sft_self_cognition.py --report-to tensorboard jsonl
+    tensorboard --logdir output/sft-self-cognition/logs   # the curves
 
 The model is a random-weight Qwen3 (``twinkle.assets.tiny_model()``); the data is the embedded
 self-cognition set. Swap in ``ms://Qwen/Qwen3.5-4B`` and ``ms://swift/self-cognition`` for the
@@ -17,6 +19,7 @@ from tqdm import tqdm
 from twinkle import assets, get_logger
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
+from twinkle.metric import MetricWriter, add_sink_arguments
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import SelfCognitionProcessor
 
@@ -51,20 +54,29 @@ def train(args: argparse.Namespace) -> None:
     total_steps = args.epochs * len(dataloader)
     model.set_lr_scheduler(scheduler_cls='CosineWarmupScheduler', num_warmup_steps=10, num_training_steps=total_steps)
     logger.info(model.get_train_configs())
-    logger.info(f'eval before training: {evaluate(model, eval_dataset)}')
-
-    progress = tqdm(total=total_steps, desc='sft', unit='step')
-    for epoch in range(args.epochs):
-        for step, batch in enumerate(dataloader):
-            output = model.forward_backward(inputs=batch)
-            model.clip_grad_and_step()
-            progress.update()
-            progress.set_postfix(epoch=epoch, loss=f'{output.loss:.3f}')
-            if step % 20 == 0:
-                metric = model.calculate_metric(is_training=True)
-                progress.write(f'epoch {epoch} step {step}/{len(dataloader)}: {_short(metric)}')
-    progress.close()
-    logger.info(f'eval after training: {_short(evaluate(model, eval_dataset))}')
+    with MetricWriter(args.report_to, args.log_dir, config=vars(args)) as writer:
+        before = evaluate(model, eval_dataset)
+        logger.info(f'eval before training: {_short(before)}')
+        writer.write(before, step=0, prefix='eval')
+        progress = tqdm(total=total_steps, desc='sft', unit='step')
+        global_step = 0
+        for epoch in range(args.epochs):
+            for batch in dataloader:
+                output = model.forward_backward(inputs=batch)
+                model.clip_grad_and_step()
+                global_step += 1
+                progress.update()
+                progress.set_postfix(epoch=epoch, loss=f'{output.loss:.3f}')
+                if global_step % args.log_every == 0:
+                    metric = model.calculate_metric(is_training=True)
+                    writer.write(metric, step=global_step)
+                    if global_step % (4 * args.log_every) == 0:
+                        progress.write(f'epoch {epoch} step {global_step}/{total_steps}: {_short(metric)}')
+        progress.close()
+        after = evaluate(model, eval_dataset)
+        writer.write(after, step=total_steps, prefix='eval')
+    logger.info(f'eval after training: {_short(after)}')
+    logger.info(f'metrics in {args.log_dir} ({", ".join(args.report_to)})')
     logger.info(f'saved adapter to {model.save("last-checkpoint", output_dir=args.output_dir)}')
 
 
@@ -81,6 +93,8 @@ def main() -> None:
     parser.add_argument('--batch-size', type=int, default=8)
     parser.add_argument('--lr', type=float, default=5e-3)
     parser.add_argument('--output-dir', default='output/sft-self-cognition')
+    parser.add_argument('--log-every', type=int, default=5, help='write metrics every this many steps')
+    add_sink_arguments(parser, log_dir='output/sft-self-cognition/logs')
     train(parser.parse_args())
 
 

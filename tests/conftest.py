@@ -11,6 +11,9 @@ import pytest
 for _name in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE', 'TRANSFORMERS_OFFLINE', 'TWINKLE_OFFLINE', 'MODELSCOPE_OFFLINE'):
     os.environ[_name] = '1'
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+# W&B runs stay offline files (its sink's default too), with no console chatter.
+os.environ['WANDB_MODE'] = 'offline'
+os.environ.setdefault('WANDB_SILENT', 'true')
 # One asset cache for the whole run (CI sets TWINKLE_HOME to reuse it across runs).
 os.environ.setdefault('TWINKLE_HOME', str(Path(__file__).resolve().parent.parent / '.twinkle_home'))
 # Arrow caches of the datasets the tests load stay beside the assets, not in the user's cache.

@@ -22,11 +22,24 @@ def run(script: str, *args: str, cwd: Path) -> str:
 
 
 def test_sft_recipe_lowers_the_held_out_loss_and_saves_an_adapter(tmp_path, tiny_model_dir):
-    log = run('sft_self_cognition.py', '--samples', '64', '--epochs', '2', '--output-dir', 'out', cwd=tmp_path)
+    flags = ('--report-to', 'tensorboard', 'wandb', 'jsonl', '--log-dir', 'logs')
+    log = run('sft_self_cognition.py', '--samples', '64', '--epochs', '2', '--output-dir', 'out', *flags, cwd=tmp_path)
     before = float(re.search(r"eval before training: \{'loss': ([\d.]+)", log).group(1))
     after = float(re.search(r"eval after training: \{'loss': ([\d.]+)", log).group(1))
     assert after < before - 1.0, log[-2000:]
     assert (tmp_path / 'out' / 'last-checkpoint' / 'adapter_model.safetensors').is_file()
+    # --report-to: 16 steps, metrics every 5, and the held-out loss before and after, in each sink.
+    lines = [json.loads(line) for line in (tmp_path / 'logs' / 'metrics.jsonl').read_text().splitlines()]
+    assert [(line['step'], 'eval/loss' in line, 'train/loss' in line) for line in lines] == [
+        (0, True, False),
+        (5, False, True),
+        (10, False, True),
+        (15, False, True),
+        (16, True, False),
+    ]
+    assert lines[-1]['eval/loss'] == pytest.approx(after, abs=1e-4)
+    assert list((tmp_path / 'logs' / 'tensorboard').glob('events.out.tfevents.*'))
+    assert list((tmp_path / 'logs' / 'wandb').glob('offline-run-*/run-*.wandb'))
 
 
 def test_single_device_recipe_trains_the_full_model(tmp_path, tiny_model_dir):
@@ -40,9 +53,15 @@ def test_grpo_recipe_reward_rises_over_three_seeds(tmp_path, tiny_model_dir):
     gains = []
     for seed in (0, 1, 2):
         output = tmp_path / f'seed{seed}.json'
-        log = run('grpo_letter_words.py', '--seed', str(seed), '--output', str(output), cwd=tmp_path)
+        logs = tmp_path / f'logs{seed}'
+        log = run(
+            'grpo_letter_words.py', '--seed', str(seed), '--output', str(output), '--log-dir', str(logs), cwd=tmp_path
+        )
         assert re.search(r'step\s+1\s+reward [\d.]+\s+kl [\d.]+\s+entropy [\d.]+\s+completion length', log), log[-2000:]
         rewards = [step['total_reward'] for step in json.loads(output.read_text())['history']]
+        # The default sink: every step's record in metrics.jsonl.
+        written = [json.loads(line) for line in (logs / 'metrics.jsonl').read_text().splitlines()]
+        assert [line['train/total_reward'] for line in written] == pytest.approx(rewards)
         first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
         gains.append((first, last))
     # The untrained policy writes about one word in eight that starts with the letter (reward
@@ -53,9 +72,17 @@ def test_grpo_recipe_reward_rises_over_three_seeds(tmp_path, tiny_model_dir):
 
 
 def test_seed_gsm8k_grpo_recipe_runs_and_saves(tmp_path, tiny_model_dir):
-    log = run('grpo_gsm8k.py', '--max-steps', '2', '--output-dir', 'out', cwd=tmp_path)
+    log = run('grpo_gsm8k.py', '--max-steps', '2', '--output-dir', 'out', '--report-to', 'tensorboard', cwd=tmp_path)
     assert 'Training completed. optim_steps=2' in log and 'total_reward' in log and 'clip_frac' in log, log[-2000:]
     assert (tmp_path / 'out' / 'grpo-gsm8k-checkpoint' / 'adapter_model.safetensors').is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / 'output' / 'grpo-gsm8k' / 'logs' / 'tensorboard'))
+    events.Reload()
+    # Two optimizer steps on the mini-batches of one sampling round: rewards at the first only.
+    assert [s.step for s in events.Scalars('train/loss')] == [1, 2]
+    assert [s.step for s in events.Scalars('train/total_reward')] == [1]
+    assert {'train/clip_frac', 'train/lr', 'train/grad_norm'} <= set(events.Tags()['scalars'])
 
 
 def test_two_tenant_server_recipe_trains_both(tmp_path, tiny_model_dir):

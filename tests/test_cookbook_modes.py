@@ -59,6 +59,9 @@ def fsdp_losses(runtime: str, tmp_path: Path) -> list[float]:
     # The log shows every step's loss (rank 0's line only under torchrun), and the saved adapter.
     assert [float(x) for x in re.findall(r'step \d+/6 loss ([\d.]+)', log)] == pytest.approx(losses, abs=1e-6)
     assert (tmp_path / 'output' / 'fsdp-self-cognition' / 'last-checkpoint' / 'adapter_model.safetensors').is_file()
+    # The default metric sink: rank 0 alone writes step 5's metrics (gathered over the ranks) and the eval.
+    lines = (tmp_path / 'output' / 'fsdp-self-cognition' / 'logs' / 'metrics.jsonl').read_text().splitlines()
+    assert [(line['step'], sorted(line)[0]) for line in map(json.loads, lines)] == [(5, 'step'), (6, 'eval/accuracy')]
     return losses
 
 

@@ -5,15 +5,31 @@ from twinkle.metric.completion import CompletionRewardMetric
 from twinkle.metric.experts import ExpertLoad
 from twinkle.metric.grpo import GRPOMetric
 from twinkle.metric.loss import Accuracy, LossMetric
+from twinkle.metric.sinks import (
+    SINKS,
+    JsonlSink,
+    MetricSink,
+    MetricWriter,
+    TensorBoardSink,
+    WandbSink,
+    add_sink_arguments,
+)
 from twinkle.metric.train import TrainMetric
 
 __all__ = [
     'METRICS',
+    'SINKS',
     'Accuracy',
     'CompletionRewardMetric',
     'ExpertLoad',
     'GRPOMetric',
+    'JsonlSink',
     'LossMetric',
     'Metric',
+    'MetricSink',
+    'MetricWriter',
+    'TensorBoardSink',
     'TrainMetric',
+    'WandbSink',
+    'add_sink_arguments',
 ]
