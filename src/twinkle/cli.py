@@ -8,6 +8,7 @@ action functions, and list it in ``COMMANDS``.
     twinkle assets list
     twinkle assets model [NAME]
     twinkle assets dataset NAME [--split SPLIT] [--out FILE]
+    twinkle export CHECKPOINT [--merge] [--base MODEL] --out DIR
 """
 
 from __future__ import annotations
@@ -81,10 +82,42 @@ def add_assets_parser(commands: Subparsers) -> None:
     data.set_defaults(run=assets_dataset)
 
 
+# --- twinkle export ------------------------------------------------------------------------------
+
+
+def export(args: argparse.Namespace) -> int:
+    """Write a checkpoint as a merged Hugging Face model (``--merge``) or as its peft adapter."""
+    from twinkle.model.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, base_model=args.base, dtype=args.dtype)
+    print(out)
+    return 0
+
+
+def add_export_parser(commands: Subparsers) -> None:
+    """``twinkle export CHECKPOINT [--merge] --out DIR``: trained weights in a form other tools load."""
+    from twinkle.model.export import DTYPES
+
+    parser = commands.add_parser(
+        'export',
+        help='write a checkpoint as a merged Hugging Face model (--merge) or a peft adapter',
+        description='Write CHECKPOINT (a folder model.save wrote) to --out: with --merge the base model with '
+        'the adapter merged in (safetensors, config, tokenizer; plain transformers loads it), without it '
+        'the peft adapter and tokenizer, less the training state.',
+    )
+    parser.add_argument('checkpoint', help='the checkpoint folder')
+    parser.add_argument('--out', required=True, type=Path, help='a new or empty folder to write')
+    parser.add_argument('--merge', action='store_true', help='merge the adapter into its base model')
+    parser.add_argument('--base', default=None, help='the base model to merge into (default: the adapter names it)')
+    parser.add_argument('--dtype', default='auto', choices=list(DTYPES), help="merged weights' type (default: auto)")
+    parser.set_defaults(run=export)
+
+
 # --- the command table and entry point -----------------------------------------------------------
 
 COMMANDS: dict[str, Callable[[Subparsers], None]] = {
     'assets': add_assets_parser,
+    'export': add_export_parser,
 }
 
 

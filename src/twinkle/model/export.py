@@ -1,0 +1,102 @@
+"""Trained weights out, in forms other tools load.
+
+``export_checkpoint(checkpoint, out, merge=True)`` writes a merged Hugging Face model: the base
+model with the adapter folded into its weights by peft (``merge_and_unload``), saved as
+safetensors with its config and the tokenizer, so that plain ``AutoModelForCausalLM`` loads it
+and gives the logits of base plus adapter. With ``merge=False`` it writes the peft adapter
+(``adapter_config.json``, ``adapter_model.safetensors``, the tokenizer) without twinkle's
+training state. Either way the folder appears whole or not at all.
+
+``twinkle export CHECKPOINT [--merge] --out DIR`` runs it from the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from twinkle.errors import CheckpointError, ConfigurationError, one_of
+from twinkle.hub import resolve_model
+from twinkle.model import checkpoint as ckpt
+
+ADAPTER_CONFIG = 'adapter_config.json'
+#: What a peft adapter folder holds besides the tokenizer's files.
+ADAPTER_FILES = (ADAPTER_CONFIG, ckpt.ADAPTER_WEIGHTS)
+#: twinkle's own files in a checkpoint: resume state, not weights another tool reads.
+TRAINING_FILES = (ckpt.TRAINER_STATE, ckpt.WEIGHTS_STEP, ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)
+DTYPES = {'auto': 'auto', 'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    merge: bool = False,
+    base_model: str | None = None,
+    dtype: str = 'auto',
+) -> Path:
+    """Write ``checkpoint`` (a folder ``model.save`` wrote) to ``out``; returns ``out``.
+
+    ``merge``: the base model with the adapter merged in, as a full Hugging Face model.
+    ``base_model``: the base to merge into (default: the one the adapter names). ``dtype``: the
+    merged weights' type (``'auto'``: the base model's own).
+    """
+    source, destination = Path(checkpoint), Path(out)
+    if not source.is_dir():
+        raise CheckpointError(f'no checkpoint folder at {str(checkpoint)!r}')
+    if dtype not in DTYPES:
+        raise one_of('dtype', dtype, list(DTYPES))
+    if destination.exists() and any(destination.iterdir()):
+        raise ConfigurationError(f'the output folder {str(out)!r} is not empty; give a new or empty folder')
+    is_adapter = (source / ADAPTER_CONFIG).is_file()
+    if not is_adapter and not (source / 'config.json').is_file():
+        raise CheckpointError(
+            f'{str(checkpoint)!r} holds neither a peft adapter ({ADAPTER_CONFIG}) '
+            'nor a Hugging Face model (config.json)'
+        )
+    with ckpt.atomic_directory(destination) as staging:
+        if is_adapter and merge:
+            _merge(source, staging, base_model or _adapter_base(source), DTYPES[dtype])
+        else:
+            _copy_weights(source, staging)
+    return destination
+
+
+def _adapter_base(adapter: Path) -> str:
+    base = json.loads((adapter / ADAPTER_CONFIG).read_text()).get('base_model_name_or_path')
+    if not base:
+        raise CheckpointError(f'the adapter at {str(adapter)!r} names no base model; pass base_model (--base)')
+    return str(base)
+
+
+def _merge(adapter: Path, staging: Path, base_model: str, dtype: torch.dtype | str) -> None:
+    """The base model with ``adapter`` merged by peft, saved with the tokenizer in ``staging``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from twinkle import assets
+
+    base_dir = assets.tiny_model(base_model) if base_model in assets.MODELS else resolve_model(base_model)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged.save_pretrained(str(staging), safe_serialization=True)
+    tokenizer_dir = adapter if _has_tokenizer(adapter) else Path(base_dir)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(staging))
+
+
+def _copy_weights(source: Path, staging: Path) -> None:
+    """The checkpoint's files less twinkle's training state: an adapter or a full model."""
+    for path in source.iterdir():
+        if path.name in TRAINING_FILES:
+            continue
+        if path.is_dir():
+            shutil.copytree(path, staging / path.name)
+        else:
+            shutil.copy2(path, staging / path.name)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model'))
