@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from twinkle import assets
 from twinkle.errors import CheckpointError, ConfigurationError
 from twinkle.model import TransformersModel
-from twinkle.model.export import export_checkpoint
+from twinkle.model.export import export_checkpoint, write_tinker_adapter
 
 TOKENS = torch.tensor([[3, 17, 42, 99, 5, 8, 64, 21], [7, 7, 120, 33, 2, 90, 11, 4]])
 
@@ -105,3 +105,25 @@ def test_bad_exports_are_refused_and_leave_nothing_behind(tmp_path):
         2,
         f"twinkle: error: no checkpoint folder at '{tmp_path / 'missing'}'",
     )
+
+
+@pytest.mark.parametrize('model_name', ['tiny-qwen3', 'tiny-qwen3-moe'])
+def test_tinker_format_builds_with_tinker_cookbook_to_base_plus_adapter_logits(tmp_path, model_name):
+    """The adapter in Tinker's layout (expert stacks as 3-D tensors per expert): tinker-cookbook's
+    build_hf_model merges it, and its build_lora_adapter writes a peft adapter, each with peft's
+    base-plus-adapter logits of the adapter as twinkle saved it."""
+    from tinker_cookbook.weights import build_hf_model, build_lora_adapter
+
+    checkpoint = train_and_save(model_name, tmp_path)
+    tinker = tmp_path / 'tinker'
+    tinker.mkdir()
+    write_tinker_adapter(checkpoint, tinker)
+    assert sorted(p.name for p in tinker.iterdir()) == ['adapter_config.json', 'adapter_model.safetensors']
+    base = assets.tiny_model(model_name)
+    expected = base_plus_adapter(model_name, checkpoint)
+    build_hf_model(base_model=base, adapter_path=str(tinker), output_path=str(tmp_path / 'hf'), dtype='float32')
+    torch.testing.assert_close(
+        logits(AutoModelForCausalLM.from_pretrained(tmp_path / 'hf')), expected, atol=1e-5, rtol=1e-5
+    )
+    build_lora_adapter(base_model=base, adapter_path=str(tinker), output_path=str(tmp_path / 'peft'))
+    torch.testing.assert_close(base_plus_adapter(model_name, tmp_path / 'peft'), expected, atol=1e-5, rtol=1e-5)

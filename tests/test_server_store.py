@@ -361,14 +361,19 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(db):
         )
         # a sampler checkpoint of the same name now fits beside the training one
         store.add_checkpoint(alice.id, 'run-1', 'step-1', '/disk/2', 'sampler', 5)
+        # and an exported one (version 5 widened the kinds by rebuilding the table)
+        store.add_checkpoint(alice.id, 'run-1', 'step-1', '/disk/3', 'external', 3)
         assert [c.checkpoint_id for c in store.list_checkpoints(alice.id, 'run-1')] == [
             'weights/step-1',
             'sampler_weights/step-1',
+            'external_weights/step-1',
         ]
         store.sync_keys_file({'bob': hash_key('b' * 40)})
         assert store.tenant_for_key('b' * 40).name == 'bob'
     connection = sqlite3.connect(db)
     assert connection.execute('PRAGMA user_version').fetchone()[0] == SCHEMA_VERSION
+    indexes = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'checkpoints'")}
+    assert {'checkpoints_by_tenant', 'checkpoints_by_expiry'} <= indexes
     connection.close()
 
 
@@ -539,6 +544,7 @@ def test_published_checkpoints_are_readable_by_others_and_expired_ones_go(db):
         ('twinkle://run-1/checkpoints/a', ('run-1', 'training', 'a')),
         ('tinker://s-1:train:0/weights/a', ('s-1:train:0', 'training', 'a')),
         ('tinker://s-1:train:0/sampler_weights/a.b', ('s-1:train:0', 'sampler', 'a.b')),
+        ('tinker://s-1:train:0/external_weights/final', ('s-1:train:0', 'external', 'final')),
     ],
 )
 def test_checkpoint_paths_of_both_apis(path, parsed):
@@ -546,7 +552,7 @@ def test_checkpoint_paths_of_both_apis(path, parsed):
 
 
 @pytest.mark.parametrize(
-    'path', ['tinker://r/external_weights/a', 'tinker://r/weights/a/b', 'http://r/weights/a', 'tinker://../weights/a']
+    'path', ['tinker://r/exported/a', 'tinker://r/weights/a/b', 'http://r/weights/a', 'tinker://../weights/a']
 )
 def test_bad_checkpoint_paths_name_the_accepted_forms(path):
     with pytest.raises(DataError, match='tinker://<run_id>/sampler_weights/<name>'):

@@ -55,7 +55,12 @@ PROMPT_FIELDS = ('input_ids', 'messages', 'tools')
 TWINKLE_SCHEME = 'twinkle://'
 TINKER_SCHEME = 'tinker://'
 #: The folder of a checkpoint path, and the kind of checkpoint it names.
-PATH_FOLDERS = {'checkpoints': 'training', 'weights': 'training', 'sampler_weights': 'sampler'}
+PATH_FOLDERS = {
+    'checkpoints': 'training',
+    'weights': 'training',
+    'sampler_weights': 'sampler',
+    'external_weights': 'external',
+}
 _PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._:-]*')
 #: Integers a 64-bit SQLite column or torch seed takes.
 INT64 = 2**63
@@ -420,8 +425,9 @@ def parse_twinkle_path(path: str) -> tuple[str, str]:
 
 def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
     """``(run_id, kind, name)`` of a checkpoint path of either API: ``twinkle://<run>/checkpoints/<name>``,
-    ``tinker://<run>/weights/<name>`` (kind 'training') or ``tinker://<run>/sampler_weights/<name>``
-    (kind 'sampler'; ``twinkle://`` works with these folders too).
+    ``tinker://<run>/weights/<name>`` (kind 'training'), ``tinker://<run>/sampler_weights/<name>``
+    (kind 'sampler') or ``tinker://<run>/external_weights/<name>`` (kind 'external'; ``twinkle://``
+    works with these folders too).
 
     >>> parse_checkpoint_path('tinker://s-1:train:0/sampler_weights/step-10')
     ('s-1:train:0', 'sampler', 'step-10')
@@ -436,7 +442,8 @@ def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
     if not valid:
         raise DataError(
             f'Invalid checkpoint path {path!r}: expected twinkle://<run_id>/checkpoints/<name>, '
-            'tinker://<run_id>/weights/<name> or tinker://<run_id>/sampler_weights/<name>, where run_id and name '
+            'tinker://<run_id>/weights/<name>, tinker://<run_id>/sampler_weights/<name> or '
+            'tinker://<run_id>/external_weights/<name>, where run_id and name '
             'use A-Z, a-z, 0-9, ".", "_", "-", ":" and do not start with "."'
         )
     return parts[0], PATH_FOLDERS[parts[1]], parts[2]

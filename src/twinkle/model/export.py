@@ -8,19 +8,27 @@ and gives the logits of base plus adapter. With ``merge=False`` it writes the pe
 training state. Either way the folder appears whole or not at all.
 
 ``twinkle export CHECKPOINT [--merge] --out DIR`` runs it from the command line.
+
+``write_tinker_adapter`` writes an adapter as Tinker exports it (what tinker-cookbook's
+``build_hf_model`` / ``build_lora_adapter`` read): linear layers as peft names them, and each MoE
+expert stack as 3-D tensors per expert (``experts.w1|w2|w3``: gate, down, up), not peft's
+``target_parameters`` layout.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections import defaultdict
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from twinkle.errors import CheckpointError, ConfigurationError, one_of
 from twinkle.hub import resolve_model
 from twinkle.model import checkpoint as ckpt
+from twinkle.model.expert_lora import EXPERT_PARAMETERS, peft_stack_prefix
 
 ADAPTER_CONFIG = 'adapter_config.json'
 #: What a peft adapter folder holds besides the tokenizer's files.
@@ -100,3 +108,44 @@ def _copy_weights(source: Path, staging: Path) -> None:
 
 def _has_tokenizer(folder: Path) -> bool:
     return any((folder / name).is_file() for name in ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model'))
+
+
+def write_tinker_adapter(source: Path, out: Path) -> None:
+    """The adapter in ``source`` (a peft folder) as Tinker's two files in ``out``:
+    ``adapter_model.safetensors`` with each expert stack's pair as 3-D tensors per expert, and
+    ``adapter_config.json``. Expert ``e``'s pair of a stack is ``A_e`` (r, in) and ``B_e`` (out, r);
+    a fused ``gate_up_proj`` splits into ``w1`` (gate: the first half of its rows) and ``w3``
+    (up), which share ``A_e``; ``down_proj`` is ``w2``."""
+    config = json.loads((source / ADAPTER_CONFIG).read_text())
+    weights = load_file(str(source / ckpt.ADAPTER_WEIGHTS))
+    rank = int(config['r'])
+    for module, stacks in _expert_modules(config.get('target_parameters') or []).items():
+        for stack in stacks:
+            key = f'base_model.model.{module}.{peft_stack_prefix(stacks, stack)}'
+            lora_a, lora_b = weights.pop(f'{key}lora_A.weight'), weights.pop(f'{key}lora_B.weight')
+            experts = lora_a.shape[0] // rank
+            per_a = lora_a.view(experts, rank, -1)  # (E, r, in)
+            per_b = lora_b.view(lora_b.shape[0], rank, experts).permute(2, 0, 1)  # (E, out, r)
+            base = f'base_model.model.{module}'
+            if stack == 'gate_up_proj':
+                half = per_b.shape[1] // 2
+                pairs = {'w1': (per_a, per_b[:, :half]), 'w3': (per_a.clone(), per_b[:, half:])}
+            else:
+                pairs = {'w2': (per_a, per_b)}
+            for name, (a, b) in pairs.items():
+                weights[f'{base}.{name}.lora_A.weight'] = a
+                weights[f'{base}.{name}.lora_B.weight'] = b
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / ckpt.ADAPTER_WEIGHTS))
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+
+
+def _expert_modules(target_parameters: list[str]) -> dict[str, list[str]]:
+    """The experts modules of peft's ``target_parameters`` ('<module>.<stack>'), each with its
+    stacks in the order peft wraps them."""
+    modules: dict[str, list[str]] = defaultdict(list)
+    for target in target_parameters:
+        module, _, stack = target.rpartition('.')
+        if stack not in EXPERT_PARAMETERS:
+            raise CheckpointError(f'unknown expert stack {stack!r} in target_parameters; known: {EXPERT_PARAMETERS}')
+        modules[module].append(stack)
+    return {module: [s for s in EXPERT_PARAMETERS if s in stacks] for module, stacks in modules.items()}

@@ -38,14 +38,16 @@ from twinkle.wire import TINKER_SCHEME, TWINKLE_SCHEME
 from twinkle.wire import parse_checkpoint_path as parse_checkpoint_path  # checkpoint paths are the wire's
 from twinkle.wire import parse_twinkle_path as parse_twinkle_path
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 RUN_STATUSES = ('active', 'released', 'deleted')
-CHECKPOINT_KINDS = ('training', 'sampler')
+CHECKPOINT_KINDS = ('training', 'sampler', 'external')
 FUTURE_STATUSES = ('pending', 'running', 'done', 'failed')
 ERROR_CATEGORIES = ('user', 'server')
 
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]{0,63}')
-TINKER_FOLDERS = {'training': 'weights', 'sampler': 'sampler_weights'}
+TINKER_FOLDERS = {'training': 'weights', 'sampler': 'sampler_weights', 'external': 'external_weights'}
+#: The folder of each kind in a twinkle:// path.
+TWINKLE_FOLDERS = {'training': 'checkpoints', 'sampler': 'sampler_weights', 'external': 'external_weights'}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -77,7 +79,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     tenant_id TEXT NOT NULL,
     name TEXT NOT NULL,
     path TEXT NOT NULL,
-    kind TEXT NOT NULL CHECK (kind IN ('training', 'sampler')),
+    -- 'external': weights exported for download (Tinker's save_weights_external).
+    kind TEXT NOT NULL CHECK (kind IN ('training', 'sampler', 'external')),
     size_bytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
     -- A published checkpoint may be loaded (never listed, changed or deleted) by other tenants.
@@ -149,6 +152,16 @@ _MIGRATIONS = {
         'DROP TABLE checkpoints_v2',
     ],
     4: _creating('model_restarts'),
+    # The kind 'external': SQLite cannot change a CHECK, so the table is rebuilt.
+    5: [
+        'DROP INDEX IF EXISTS checkpoints_by_tenant',
+        'DROP INDEX IF EXISTS checkpoints_by_expiry',
+        'ALTER TABLE checkpoints RENAME TO checkpoints_v4',
+        *_creating('checkpoints'),
+        'INSERT INTO checkpoints (id, run_id, tenant_id, name, path, kind, size_bytes, created_at, public, expires_at) '
+        'SELECT id, run_id, tenant_id, name, path, kind, size_bytes, created_at, public, expires_at FROM checkpoints_v4',
+        'DROP TABLE checkpoints_v4',
+    ],
 }
 
 
@@ -189,12 +202,11 @@ class Checkpoint:
 
     @property
     def twinkle_path(self) -> str:
-        folder = 'checkpoints' if self.kind == 'training' else 'sampler_weights'
-        return f'{TWINKLE_SCHEME}{self.run_id}/{folder}/{self.name}'
+        return f'{TWINKLE_SCHEME}{self.run_id}/{TWINKLE_FOLDERS[self.kind]}/{self.name}'
 
     @property
     def checkpoint_id(self) -> str:
-        """The Tinker name: ``weights/<name>`` or ``sampler_weights/<name>``."""
+        """The Tinker name: ``weights/<name>``, ``sampler_weights/<name>`` or ``external_weights/<name>``."""
         return f'{TINKER_FOLDERS[self.kind]}/{self.name}'
 
     @property
@@ -258,7 +270,7 @@ def check_name(kind: str, name: object) -> str:
 
 
 #: Folders of a run's directory that hold something else than a checkpoint of that name.
-RESERVED_CHECKPOINT_NAMES = ('released-state', 'sampler_weights')
+RESERVED_CHECKPOINT_NAMES = ('released-state', 'sampler_weights', 'external_weights')
 
 
 def check_checkpoint_name(name: object) -> str:
