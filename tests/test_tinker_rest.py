@@ -224,8 +224,8 @@ def test_deleting_a_checkpoint_removes_its_files_and_unloads_its_sampler(server,
         alice.sdk.create_sampling_client(model_path=sampler_path).result().sample(prompt, 1, greedy).result()
     with pytest.raises(tinker.NotFoundError):
         rest.delete_checkpoint(client.model_id, 'sampler_weights/gone').result()
-    for malformed in ('checkpoints/kept', 'weights/.hidden', 'external_weights/x', 'kept'):
-        with pytest.raises(tinker.BadRequestError, match='expected weights/<name> or sampler_weights/<name>'):
+    for malformed in ('checkpoints/kept', 'weights/.hidden', 'exported/x', 'kept'):
+        with pytest.raises(tinker.BadRequestError, match='expected weights/<name>, sampler_weights/<name> or'):
             rest.delete_checkpoint(client.model_id, malformed).result()
     assert [c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints] == [kept]
     assert on_disk(server, client.model_id, 'weights/kept').exists()
@@ -418,7 +418,7 @@ def test_what_the_server_has_no_notion_of_is_refused_at_once(server, tenant, tin
     ]:
         with pytest.raises(tinker.BadRequestError, match=message):
             call().result()
-    with pytest.raises(tinker.NotFoundError, match='external weights'):
+    with pytest.raises(tinker.NotFoundError, match='external_weights/x'):
         rest.get_external_weights_urls(path.replace('/weights/', '/external_weights/')).result()
     assert time.monotonic() - started < 20  # answered, not retried for minutes
     headers = {'X-API-Key': alice.key}

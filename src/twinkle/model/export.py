@@ -35,7 +35,12 @@ ADAPTER_CONFIG = 'adapter_config.json'
 ADAPTER_FILES = (ADAPTER_CONFIG, ckpt.ADAPTER_WEIGHTS)
 #: twinkle's own files in a checkpoint: resume state, not weights another tool reads.
 TRAINING_FILES = (ckpt.TRAINER_STATE, ckpt.WEIGHTS_STEP, ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)
-DTYPES = {'auto': 'auto', 'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+DTYPES: dict[str, torch.dtype | str] = {
+    'auto': 'auto',
+    'float32': torch.float32,
+    'bfloat16': torch.bfloat16,
+    'float16': torch.float16,
+}
 
 
 def export_checkpoint(

@@ -8,6 +8,7 @@ own state (``TinkerState``). Routes receive it typed; nothing is added to it aft
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable
 from functools import partial
@@ -56,6 +57,9 @@ class Service:
         for run in self.store.idle_runs(older_than_s=0.0):  # their adapters died with the last process
             self.store.set_run_status(run.id, 'released')
         self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
+        # Signs the download links of exported weights; made at start, so a restart voids the links
+        # (the client asks for new ones).
+        self.link_key = secrets.token_bytes(32)
         self.registry = CollectorRegistry()
         self.requests = Counter('twinkle_requests', 'Compute requests', ['operation', 'status'], registry=self.registry)
         self.seconds = Histogram('twinkle_request_seconds', 'Compute time', ['operation'], registry=self.registry)

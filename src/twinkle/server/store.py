@@ -140,6 +140,7 @@ def _creating(*tables: str) -> list[str]:
     return [statement for statement in _SCHEMA.split(';') if (m := pattern.search(statement)) and m[1] in tables]
 
 
+_CHECKPOINT_COLUMNS = 'id, run_id, tenant_id, name, path, kind, size_bytes, created_at, public, expires_at'
 #: Statements that bring a database of version ``n - 1`` to version ``n``.
 _MIGRATIONS = {
     2: ['ALTER TABLE tenants ADD COLUMN from_keys_file INTEGER NOT NULL DEFAULT 0'],
@@ -158,8 +159,7 @@ _MIGRATIONS = {
         'DROP INDEX IF EXISTS checkpoints_by_expiry',
         'ALTER TABLE checkpoints RENAME TO checkpoints_v4',
         *_creating('checkpoints'),
-        'INSERT INTO checkpoints (id, run_id, tenant_id, name, path, kind, size_bytes, created_at, public, expires_at) '
-        'SELECT id, run_id, tenant_id, name, path, kind, size_bytes, created_at, public, expires_at FROM checkpoints_v4',
+        f'INSERT INTO checkpoints ({_CHECKPOINT_COLUMNS}) SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints_v4',
         'DROP TABLE checkpoints_v4',
     ],
 }
@@ -594,6 +594,11 @@ class Store:
             'SELECT * FROM checkpoints WHERE tenant_id = ? AND run_id = ? AND kind = ? AND name = ?',
             (tenant_id, run_id, kind, name),
         )
+        return _checkpoint(rows[0]) if rows else None
+
+    def get_checkpoint_by_id(self, checkpoint_id: str) -> Checkpoint | None:
+        """The checkpoint of this store id, whoever owns it (for links the server signed)."""
+        rows = self._query('SELECT * FROM checkpoints WHERE id = ?', (checkpoint_id,))
         return _checkpoint(rows[0]) if rows else None
 
     def get_readable_checkpoint(self, tenant_id: str, run_id: str, name: str, kind: str) -> Checkpoint | None:

@@ -8,8 +8,11 @@ ones that do not exist. A published checkpoint may be loaded by any tenant throu
 past their TTL are deleted with their files by :func:`expire_checkpoints_periodically`, within
 ``tinker.checkpoint_expiry_interval_s`` of their expiry.
 
-What the SDK can call but this server has no notion of (projects, weight copies, external weights,
-trace exports, session search) is refused with a 4xx that says so: never a 5xx or an empty 400,
+Exported weights (``external_weights/<name>``) are listed, deleted, published and given a TTL
+like the others; their download links are ``external``'s.
+
+What the SDK can call but this server has no notion of (projects, weight copies, trace exports,
+session search) is refused with a 4xx that says so: never a 5xx or an empty 400,
 which the SDK retries for minutes.
 """
 
@@ -24,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, QueueFullError, StateError
@@ -33,6 +36,7 @@ from twinkle.server.group import bare
 from twinkle.server.remote_host import Host
 from twinkle.server.state import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Session, Store, Tenant, check_name
+from twinkle.server.tinker import external
 from twinkle.server.tinker.api import JsonObject, TinkerAPI, router
 from twinkle.utils.logger import get_logger
 
@@ -71,6 +75,7 @@ def rest_router(service: Service) -> APIRouter:
     routes = router()
     _run_routes(routes, service)
     _checkpoint_routes(routes, service)  # before the catch-all of a checkpoint id that holds a '/'
+    external.files_route(routes, service)
     _delete_route(routes, service)
     _session_routes(routes, service)
     _refused_routes(routes, service.store)
@@ -210,9 +215,9 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         return {'tinker_path': checkpoint.tinker_path, 'expires_at': _iso(expires_at)}
 
     @router.get('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls')
-    async def external_weights_urls(run_id: str, checkpoint_id: str, who: Who) -> None:
-        _own_run(store, who, run_id)
-        raise NotFoundError(f'checkpoint {checkpoint_id!r} not found: this server keeps no external weights')
+    async def external_weights_urls(run_id: str, checkpoint_id: str, who: Who, request: Request) -> JsonObject:
+        checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
+        return external.links_json(service, checkpoint, request)
 
 
 def _delete_route(router: APIRouter, service: Service) -> None:
@@ -239,7 +244,8 @@ def _own_checkpoint(store: Store, who: Tenant, run_id: str, checkpoint_id: str) 
         check_name('checkpoint', name)
     except (KeyError, DataError):
         raise DataError(
-            f'Invalid checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>, where '
+            f'Invalid checkpoint id {checkpoint_id!r}: expected weights/<name>, sampler_weights/<name> or '
+            'external_weights/<name>, where '
             'name is 1 to 64 of A-Z, a-z, 0-9, ".", "_", "-" starting with a letter or digit',
         ) from None
     checkpoint = store.get_checkpoint(who.id, run_id, name, kind)

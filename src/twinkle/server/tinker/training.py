@@ -22,7 +22,7 @@ from twinkle.server.deps import Who
 from twinkle.server.group import ModelGroup, bare
 from twinkle.server.state import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name
-from twinkle.server.tinker import codec
+from twinkle.server.tinker import codec, external
 from twinkle.server.tinker.api import PROTO, JsonObject, TinkerAPI, proto_result, router
 from twinkle.server.tinker.train import lora_config, optim_step, run_forward_backward
 
@@ -189,6 +189,25 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
             return {'path': checkpoint.tinker_path, 'type': 'save_weights'}
 
         request_id = await api.accept(who, service.group_of(run), run.id, body.seq_id, 'save_weights', save)
+        return {'request_id': request_id, 'model_id': run.id}
+
+    @routes.post('/save_weights_external')
+    async def save_weights_external(body: types.SaveWeightsExternalRequest, who: Who) -> JsonObject:
+        run = api.run_of(who, body.model_id)
+        name = _checkpoint_name(body.path, body.seq_id)
+        expires = _expiry(body.ttl_seconds)
+        recipients = external.age_recipients(body.age_encryption_recipients or [])
+
+        def save() -> JsonObject:
+            checkpoint = external.export_weights(service, who, run, name, expires, recipients)
+            return {
+                'path': checkpoint.tinker_path,
+                'size_bytes': checkpoint.size_bytes,
+                'type': 'save_weights_external',
+            }
+
+        group = service.group_of(run)
+        request_id = await api.accept(who, group, run.id, body.seq_id, 'save_weights_external', save)
         return {'request_id': request_id, 'model_id': run.id}
 
     @routes.post('/save_weights_for_sampler')
