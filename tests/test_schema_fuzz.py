@@ -31,7 +31,14 @@ from schemathesis.specs.openapi.checks import (
 from server_helpers import background_server
 
 #: Operations that answer without an API key; every other one must answer 401 without a known key.
-PUBLIC = {'GET /healthz', 'GET /metrics', 'GET /api/v1/healthz'}
+# The routes that need no API key: health, metrics, and a download link's file (the signed link is the
+# credential: tests/test_tinker_export.py checks that an altered or expired one is a 401).
+PUBLIC = {
+    'GET /healthz',
+    'GET /metrics',
+    'GET /api/v1/healthz',
+    'GET /api/v1/external_weights_files/{checkpoint_id}/{name}',
+}
 #: Requests per operation and generation mode (fitting the schema, and not).
 EXAMPLES = int(os.environ.get('TWINKLE_FUZZ_EXAMPLES', '2'))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

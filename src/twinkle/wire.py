@@ -154,6 +154,24 @@ class CheckpointList(Answer):
     checkpoints: list[CheckpointInfo]
 
 
+class RunStep(Answer):
+    """A run's figures at one optimizer step; a figure the step did not have is absent."""
+
+    step: int
+    time: float = Field(description='Unix time the step was recorded')
+    loss: float | None = Field(None, description="Mean loss of the step's forward_backward calls")
+    lr: float | None = None
+    grad_norm: float | None = Field(None, description='Gradient norm before clipping')
+    tokens_per_s: float | None = None
+
+
+class RunHistory(Answer):
+    """A run's steps after ``after``, oldest first; ask again with ``after`` = the last step for more."""
+
+    run_id: str
+    steps: list[RunStep]
+
+
 class Deleted(Answer):
     deleted: bool
 
@@ -465,8 +483,10 @@ __all__ = [
     'LoadRequest',
     'Operation',
     'Prompt',
+    'RunHistory',
     'RunInfo',
     'RunList',
+    'RunStep',
     'SampleWeights',
     'SaveRequest',
     'ServerInfo',

@@ -17,8 +17,10 @@ from twinkle.wire import (
     CheckpointList,
     FutureAccepted,
     FutureInfo,
+    RunHistory,
     RunInfo,
     RunList,
+    RunStep,
     parse_twinkle_path,
 )
 
@@ -105,6 +107,19 @@ class TwinkleClient:
 
     def get_training_run(self, run_id: str) -> TrainingRun:
         return RunInfo.model_validate(self.request('GET', f'{PREFIX}/runs/{run_id}'))
+
+    def run_history(self, run_id: str, after: int = 0) -> list[RunStep]:
+        """The run's figures at each optimizer step after step ``after`` (loss, lr, grad_norm,
+        tokens_per_s), oldest first: every step, in pages of the server's size."""
+        steps: list[RunStep] = []
+        while True:
+            page = RunHistory.model_validate(
+                self.request('GET', f'{PREFIX}/runs/{run_id}/history', params={'after': after})
+            ).steps
+            if not page:
+                return steps
+            steps += page
+            after = page[-1].step
 
     def list_checkpoints(self, run_id: str) -> list[Checkpoint]:
         return CheckpointList.model_validate(self.request('GET', f'{PREFIX}/runs/{run_id}/checkpoints')).checkpoints

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,46 @@ from twinkle.template import Template
 FULL = ''
 #: Sums a step's gradients over data-parallel ranks; returns the step's item count over all ranks.
 GradientReducer = Callable[[list[torch.nn.Parameter], torch.Tensor | int], torch.Tensor | int]
+
+
+@dataclass
+class StepLog:
+    """Each optimizer step's figures, kept until taken (``take``): the step number, the mean loss
+    of the ``forward_backward`` calls since the step before, the learning rate it stepped with,
+    the gradient norm before clipping and the tokens per second of its calls. Apart from the
+    metrics, which ``calculate_metric`` reads and resets: a service records these per step
+    whatever its tenant reads. Holds the last ``MAX_STEPS`` steps when nobody takes them."""
+
+    MAX_STEPS = 1000
+
+    loss_sum: float = 0.0
+    calls: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    grad_norm: float | None = None
+    steps: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=StepLog.MAX_STEPS))
+
+    def on_call(self, loss: float, tokens: int, elapsed_s: float) -> None:
+        self.loss_sum, self.calls = self.loss_sum + loss, self.calls + 1
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + elapsed_s
+
+    def on_step(self, step: int, lr: float | None, elapsed_s: float) -> None:
+        figures = {'step': float(step)}
+        if self.calls:
+            figures['loss'] = self.loss_sum / self.calls
+        if lr is not None:
+            figures['lr'] = lr
+        if self.grad_norm is not None:
+            figures['grad_norm'] = self.grad_norm
+        if self.seconds + elapsed_s > 0:
+            figures['tokens_per_s'] = self.tokens / (self.seconds + elapsed_s)
+        self.steps.append(figures)
+        self.loss_sum, self.calls, self.tokens, self.seconds, self.grad_norm = 0.0, 0, 0, 0.0, None
+
+    def take(self) -> list[dict[str, float]]:
+        taken = list(self.steps)
+        self.steps.clear()
+        return taken
 
 
 @dataclass
@@ -51,6 +92,7 @@ class TrainGroup:
     train_metrics: list[Metric] = field(default_factory=lambda: [LossMetric(), Accuracy()])
     eval_metrics: list[Metric] = field(default_factory=lambda: [LossMetric(), Accuracy()])
     stats: TrainMetric = field(default_factory=TrainMetric)
+    step_log: StepLog = field(default_factory=StepLog)
     micro_step: int = 0  # backward calls so far
     optim_step: int = 0  # optimizer steps taken
     consumed_train_samples: int = 0

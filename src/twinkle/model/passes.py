@@ -145,5 +145,8 @@ def record_call(
     total, items, trained, global_rows = sums
     group.micro_step += 1
     group.consumed_train_samples += int(global_rows)
-    group.stats.accumulate(num_tokens=sum(len(f['input_ids']) for f in rows), elapsed_s=elapsed_s)
-    return ModelOutput(loss=total / max(items, 1.0), num_tokens=int(trained))
+    tokens = sum(len(f['input_ids']) for f in rows)
+    group.stats.accumulate(num_tokens=tokens, elapsed_s=elapsed_s)
+    loss = total / max(items, 1.0)
+    group.step_log.on_call(loss, tokens, elapsed_s)
+    return ModelOutput(loss=loss, num_tokens=int(trained))

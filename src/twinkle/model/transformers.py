@@ -434,6 +434,11 @@ class TransformersModel(TwinkleModel):
             metric.reset()
         return result
 
+    def take_step_logs(self) -> dict[str, list[dict[str, float]]]:
+        """Each adapter's optimizer steps since the last call (``StepLog``): step, loss, lr,
+        grad_norm, tokens_per_s. Unlike ``calculate_metric`` it leaves the metrics alone."""
+        return {name: steps for name, group in self.groups.items() if (steps := group.step_log.take())}
+
     def get_train_configs(self, *, adapter_name: str | None = None) -> str:
         group = self._group(adapter_name)
         trainable = sum(p.numel() for p in group.params)
@@ -560,6 +565,7 @@ class TransformersModel(TwinkleModel):
         """Book a clip: the norm before clipping is the group's ``last_grad_norm``, returned."""
         group.last_grad_norm = self._parallel.norm_value(norm)
         group.stats.accumulate(grad_norm=group.last_grad_norm, elapsed_s=elapsed_s)
+        group.step_log.grad_norm = group.last_grad_norm
         return group.last_grad_norm
 
     def _ready_to_step(self, group: TrainGroup) -> bool:
@@ -580,7 +586,9 @@ class TransformersModel(TwinkleModel):
     def _stepped(self, group: TrainGroup, elapsed_s: float) -> None:
         group.optim_step += 1
         group.last_grad_norm = None
-        group.stats.accumulate(elapsed_s=elapsed_s, lr=group.current_lr(), stepped=True)
+        lr = group.current_lr()
+        group.stats.accumulate(elapsed_s=elapsed_s, lr=lr, stepped=True)
+        group.step_log.on_step(group.optim_step, lr, elapsed_s)
 
     def _step_together(self, groups: list[TrainGroup], calls: list[StepCall]) -> list[StepResult]:
         """``clip_grad_and_step`` of groups at an open boundary with ``fusable`` optimizers on

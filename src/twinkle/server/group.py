@@ -17,15 +17,19 @@ from pydantic import JsonValue
 
 from twinkle.errors import CapacityError, NotFoundError, StateError
 from twinkle.server.config import ServerConfig
-from twinkle.server.host import is_mixable, request_tokens
+from twinkle.server.host import is_mixable, request_tokens, take_step_logs
 from twinkle.server.remote_host import Host
 from twinkle.server.sampler_group import SamplerGroup
 from twinkle.server.scheduler import Batchable, Job, JobCallback, Scheduler
 from twinkle.server.store import Run, Store
 from twinkle.server.vllm_sampling import VllmSamplerHost
+from twinkle.utils.logger import get_logger
 
 #: Where a released adapter's state is kept, beside the run's checkpoints.
+logger = get_logger()
 RELEASE_STATE = 'released-state'
+#: Operations of both APIs that take an optimizer step: the runs' step history is recorded after them.
+STEP_OPERATIONS = frozenset({'clip_grad_and_step', 'step', 'optim_step'})
 
 
 def bare(model_id: str) -> str:
@@ -114,7 +118,21 @@ class ModelGroup:
 
     def _finished(self, job: Job) -> None:
         self._pinned.clear()
+        if job.error is None and job.operation in STEP_OPERATIONS:
+            self._record_steps()  # before the future settles: its caller then finds the step recorded
         self._on_finish(job)
+
+    def _record_steps(self) -> None:
+        """Each run's optimizer steps since the last record into the store (its step history)."""
+        try:
+            logs = self.host.call(take_step_logs)
+        except Exception as error:  # a dead worker: its steps died with it, the run goes on from its state
+            logger.warning(f'the step history of {self.name!r} was not read: {type(error).__name__}: {error}')
+            return
+        runs = {adapter: run_id for run_id, adapter in self.adapters.items()}
+        for adapter, steps in logs.items():
+            if adapter in runs:
+                self.store.add_run_steps(runs[adapter], steps)
 
     # ---- passes shared by tenants ----------------------------------------------------------------
     def mixable(self, run: Run, operation: str, kwargs: dict[str, JsonValue]) -> Batchable | None:

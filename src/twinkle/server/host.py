@@ -418,3 +418,8 @@ def _check_scalars(operation: str, kwargs: Mapping[str, Any]) -> None:
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, float) and not math.isfinite(item):
                 raise DataError(f'{operation} argument {key!r} is {item}; it must be a finite number')
+
+
+def take_step_logs(host: ModelHost) -> dict[str, list[dict[str, float]]]:
+    """Each adapter's optimizer steps since the last call (run with ``Host.call``, where the model is)."""
+    return host.model.take_step_logs()

@@ -11,6 +11,7 @@ loop. A tenant sees only its own runs, checkpoints and futures: anything else is
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import shutil
 from collections.abc import Awaitable, Callable
@@ -38,8 +39,10 @@ from twinkle.wire import (
     FutureInfo,
     LoadRequest,
     Operation,
+    RunHistory,
     RunInfo,
     RunList,
+    RunStep,
     SampleWeights,
     SaveRequest,
     ServerInfo,
@@ -52,6 +55,8 @@ PREFIX = '/twinkle/v1'
 SQLITE_INT_LIMIT = 2**63
 #: Longest ``wait`` of a future poll, in seconds.
 MAX_WAIT_S = 60.0
+#: Most steps one history request returns.
+MAX_HISTORY = 1000
 Page = Annotated[int, Query(ge=0, lt=SQLITE_INT_LIMIT)]
 
 
@@ -117,6 +122,15 @@ def _run_routes(router: APIRouter, service: Service) -> None:
     @router.get('/runs/{run_id}', response_model=RunInfo)
     async def get_run(run_id: str, who: Who) -> dict[str, JsonValue]:
         return _run_json(_own_run(service, who.id, run_id))
+
+    @router.get('/runs/{run_id}/history', response_model=RunHistory)
+    async def run_history(
+        run_id: str, who: Who, after: Page = 0, limit: Annotated[int, Query(ge=1, le=MAX_HISTORY)] = MAX_HISTORY
+    ) -> RunHistory:
+        """The run's figures at each optimizer step (of either API), after step ``after``."""
+        _own_run(service, who.id, run_id)
+        steps = await asyncio.to_thread(service.store.run_steps, run_id, after, limit)
+        return RunHistory(run_id=run_id, steps=[RunStep.model_validate(step) for step in steps])
 
 
 # ---- operations ---------------------------------------------------------------------------------------

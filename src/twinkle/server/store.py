@@ -131,6 +131,14 @@ CREATE TABLE IF NOT EXISTS model_restarts (
     reason TEXT NOT NULL,
     at REAL NOT NULL
 );
+-- A run's figures at each optimizer step (loss, lr, grad_norm, tokens_per_s), as JSON.
+CREATE TABLE IF NOT EXISTS run_steps (
+    run_id TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    step INTEGER NOT NULL,
+    at REAL NOT NULL,
+    figures_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, step)
+);
 """
 
 
@@ -161,6 +169,7 @@ _MIGRATIONS = {
         *_creating('checkpoints'),
         f'INSERT INTO checkpoints ({_CHECKPOINT_COLUMNS}) SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints_v4',
         'DROP TABLE checkpoints_v4',
+        *_creating('run_steps'),
     ],
 }
 
@@ -530,6 +539,27 @@ class Store:
         """The restarts of a model's workers, oldest first: (reason, unix time)."""
         rows = self._query('SELECT reason, at FROM model_restarts WHERE base_model = ? ORDER BY id', (base_model,))
         return [(row['reason'], row['at']) for row in rows]
+
+    def add_run_steps(self, run_id: str, steps: list[dict[str, float]]) -> None:
+        """Record a run's optimizer steps (``StepLog`` entries: 'step' and its figures); a step
+        recorded again (a run resumed from an earlier checkpoint) replaces the old one. Not
+        fsynced: a crash may lose the last steps' figures, never the run."""
+        now = self._clock()
+        rows = [
+            (run_id, int(entry['step']), now, json.dumps({k: v for k, v in entry.items() if k != 'step'}))
+            for entry in steps
+        ]
+        with self._write(durable=False) as conn:
+            sql = 'INSERT OR REPLACE INTO run_steps (run_id, step, at, figures_json) VALUES (?, ?, ?, ?)'
+            conn.executemany(sql, rows)
+
+    def run_steps(self, run_id: str, after: int = 0, limit: int = 1000) -> list[dict[str, float]]:
+        """A run's recorded steps after step ``after``, oldest first: ``{'step', 'time', <figures>}``."""
+        rows = self._query(
+            'SELECT step, at, figures_json FROM run_steps WHERE run_id = ? AND step > ? ORDER BY step LIMIT ?',
+            (run_id, after, limit),
+        )
+        return [{'step': row['step'], 'time': row['at'], **json.loads(row['figures_json'])} for row in rows]
 
     def idle_runs(self, older_than_s: float) -> list[Run]:
         """Active runs with no request in the last ``older_than_s`` seconds, longest idle first."""

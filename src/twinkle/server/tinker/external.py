@@ -105,7 +105,7 @@ def files_route(routes: APIRouter, service: Service) -> None:
     @routes.get(FILES_ROUTE + '/{checkpoint_id}/{name:path}', response_model=None)
     async def external_weights_file(checkpoint_id: str, name: str, expires: int, signature: str) -> FileResponse:
         expected = _signature(service.link_key, checkpoint_id, name, expires)
-        if not hmac.compare_digest(expected, signature) or expires < time.time():
+        if not hmac.compare_digest(expected.encode(), signature.encode()) or expires < time.time():
             raise UnauthorizedError(
                 'this download link is altered or expired: ask for new links (external_weights_urls)'
             )

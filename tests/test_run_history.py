@@ -1,0 +1,104 @@
+"""Run history in the service: each run's figures at every optimizer step (loss, lr, grad norm,
+tokens/s), recorded in the store whatever the tenant reads, for runs of both APIs, and read
+back through ``GET /twinkle/v1/runs/{id}/history``; another tenant's history does not exist."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import tinker
+from peft import LoraConfig
+from server_helpers import background_server
+from tinker import types
+
+from twinkle_client import RemoteError, TwinkleClient
+from twinkle_client.model import MultiLoraTransformersModel
+
+ROWS = [{'input_ids': [5 + i, 17, 42, 99, 3 + i, 8], 'labels': [5 + i, 17, 42, 99, 3 + i, 8]} for i in range(4)]
+
+
+@pytest.fixture(scope='module')
+def server(tmp_path_factory, tiny_model_dir):
+    with background_server(tmp_path_factory.mktemp('history'), tiny_model_dir) as running:
+        yield running
+
+
+def native_run(url: str, key: str, name: str, lr: float) -> tuple[MultiLoraTransformersModel, str]:
+    model = MultiLoraTransformersModel(client=TwinkleClient(url, key))
+    run_id = model.add_adapter_to_model(name, LoraConfig(r=4, target_modules='all-linear'), seed=1)
+    model.set_optimizer('AdamW', lr=lr)
+    model.set_lr_scheduler('LinearLR', start_factor=1.0, end_factor=0.5, total_iters=4)
+    return model, run_id
+
+
+def test_each_optimizer_step_of_a_native_run_is_recorded_with_its_figures(server):
+    url, keys, _ = server
+    model, run_id = native_run(url, keys['alice'], 'history', lr=1e-2)
+    losses, norms = [], []
+    for step in range(3):
+        # two accumulation calls per step: the step's loss is their mean
+        calls = [model.forward_backward(inputs=ROWS[:2]).loss, model.forward_backward(inputs=ROWS[2:]).loss]
+        losses.append(sum(calls) / 2)
+        norms.append(model.clip_grad_and_step())
+        if step == 1:
+            metrics = model.calculate_metric()  # the tenant reading its metrics takes nothing from the history
+            assert metrics['steps'] == 2
+    history = model.client.run_history(run_id)
+    assert [s.step for s in history] == [1, 2, 3]
+    assert [s.loss for s in history] == pytest.approx(losses, rel=1e-6)
+    assert [s.grad_norm for s in history] == pytest.approx(norms, rel=1e-6)
+    assert [s.lr for s in history] == pytest.approx([1e-2, 1e-2 * (1 - 0.5 / 4), 1e-2 * (1 - 1.0 / 4)], rel=1e-6)
+    assert all(s.tokens_per_s > 0 and s.time > 0 for s in history)
+    assert [s.step for s in model.client.run_history(run_id, after=2)] == [3]
+    page = httpx.get(
+        f'{url}/twinkle/v1/runs/{run_id}/history', params={'after': 1, 'limit': 1}, headers={'X-API-Key': keys['alice']}
+    ).json()
+    assert [s['step'] for s in page['steps']] == [2]
+
+    bob = TwinkleClient(url, keys['bob'])
+    with pytest.raises(RemoteError) as refused:
+        bob.run_history(run_id)
+    assert refused.value.status == 404
+
+
+def test_tenants_stepping_together_each_get_their_own_history(server):
+    url, keys, _ = server
+    runs = {}
+
+    def train(name: str, lr: float) -> None:
+        model, run_id = native_run(url, keys[name], f'{name}-together', lr=lr)
+        for _ in range(4):
+            model.forward_backward(inputs=ROWS)
+            model.clip_grad_and_step()
+        runs[name] = (model, run_id)
+
+    threads = [threading.Thread(target=train, args=args) for args in (('alice', 1e-2), ('bob', 1e-3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name, lr in (('alice', 1e-2), ('bob', 1e-3)):
+        model, run_id = runs[name]
+        history = model.client.run_history(run_id)
+        assert [s.step for s in history] == [1, 2, 3, 4], name
+        assert history[0].lr == pytest.approx(lr)
+
+
+def test_a_tinker_model_s_steps_are_recorded_too(server, tiny_model_dir):
+    url, keys, _ = server
+    sdk = tinker.ServiceClient(base_url=url, api_key=keys['alice'])
+    client = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4).result()
+    tokens = [11, 22, 33, 44, 55, 66, 77]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={'target_tokens': tokens[1:], 'weights': [1.0] * (len(tokens) - 1)},
+    )
+    for _ in range(2):
+        client.forward_backward([datum], 'cross_entropy').result()
+        client.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+    history = TwinkleClient(url, keys['alice']).run_history(client.model_id)
+    assert [(s.step, s.lr) for s in history] == [(1, pytest.approx(3e-3)), (2, pytest.approx(3e-3))]
+    assert all(s.loss is not None and s.loss > 0 for s in history)
+    sdk.close('success').result()
