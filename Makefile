@@ -7,7 +7,7 @@ VPY := $(VLLM_VENV)/bin/python
 # torch is pinned first so pip takes the CPU wheel instead of pulling CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup train grpo test fuzz lint bench clean setup-vllm test-vllm bench-vllm
+.PHONY: setup browser train grpo test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets
 
 setup: $(VENV)/.installed
 
@@ -27,7 +27,21 @@ train: setup  ## LoRA SFT of the embedded tiny model, with a progress bar
 grpo: setup  ## GRPO from scratch on the embedded tiny model: watch the reward rise
 	$(PY) cookbook/grpo_letter_words.py
 
-test: setup  ## lint, layer contracts, types (mypy over src/), then the whole test suite (CPU only, offline)
+# Playwright's own browser download needs a network this machine lacks: the dashboard's browser test drives Debian's
+# chromium, installed here with apt-get when missing (as root, as CI runs; elsewhere install it yourself).
+browser:  ## Debian's chromium for the dashboard's browser test
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q --no-install-recommends chromium \
+		|| { apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }; } \
+		|| echo 'make browser: chromium is missing and this is not root: tests/test_dashboard.py will be skipped'; }
+
+# The dashboard's charting library, uPlot, from the npm registry into the package (its version: dashboard/package.json).
+dashboard-assets:  ## refresh the vendored uPlot from npm
+	cd src/twinkle/server/dashboard && rm -rf .npm-pack && mkdir .npm-pack && cd .npm-pack \
+		&& npm pack "uplot@$$(node -p "require('../package.json').dependencies.uplot")" && tar xzf uplot-*.tgz \
+		&& cp package/dist/uPlot.iife.min.js package/dist/uPlot.min.css package/LICENSE ../static/vendor/uplot/ \
+		&& cd .. && rm -rf .npm-pack
+
+test: setup browser  ## lint, layer contracts, types (mypy over src/), then the whole test suite (CPU only, offline)
 	$(VENV)/bin/ruff check src tests cookbook benchmarks
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
 	$(VENV)/bin/lint-imports --no-cache

@@ -21,6 +21,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from twinkle.server.config import ServerConfig
+from twinkle.server.dashboard import mount_dashboard
 from twinkle.server.errors import install_error_handlers
 from twinkle.server.http_limits import HttpLimits
 from twinkle.server.native import native_router
@@ -65,6 +66,7 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     app.include_router(sampling_router(service))
     app.include_router(openai_router(service))
     app.include_router(rest_router(service))
+    mount_dashboard(app, service)
 
     @app.get('/healthz')
     async def healthz() -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import os
 import sys
 import threading
 from typing import Any
@@ -26,6 +27,8 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         'port': args.port,
         'data_dir': args.data_dir,
         'device': args.device,
+        # The dashboard's admin key, from the environment rather than a flag (a flag shows in `ps`).
+        'admin_api_key': os.environ.get('TWINKLE_ADMIN_KEY') or None,
     }
     if args.command == 'keys' and not args.config and args.base_model is None:
         overrides['base_model'] = '(managing keys only)'  # keys need only the data directory

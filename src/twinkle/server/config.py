@@ -197,6 +197,9 @@ class ServerConfig(BaseModel):
     #: itself; the next request brings one back unchanged (None: never).
     idle_release_s: float | None = Field(300.0, gt=0)
     api_keys_file: str | None = None
+    #: The key of the dashboard's admin view (tenants, queues, passes, adapters, restarts; never a
+    #: tenant's runs): the key itself or ``sha256:<hex>`` of it. None: no admin view.
+    admin_api_key: str | None = Field(None, min_length=32)
     tinker: TinkerSettings = Field(default_factory=TinkerSettings)
     #: Run the model in a Ray actor (on any node of a cluster); None: in the server's process.
     ray: RaySettings | None = None

@@ -540,6 +540,11 @@ class Store:
         rows = self._query('SELECT reason, at FROM model_restarts WHERE base_model = ? ORDER BY id', (base_model,))
         return [(row['reason'], row['at']) for row in rows]
 
+    def count_runs(self, base_model: str, status: str) -> int:
+        """How many runs on ``base_model`` have ``status``."""
+        rows = self._query('SELECT COUNT(*) FROM runs WHERE base_model = ? AND status = ?', (base_model, status))
+        return int(rows[0][0])
+
     def add_run_steps(self, run_id: str, steps: list[dict[str, float]]) -> None:
         """Record a run's optimizer steps (``StepLog`` entries: 'step' and its figures); a step
         recorded again (a run resumed from an earlier checkpoint) replaces the old one. Not

@@ -27,6 +27,7 @@ from typing import Any
 import pyrage
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
+from pydantic import JsonValue
 
 from twinkle.errors import DataError, NotFoundError, UnauthorizedError
 from twinkle.model import checkpoint as ckpt
@@ -89,14 +90,25 @@ def links_json(service: Service, checkpoint: Checkpoint, request: Request) -> Js
             'then ask for the links of tinker://<run_id>/external_weights/<name>'
         )
     root = Path(checkpoint.path)
+    urls, expires = signed_links(
+        service, checkpoint, request, [p.relative_to(root) for p in root.rglob('*') if p.is_file()]
+    )
+    return {'urls': urls, 'expires': datetime.fromtimestamp(expires, tz=timezone.utc).isoformat()}
+
+
+def signed_links(
+    service: Service, checkpoint: Checkpoint, request: Request, files: list[Path]
+) -> tuple[dict[str, JsonValue], int]:
+    """A link to each of ``files`` (paths in the checkpoint's folder) that works without a key
+    for ``LINK_TTL_S``, on the host and port the request came to; and when they expire."""
     expires = int(time.time()) + LINK_TTL_S
     base = str(request.base_url).rstrip('/') + request.scope.get('root_path', '')
-    urls: dict[str, str] = {}
-    for path in sorted(p for p in root.rglob('*') if p.is_file()):
-        name = path.relative_to(root).as_posix()
+    urls: dict[str, JsonValue] = {}
+    for file in sorted(files):
+        name = file.as_posix()
         signature = _signature(service.link_key, checkpoint.id, name, expires)
         urls[name] = f'{base}/api/v1{FILES_ROUTE}/{checkpoint.id}/{name}?expires={expires}&signature={signature}'
-    return {'urls': urls, 'expires': datetime.fromtimestamp(expires, tz=timezone.utc).isoformat()}  # type: ignore[dict-item]
+    return urls, expires
 
 
 def files_route(routes: APIRouter, service: Service) -> None:

@@ -1,0 +1,235 @@
+// The twinkle dashboard: signs in with a key and calls the server's APIs with it (X-API-Key).
+// A tenant's key sees its own runs, their curves as they train, and its checkpoints; the admin
+// key sees tenants, queues, passes, adapters and restarts. Every value the server sends is shown
+// as text (textContent), never as HTML.
+'use strict';
+
+const FIGURES = [
+  ['loss', 'loss'],
+  ['lr', 'learning rate'],
+  ['grad_norm', 'gradient norm'],
+  ['tokens_per_s', 'tokens / s'],
+];
+const POLL_MS = 1000;
+const state = { key: sessionStorage.getItem('twinkle-key'), run: null, after: 0, points: null, charts: {}, timers: [] };
+const $ = (id) => document.getElementById(id);
+
+async function api(method, path, params) {
+  const url = new URL(path, location.origin);
+  for (const [name, value] of Object.entries(params || {})) url.searchParams.set(name, value);
+  const answer = await fetch(url, { method, headers: { 'X-API-Key': state.key } });
+  const body = await answer.json().catch(() => ({}));
+  if (!answer.ok) throw new Error(body.detail || `${answer.status} ${answer.statusText}`);
+  return body;
+}
+
+function cell(row, text) {
+  const td = document.createElement('td');
+  td.textContent = text;
+  row.appendChild(td);
+  return td;
+}
+
+function button(parent, label, action) {
+  const b = document.createElement('button');
+  b.textContent = label;
+  b.addEventListener('click', async () => {
+    $('action-error').textContent = '';
+    try { await action(); } catch (error) { $('action-error').textContent = error.message; }
+  });
+  parent.appendChild(b);
+  return b;
+}
+
+function every(ms, fn) {
+  const tick = async () => { try { await fn(); } catch (error) { console.warn(error); } };
+  tick();
+  state.timers.push(setInterval(tick, ms));
+}
+
+function sizeText(bytes) {
+  const units = ['B', 'KB', 'MB', 'GB'];
+  let i = 0;
+  while (bytes >= 1024 && i < units.length - 1) { bytes /= 1024; i += 1; }
+  return `${bytes.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+// ---- signing in ---------------------------------------------------------------------------------
+async function signIn(key) {
+  state.key = key;
+  const who = await api('GET', '/dashboard/api/session');
+  sessionStorage.setItem('twinkle-key', key);
+  $('sign-in').hidden = true;
+  $('sign-out').hidden = false;
+  if (who.role === 'admin') {
+    $('who').textContent = 'admin';
+    $('admin-view').hidden = false;
+    every(2 * POLL_MS, refreshAdmin);
+  } else {
+    $('who').textContent = `tenant ${who.name}`;
+    $('tenant-view').hidden = false;
+    every(3 * POLL_MS, refreshRuns);
+    every(POLL_MS, refreshHistory);
+    every(3 * POLL_MS, refreshCheckpoints);
+  }
+}
+
+function signOut() {
+  sessionStorage.removeItem('twinkle-key');
+  state.timers.forEach(clearInterval);
+  location.reload();
+}
+
+// ---- a tenant's runs ------------------------------------------------------------------------------
+async function refreshRuns() {
+  const { runs } = await api('GET', '/twinkle/v1/runs', { limit: 100 });
+  const list = $('runs');
+  list.replaceChildren();
+  for (const run of runs) {
+    const item = document.createElement('li');
+    item.dataset.run = run.id;
+    item.textContent = run.adapter_name;
+    const detail = document.createElement('small');
+    detail.textContent = `${run.id} · ${run.status}`;
+    item.appendChild(detail);
+    item.classList.toggle('selected', run.id === state.run);
+    item.addEventListener('click', () => select(run));
+    list.appendChild(item);
+  }
+  if (state.run === null && runs.length) select(runs[0]);
+}
+
+function select(run) {
+  state.run = run.id;
+  state.after = 0;
+  state.points = [[], ...FIGURES.map(() => [])];
+  $('run-title').textContent = `${run.adapter_name} (${run.id})`;
+  $('run-status').textContent = `${run.base_model} · ${run.status}`;
+  document.querySelectorAll('#runs li').forEach((li) => li.classList.toggle('selected', li.dataset.run === run.id));
+  drawCharts();
+  refreshHistory();
+  refreshCheckpoints();
+}
+
+function drawCharts() {
+  const box = $('charts');
+  box.replaceChildren();
+  state.charts = {};
+  const width = Math.max(280, Math.floor((box.clientWidth - 16) / 2) - 8);
+  FIGURES.forEach(([name, label], index) => {
+    const holder = document.createElement('div');
+    holder.className = 'chart';
+    holder.id = `chart-${name}`;
+    holder.dataset.points = '0';
+    box.appendChild(holder);
+    const options = {
+      title: label,
+      width,
+      height: 200,
+      scales: { x: { time: false } },
+      axes: [{ label: 'step' }, {}],
+      series: [{ label: 'step' }, { label, stroke: '#4f46e5', width: 2, points: { show: true, size: 4 } }],
+    };
+    state.charts[name] = new uPlot(options, [state.points[0], state.points[index + 1]], holder);
+  });
+}
+
+async function refreshHistory() {
+  if (state.run === null) return;
+  const run = state.run;
+  const { steps } = await api('GET', `/twinkle/v1/runs/${encodeURIComponent(run)}/history`, { after: state.after });
+  if (run !== state.run || !steps.length) return;
+  for (const step of steps) {
+    state.points[0].push(step.step);
+    FIGURES.forEach(([name], index) => state.points[index + 1].push(step[name] ?? null));
+  }
+  state.after = steps[steps.length - 1].step;
+  FIGURES.forEach(([name], index) => {
+    state.charts[name].setData([state.points[0], state.points[index + 1]]);
+    $(`chart-${name}`).dataset.points = String(state.points[0].length);
+  });
+  $('run-status').textContent = `${state.points[0].length} steps recorded, last step ${state.after}`;
+}
+
+async function refreshCheckpoints() {
+  if (state.run === null) return;
+  const run = state.run;
+  const { checkpoints } = await api('GET', `/twinkle/v1/runs/${encodeURIComponent(run)}/checkpoints`);
+  if (run !== state.run) return;
+  const body = $('checkpoints').querySelector('tbody');
+  body.replaceChildren();
+  for (const checkpoint of checkpoints) {
+    const row = document.createElement('tr');
+    row.dataset.checkpoint = `${checkpoint.kind}/${checkpoint.name}`;
+    cell(row, checkpoint.name);
+    cell(row, checkpoint.kind);
+    cell(row, sizeText(checkpoint.size_bytes));
+    cell(row, new Date(checkpoint.created_at * 1000).toLocaleString());
+    cell(row, checkpoint.public ? 'yes' : 'no');
+    const actions = cell(row, '');
+    const path = `/dashboard/api/runs/${encodeURIComponent(run)}/checkpoints/${checkpoint.kind}/${encodeURIComponent(checkpoint.name)}`;
+    button(actions, 'Download', () => showLinks(path, checkpoint.name));
+    button(actions, checkpoint.public ? 'Unpublish' : 'Publish', async () => {
+      await api('PUT', `${path}/public`, { public: !checkpoint.public });
+      await refreshCheckpoints();
+    });
+    button(actions, 'Delete', async () => {
+      await api('DELETE', path);
+      $('links').replaceChildren();
+      await refreshCheckpoints();
+    });
+    body.appendChild(row);
+  }
+}
+
+async function showLinks(path, name) {
+  const { urls } = await api('POST', `${path}/links`);
+  const box = $('links');
+  box.replaceChildren();
+  const title = document.createElement('strong');
+  title.textContent = `${name}: `;
+  box.appendChild(title);
+  for (const [file, url] of Object.entries(urls)) {
+    const link = document.createElement('a');
+    link.href = url;
+    link.download = file.split('/').pop();
+    link.textContent = file;
+    box.appendChild(link);
+  }
+}
+
+// ---- the admin view ---------------------------------------------------------------------------------
+function fill(table, rows) {
+  const body = $(table).querySelector('tbody');
+  body.replaceChildren();
+  for (const values of rows) {
+    const row = document.createElement('tr');
+    values.forEach((value) => cell(row, String(value)));
+    body.appendChild(row);
+  }
+}
+
+async function refreshAdmin() {
+  const overview = await api('GET', '/dashboard/api/admin');
+  fill('models', overview.models.map((m) => [m.name, m.queued, m.adapters_in_memory, m.released_runs, m.restarts.length]));
+  fill('passes', Object.entries(overview.requests_per_pass).map(([op, p]) => [op, p.passes, p.mean.toFixed(2)]));
+  fill('tenants', overview.tenants.map((t) => [t.name, t.runs, t.active_runs, t.queued]));
+  const restarts = $('restarts');
+  restarts.replaceChildren();
+  for (const model of overview.models) {
+    for (const restart of model.restarts) {
+      const item = document.createElement('li');
+      item.textContent = `${model.name}: ${new Date(restart.at * 1000).toLocaleString()}: ${restart.reason}`;
+      restarts.appendChild(item);
+    }
+  }
+}
+
+// ---- start ------------------------------------------------------------------------------------------
+$('sign-in-form').addEventListener('submit', async (event) => {
+  event.preventDefault();
+  $('sign-in-error').textContent = '';
+  try { await signIn($('key').value.trim()); } catch (error) { $('sign-in-error').textContent = error.message; }
+});
+$('sign-out').addEventListener('click', signOut);
+if (state.key) signIn(state.key).catch(() => sessionStorage.removeItem('twinkle-key'));
