@@ -359,6 +359,23 @@ class ForwardOnly(Operation):
         return {'inputs': [row.feature() for row in self.inputs], 'disable_lora': self.disable_lora}
 
 
+class CalculateLoss(Operation):
+    """The loss of the run's last ``forward_only`` (or forward): evaluation without a step; it
+    feeds the evaluation metrics that ``calculate_metric(is_training=False)`` reads."""
+
+    #: Per-row inputs of the loss (``advantages``, ``old_logps``...), passed to it by name.
+    loss_inputs: dict[str, FiniteJson] = Field(default_factory=dict)
+
+    @model_validator(mode='after')
+    def _loss_inputs_apart(self) -> CalculateLoss:
+        if 'adapter_name' in self.loss_inputs:
+            raise ValueError("loss_inputs ['adapter_name'] is not a loss input")
+        return self
+
+    def arguments(self) -> dict[str, JsonValue]:
+        return dict(self.loss_inputs)
+
+
 class Sample(Operation):
     inputs: list[Prompt] = Field(min_length=1)
     #: ``twinkle.data_format.SamplingParams`` fields; the server checks them.
@@ -417,6 +434,7 @@ OPERATIONS: dict[str, type[Operation]] = {
     'add_metric': AddMetric,
     'forward_backward': ForwardBackward,
     'forward_only': ForwardOnly,
+    'calculate_loss': CalculateLoss,
     'sample': Sample,
     'clip_grad_norm': ClipGradNorm,
     'step': Step,

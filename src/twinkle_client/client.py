@@ -4,6 +4,7 @@ server's message."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping
 from typing import TypeVar
@@ -11,6 +12,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, JsonValue, ValidationError
 
+from twinkle import errors
 from twinkle.errors import DataError, TwinkleError
 from twinkle.wire import (
     CheckpointInfo,
@@ -31,11 +33,36 @@ _default: TwinkleClient | None = None
 
 class RemoteError(TwinkleError, RuntimeError):
     """The server refused or failed a request. ``status`` is the HTTP status (or 200 for a
-    request that failed while running), ``category`` 'user' (fix the request) or 'server'."""
+    request that failed while running), ``category`` 'user' (fix the request) or 'server'.
+
+    Raised as a subclass that is also the ``twinkle.errors`` class the server named, so that
+    ``except StateError`` (or ``DataError``...) catches a server's error as it catches the
+    local model's (``remote_error``)."""
 
     def __init__(self, message: str, status: int, category: str = 'user'):
-        super().__init__(message)
+        Exception.__init__(self, message)  # not super(): a twinkle.errors class after it may take other arguments
         self.status, self.category = status, category
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def remote_error(message: str, status: int, category: str = 'user', kind: str | None = None) -> RemoteError:
+    """A ``RemoteError`` that is also ``twinkle.errors.<kind>`` when the server named one of its classes."""
+    cls = getattr(errors, kind, None) if kind else None
+    if not isinstance(cls, type) or not issubclass(cls, TwinkleError) or cls is TwinkleError:
+        return RemoteError(message, status, category)
+    return _remote_class(cls)(message, status, category)
+
+
+_REMOTE_CLASSES: dict[str, type[RemoteError]] = {}
+
+
+def _remote_class(cls: type[TwinkleError]) -> type[RemoteError]:
+    """``Remote<Class>``: a ``RemoteError`` and a ``cls``, made once per class."""
+    if cls.__name__ not in _REMOTE_CLASSES:
+        _REMOTE_CLASSES[cls.__name__] = type(f'Remote{cls.__name__}', (RemoteError, cls), {'__module__': __name__})
+    return _REMOTE_CLASSES[cls.__name__]
 
 
 #: A training run as the server describes it (``twinkle.wire.RunInfo``).
@@ -69,7 +96,7 @@ class TwinkleClient:
                 break
             time.sleep(float(response.headers.get('Retry-After', '1')))
         if response.status_code >= 400:
-            raise RemoteError(_detail(response), response.status_code)
+            raise remote_error(_detail(response), response.status_code, kind=_error_class(response))
         return response.json()
 
     def submit(self, path: str, body: BaseModel | dict[str, JsonValue]) -> str:
@@ -86,7 +113,9 @@ class TwinkleClient:
             if record.status == 'done':
                 return record.result
             if record.status == 'failed':
-                raise RemoteError(record.error or 'the request failed', 200, record.category or 'server')
+                message = record.error or 'the request failed'
+                named = re.match(r'(\w+): ', message)  # the server writes 'ClassName: message'
+                raise remote_error(message, 200, record.category or 'server', named[1] if named else None)
 
     def call(self, path: str, body: BaseModel | dict[str, JsonValue]) -> JsonValue:
         return self.result(self.submit(path, body))
@@ -157,6 +186,15 @@ def _problems(error: Exception) -> str:
     if not isinstance(error, ValidationError):
         return str(error)
     return '; '.join(f'{".".join(map(str, p["loc"])) or "body"}: {p["msg"]}' for p in error.errors())
+
+
+def _error_class(response: httpx.Response) -> str | None:
+    """The ``twinkle.errors`` class a 4xx names (its ``error`` field)."""
+    try:
+        kind = response.json().get('error')
+    except (ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def _detail(response: httpx.Response) -> str:

@@ -34,6 +34,7 @@ class ForwardResult(TypedDict):
 _FORWARD = TypeAdapter(ForwardResult)
 _NORM: TypeAdapter[float | None] = TypeAdapter(float | None)
 _STEPPED = TypeAdapter(bool)
+_LOSS = TypeAdapter(float)
 _METRICS = TypeAdapter(dict[str, float])
 _TEXT = TypeAdapter(str)
 
@@ -117,6 +118,11 @@ class MultiLoraTransformersModel:
         answer = self._op('forward_only', adapter_name, inputs=_rows(inputs), disable_lora=disable_lora)
         result = _FORWARD.validate_python(answer)
         return ModelOutput(loss=result['loss'], num_tokens=result['num_tokens'], logps=result.get('logps'))
+
+    def calculate_loss(self, *, adapter_name: str | None = None, **loss_inputs: object) -> float:
+        """The loss of the last ``forward_only``: evaluation without a step (it feeds
+        ``calculate_metric(is_training=False)``); ``loss_inputs`` go to the run's loss by name."""
+        return _LOSS.validate_python(self._op('calculate_loss', adapter_name, loss_inputs=loss_inputs))
 
     def clip_grad_norm(self, max_grad_norm: float = 1.0, *, adapter_name: str | None = None) -> float | None:
         return _NORM.validate_python(self._op('clip_grad_norm', adapter_name, max_grad_norm=max_grad_norm))

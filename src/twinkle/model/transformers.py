@@ -45,6 +45,8 @@ from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 from twinkle.utils.logger import get_logger
 
+#: Row fields that hold one value per token, as ``input_ids`` does.
+ALIGNED_FIELDS = ('labels', 'attention_mask', 'position_ids', 'completion_mask')
 logger = get_logger()
 _ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_:-]+$')
 DEFAULT_OPTIMIZER = {'optimizer_cls': 'AdamW', 'lr': 1e-5}
@@ -652,6 +654,13 @@ class TransformersModel(TwinkleModel):
             ids = feature['input_ids']
             if len(ids) == 0:
                 raise DataError(f'input row {index} has no tokens')
+            for key in ALIGNED_FIELDS:
+                values = feature.get(key)
+                if values is not None and len(values) != len(ids):
+                    raise DataError(
+                        f'input row {index}: {key} has {len(values)} values; '
+                        f'it must be as long as input_ids ({len(ids)})'
+                    )
             low, high = min(ids), max(ids)
             if low < 0 or high >= vocab:
                 bad = low if low < 0 else high

@@ -285,6 +285,9 @@ class ModelHost(RequestChecks):
         output = self.model.forward_backward(inputs=features, adapter_name=adapter, **kwargs)
         return {'loss': output.loss, 'num_tokens': output.num_tokens}
 
+    def _calculate_loss(self, adapter: str, **loss_inputs: Any) -> float:
+        return self.model.calculate_loss(adapter_name=adapter, **loss_inputs)
+
     def _forward_only(self, adapter: str, inputs: Any, disable_lora: bool = False) -> dict[str, Any]:
         features = self.features(inputs)
         output = self.model.forward_only(inputs=features, adapter_name=adapter, disable_lora=disable_lora)
