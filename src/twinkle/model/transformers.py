@@ -655,7 +655,7 @@ class TransformersModel(TwinkleModel):
             if len(ids) == 0:
                 raise DataError(f'input row {index} has no tokens')
             for key in ALIGNED_FIELDS:
-                values = feature.get(key)
+                values = cast(Sequence[int] | None, feature.get(key))
                 if values is not None and len(values) != len(ids):
                     raise DataError(
                         f'input row {index}: {key} has {len(values)} values; '
