@@ -4,12 +4,16 @@ numbers and types, and the same error classes for the same mistakes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from peft import LoraConfig
-from server_helpers import background_server
+from peft import LoraConfig, PeftModel
+from server_helpers import background_server, free_port
+from transformers import AutoModelForCausalLM
 
-from twinkle.errors import DataError, StateError, TwinkleError, UnknownNameError
+from twinkle.errors import DataError, HubUnavailableError, NotFoundError, StateError, TwinkleError, UnknownNameError
 from twinkle.model import TransformersModel
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
@@ -103,3 +107,60 @@ def test_the_same_mistake_raises_the_same_error_class(pair, mistake, error, from
         assert isinstance(raised.value, TwinkleError)
     # A server's refusal is a RemoteError too, with its status, and also the local class.
     assert isinstance(raised.value, RemoteError) == from_server
+
+
+def test_the_client_exports_its_checkpoints_as_the_local_export_does(pair, server, tmp_path, tiny_model_dir):
+    url, keys, _ = server
+    _, remote = pair
+    path = remote.save('to-export', save_optimizer=True)
+    adapter = remote.export(path, tmp_path / 'adapter')
+    names = {p.name for p in adapter.iterdir()}
+    assert {'adapter_config.json', 'adapter_model.safetensors'} <= names and 'optimizer.pt' not in names
+    merged = remote.export(path, tmp_path / 'merged', merge=True)
+    tokens = torch.tensor([[3, 17, 42, 99, 5, 8]])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        expected = PeftModel.from_pretrained(base, str(adapter))(input_ids=tokens).logits
+        got = AutoModelForCausalLM.from_pretrained(merged)(input_ids=tokens).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # Another tenant's checkpoint is not found; the folder it would have filled is not made.
+    with pytest.raises(NotFoundError):
+        TwinkleClient(url, keys['bob']).download_checkpoint(path, tmp_path / 'stolen')
+    assert not (tmp_path / 'stolen').exists()
+
+
+@pytest.mark.parametrize('hub_id', ['hf://org/adapter', 'ms://org/adapter'])
+def test_an_unreachable_hub_is_a_clear_error(pair, tmp_path, monkeypatch, hub_id):
+    _, remote = pair
+    path = remote.save('to-upload')
+    closed = f'http://127.0.0.1:{free_port()}'  # nothing listens there
+    monkeypatch.setenv('HF_ENDPOINT', closed)
+    monkeypatch.setenv('MODELSCOPE_ENDPOINT', closed)
+    for name in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE', 'MODELSCOPE_OFFLINE', 'TWINKLE_OFFLINE'):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(HubUnavailableError, match=rf"could not be reached to upload '{hub_id}': \w+; check the network"):
+        remote.upload_to_hub(path, hub_id, token='t' * 32)
+    monkeypatch.setenv('TWINKLE_OFFLINE', '1')
+    with pytest.raises(HubUnavailableError, match='offline mode'):
+        remote.upload_to_hub(path, hub_id, token='t' * 32)
+    # The command line says the same in one line, exit status 2.
+    checkpoint = tmp_path / 'local'
+    remote.client.download_checkpoint(path, checkpoint)
+    result = subprocess.run(
+        [
+            sys.executable,
+            '-m',
+            'twinkle.cli',
+            'export',
+            str(checkpoint),
+            '--out',
+            str(tmp_path / 'out'),
+            '--push-to-hub',
+            hub_id,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 2 and 'offline mode' in result.stderr.splitlines()[-1], result.stderr[-2000:]

@@ -8,7 +8,7 @@ action functions, and list it in ``COMMANDS``.
     twinkle assets list
     twinkle assets model [NAME]
     twinkle assets dataset NAME [--split SPLIT] [--out FILE]
-    twinkle export CHECKPOINT [--merge] [--base MODEL] --out DIR
+    twinkle export CHECKPOINT [--merge] [--base MODEL] --out DIR [--push-to-hub hf://org/name]
 """
 
 from __future__ import annotations
@@ -91,6 +91,10 @@ def export(args: argparse.Namespace) -> int:
 
     out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, base_model=args.base, dtype=args.dtype)
     print(out)
+    if args.push_to_hub:
+        from twinkle.model.export import push_to_hub
+
+        print(push_to_hub(out, args.push_to_hub, private=not args.public))
     return 0
 
 
@@ -110,6 +114,10 @@ def add_export_parser(commands: Subparsers) -> None:
     parser.add_argument('--merge', action='store_true', help='merge the adapter into its base model')
     parser.add_argument('--base', default=None, help='the base model to merge into (default: the adapter names it)')
     parser.add_argument('--dtype', default='auto', choices=list(DTYPES), help="merged weights' type (default: auto)")
+    parser.add_argument(
+        '--push-to-hub', metavar='HUB_ID', help='then upload the folder to hf://org/name or ms://org/name'
+    )
+    parser.add_argument('--public', action='store_true', help='a new hub repository is public (default: private)')
     parser.set_defaults(run=export)
 
 

@@ -50,6 +50,10 @@ class AssetNotFoundError(TwinkleError, FileNotFoundError):
     """A model or dataset id could not be resolved to local files."""
 
 
+class HubUnavailableError(TwinkleError, ConnectionError):
+    """A model hub (Hugging Face, ModelScope) could not be reached, or is turned off (offline)."""
+
+
 class MissingExtraError(TwinkleError, ImportError):
     """A component needs an optional dependency that is not installed; the message names the
     extra to install (``pip install 'twinkle[vllm]'``)."""

@@ -172,6 +172,13 @@ class RunHistory(Answer):
     steps: list[RunStep]
 
 
+class FileLinks(Answer):
+    """A checkpoint's weight files, each with a link that works without an API key until ``expires``."""
+
+    urls: dict[str, str] = Field(description='file path in the checkpoint -> its download link')
+    expires: float = Field(description='Unix time the links stop working')
+
+
 class Deleted(Answer):
     deleted: bool
 
@@ -495,6 +502,7 @@ __all__ = [
     'Configure',
     'CreateRun',
     'Deleted',
+    'FileLinks',
     'FutureAccepted',
     'FutureInfo',
     'InputRow',

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TypeVar
 
 import httpx
@@ -17,6 +20,7 @@ from twinkle.errors import DataError, TwinkleError
 from twinkle.wire import (
     CheckpointInfo,
     CheckpointList,
+    FileLinks,
     FutureAccepted,
     FutureInfo,
     RunHistory,
@@ -149,6 +153,34 @@ class TwinkleClient:
                 return steps
             steps += page
             after = page[-1].step
+
+    def download_checkpoint(self, path: str, out_dir: str | Path) -> Path:
+        """The weight files of ``twinkle://<run>/checkpoints/<name>`` (not its optimizer state)
+        into ``out_dir``, a new or empty folder, which appears whole or not at all."""
+        run_id, name = parse_twinkle_path(path)
+        links = FileLinks.model_validate(self.request('POST', f'{PREFIX}/runs/{run_id}/checkpoints/{name}/links'))
+        out = Path(out_dir)
+        if out.exists() and any(out.iterdir()):
+            raise DataError(f'the folder {str(out_dir)!r} is not empty; give a new or empty folder')
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f'.{out.name}-', dir=out.parent))
+        try:
+            for file, url in links.urls.items():
+                target = staging / file
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with httpx.stream('GET', url, timeout=self.http.timeout) as answer:  # the link needs no key
+                    if answer.status_code >= 400:
+                        answer.read()
+                        raise remote_error(_detail(answer), answer.status_code, kind=_error_class(answer))
+                    with target.open('wb') as handle:
+                        for chunk in answer.iter_bytes():
+                            handle.write(chunk)
+            if out.exists():
+                out.rmdir()
+            staging.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return out
 
     def list_checkpoints(self, run_id: str) -> list[Checkpoint]:
         return CheckpointList.model_validate(self.request('GET', f'{PREFIX}/runs/{run_id}/checkpoints')).checkpoints

@@ -8,7 +8,9 @@ server has run them and return what the local method returns (``forward_backward
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from peft import LoraConfig
 from pydantic import JsonValue, TypeAdapter
@@ -16,7 +18,16 @@ from typing_extensions import NotRequired, TypedDict
 
 from twinkle.data_format import ModelOutput
 from twinkle.errors import ConfigurationError, DataError, UnknownNameError
-from twinkle.wire import FEATURE_FIELDS, LORA_FIELDS, OPERATIONS, CreateRun, LoadRequest, RunInfo, SaveRequest
+from twinkle.wire import (
+    FEATURE_FIELDS,
+    LORA_FIELDS,
+    OPERATIONS,
+    CreateRun,
+    LoadRequest,
+    RunInfo,
+    SaveRequest,
+    ServerInfo,
+)
 from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
 
 #: A row of ``inputs``: its ``FEATURE_FIELDS`` (lists, tensors or arrays of ints) are sent, other keys stay here.
@@ -156,6 +167,32 @@ class MultiLoraTransformersModel:
         run_id = self._run(adapter_name)
         body = build(LoadRequest, {'path': path, 'load_optimizer': load_optimizer})
         return _TEXT.validate_python(self.client.call(f'{PREFIX}/runs/{run_id}/load', body))
+
+    def export(self, path: str, out_dir: str | Path, *, merge: bool = False, base_model: str | None = None) -> Path:
+        """A checkpoint of this tenant as the local ``twinkle export`` writes it: the peft adapter,
+        or with ``merge=True`` the base model with it merged in (the base: ``base_model``, else the
+        server's base model name, which must resolve here: an embedded model or a hub id)."""
+        from twinkle.model.export import export_checkpoint
+
+        with tempfile.TemporaryDirectory() as scratch:
+            downloaded = self.client.download_checkpoint(path, Path(scratch) / 'checkpoint')
+            if merge and base_model is None:
+                base_model = self.model_id or self._server_base()
+            return export_checkpoint(downloaded, out_dir, merge=merge, base_model=base_model)
+
+    def upload_to_hub(
+        self, path: str, hub_id: str, *, merge: bool = False, token: str | None = None, private: bool = True
+    ) -> str:
+        """Export a checkpoint (``export``) and upload it to ``hf://org/name`` or ``ms://org/name``
+        with the hub's own library; ``HubUnavailableError`` when the hub cannot be reached."""
+        from twinkle.model.export import push_to_hub
+
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = self.export(path, Path(scratch) / 'export', merge=merge)
+            return push_to_hub(folder, hub_id, token=token, private=private)
+
+    def _server_base(self) -> str:
+        return ServerInfo.model_validate(self.client.request('GET', f'{PREFIX}/server')).base_model
 
     # ---- internals ------------------------------------------------------------------------------
     def _run(self, adapter_name: str | None) -> str:

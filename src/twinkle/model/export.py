@@ -9,6 +9,10 @@ training state. Either way the folder appears whole or not at all.
 
 ``twinkle export CHECKPOINT [--merge] --out DIR`` runs it from the command line.
 
+``push_to_hub(folder, 'hf://org/name')`` (or ``ms://org/name``) uploads an exported folder with
+the hub's own library (``huggingface_hub`` / ``modelscope_hub``), creating the repository if
+needed; a hub that cannot be reached is a ``HubUnavailableError`` that says which and why.
+
 ``write_tinker_adapter`` writes an adapter as Tinker exports it (what tinker-cookbook's
 ``build_hf_model`` / ``build_lora_adapter`` read): linear layers as peft names them, and each MoE
 expert stack as 3-D tensors per expert (``experts.w1|w2|w3``: gate, down, up), not peft's
@@ -18,15 +22,17 @@ expert stack as 3-D tensors per expert (``experts.w1|w2|w3``: gate, down, up), n
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from twinkle.errors import CheckpointError, ConfigurationError, one_of
-from twinkle.hub import resolve_model
+from twinkle.errors import CheckpointError, ConfigurationError, HubUnavailableError, one_of
+from twinkle.hub import is_offline, parse_hub_id, resolve_model
 from twinkle.model import checkpoint as ckpt
 from twinkle.model.expert_lora import EXPERT_PARAMETERS, peft_stack_prefix
 
@@ -154,3 +160,67 @@ def _expert_modules(target_parameters: list[str]) -> dict[str, list[str]]:
             raise CheckpointError(f'unknown expert stack {stack!r} in target_parameters; known: {EXPERT_PARAMETERS}')
         modules[module].append(stack)
     return {module: [s for s in EXPERT_PARAMETERS if s in stacks] for module, stacks in modules.items()}
+
+
+def push_to_hub(folder: str | Path, hub_id: str, *, token: str | None = None, private: bool = True) -> str:
+    """Upload ``folder`` (an export) to ``hf://org/name`` or ``ms://org/name``, creating the
+    repository (private unless ``private=False``) if it does not exist; returns the hub id.
+    The hub's endpoint and token come from the environment unless ``token`` is given, as its
+    library reads them (``HF_ENDPOINT``, ``HF_TOKEN``; ``MODELSCOPE_ENDPOINT``, ``MODELSCOPE_API_TOKEN``)."""
+    source = Path(folder)
+    if not source.is_dir() or not any(source.iterdir()):
+        raise CheckpointError(f'nothing to upload: {str(folder)!r} is not a folder with files')
+    parsed = parse_hub_id(hub_id)
+    if parsed.hub == 'local' or parsed.name.count('/') != 1:
+        raise ConfigurationError(f'push_to_hub needs hf://org/name or ms://org/name; got {hub_id!r}')
+    hub: Literal['hf', 'ms'] = 'hf' if parsed.hub == 'hf' else 'ms'
+    label = {'hf': 'the Hugging Face Hub', 'ms': 'ModelScope'}[hub]
+    if is_offline(hub):
+        raise HubUnavailableError(f'{label} is turned off here (offline mode): {hub_id!r} was not uploaded')
+    try:
+        if hub == 'hf':
+            _push_hf(source, parsed.name, token, private)
+        else:
+            _push_ms(source, parsed.name, token, private)
+    except (ConnectionError, OSError, TimeoutError) as error:
+        raise HubUnavailableError(
+            f'{label} could not be reached to upload {hub_id!r}: {type(error.__cause__ or error).__name__}; '
+            'check the network '
+            f'and {"HF_ENDPOINT" if hub == "hf" else "MODELSCOPE_ENDPOINT"}'
+        ) from error
+    return hub_id
+
+
+def _push_hf(source: Path, repo_id: str, token: str | None, private: bool) -> None:
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=os.environ.get('HF_ENDPOINT') or None, token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=str(source), commit_message='Upload from twinkle export')
+    except Exception as error:
+        if _is_transport_error(error):
+            raise ConnectionError(str(error)) from error
+        raise
+
+
+#: Base classes of the transport errors of the HTTP clients huggingface_hub has used (httpx, its
+#: fork httpx2, requests): the hub was not reached, as opposed to an answer it gave.
+_TRANSPORT_ERRORS = ('TransportError', 'ConnectionError', 'Timeout', 'TimeoutException')
+
+
+def _is_transport_error(error: Exception) -> bool:
+    return any(cls.__name__ in _TRANSPORT_ERRORS for cls in type(error).__mro__)
+
+
+def _push_ms(source: Path, repo_id: str, token: str | None, private: bool) -> None:
+    from modelscope_hub import HubApi, HubConfig
+    from modelscope_hub.errors import NetworkError
+
+    api = HubApi(HubConfig(), token=token)
+    try:
+        if not api.repo_exists(repo_id, 'model'):
+            api.create_repo(repo_id, 'model', visibility='private' if private else 'public')
+        api.upload_folder(repo_id, 'model', source, commit_message='Upload from twinkle export')
+    except NetworkError as error:
+        raise ConnectionError(str(error)) from error

@@ -19,13 +19,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from pydantic import JsonValue
 
 from twinkle.errors import NotFoundError, UnknownNameError
 from twinkle.server.deps import Who
 from twinkle.server.errors import error_responses
 from twinkle.server.group import bare
+from twinkle.server.links import signed_links, weight_files
 from twinkle.server.sampler_group import SYNC_NAME, version_of
 from twinkle.server.scheduler import wait_job
 from twinkle.server.state import Service
@@ -35,6 +36,7 @@ from twinkle.wire import (
     CheckpointList,
     CreateRun,
     Deleted,
+    FileLinks,
     FutureAccepted,
     FutureInfo,
     LoadRequest,
@@ -231,6 +233,16 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
         _own_run(service, who.id, run_id)
         return {'checkpoints': [_checkpoint_json(c) for c in store.list_checkpoints(who.id, run_id)]}
+
+    @router.post('/runs/{run_id}/checkpoints/{name}/links', response_model=FileLinks)
+    async def checkpoint_links(run_id: str, name: str, who: Who, request: Request) -> FileLinks:
+        """Links to the checkpoint's weight files (not its optimizer state) that work without a key
+        for an hour: what ``download_checkpoint``, ``export`` and ``upload_to_hub`` fetch."""
+        checkpoint = store.get_checkpoint(who.id, run_id, check_checkpoint_name(name))
+        if checkpoint is None:
+            raise NotFoundError(f'checkpoint {name!r} of run {run_id!r} not found')
+        urls, expires = signed_links(service, checkpoint, request, weight_files(checkpoint))
+        return FileLinks(urls={file: str(url) for file, url in urls.items()}, expires=expires)
 
     @router.delete('/runs/{run_id}/checkpoints/{name}', response_model=Deleted)
     async def delete_checkpoint(run_id: str, name: str, who: Who) -> Deleted:

@@ -27,14 +27,13 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import JsonValue
 
 from twinkle.errors import NotFoundError, UnauthorizedError
-from twinkle.model.export import TRAINING_FILES
 from twinkle.server.auth import hash_key, key_from_headers
 from twinkle.server.deps import Who, key_holder
 from twinkle.server.errors import error_responses
 from twinkle.server.group import bare
+from twinkle.server.links import signed_links, weight_files
 from twinkle.server.state import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, check_name
-from twinkle.server.tinker.external import signed_links
 from twinkle.server.tinker.rest import delete_checkpoint
 
 STATIC = Path(__file__).parent / 'static'
@@ -99,9 +98,7 @@ def _checkpoint_routes(routes: APIRouter, service: Service) -> None:
     @routes.post(path + '/links')
     async def links(checkpoint: Owned, request: Request) -> JsonObject:
         """Signed links to the checkpoint's weight files (not its optimizer or trainer state)."""
-        root = Path(checkpoint.path)
-        files = [p.relative_to(root) for p in root.rglob('*') if p.is_file() and p.name not in TRAINING_FILES]
-        urls, expires = signed_links(service, checkpoint, request, files)
+        urls, expires = signed_links(service, checkpoint, request, weight_files(checkpoint))
         return {'urls': urls, 'expires': expires}
 
     @routes.put(path + '/public')

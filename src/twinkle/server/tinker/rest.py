@@ -31,6 +31,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, QueueFullError, StateError
+from twinkle.server import links
 from twinkle.server.deps import Who
 from twinkle.server.group import bare
 from twinkle.server.remote_host import Host
@@ -75,7 +76,7 @@ def rest_router(service: Service) -> APIRouter:
     routes = router()
     _run_routes(routes, service)
     _checkpoint_routes(routes, service)  # before the catch-all of a checkpoint id that holds a '/'
-    external.files_route(routes, service)
+    links.files_route(routes, service)
     _delete_route(routes, service)
     _session_routes(routes, service)
     _refused_routes(routes, service.store)
