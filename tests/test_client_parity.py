@@ -138,7 +138,9 @@ def test_an_unreachable_hub_is_a_clear_error(pair, tmp_path, monkeypatch, hub_id
     monkeypatch.setenv('MODELSCOPE_ENDPOINT', closed)
     for name in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE', 'MODELSCOPE_OFFLINE', 'TWINKLE_OFFLINE'):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(HubUnavailableError, match=rf"could not be reached to upload '{hub_id}': \w+; check the network"):
+    with pytest.raises(
+        HubUnavailableError, match=rf"could not be reached to upload '{hub_id}': \w+; check the network"
+    ):
         remote.upload_to_hub(path, hub_id, token='t' * 32)
     monkeypatch.setenv('TWINKLE_OFFLINE', '1')
     with pytest.raises(HubUnavailableError, match='offline mode'):

@@ -57,8 +57,10 @@ def trained_run(url: str, key: str, name: str, steps: int) -> tuple[MultiLoraTra
     return model, run_id
 
 
-def train(model: MultiLoraTransformersModel, steps: int, pause_s: float = 0.0) -> None:
-    for _ in range(steps):
+def train(model: MultiLoraTransformersModel, steps: int, pause_s: float = 0.0, reward: bool = False) -> None:
+    for step in range(steps):
+        if reward:  # a figure of the trainer's own: the page draws it once it appears
+            model.log_step_figures({'reward': 0.1 * step})
         model.forward_backward(inputs=ROWS)
         model.clip_grad_and_step()
         time.sleep(pause_s)
@@ -101,7 +103,7 @@ def test_a_tenant_watches_its_curves_grow_and_manages_its_checkpoints(server, br
     page.wait_for_function("document.querySelector('#chart-loss')?.dataset.points === '1'", timeout=TIMEOUT_MS)
 
     # The run trains while the page watches: the curve grows, point by point.
-    trainer = threading.Thread(target=train, args=(alice, 7, 0.4))
+    trainer = threading.Thread(target=train, args=(alice, 7, 0.4, True))
     trainer.start()
     page.wait_for_function("+document.querySelector('#chart-loss').dataset.points >= 3", timeout=TIMEOUT_MS)
     early_count, early = points(page), page.locator('#chart-loss').screenshot()
@@ -113,7 +115,8 @@ def test_a_tenant_watches_its_curves_grow_and_manages_its_checkpoints(server, br
     assert 3 <= early_count < 8
     assert ImageChops.difference(png(early), png(late)).getbbox() is not None  # the drawn curve changed
     assert len(png(late).getcolors(maxcolors=1 << 16) or ()) > 10  # a chart, not a blank box
-    assert page.locator('#charts canvas').count() == 4
+    page.wait_for_function("document.querySelector('#chart-reward')?.dataset.points === '8'", timeout=TIMEOUT_MS)
+    assert page.locator('#charts canvas').count() == 5  # loss, lr, grad norm, tokens/s, and the logged reward
     history = TwinkleClient(url, keys['alice']).run_history(run_id)
     assert page.text_content('#run-status') == f'8 steps recorded, last step {history[-1].step}'
 

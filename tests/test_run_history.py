@@ -13,6 +13,7 @@ from peft import LoraConfig
 from server_helpers import background_server
 from tinker import types
 
+from twinkle.errors import DataError
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
@@ -102,3 +103,21 @@ def test_a_tinker_model_s_steps_are_recorded_too(server, tiny_model_dir):
     assert [(s.step, s.lr) for s in history] == [(1, pytest.approx(3e-3)), (2, pytest.approx(3e-3))]
     assert all(s.loss is not None and s.loss > 0 for s in history)
     sdk.close('success').result()
+
+
+def test_figures_the_trainer_logs_are_recorded_with_the_next_step(server):
+    url, keys, _ = server
+    model, run_id = native_run(url, keys['alice'], 'rewards', lr=1e-2)
+    for reward in (0.25, 0.5):
+        model.log_step_figures({'reward': reward, 'reward_std': 0.1})
+        model.forward_backward(inputs=ROWS)
+        model.clip_grad_and_step()
+    model.forward_backward(inputs=ROWS)
+    model.clip_grad_and_step()  # a step with nothing logged before it
+    history = model.client.run_history(run_id)
+    assert [step.model_extra.get('reward') for step in history] == [0.25, 0.5, None]
+    assert history[0].model_extra['reward_std'] == 0.1 and history[0].loss is not None
+    with pytest.raises(DataError, match="'loss' is a figure the model records itself"):
+        model.log_step_figures({'loss': 1.0})  # refused by the client (the wire), as by the local model
+    with pytest.raises(DataError, match='finite number'):
+        model.log_step_figures({'reward': float('nan')})  # refused by the client before a request

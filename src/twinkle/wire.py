@@ -62,6 +62,8 @@ PATH_FOLDERS = {
     'external_weights': 'external',
 }
 _PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._:-]*')
+#: The figures a model records at each optimizer step itself (a run's history).
+STEP_FIGURES = ('step', 'loss', 'lr', 'grad_norm', 'tokens_per_s')
 #: Integers a 64-bit SQLite column or torch seed takes.
 INT64 = 2**63
 
@@ -383,6 +385,23 @@ class CalculateLoss(Operation):
         return dict(self.loss_inputs)
 
 
+class LogStepFigures(Operation):
+    """Figures of the trainer's own (a mean reward, say), recorded with the run's next optimizer
+    step in its history (``GET /twinkle/v1/runs/{id}/history``)."""
+
+    figures: dict[str, float] = Field(min_length=1, max_length=32)
+
+    @field_validator('figures')
+    @classmethod
+    def _own_figures(cls, figures: dict[str, float]) -> dict[str, float]:
+        for name in figures:
+            if name in STEP_FIGURES:
+                raise ValueError(f'{name!r} is a figure the model records itself; the model records {STEP_FIGURES}')
+            if not 0 < len(name) <= 64:
+                raise ValueError('figure names are 1 to 64 characters')
+        return figures
+
+
 class Sample(Operation):
     inputs: list[Prompt] = Field(min_length=1)
     #: ``twinkle.data_format.SamplingParams`` fields; the server checks them.
@@ -449,6 +468,7 @@ OPERATIONS: dict[str, type[Operation]] = {
     'lr_step': LrStep,
     'clip_grad_and_step': ClipGradAndStep,
     'calculate_metric': CalculateMetric,
+    'log_step_figures': LogStepFigures,
     'get_train_configs': GetTrainConfigs,
 }
 
@@ -497,6 +517,7 @@ __all__ = [
     'LORA_FIELDS',
     'OPERATIONS',
     'PROMPT_FIELDS',
+    'STEP_FIGURES',
     'CheckpointInfo',
     'CheckpointList',
     'Configure',

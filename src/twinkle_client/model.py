@@ -135,6 +135,11 @@ class MultiLoraTransformersModel:
         ``calculate_metric(is_training=False)``); ``loss_inputs`` go to the run's loss by name."""
         return _LOSS.validate_python(self._op('calculate_loss', adapter_name, loss_inputs=loss_inputs))
 
+    def log_step_figures(self, figures: Mapping[str, float], *, adapter_name: str | None = None) -> None:
+        """Figures of your own (a mean reward, say), recorded with the run's next optimizer step
+        in its history, beside the loss, lr, grad norm and tokens/s the server records."""
+        self._op('log_step_figures', adapter_name, figures=dict(figures))
+
     def clip_grad_norm(self, max_grad_norm: float = 1.0, *, adapter_name: str | None = None) -> float | None:
         return _NORM.validate_python(self._op('clip_grad_norm', adapter_name, max_grad_norm=max_grad_norm))
 

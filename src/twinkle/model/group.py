@@ -37,14 +37,20 @@ class StepLog:
     tokens: int = 0
     seconds: float = 0.0
     grad_norm: float | None = None
+    #: Figures the trainer logged for the coming step (``log``: rewards, say).
+    logged: dict[str, float] = field(default_factory=dict)
     steps: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=StepLog.MAX_STEPS))
+
+    def log(self, figures: dict[str, float]) -> None:
+        """Figures of the trainer's own (a mean reward...) recorded with the next step."""
+        self.logged.update(figures)
 
     def on_call(self, loss: float, tokens: int, elapsed_s: float) -> None:
         self.loss_sum, self.calls = self.loss_sum + loss, self.calls + 1
         self.tokens, self.seconds = self.tokens + tokens, self.seconds + elapsed_s
 
     def on_step(self, step: int, lr: float | None, elapsed_s: float) -> None:
-        figures = {'step': float(step)}
+        figures = {**self.logged, 'step': float(step)}
         if self.calls:
             figures['loss'] = self.loss_sum / self.calls
         if lr is not None:
@@ -55,6 +61,7 @@ class StepLog:
             figures['tokens_per_s'] = self.tokens / (self.seconds + elapsed_s)
         self.steps.append(figures)
         self.loss_sum, self.calls, self.tokens, self.seconds, self.grad_norm = 0.0, 0, 0, 0.0, None
+        self.logged = {}
 
     def take(self) -> list[dict[str, float]]:
         taken = list(self.steps)

@@ -44,6 +44,7 @@ from twinkle.model.passes import (
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 from twinkle.utils.logger import get_logger
+from twinkle.wire import STEP_FIGURES
 
 #: Row fields that hold one value per token, as ``input_ids`` does.
 ALIGNED_FIELDS = ('labels', 'attention_mask', 'position_ids', 'completion_mask')
@@ -435,6 +436,20 @@ class TransformersModel(TwinkleModel):
             result.update(metric.calculate())
             metric.reset()
         return result
+
+    def log_step_figures(self, figures: dict[str, float], *, adapter_name: str | None = None) -> None:
+        """Figures of the trainer's own (rewards, say), recorded with the adapter's next optimizer
+        step in its step log (``take_step_logs``; a server's run history)."""
+        if not isinstance(figures, dict) or not all(isinstance(k, str) for k in figures):
+            raise DataError(f'figures must be a dict of names to numbers; got {type(figures).__name__}')
+        numbers = {}
+        for name, value in figures.items():
+            if name in STEP_FIGURES:
+                raise DataError(f'{name!r} is a figure the model records itself; the model records {STEP_FIGURES}')
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise DataError(f'figure {name!r} must be a finite number; got {value!r:.60}')
+            numbers[name] = float(value)
+        self._group(adapter_name).step_log.log(numbers)
 
     def take_step_logs(self) -> dict[str, list[dict[str, float]]]:
         """Each adapter's optimizer steps since the last call (``StepLog``): step, loss, lr,

@@ -285,6 +285,9 @@ class ModelHost(RequestChecks):
         output = self.model.forward_backward(inputs=features, adapter_name=adapter, **kwargs)
         return {'loss': output.loss, 'num_tokens': output.num_tokens}
 
+    def _log_step_figures(self, adapter: str, figures: dict[str, float]) -> None:
+        self.model.log_step_figures(figures, adapter_name=adapter)
+
     def _calculate_loss(self, adapter: str, **loss_inputs: Any) -> float:
         return self.model.calculate_loss(adapter_name=adapter, **loss_inputs)
 

@@ -11,7 +11,9 @@ const FIGURES = [
   ['tokens_per_s', 'tokens / s'],
 ];
 const POLL_MS = 1000;
-const state = { key: sessionStorage.getItem('twinkle-key'), run: null, after: 0, points: null, charts: {}, timers: [] };
+const state = {
+  key: sessionStorage.getItem('twinkle-key'), run: null, after: 0, figures: [], points: null, charts: {}, timers: [],
+};
 const $ = (id) => document.getElementById(id);
 
 async function api(method, path, params) {
@@ -102,7 +104,8 @@ async function refreshRuns() {
 function select(run) {
   state.run = run.id;
   state.after = 0;
-  state.points = [[], ...FIGURES.map(() => [])];
+  state.figures = FIGURES.slice();
+  state.points = { step: [] };
   $('run-title').textContent = `${run.adapter_name} (${run.id})`;
   $('run-status').textContent = `${run.base_model} · ${run.status}`;
   document.querySelectorAll('#runs li').forEach((li) => li.classList.toggle('selected', li.dataset.run === run.id));
@@ -116,11 +119,12 @@ function drawCharts() {
   box.replaceChildren();
   state.charts = {};
   const width = Math.max(280, Math.floor((box.clientWidth - 16) / 2) - 8);
-  FIGURES.forEach(([name, label], index) => {
+  for (const [name, label] of state.figures) {
+    state.points[name] = state.points[name] || state.points.step.map(() => null);
     const holder = document.createElement('div');
     holder.className = 'chart';
     holder.id = `chart-${name}`;
-    holder.dataset.points = '0';
+    holder.dataset.points = String(state.points.step.length);
     box.appendChild(holder);
     const options = {
       title: label,
@@ -130,8 +134,8 @@ function drawCharts() {
       axes: [{ label: 'step' }, {}],
       series: [{ label: 'step' }, { label, stroke: '#4f46e5', width: 2, points: { show: true, size: 4 } }],
     };
-    state.charts[name] = new uPlot(options, [state.points[0], state.points[index + 1]], holder);
-  });
+    state.charts[name] = new uPlot(options, [state.points.step, state.points[name]], holder);
+  }
 }
 
 async function refreshHistory() {
@@ -139,16 +143,24 @@ async function refreshHistory() {
   const run = state.run;
   const { steps } = await api('GET', `/twinkle/v1/runs/${encodeURIComponent(run)}/history`, { after: state.after });
   if (run !== state.run || !steps.length) return;
+  // Figures a trainer logged itself (a reward...) get a chart of their own once they appear.
+  const known = new Set(['step', 'time', ...state.figures.map(([name]) => name)]);
+  const added = [...new Set(steps.flatMap((step) => Object.keys(step)))].filter((name) => !known.has(name));
+  state.figures.push(...added.map((name) => [name, name.replaceAll('_', ' ')]));
   for (const step of steps) {
-    state.points[0].push(step.step);
-    FIGURES.forEach(([name], index) => state.points[index + 1].push(step[name] ?? null));
+    state.points.step.push(step.step);
+    for (const [name] of state.figures) {
+      state.points[name] = state.points[name] || state.points.step.slice(0, -1).map(() => null);
+      state.points[name].push(step[name] ?? null);
+    }
   }
   state.after = steps[steps.length - 1].step;
-  FIGURES.forEach(([name], index) => {
-    state.charts[name].setData([state.points[0], state.points[index + 1]]);
-    $(`chart-${name}`).dataset.points = String(state.points[0].length);
-  });
-  $('run-status').textContent = `${state.points[0].length} steps recorded, last step ${state.after}`;
+  if (added.length) drawCharts();
+  for (const [name] of state.figures) {
+    state.charts[name].setData([state.points.step, state.points[name]]);
+    $(`chart-${name}`).dataset.points = String(state.points.step.length);
+  }
+  $('run-status').textContent = `${state.points.step.length} steps recorded, last step ${state.after}`;
 }
 
 async function refreshCheckpoints() {
