@@ -28,7 +28,11 @@ TOKENS = [(7 * j) % 400 + 10 for j in range(12)]
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, dict[str, str]]]:
     config = ServerConfig.build(
-        base_model=tiny_model_dir, port=0, data_dir=str(tmp_path_factory.mktemp('export')), device='cpu'
+        base_model=tiny_model_dir,
+        port=0,
+        data_dir=str(tmp_path_factory.mktemp('export')),
+        device='cpu',
+        tinker={'seq_gap_timeout_s': 1200},  # longer than the test may take: a missing seq_id would hang it
     )
     background = BackgroundServer(config)
     with background as url:
@@ -148,6 +152,8 @@ def test_encrypted_exports_and_bad_recipients(server, trained):
     route = f'{url}/api/v1/training_runs/{client.model_id}/checkpoints/weights/plain/external_weights_urls'
     answer = httpx.get(route, headers={'X-API-Key': keys['alice']})
     assert answer.status_code == 400 and 'is not exported weights' in answer.json()['detail']
-    # Last: a refused request never takes its seq_id, so this model's later requests would wait for it.
+    # A refused request still takes its seq_id: the model's next request runs at once, instead
+    # of waiting for the missing number until the gap timeout (set long here) and failing.
     with pytest.raises(tinker.BadRequestError, match=r'age_encryption_recipients\[0\] is not an age'):
         client.save_weights_external('bad', age_encryption_recipients=['age1notakey']).result()
+    assert client.save_weights_external('after-refusal').result().path.endswith('/external_weights/after-refusal')

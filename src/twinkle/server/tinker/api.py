@@ -26,7 +26,15 @@ from fastapi.routing import APIRoute
 from pydantic import JsonValue
 from tinker import types
 
-from twinkle.errors import DataError, NotFoundError, QueueFullError
+from twinkle.errors import (
+    BusyError,
+    DataError,
+    NotFoundError,
+    QueueFullError,
+    RequestTimeoutError,
+    TwinkleError,
+    UnauthorizedError,
+)
 from twinkle.server.deps import key_holder
 from twinkle.server.errors import ErrorBody, error_responses, validation_problems
 from twinkle.server.group import ModelGroup
@@ -65,15 +73,36 @@ class TinkerRoute(APIRoute):
         name = getattr(body_type, '__name__', 'the request')
 
         async def handle(request: Request) -> Response:
+            body: JsonValue = None
             if body_type is not None:
                 key_holder(request)  # every Tinker route with a body needs a key (its Who)
-                await read_json(request, name)  # FastAPI reuses what Request.json() parsed
+                body = await read_json(request, name)  # FastAPI reuses what Request.json() parsed
             try:
                 return await handler(request)
             except RequestValidationError as error:
+                skip_refused_turn(request, body)
                 return invalid_request(name, error)
+            except (BusyError, UnauthorizedError, RequestTimeoutError):
+                raise  # the SDK sends these again with the same seq_id
+            except TwinkleError:
+                skip_refused_turn(request, body)
+                raise
 
         return handle
+
+
+def skip_refused_turn(request: Request, body: JsonValue) -> None:
+    """A training request refused before it was accepted (a 400, 404 or 422 the SDK does not
+    retry) still takes its ``seq_id``: the model's later requests go on instead of waiting for it
+    until the gap times out and failing. Only for a model of the tenant's own."""
+    if not isinstance(body, dict):
+        return
+    model_id, seq_id = body.get('model_id'), body.get('seq_id')
+    if not isinstance(model_id, str) or not isinstance(seq_id, int) or isinstance(seq_id, bool):
+        return
+    service: Service = request.app.state.service
+    if service.store.get_run(key_holder(request).id, model_id) is not None:
+        service.tinker.sequencer.skip(model_id, seq_id)
 
 
 def router() -> APIRouter:

@@ -64,6 +64,19 @@ class Sequencer:
         for run in ready:
             run()
 
+    def skip(self, model_id: str, seq_id: int) -> None:
+        """Pass over a number whose request was refused before it was accepted (a 4xx the
+        client does not retry), so the model's later requests do not wait for it. A number
+        already waiting or started is left as it is."""
+        with self._lock:
+            model = self._models.get(model_id)
+            if model is None or model.next_seq is None or seq_id < model.next_seq or seq_id in model.waiting:
+                return
+            model.waiting[seq_id] = _Waiting(self._clock(), lambda: None, lambda message: None)
+            ready = self._ready(model)
+        for run in ready:
+            run()
+
     def expire(self) -> int:
         """Fail the requests that waited longer than ``gap_timeout_s`` for a missing number, and
         move the model past them; returns how many failed."""
