@@ -58,7 +58,7 @@ from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SampledSequence, SamplingParams
 from twinkle.dataloader import DataLoader
 from twinkle.infra import distributed
-from twinkle.metric import CompletionRewardMetric
+from twinkle.metric import CompletionRewardMetric, MetricWriter, add_sink_arguments
 from twinkle.model import TransformersModel
 from twinkle.sampler import TorchSampler
 
@@ -133,7 +133,8 @@ def sample(
     return [seq for response in sampler.sample(prompts, params) for seq in response.sequences]
 
 
-def train(config: ModeConfig) -> list[dict[str, float]]:
+def train(config: ModeConfig, writer: MetricWriter | None = None) -> list[dict[str, float]]:
+    """The GRPO loop; each step's record also goes to ``writer`` (rank 0's) when given."""
     mesh = start_runtime(config)
     model, sampler = build(config, mesh)
     manager = CheckpointEngineManager(model, sampler)
@@ -159,6 +160,8 @@ def train(config: ModeConfig) -> list[dict[str, float]]:
         record.update(model.calculate_metric(is_training=True))
         history.append(record)
         log(record)
+        if writer is not None:
+            writer.write({k: v for k, v in record.items() if k != 'step'}, step=step)
     return history
 
 
@@ -192,18 +195,28 @@ def log(record: dict[str, float]) -> None:
         )
 
 
-def parse_args() -> ModeConfig:
+def parse_args() -> tuple[ModeConfig, argparse.Namespace]:
+    """The run's ``ModeConfig`` and the metric sinks' flags."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = asdict(ModeConfig(mode=os.environ.get('TWINKLE_MODE', 'local')))
     for name, default in defaults.items():
         choices = MODES if name == 'mode' else None
         parser.add_argument(f'--{name.replace("_", "-")}', type=type(default), default=default, choices=choices)
-    return ModeConfig(**vars(parser.parse_args()))
+    add_sink_arguments(parser, log_dir='output/grpo-every-mode/logs')
+    args = vars(parser.parse_args())
+    sinks = argparse.Namespace(report_to=args.pop('report_to'), log_dir=args.pop('log_dir'))
+    return ModeConfig(**args), sinks
 
 
 def main() -> None:
-    config = parse_args()
-    history = train(config)
+    config, sinks = parse_args()
+    # Rank 0 writes the metrics (under torchrun every process runs this script).
+    writer = MetricWriter(sinks.report_to, sinks.log_dir, config=asdict(config)) if distributed.is_main() else None
+    try:
+        history = train(config, writer)
+    finally:
+        if writer is not None:
+            writer.close()
     if not distributed.is_main():
         return
     window = min(10, len(history))

@@ -29,7 +29,7 @@ from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
-from twinkle.metric import CompletionRewardMetric
+from twinkle.metric import CompletionRewardMetric, MetricWriter, add_sink_arguments
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import GSM8KProcessor
 from twinkle.processor import InputProcessor
@@ -72,7 +72,7 @@ def compute_rewards(trajectories: list[dict[str, Any]]) -> tuple[list[float], li
     return total_rewards, format_rewards, accuracy_rewards
 
 
-def main(max_steps: int = MAX_STEPS, output_dir: str = 'output') -> int:
+def main(max_steps: int = MAX_STEPS, output_dir: str = 'output', writer: MetricWriter | None = None) -> int:
     device_groups = [
         DeviceGroup(name='model', ranks=list(range(MODEL_GPUS)), device_type=DEVICE_TYPE),
         DeviceGroup(name='sampler', ranks=list(range(MODEL_GPUS, NUM_GPUS)), device_type=DEVICE_TYPE),
@@ -177,6 +177,8 @@ def main(max_steps: int = MAX_STEPS, output_dir: str = 'output') -> int:
             log_dict.update(model.calculate_metric(is_training=True))
             metrics.reset()
             logger.info(f'[Step {optim_step}/{max_steps}] {log_dict}')
+            if writer is not None:
+                writer.write(log_dict, step=optim_step)
 
     logger.info(f'Training completed. optim_steps={optim_step}')
     model.save('grpo-gsm8k-checkpoint', output_dir=output_dir)
@@ -187,5 +189,7 @@ if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--max-steps', type=int, default=MAX_STEPS)
     parser.add_argument('--output-dir', default='output')
+    add_sink_arguments(parser, log_dir='output/grpo-vllm/logs')
     args = parser.parse_args()
-    main(args.max_steps, args.output_dir)
+    with MetricWriter(args.report_to, args.log_dir, config=vars(args)) as metric_writer:
+        main(args.max_steps, args.output_dir, metric_writer)

@@ -95,6 +95,10 @@ def grpo_history(runtime: str, tmp_path: Path) -> list[dict[str, float]]:
     assert 'mean reward: first 3 steps' in log
     assert [r['step'] for r in history] == [1, 2, 3]
     assert all(math.isfinite(r['loss']) and 0.0 <= r['total_reward'] <= 1.0 for r in history), history
+    # The default metric sink: rank 0 alone writes each step's record.
+    lines = (tmp_path / 'output' / 'grpo-every-mode' / 'logs' / 'metrics.jsonl').read_text().splitlines()
+    written = [json.loads(line) for line in lines]
+    assert [(w['step'], w['train/total_reward']) for w in written] == [(r['step'], r['total_reward']) for r in history]
     return history
 
 
