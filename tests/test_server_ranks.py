@@ -200,6 +200,12 @@ def test_the_native_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
     model.add_adapter_to_model('default', LORA, seed=5)
     model.set_optimizer('AdamW', lr=5e-2)
     on_group = native_losses(model, 3)
+    # The run's history is recorded from the group too; evaluation by calculate_loss is refused
+    # before it is queued (each rank holds a share of a forward_only's rows), and the group goes on.
+    assert [step.step for step in model.client.run_history(model.runs['default'])] == [1, 2, 3]
+    model.forward_only(inputs=SERVED_ROWS)
+    with pytest.raises(ConfigurationError, match='calculate_loss is not taken by a model on several ranks'):
+        model.calculate_loss()
     with background_server(tmp_path, 'tiny-qwen3') as (one_url, one_keys, _):
         one = MultiLoraTransformersModel('tiny-qwen3', client=TwinkleClient(one_url, one_keys['alice']))
         one.add_adapter_to_model('default', LORA, seed=5)
@@ -211,11 +217,8 @@ def test_the_native_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
 
 def tinker_numbers(url: str, key: str) -> list[float]:
     """Three Tinker SDK steps (2 datums, clipping at 0.5): each step's loss:sum and gradient norm."""
-    trainer = (
-        tinker.ServiceClient(base_url=url, api_key=key)
-        .create_lora_training_client(base_model='tiny-qwen3', rank=4, seed=3)
-        .result()
-    )
+    service = tinker.ServiceClient(base_url=url, api_key=key)
+    trainer = service.create_lora_training_client(base_model='tiny-qwen3', rank=4, seed=3).result()
     data = [
         types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -235,6 +238,7 @@ def tinker_numbers(url: str, key: str) -> list[float]:
         .sample(types.ModelInput.from_ints([11, 23, 5]), 1, types.SamplingParams(max_tokens=3, temperature=0.0))
     )
     assert len(reply.result().sequences[0].tokens) == 3
+    service.close('success').result()  # its heartbeat thread stops with its session
     return numbers
 
 

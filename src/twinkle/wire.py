@@ -64,6 +64,9 @@ PATH_FOLDERS = {
 _PATH_PART = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._:-]*')
 #: The figures a model records at each optimizer step itself (a run's history).
 STEP_FIGURES = ('step', 'loss', 'lr', 'grad_norm', 'tokens_per_s')
+#: Names a run's history gives its own figures: a trainer's figures take others.
+RESERVED_FIGURES = (*STEP_FIGURES, 'time')
+_FIGURE_NAME = re.compile(r'[A-Za-z][A-Za-z0-9_./-]{0,63}')
 #: Integers a 64-bit SQLite column or torch seed takes.
 INT64 = 2**63
 
@@ -395,10 +398,10 @@ class LogStepFigures(Operation):
     @classmethod
     def _own_figures(cls, figures: dict[str, float]) -> dict[str, float]:
         for name in figures:
-            if name in STEP_FIGURES:
-                raise ValueError(f'{name!r} is a figure the model records itself; the model records {STEP_FIGURES}')
-            if not 0 < len(name) <= 64:
-                raise ValueError('figure names are 1 to 64 characters')
+            if name in RESERVED_FIGURES:
+                raise ValueError(f'{name!r} is a figure the model records itself; the model records {RESERVED_FIGURES}')
+            if not _FIGURE_NAME.fullmatch(name):
+                raise ValueError(f'figure name {name[:64]!r}: 1 to 64 of A-Z a-z 0-9 _ . / -, starting with a letter')
         return figures
 
 

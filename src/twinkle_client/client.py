@@ -166,7 +166,9 @@ class TwinkleClient:
         staging = Path(tempfile.mkdtemp(prefix=f'.{out.name}-', dir=out.parent))
         try:
             for file, url in links.urls.items():
-                target = staging / file
+                target = (staging / file).resolve()
+                if not target.is_relative_to(staging.resolve()):
+                    raise DataError(f'the server named a file outside the checkpoint: {file!r}')
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with httpx.stream('GET', url, timeout=self.http.timeout) as answer:  # the link needs no key
                     if answer.status_code >= 400:

@@ -26,7 +26,7 @@ from twinkle.wire import (
     LoadRequest,
     RunInfo,
     SaveRequest,
-    ServerInfo,
+    parse_twinkle_path,
 )
 from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
 
@@ -176,13 +176,14 @@ class MultiLoraTransformersModel:
     def export(self, path: str, out_dir: str | Path, *, merge: bool = False, base_model: str | None = None) -> Path:
         """A checkpoint of this tenant as the local ``twinkle export`` writes it: the peft adapter,
         or with ``merge=True`` the base model with it merged in (the base: ``base_model``, else the
-        server's base model name, which must resolve here: an embedded model or a hub id)."""
+        one the checkpoint's run trained on, as the server names it: it must resolve here, as an
+        embedded model, a hub id or a folder)."""
         from twinkle.model.export import export_checkpoint
 
         with tempfile.TemporaryDirectory() as scratch:
             downloaded = self.client.download_checkpoint(path, Path(scratch) / 'checkpoint')
-            if merge and base_model is None:
-                base_model = self.model_id or self._server_base()
+            if merge and base_model is None:  # the base model the checkpoint's run trained on
+                base_model = self.client.get_training_run(parse_twinkle_path(path)[0]).base_model
             return export_checkpoint(downloaded, out_dir, merge=merge, base_model=base_model)
 
     def upload_to_hub(
@@ -195,9 +196,6 @@ class MultiLoraTransformersModel:
         with tempfile.TemporaryDirectory() as scratch:
             folder = self.export(path, Path(scratch) / 'export', merge=merge)
             return push_to_hub(folder, hub_id, token=token, private=private)
-
-    def _server_base(self) -> str:
-        return ServerInfo.model_validate(self.client.request('GET', f'{PREFIX}/server')).base_model
 
     # ---- internals ------------------------------------------------------------------------------
     def _run(self, adapter_name: str | None) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from fsspec.implementations.http import HTTPFileSystem
 from fsspec.spec import AbstractFileSystem
 
-from twinkle.errors import AssetNotFoundError
+from twinkle.errors import AssetNotFoundError, HubUnavailableError
 
 
 class ModelScopeFileSystem(AbstractFileSystem):
@@ -44,10 +44,15 @@ class ModelScopeFileSystem(AbstractFileSystem):
         self._http = HTTPFileSystem(headers=headers, skip_instance_cache=True)
 
     def _list(self) -> dict[str, int]:
-        from modelscope_hub.errors import HubError
+        from modelscope_hub.errors import HubError, NetworkError
 
         try:
             listing = self._api.list_repo_files(self.repo_id, 'dataset', revision=self.revision)
+        except NetworkError as error:
+            raise HubUnavailableError(
+                f'ModelScope could not be reached to list the dataset {self.repo_id!r}: {type(error).__name__}; '
+                'check the network and MODELSCOPE_ENDPOINT'
+            ) from error
         except HubError as error:
             raise AssetNotFoundError(
                 f'the ModelScope dataset {self.repo_id!r} (revision {self.revision!r}) could not be listed: '

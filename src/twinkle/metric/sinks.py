@@ -95,8 +95,8 @@ class TensorBoardSink(MetricSink):
 
 @SINKS.register(name='wandb')
 class WandbSink(MetricSink):
-    """A Weights & Biases run in ``wandb/`` under the run folder; offline unless ``WANDB_MODE``
-    (or ``WANDB_PROJECT`` with a login) says otherwise."""
+    """A Weights & Biases run in ``wandb/`` under the run folder, in project ``WANDB_PROJECT``
+    (default ``twinkle``); offline unless ``WANDB_MODE`` says otherwise (``online`` with a login)."""
 
     def __init__(self, log_dir: Path, run_name: str, config: Mapping[str, Any]):
         super().__init__(log_dir, run_name, config)

@@ -182,7 +182,7 @@ def push_to_hub(folder: str | Path, hub_id: str, *, token: str | None = None, pr
             _push_hf(source, parsed.name, token, private)
         else:
             _push_ms(source, parsed.name, token, private)
-    except (ConnectionError, OSError, TimeoutError) as error:
+    except (ConnectionError, TimeoutError) as error:  # not OSError: a library's HTTP 401 is one
         raise HubUnavailableError(
             f'{label} could not be reached to upload {hub_id!r}: {type(error.__cause__ or error).__name__}; '
             'check the network '

@@ -44,7 +44,7 @@ from twinkle.model.passes import (
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 from twinkle.utils.logger import get_logger
-from twinkle.wire import STEP_FIGURES
+from twinkle.wire import RESERVED_FIGURES
 
 #: Row fields that hold one value per token, as ``input_ids`` does.
 ALIGNED_FIELDS = ('labels', 'attention_mask', 'position_ids', 'completion_mask')
@@ -444,8 +444,8 @@ class TransformersModel(TwinkleModel):
             raise DataError(f'figures must be a dict of names to numbers; got {type(figures).__name__}')
         numbers = {}
         for name, value in figures.items():
-            if name in STEP_FIGURES:
-                raise DataError(f'{name!r} is a figure the model records itself; the model records {STEP_FIGURES}')
+            if name in RESERVED_FIGURES:
+                raise DataError(f'{name!r} is a figure the model records itself; the model records {RESERVED_FIGURES}')
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise DataError(f'figure {name!r} must be a finite number; got {value!r:.60}')
             numbers[name] = float(value)

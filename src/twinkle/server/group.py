@@ -118,21 +118,22 @@ class ModelGroup:
 
     def _finished(self, job: Job) -> None:
         self._pinned.clear()
-        if job.error is None and job.operation in STEP_OPERATIONS:
-            self._record_steps()  # before the future settles: its caller then finds the step recorded
-        self._on_finish(job)
+        try:
+            if job.error is None and job.operation in STEP_OPERATIONS:
+                self._record_steps()  # before the future settles: its caller then finds the step recorded
+        finally:
+            self._on_finish(job)
 
     def _record_steps(self) -> None:
         """Each run's optimizer steps since the last record into the store (its step history)."""
         try:
             logs = self.host.call(take_step_logs)
-        except Exception as error:  # a dead worker: its steps died with it, the run goes on from its state
-            logger.warning(f'the step history of {self.name!r} was not read: {type(error).__name__}: {error}')
-            return
-        runs = {adapter: run_id for run_id, adapter in self.adapters.items()}
-        for adapter, steps in logs.items():
-            if adapter in runs:
-                self.store.add_run_steps(runs[adapter], steps)
+            runs = {adapter: run_id for run_id, adapter in self.adapters.items()}
+            for adapter, steps in logs.items():
+                if adapter in runs:
+                    self.store.add_run_steps(runs[adapter], steps)
+        except Exception as error:  # a dead worker, a closing store: the history misses these steps, nothing else
+            logger.warning(f'the step history of {self.name!r} was not recorded: {type(error).__name__}: {error}')
 
     # ---- passes shared by tenants ----------------------------------------------------------------
     def mixable(self, run: Run, operation: str, kwargs: dict[str, JsonValue]) -> Batchable | None:

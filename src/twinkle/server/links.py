@@ -42,7 +42,7 @@ def signed_links(
     """A link to each of ``files`` (paths in the checkpoint's folder) that works without a key
     for ``LINK_TTL_S``, on the host and port the request came to; and when they expire."""
     expires = int(time.time()) + LINK_TTL_S
-    base = str(request.base_url).rstrip('/') + request.scope.get('root_path', '')
+    base = str(request.base_url).rstrip('/')  # the root path (behind a proxy) included
     urls: dict[str, JsonValue] = {}
     for file in sorted(files):
         name = file.as_posix()

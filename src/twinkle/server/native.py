@@ -22,7 +22,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from pydantic import JsonValue
 
-from twinkle.errors import NotFoundError, UnknownNameError
+from twinkle.errors import ConfigurationError, NotFoundError, UnknownNameError
 from twinkle.server.deps import Who
 from twinkle.server.errors import error_responses
 from twinkle.server.group import bare
@@ -146,6 +146,11 @@ def _operation_endpoint(
         group = service.group_of(run)
         kwargs = body.arguments()
         group.host.validate(name, kwargs)  # names, token ids, sizes: a 4xx now, not a failed future
+        if name == 'calculate_loss' and group.config.ranks > 1:
+            raise ConfigurationError(
+                'calculate_loss is not taken by a model on several ranks (each rank holds a share of the rows of '
+                'a forward_only); use the loss forward_backward returns, or a server of one rank per model'
+            )
 
         if name == 'sample' and group.sampler is not None:  # on the sampler group, the run's last sync
             sampler = group.sampler
@@ -263,7 +268,7 @@ def _sample_route(router: APIRouter, service: Service) -> None:
         if body.model_path is not None:
             run_id, kind, name = parse_checkpoint_path(body.model_path)
             checkpoint = service.store.get_readable_checkpoint(who.id, run_id, name, kind)
-            if checkpoint is None:
+            if checkpoint is None or kind == 'external':  # exports are for download, not sampling
                 raise NotFoundError(f'checkpoint {body.model_path!r} not found')
             source = service.store.get_run_by_id(checkpoint.run_id)
             if body.base_model is None and source is not None:

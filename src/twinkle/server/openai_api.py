@@ -341,7 +341,7 @@ def _resolve_model(service: Service, who: Tenant, model: str) -> tuple[ModelGrou
         run_id, kind, name = parse_checkpoint_path(model)
     except DataError:
         raise _model_not_found(model) from None
-    found = service.store.get_readable_checkpoint(who.id, run_id, name, kind)
+    found = service.store.get_readable_checkpoint(who.id, run_id, name, kind) if kind != 'external' else None
     trained_on = _group_of(service, found) if found is not None else None
     if found is None or trained_on is None or not Path(found.path).is_dir():
         raise _model_not_found(model)

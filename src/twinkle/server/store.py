@@ -545,6 +545,11 @@ class Store:
         rows = self._query('SELECT COUNT(*) FROM runs WHERE base_model = ? AND status = ?', (base_model, status))
         return int(rows[0][0])
 
+    def count_tenant_runs(self, tenant_id: str, status: str) -> int:
+        """How many of the tenant's runs have ``status``."""
+        rows = self._query('SELECT COUNT(*) FROM runs WHERE tenant_id = ? AND status = ?', (tenant_id, status))
+        return int(rows[0][0])
+
     def add_run_steps(self, run_id: str, steps: list[dict[str, float]]) -> None:
         """Record a run's optimizer steps (``StepLog`` entries: 'step' and its figures); a step
         recorded again (a run resumed from an earlier checkpoint) replaces the old one. Not

@@ -47,8 +47,9 @@ def is_admin(service: Service, request: Request) -> bool:
     configured, key = service.config.admin_api_key, key_from_headers(request.headers)
     if configured is None or not key:
         return False
-    expected = configured.removeprefix('sha256:') if configured.startswith('sha256:') else hash_key(configured)
-    return hmac.compare_digest(hash_key(key), expected)
+    hashed = configured.lower().startswith('sha256:')
+    expected = configured[len('sha256:') :].lower() if hashed else hash_key(configured)
+    return hmac.compare_digest(hash_key(key).encode(), expected.encode('utf-8', 'replace'))
 
 
 def dashboard_router(service: Service) -> APIRouter:
@@ -118,12 +119,12 @@ def admin_overview(service: Service) -> JsonObject:
     store = service.store
     tenants: list[JsonValue] = []
     for tenant in store.list_tenants():
-        runs, total = store.list_runs(tenant.id, limit=1000)
+        _, total = store.list_runs(tenant.id, limit=1)
         tenants.append(
             {
                 'name': tenant.name,
                 'runs': total,
-                'active_runs': sum(run.status == 'active' for run in runs),
+                'active_runs': store.count_tenant_runs(tenant.id, 'active'),
                 'queued': service.queued_jobs(tenant.id),
             }
         )

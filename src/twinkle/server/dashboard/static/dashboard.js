@@ -43,8 +43,15 @@ function button(parent, label, action) {
   return b;
 }
 
+// Runs fn now and every ms, never two at once (a slow answer is not asked for again before it
+// comes), and not while the tab is hidden: an open tab spends little of the tenant's request rate.
 function every(ms, fn) {
-  const tick = async () => { try { await fn(); } catch (error) { console.warn(error); } };
+  let busy = false;
+  const tick = async () => {
+    if (busy || document.hidden) return;
+    busy = true;
+    try { await fn(); } catch (error) { console.warn(error); } finally { busy = false; }
+  };
   tick();
   state.timers.push(setInterval(tick, ms));
 }
@@ -141,8 +148,9 @@ function drawCharts() {
 async function refreshHistory() {
   if (state.run === null) return;
   const run = state.run;
-  const { steps } = await api('GET', `/twinkle/v1/runs/${encodeURIComponent(run)}/history`, { after: state.after });
-  if (run !== state.run || !steps.length) return;
+  const after = state.after;
+  const { steps } = await api('GET', `/twinkle/v1/runs/${encodeURIComponent(run)}/history`, { after });
+  if (run !== state.run || after !== state.after || !steps.length) return;  // another answer got here first
   // Figures a trainer logged itself (a reward...) get a chart of their own once they appear.
   const known = new Set(['step', 'time', ...state.figures.map(([name]) => name)]);
   const added = [...new Set(steps.flatMap((step) => Object.keys(step)))].filter((name) => !known.has(name));
