@@ -102,17 +102,19 @@ def test_a_tenant_watches_its_curves_grow_and_manages_its_checkpoints(server, br
     assert page.is_hidden('#sign-in') and page.is_hidden('#admin-view') and page.is_visible('#tenant-view')
     page.wait_for_function("document.querySelector('#chart-loss')?.dataset.points === '1'", timeout=TIMEOUT_MS)
 
-    # The run trains while the page watches: the curve grows, point by point.
-    trainer = threading.Thread(target=train, args=(alice, 7, 0.4, True))
-    trainer.start()
-    page.wait_for_function("+document.querySelector('#chart-loss').dataset.points >= 3", timeout=TIMEOUT_MS)
-    early_count, early = points(page), page.locator('#chart-loss').screenshot()
-    (tmp_path / 'curves-early.png').write_bytes(page.screenshot(full_page=True))
-    trainer.join()
-    page.wait_for_function("document.querySelector('#chart-loss').dataset.points === '8'", timeout=TIMEOUT_MS)
-    late = page.locator('#chart-loss').screenshot()
-    (tmp_path / 'curves-late.png').write_bytes(page.screenshot(full_page=True))
-    assert 3 <= early_count < 8
+    # The run trains while the page watches, in two bursts (3 steps, then 4): the chart shows 4
+    # points after the first and 8 after the second, whatever the load (no race with the poll).
+    shots = []
+    for steps, shown, name in ((3, 4, 'curves-early.png'), (4, 8, 'curves-late.png')):
+        trainer = threading.Thread(target=train, args=(alice, steps, 0.4, True))
+        trainer.start()
+        condition = f"document.querySelector('#chart-loss').dataset.points === '{shown}'"
+        page.wait_for_function(condition, timeout=TIMEOUT_MS)
+        trainer.join()
+        assert points(page) == shown
+        shots.append(page.locator('#chart-loss').screenshot())
+        (tmp_path / name).write_bytes(page.screenshot(full_page=True))
+    early, late = shots
     assert ImageChops.difference(png(early), png(late)).getbbox() is not None  # the drawn curve changed
     assert len(png(late).getcolors(maxcolors=1 << 16) or ()) > 10  # a chart, not a blank box
     page.wait_for_function("document.querySelector('#chart-reward')?.dataset.points === '8'", timeout=TIMEOUT_MS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from peft import LoraConfig
 
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
-from twinkle.errors import ConfigurationError, DataError, UnknownNameError
+from twinkle.errors import ConfigurationError, DataError, MissingExtraError, UnknownNameError
 from twinkle.metric import SINKS, MetricWriter
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import SelfCognitionProcessor
@@ -120,3 +121,9 @@ def test_unknown_and_missing_sinks_are_refused(tmp_path):
     with pytest.raises(ConfigurationError, match='at least one sink'):
         MetricWriter([], tmp_path)
     assert {'jsonl', 'tensorboard', 'wandb'} <= set(SINKS.names())
+
+
+def test_a_sink_whose_library_is_missing_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, 'wandb', None)  # `import wandb` now raises ImportError
+    with pytest.raises(MissingExtraError, match=r"the 'wandb' sink needs the wandb package .*twinkle\[logging\]"):
+        MetricWriter(['jsonl', 'wandb'], tmp_path)

@@ -22,6 +22,7 @@ to the sinks chosen by name (``SINKS``), each writing under one run folder::
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from twinkle.errors import ConfigurationError, DataError
+from twinkle.errors import ConfigurationError, DataError, MissingExtraError
 from twinkle.registry import Registry
 
 
@@ -74,13 +75,8 @@ class TensorBoardSink(MetricSink):
 
     def __init__(self, log_dir: Path, run_name: str, config: Mapping[str, Any]):
         super().__init__(log_dir, run_name, config)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as error:
-            raise ConfigurationError(
-                "the 'tensorboard' sink needs the tensorboard package: pip install 'twinkle[logging]'"
-            ) from error
-        self._writer = SummaryWriter(log_dir=str(log_dir / 'tensorboard'))
+        tensorboard = _library('tensorboard', 'torch.utils.tensorboard')
+        self._writer = tensorboard.SummaryWriter(log_dir=str(log_dir / 'tensorboard'))
         if self.config:
             self._writer.add_text('config', f'```\n{json.dumps(self.config, indent=2, default=str)}\n```', 0)
 
@@ -100,18 +96,13 @@ class WandbSink(MetricSink):
 
     def __init__(self, log_dir: Path, run_name: str, config: Mapping[str, Any]):
         super().__init__(log_dir, run_name, config)
-        try:
-            import wandb
-        except ImportError as error:
-            raise ConfigurationError(
-                "the 'wandb' sink needs the wandb package: pip install 'twinkle[logging]'"
-            ) from error
+        wandb = _library('wandb', 'wandb')
         self._run = wandb.init(
             dir=str(log_dir),
             project=os.environ.get('WANDB_PROJECT', 'twinkle'),
             name=run_name,
             config=self.config,
-            mode=os.environ.get('WANDB_MODE', 'offline'),  # type: ignore[arg-type]
+            mode=os.environ.get('WANDB_MODE', 'offline'),
             reinit='create_new',
         )
 
@@ -191,6 +182,16 @@ def add_sink_arguments(parser: argparse.ArgumentParser, log_dir: str) -> None:
         help=f'where metrics go, several at once: {", ".join(SINKS.names())} (default: jsonl)',
     )
     parser.add_argument('--log-dir', default=log_dir, help=f'the run folder the sinks write in (default: {log_dir})')
+
+
+def _library(sink: str, module: str) -> Any:
+    """The module a sink writes with, or ``MissingExtraError`` naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise MissingExtraError(
+            f"the {sink!r} sink needs the {sink} package ({error}): pip install 'twinkle[logging]'"
+        ) from None
 
 
 def _number(name: str, value: Any) -> float:

@@ -148,6 +148,11 @@ def recover_all(root: str | os.PathLike) -> int:
     return len(destinations)
 
 
+def folder_size(root: str | os.PathLike) -> int:
+    """Bytes in the files under ``root`` (a saved checkpoint's size)."""
+    return sum(f.stat().st_size for f in Path(root).rglob('*') if f.is_file())
+
+
 def _fsync_tree(root: Path) -> None:
     for path in root.rglob('*'):
         if path.is_file():

@@ -37,8 +37,6 @@ from twinkle.model import checkpoint as ckpt
 from twinkle.model.expert_lora import EXPERT_PARAMETERS, peft_stack_prefix
 
 ADAPTER_CONFIG = 'adapter_config.json'
-#: What a peft adapter folder holds besides the tokenizer's files.
-ADAPTER_FILES = (ADAPTER_CONFIG, ckpt.ADAPTER_WEIGHTS)
 #: twinkle's own files in a checkpoint: resume state, not weights another tool reads.
 TRAINING_FILES = (ckpt.TRAINER_STATE, ckpt.WEIGHTS_STEP, ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)
 DTYPES: dict[str, torch.dtype | str] = {

@@ -44,10 +44,10 @@ from twinkle.model.passes import (
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 from twinkle.utils.logger import get_logger
-from twinkle.wire import RESERVED_FIGURES
+from twinkle.wire import FEATURE_FIELDS, RESERVED_FIGURES
 
-#: Row fields that hold one value per token, as ``input_ids`` does.
-ALIGNED_FIELDS = ('labels', 'attention_mask', 'position_ids', 'completion_mask')
+#: Row fields that hold one value per token, as ``input_ids`` does (the wire checks the same).
+ALIGNED_FIELDS = tuple(field for field in FEATURE_FIELDS if field != 'input_ids')
 logger = get_logger()
 _ADAPTER_NAME = re.compile(r'^[A-Za-z0-9_:-]+$')
 DEFAULT_OPTIMIZER = {'optimizer_cls': 'AdamW', 'lr': 1e-5}

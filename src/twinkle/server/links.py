@@ -60,13 +60,14 @@ def files_route(routes: APIRouter, service: Service) -> None:
         expected = _signature(service.link_key, checkpoint_id, name, expires)
         if not hmac.compare_digest(expected.encode(), signature.encode()) or expires < time.time():
             raise UnauthorizedError(
-                'this download link is altered or expired: ask for new links (external_weights_urls)'
+                'this download link is altered or expired: ask for new links (external_weights_urls, or '
+                'POST /twinkle/v1/runs/{run_id}/checkpoints/{name}/links)'
             )
         checkpoint = await asyncio.to_thread(service.store.get_checkpoint_by_id, checkpoint_id)
         root = Path(checkpoint.path).resolve() if checkpoint is not None else None
         path = (root / name).resolve() if root is not None else None
         if root is None or path is None or not path.is_relative_to(root) or not path.is_file():
-            raise NotFoundError('the exported weights of this link were deleted: save and ask for links again')
+            raise NotFoundError('the checkpoint of this link was deleted: save it again and ask for new links')
         return FileResponse(path, filename=path.name, media_type='application/octet-stream')
 
 

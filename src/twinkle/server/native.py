@@ -23,6 +23,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import JsonValue
 
 from twinkle.errors import ConfigurationError, NotFoundError, UnknownNameError
+from twinkle.model.checkpoint import folder_size
 from twinkle.server.deps import Who
 from twinkle.server.errors import error_responses
 from twinkle.server.group import bare
@@ -197,7 +198,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
         def write() -> str:
             path = Path(group.host.save(group.loaded(run), directory, body.name, body.save_optimizer))
-            size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
+            size = folder_size(path)
             return store.add_checkpoint(who.id, run_id, body.name, str(path), 'training', size).twinkle_path
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'save', write)).id)
@@ -228,7 +229,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
         def write() -> dict[str, JsonValue]:
             path = Path(group.host.save(group.loaded(run), directory, SYNC_NAME, False))
-            size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
+            size = folder_size(path)
             checkpoint = store.add_checkpoint(who.id, run_id, SYNC_NAME, str(path), 'sampler', size)
             return {'path': checkpoint.twinkle_path, 'weight_version': version_of(path)}
 

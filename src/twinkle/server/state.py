@@ -57,8 +57,8 @@ class Service:
         for run in self.store.idle_runs(older_than_s=0.0):  # their adapters died with the last process
             self.store.set_run_status(run.id, 'released')
         self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
-        # Signs the download links of exported weights; made at start, so a restart voids the links
-        # (the client asks for new ones).
+        # Signs the download links of checkpoint files (twinkle.server.links); made at start, so a
+        # restart voids the links (the client asks for new ones).
         self.link_key = secrets.token_bytes(32)
         self.registry = CollectorRegistry()
         self.requests = Counter('twinkle_requests', 'Compute requests', ['operation', 'status'], registry=self.registry)

@@ -540,15 +540,14 @@ class Store:
         rows = self._query('SELECT reason, at FROM model_restarts WHERE base_model = ? ORDER BY id', (base_model,))
         return [(row['reason'], row['at']) for row in rows]
 
-    def count_runs(self, base_model: str, status: str) -> int:
-        """How many runs on ``base_model`` have ``status``."""
-        rows = self._query('SELECT COUNT(*) FROM runs WHERE base_model = ? AND status = ?', (base_model, status))
-        return int(rows[0][0])
-
-    def count_tenant_runs(self, tenant_id: str, status: str) -> int:
-        """How many of the tenant's runs have ``status``."""
-        rows = self._query('SELECT COUNT(*) FROM runs WHERE tenant_id = ? AND status = ?', (tenant_id, status))
-        return int(rows[0][0])
+    def count_runs(self, status: str, *, base_model: str | None = None, tenant_id: str | None = None) -> int:
+        """How many runs have ``status``, on ``base_model`` and of ``tenant_id`` when given."""
+        where, params = ['status = ?'], [status]
+        for column, value in (('base_model', base_model), ('tenant_id', tenant_id)):
+            if value is not None:
+                where.append(f'{column} = ?')
+                params.append(value)
+        return int(self._query(f'SELECT COUNT(*) FROM runs WHERE {" AND ".join(where)}', tuple(params))[0][0])
 
     def add_run_steps(self, run_id: str, steps: list[dict[str, float]]) -> None:
         """Record a run's optimizer steps (``StepLog`` entries: 'step' and its figures); a step

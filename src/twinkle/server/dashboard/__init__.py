@@ -124,7 +124,7 @@ def admin_overview(service: Service) -> JsonObject:
             {
                 'name': tenant.name,
                 'runs': total,
-                'active_runs': store.count_tenant_runs(tenant.id, 'active'),
+                'active_runs': store.count_runs('active', tenant_id=tenant.id),
                 'queued': service.queued_jobs(tenant.id),
             }
         )
@@ -136,7 +136,7 @@ def admin_overview(service: Service) -> JsonObject:
                 'name': Path(bare(group.name)).name,  # a local model's folder name, not its path
                 'queued': sum(s.queued() for s in group.schedulers),
                 'adapters_in_memory': len(group.adapters),
-                'released_runs': store.count_runs(group.name, 'released'),
+                'released_runs': store.count_runs('released', base_model=group.name),
                 'restarts': [{'reason': reason, 'at': at} for reason, at in store.restarts(group.name)],
             }
         )

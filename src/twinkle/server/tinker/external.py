@@ -26,7 +26,7 @@ from fastapi import Request
 from twinkle.errors import DataError
 from twinkle.model import checkpoint as ckpt
 from twinkle.model.export import write_tinker_adapter
-from twinkle.server.links import signed_links
+from twinkle.server.links import signed_links, weight_files
 from twinkle.server.state import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Tenant
 from twinkle.server.tinker.api import JsonObject
@@ -68,7 +68,7 @@ def export_weights(
                 for path in list(staging.iterdir()):
                     pyrage.encrypt_file(str(path), f'{path}.age', recipients)
                     path.unlink()
-    size = sum(f.stat().st_size for f in (folder / name).rglob('*') if f.is_file())
+    size = ckpt.folder_size(folder / name)
     return service.store.add_checkpoint(
         who.id, run.id, name, str(folder / name), 'external', size, expires_at=expires_at
     )
@@ -81,8 +81,5 @@ def links_json(service: Service, checkpoint: Checkpoint, request: Request) -> Js
             f'{checkpoint.checkpoint_id!r} is not exported weights: save them with save_weights_external, '
             'then ask for the links of tinker://<run_id>/external_weights/<name>'
         )
-    root = Path(checkpoint.path)
-    urls, expires = signed_links(
-        service, checkpoint, request, [p.relative_to(root) for p in root.rglob('*') if p.is_file()]
-    )
+    urls, expires = signed_links(service, checkpoint, request, weight_files(checkpoint))
     return {'urls': urls, 'expires': datetime.fromtimestamp(expires, tz=timezone.utc).isoformat()}

@@ -18,6 +18,7 @@ from pydantic import JsonValue
 from tinker import types
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, TwinkleError
+from twinkle.model.checkpoint import folder_size
 from twinkle.server.deps import Who
 from twinkle.server.group import ModelGroup, bare
 from twinkle.server.state import Service
@@ -285,7 +286,7 @@ def _save(service: Service, who: Tenant, run: Run, name: str, kind: str, expires
         directory = directory / 'sampler_weights'
     group = service.group_of(run)
     path = Path(group.host.save(group.loaded(run), directory, name, save_optimizer=kind == 'training'))
-    size = sum(f.stat().st_size for f in path.rglob('*') if f.is_file())
+    size = folder_size(path)
     return service.store.add_checkpoint(who.id, run.id, name, str(path), kind, size, expires_at=expires_at)
 
 
