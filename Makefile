@@ -36,7 +36,7 @@ browser:  ## Debian's chromium for the dashboard's browser test
 
 # The dashboard's charting library, uPlot, from the npm registry into the package (its version: dashboard/package.json).
 dashboard-assets:  ## refresh the vendored uPlot from npm
-	cd src/twinkle/server/dashboard && rm -rf .npm-pack && mkdir .npm-pack && cd .npm-pack \
+	cd src/twinkle/server/api/dashboard && rm -rf .npm-pack && mkdir .npm-pack && cd .npm-pack \
 		&& npm pack "uplot@$$(node -p "require('../package.json').dependencies.uplot")" && tar xzf uplot-*.tgz \
 		&& cp package/dist/uPlot.iife.min.js package/dist/uPlot.min.css package/LICENSE ../static/vendor/uplot/ \
 		&& cd .. && rm -rf .npm-pack

@@ -281,7 +281,7 @@ def test_vllm_refuses_an_expert_adapter_by_name() -> None:
 
 
 def test_a_native_runs_expert_stacks_are_tinkers_train_mlp() -> None:
-    from twinkle.server.tinker.rest import _switches
+    from twinkle.server.api.tinker.rest import _switches
 
     targets = {'train_attn': {'q_proj'}, 'train_mlp': set(), 'train_unembed': {'lm_head'}}
     assert _switches({'target_parameters': ['mlp.experts.down_proj']}, targets) == {

@@ -19,8 +19,8 @@ from tinker import types
 
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
 from twinkle.sampler import TorchSampler
-from twinkle.server.openai_api import DEFAULT_MAX_TOKENS, error_response
-from twinkle.server.scheduler import QueueFullError
+from twinkle.server.api.openai_api import DEFAULT_MAX_TOKENS, error_response
+from twinkle.server.execution.scheduler import QueueFullError
 from twinkle.template import Template
 
 MESSAGES = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Count to three.'}]

@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig
 from server_helpers import background_server
 
-import twinkle.server.errors
+import twinkle.server.api.errors
 from twinkle.dataset import DatasetMeta
 from twinkle.model import TransformersModel
 from twinkle_client import RemoteError, TwinkleClient, init_twinkle_client
@@ -163,7 +163,7 @@ def test_an_error_names_its_class_and_a_422_does_not_echo_the_request(server):
     assert refused.status_code == 422
     extra = {'msg': 'Extra inputs are not permitted', 'type': 'extra_forbidden'}
     assert refused.json() == {'detail': [{'loc': ['body', 'surprise'], **extra}, {'loc': ['body', 'k' * 64], **extra}]}
-    tried = doctest.testmod(twinkle.server.errors)
+    tried = doctest.testmod(twinkle.server.api.errors)
     assert tried.attempted > 0 and tried.failed == 0
 
 

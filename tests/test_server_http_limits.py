@@ -17,8 +17,8 @@ import httpx
 import pytest
 from server_helpers import background_server
 
+from twinkle.server.api.request_limits import TOKEN_ROUTES
 from twinkle.server.config import Limits
-from twinkle.server.http_limits import TOKEN_ROUTES
 
 #: Seconds a test socket waits for an answer or a close; the server's own timeouts are 0.5 s.
 PATIENCE_S = 30.0

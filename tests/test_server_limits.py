@@ -11,7 +11,7 @@ import pytest
 from twinkle.server import auth, limits
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig
-from twinkle.server.limits import RateLimitedError, RateLimiter
+from twinkle.server.rate_limit import RateLimitedError, RateLimiter
 
 ALICE, BOB = 'tml-' + 'a' * 40, 'tml-' + 'b' * 40
 

@@ -25,8 +25,8 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 
 from twinkle.data_format import SampledSequence, SampleResponse
 from twinkle.errors import DataError
-from twinkle.server.tinker import codec
-from twinkle.server.tinker.codec import forward_backward_output, parse_forward_backward, sample_response
+from twinkle.server.execution import tinker_codec as codec
+from twinkle.server.execution.tinker_codec import forward_backward_output, parse_forward_backward, sample_response
 
 # --------------------------------------------------------------------------- helpers
 

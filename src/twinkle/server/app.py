@@ -20,18 +20,20 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from twinkle.server.api.dashboard import mount_dashboard
+from twinkle.server.api.errors import install_error_handlers
+from twinkle.server.api.native import native_router
+from twinkle.server.api.openai_api import openai_router
+from twinkle.server.api.request_limits import HttpLimits
+from twinkle.server.api.tinker.base import TinkerAPI
+from twinkle.server.api.tinker.rest import expire_checkpoints_periodically, rest_router
+from twinkle.server.api.tinker.sampling import sampling_router
+from twinkle.server.api.tinker.session import session_router
+from twinkle.server.api.tinker.state import TinkerState
+from twinkle.server.api.tinker.training import training_router
 from twinkle.server.config import ServerConfig
-from twinkle.server.dashboard import mount_dashboard
-from twinkle.server.errors import install_error_handlers
-from twinkle.server.http_limits import HttpLimits
-from twinkle.server.native import native_router
-from twinkle.server.openai_api import openai_router
-from twinkle.server.remote_host import Host
-from twinkle.server.state import Service
-from twinkle.server.tinker.rest import expire_checkpoints_periodically, rest_router
-from twinkle.server.tinker.sampling import sampling_router
-from twinkle.server.tinker.session import session_router
-from twinkle.server.tinker.training import training_router
+from twinkle.server.execution.remote_host import Host
+from twinkle.server.service import Service
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -46,7 +48,7 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
         service.start()
         chores = [
             asyncio.create_task(_release_periodically(service)),
-            asyncio.create_task(_expire_gaps(service)),
+            asyncio.create_task(_expire_gaps(tinker)),
             asyncio.create_task(expire_checkpoints_periodically(service)),
         ]
         yield
@@ -61,11 +63,11 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(native_router(service))
     app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenant_for_key)
-    app.include_router(session_router(service))
-    app.include_router(training_router(service))
-    app.include_router(sampling_router(service))
+    tinker = TinkerAPI(service, TinkerState(config.tinker))
+    app.state.tinker = tinker
+    for tinker_router in (session_router, training_router, sampling_router, rest_router):
+        app.include_router(tinker_router(tinker))
     app.include_router(openai_router(service))
-    app.include_router(rest_router(service))
     mount_dashboard(app, service)
 
     @app.get('/healthz')
@@ -91,11 +93,11 @@ async def _release_periodically(service: Service) -> None:
             logger.exception('queueing the release of idle adapters failed; trying again later')
 
 
-async def _expire_gaps(service: Service) -> None:
+async def _expire_gaps(tinker: TinkerAPI) -> None:
     """Fail Tinker requests that wait for a seq_id that never came."""
     while True:
-        await asyncio.sleep(min(service.config.tinker.seq_gap_timeout_s / 4, 5.0))
-        service.tinker.sequencer.expire()
+        await asyncio.sleep(min(tinker.settings.seq_gap_timeout_s / 4, 5.0))
+        tinker.state.sequencer.expire()
 
 
 __all__ = ['Service', 'create_app']

@@ -40,8 +40,8 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
 def serve(config: ServerConfig, log_level: str = 'info') -> None:
     import uvicorn
 
+    from twinkle.server.api.request_limits import uvicorn_options
     from twinkle.server.app import create_app
-    from twinkle.server.http_limits import uvicorn_options
 
     options = uvicorn_options(config.limits)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level, **options)
@@ -54,8 +54,8 @@ class BackgroundServer:
     def __init__(self, config: ServerConfig, **app_kwargs: Any):
         import uvicorn
 
+        from twinkle.server.api.request_limits import uvicorn_options
         from twinkle.server.app import create_app
-        from twinkle.server.http_limits import uvicorn_options
 
         self.app = create_app(config, **app_kwargs)
         options = uvicorn_options(config.limits)

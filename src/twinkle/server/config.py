@@ -76,7 +76,7 @@ class TinkerSettings(BaseModel):
 
 
 class RaySettings(BaseModel):
-    """Where the model worker runs when the service uses Ray (see ``twinkle.server.remote_host``)."""
+    """Where the model worker runs when the service uses Ray (see ``twinkle.server.execution.remote_host``)."""
 
     model_config = ConfigDict(extra='forbid')
 
@@ -104,12 +104,12 @@ def gpu_indices(device: str | None) -> list[int]:
 
 class SamplerSettings(BaseModel):
     """How a hosted model samples: ``backend``, and with ``group`` on devices of its own
-    (``twinkle.server.sampler_group``) or beside the model on its worker."""
+    (``twinkle.server.execution.sampler_group``) or beside the model on its worker."""
 
     model_config = ConfigDict(extra='forbid')
 
     #: 'torch': ``TorchSampler``; 'vllm': a vLLM engine (``twinkle[vllm]``), the runs' weights
-    #: as its LoRA adapters (``twinkle.server.vllm_sampling``).
+    #: as its LoRA adapters (``twinkle.server.execution.vllm_sampling``).
     backend: Literal['torch', 'vllm'] = 'torch'
     #: True: a sampler group of its own (training and sampling at the same time; a run samples
     #: its weights as of its last sync for sampling). False: sampling runs on the model's worker,
@@ -203,10 +203,10 @@ class ServerConfig(BaseModel):
     tinker: TinkerSettings = Field(default_factory=TinkerSettings)
     #: Run the model in a Ray actor (on any node of a cluster); None: in the server's process.
     ray: RaySettings | None = None
-    #: Worker processes that hold the model (``twinkle.server.multi_rank``): 1 keeps it in the
+    #: Worker processes that hold the model (``twinkle.server.execution.multi_rank``): 1 keeps it in the
     #: server's process (or its Ray actor); N > 1 starts N processes that join over
     #: torch.distributed (one GPU each on a CUDA device) and split every pass over them; with
-    #: ``ray`` set, N Ray actors on the cluster's nodes (``twinkle.server.ray_ranks``).
+    #: ``ray`` set, N Ray actors on the cluster's nodes (``twinkle.server.execution.ray_ranks``).
     ranks: int = Field(1, ge=1)
     #: Of those ranks, how many shard the base model with FSDP2; the rest replicate it (data
     #: parallel): the mesh ``DeviceMesh.from_sizes(fsdp_size=fsdp_size, dp_size=ranks // fsdp_size)``.

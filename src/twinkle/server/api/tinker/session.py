@@ -13,12 +13,11 @@ from pydantic import JsonValue
 from tinker import types
 
 from twinkle.errors import NotFoundError
-from twinkle.server.deps import Who
-from twinkle.server.errors import ErrorBody
-from twinkle.server.group import bare
-from twinkle.server.scheduler import wait_job
-from twinkle.server.state import Service
-from twinkle.server.tinker.api import PROTO, PROTO_KEY, JsonObject, TinkerAPI, router
+from twinkle.server.api.deps import Who
+from twinkle.server.api.errors import ErrorBody
+from twinkle.server.api.tinker.base import PROTO, PROTO_KEY, JsonObject, TinkerAPI, router
+from twinkle.server.execution.model_group import bare
+from twinkle.server.execution.scheduler import wait_job
 
 #: A heartbeat for a finished session: the SDK stops its heartbeat loop on a 410.
 GONE: dict[int | str, dict[str, object]] = {
@@ -30,9 +29,9 @@ FUTURE_RESULTS: dict[int | str, dict[str, object]] = {
 }
 
 
-def session_router(service: Service) -> APIRouter:
+def session_router(api: TinkerAPI) -> APIRouter:
     """Configuration, sessions and futures of the Tinker API."""
-    api, routes = TinkerAPI(service), router()
+    routes = router()
     _client_routes(routes, api)
     _session_routes(routes, api)
     _future_routes(routes, api)

@@ -8,7 +8,7 @@
 - ``GET /training_runs/{run}/checkpoints/external_weights/{name}/external_weights_urls``
   (``RestClient.get_external_weights_urls``) answers one link per file, signed with the server's
   link key and valid for ``LINK_TTL_S``.
-- the links are ``twinkle.server.links``': a file to whoever holds its link, without an API key
+- the links are ``twinkle.server.api.links``': a file to whoever holds its link, without an API key
   (tinker-cookbook's ``weights.download`` fetches them with a plain GET); altered or expired, a
   401; of a deleted export, a 404.
 """
@@ -26,10 +26,10 @@ from fastapi import Request
 from twinkle.errors import DataError
 from twinkle.model import checkpoint as ckpt
 from twinkle.model.export import write_tinker_adapter
-from twinkle.server.links import signed_links, weight_files
-from twinkle.server.state import Service
+from twinkle.server.api.links import signed_links, weight_files
+from twinkle.server.api.tinker.base import JsonObject
+from twinkle.server.service import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Tenant
-from twinkle.server.tinker.api import JsonObject
 
 #: The most age recipients one export takes (the SDK's limit too).
 MAX_RECIPIENTS = 10

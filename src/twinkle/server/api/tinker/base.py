@@ -4,7 +4,7 @@ the lookups every route makes (a tenant's models, sessions, checkpoints, the bas
 Every route is under ``/api/v1`` and reads its body once, as the SDK's own request type (strict:
 an unknown field is a 422). A body that is not JSON, or is nested deeper than ``MAX_JSON_DEPTH``,
 is a 400; a body that fails validation is a 422 whose ``detail`` is one sentence naming each bad
-field. Other errors are the exception tree's, answered by ``twinkle.server.errors``.
+field. Other errors are the exception tree's, answered by ``twinkle.server.api.errors``.
 
 Compute requests are accepted at once as futures that ``retrieve_future`` long-polls. A training
 client's requests start in ``seq_id`` order (:mod:`.sequencer`), and a retried ``(model_id,
@@ -35,14 +35,15 @@ from twinkle.errors import (
     TwinkleError,
     UnauthorizedError,
 )
-from twinkle.server.deps import key_holder
-from twinkle.server.errors import ErrorBody, error_responses, validation_problems
-from twinkle.server.group import ModelGroup
-from twinkle.server.scheduler import Batchable
-from twinkle.server.state import Service
+from twinkle.server.api.deps import key_holder
+from twinkle.server.api.errors import ErrorBody, error_responses, validation_problems
+from twinkle.server.api.tinker.state import TinkerState
+from twinkle.server.execution.model_group import ModelGroup
+from twinkle.server.execution.scheduler import Batchable
+from twinkle.server.execution.tinker_codec import ForwardBackwardCall
+from twinkle.server.execution.tinker_compute import optim_steps, run_forward_backward_many
+from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Session, Tenant, parse_checkpoint_path
-from twinkle.server.tinker.codec import ForwardBackwardCall
-from twinkle.server.tinker.train import optim_steps, run_forward_backward_many
 
 PREFIX = '/api/v1'
 #: A JSON object, as routes answer and futures store it.
@@ -100,9 +101,9 @@ def skip_refused_turn(request: Request, body: JsonValue) -> None:
     model_id, seq_id = body.get('model_id'), body.get('seq_id')
     if not isinstance(model_id, str) or not isinstance(seq_id, int) or isinstance(seq_id, bool):
         return
-    service: Service = request.app.state.service
-    if service.store.get_run(key_holder(request).id, model_id) is not None:
-        service.tinker.sequencer.skip(model_id, seq_id)
+    api: TinkerAPI = request.app.state.tinker
+    if api.service.store.get_run(key_holder(request).id, model_id) is not None:
+        api.state.sequencer.skip(model_id, seq_id)
 
 
 def router() -> APIRouter:
@@ -149,9 +150,9 @@ def _nesting_over(value: JsonValue, limit: int) -> bool:
 class TinkerAPI:
     """The Tinker routes' view of the service: accepting requests as futures, and the lookups."""
 
-    def __init__(self, service: Service):
-        self.service = service
-        self.settings = service.tinker.settings
+    def __init__(self, service: Service, state: TinkerState):
+        self.service, self.state = service, state
+        self.settings = state.settings
 
     # ---- requests -------------------------------------------------------------------------------
     async def accept(
@@ -166,7 +167,7 @@ class TinkerAPI:
     ) -> str:
         """Record a future for ``fn`` and start it on ``group``'s worker in its model's turn;
         the future's id. With ``batch`` it may share a pass with other tenants' requests."""
-        service, requests = self.service, self.service.tinker.requests
+        service, requests = self.service, self.state.requests
         key = (who.id, run_id or '', seq_id) if seq_id is not None else None
         if key is not None and key in requests:
             return requests[key]  # a retry of a request already accepted
@@ -191,7 +192,7 @@ class TinkerAPI:
         if run_id is None:
             start()  # sampling: no model order to keep
         else:
-            service.tinker.sequencer.add(run_id, seq_id, start, fail)
+            self.state.sequencer.add(run_id, seq_id, start, fail)
         return record.id
 
     def mixable(self, group: ModelGroup, run: Run, call: ForwardBackwardCall) -> Batchable | None:

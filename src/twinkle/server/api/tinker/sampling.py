@@ -16,17 +16,16 @@ from tinker import types
 
 from twinkle.data_format import SamplingParams
 from twinkle.errors import DataError, NotFoundError
-from twinkle.server.deps import Who
-from twinkle.server.group import ModelGroup, bare
-from twinkle.server.state import Service
+from twinkle.server.api.deps import Who
+from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, proto_result, router
+from twinkle.server.execution import tinker_codec as codec
+from twinkle.server.execution.model_group import ModelGroup, bare
 from twinkle.server.store import Tenant
-from twinkle.server.tinker import codec
-from twinkle.server.tinker.api import JsonObject, TinkerAPI, proto_result, router
 
 
-def sampling_router(service: Service) -> APIRouter:
+def sampling_router(api: TinkerAPI) -> APIRouter:
     """The routes of a Tinker sampling client."""
-    api, routes = TinkerAPI(service), router()
+    routes = router()
     _session_routes(routes, api)
     _sample_route(routes, api)
     return routes

@@ -44,13 +44,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from twinkle.data_format import SampledSequence, SamplingParams, StopReason
 from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
-from twinkle.server.checks import MAX_TOP_LOGPROBS
-from twinkle.server.deps import Who
-from twinkle.server.errors import MAX_LOCATION_CHARS, retry_after_header, status_of, unparsable
-from twinkle.server.group import ModelGroup, bare
-from twinkle.server.host import ModelHost
-from twinkle.server.scheduler import wait_job
-from twinkle.server.state import Service
+from twinkle.server.api.deps import Who
+from twinkle.server.api.errors import MAX_LOCATION_CHARS, retry_after_header, status_of, unparsable
+from twinkle.server.execution.checks import MAX_TOP_LOGPROBS
+from twinkle.server.execution.model_group import ModelGroup, bare
+from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.scheduler import wait_job
+from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Store, Tenant, parse_checkpoint_path
 from twinkle.template import Template
 from twinkle.utils.logger import get_logger

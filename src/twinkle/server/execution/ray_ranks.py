@@ -22,7 +22,7 @@ from twinkle.infra.mesh import DeviceGroup, DeviceMesh
 from twinkle.infra.ray.cluster import RayCluster, torchrun_env
 from twinkle.infra.ray.worker import ComponentWorker
 from twinkle.server.config import ServerConfig
-from twinkle.server.multi_rank import START_TIMEOUT_S, RankDied, RankHost
+from twinkle.server.execution.multi_rank import START_TIMEOUT_S, RankDied, RankHost
 
 _Worker: Any = ray.remote(ComponentWorker)  # Ray's types cannot follow a class made an actor
 

@@ -43,10 +43,10 @@ import torch
 from twinkle.errors import ConfigurationError, DataError, WorkerError
 from twinkle.infra import distributed
 from twinkle.infra.ray.dispatch import shard_bounds
-from twinkle.server.checks import RequestChecks
 from twinkle.server.config import ServerConfig, gpu_indices
-from twinkle.server.host import ModelHost
-from twinkle.server.vllm_sampling import samples_on_vllm
+from twinkle.server.execution.checks import RequestChecks
+from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.vllm_sampling import samples_on_vllm
 
 #: Seconds a worker may take to load the model and join the others.
 START_TIMEOUT_S = 600.0
@@ -247,7 +247,7 @@ class RankDied(Exception):
 
 class Ranks(Protocol):
     """How the server reaches its workers: processes it starts (``ProcessRanks``), or Ray
-    actors on any node of a cluster (``twinkle.server.ray_ranks.RayRanks``)."""
+    actors on any node of a cluster (``twinkle.server.execution.ray_ranks.RayRanks``)."""
 
     described: dict[str, Any]  # rank 0's RankHost.describe()
 
@@ -340,7 +340,7 @@ class MultiRankHost(RequestChecks):
 
 
 class ProcessRanks:
-    """The workers as processes of this machine: ``python -m twinkle.server.multi_rank``, a fresh
+    """The workers as processes of this machine: ``python -m twinkle.server.execution.multi_rank``, a fresh
     interpreter (the server's own script, which may lack a ``__main__`` guard, is not run again),
     each connected back over a local socket."""
 
@@ -352,7 +352,7 @@ class ProcessRanks:
         with Listener(('127.0.0.1', 0), authkey=authkey) as listener:
             host, port = listener.address
             env = {**os.environ, 'TWINKLE_RANK_AUTHKEY': authkey.hex()}
-            command = [sys.executable, '-m', 'twinkle.server.multi_rank', f'{host}:{port}']
+            command = [sys.executable, '-m', 'twinkle.server.execution.multi_rank', f'{host}:{port}']
             try:
                 for rank in range(self.ranks):
                     self._procs.append(subprocess.Popen(command, env={**env, **gpu_env(config.device, rank)}))

@@ -31,14 +31,14 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, QueueFullError, StateError
-from twinkle.server import links
-from twinkle.server.deps import Who
-from twinkle.server.group import bare
-from twinkle.server.remote_host import Host
-from twinkle.server.state import Service
+from twinkle.server.api import links
+from twinkle.server.api.deps import Who
+from twinkle.server.api.tinker import external
+from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, router
+from twinkle.server.execution.model_group import bare
+from twinkle.server.execution.remote_host import Host
+from twinkle.server.service import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Session, Store, Tenant, check_name
-from twinkle.server.tinker import external
-from twinkle.server.tinker.api import JsonObject, TinkerAPI, router
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -71,10 +71,10 @@ class WeightsInfoRequest(BaseModel):
     tinker_path: str
 
 
-def rest_router(service: Service) -> APIRouter:
+def rest_router(api: TinkerAPI) -> APIRouter:
     """The REST routes of the Tinker API (what the SDK's ``RestClient`` calls)."""
-    routes = router()
-    _run_routes(routes, service)
+    service, routes = api.service, router()
+    _run_routes(routes, api)
     _checkpoint_routes(routes, service)  # before the catch-all of a checkpoint id that holds a '/'
     links.files_route(routes, service)
     _delete_route(routes, service)
@@ -84,9 +84,9 @@ def rest_router(service: Service) -> APIRouter:
 
 
 # ---- training runs --------------------------------------------------------------------------------
-def _run_routes(router: APIRouter, service: Service) -> None:
+def _run_routes(router: APIRouter, api: TinkerAPI) -> None:
+    service = api.service
     store: Store = service.store
-    api = TinkerAPI(service)
     targets = {name: _module_targets(group.host) for name, group in service.groups.items()}
 
     @router.get('/training_runs')

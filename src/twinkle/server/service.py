@@ -21,14 +21,13 @@ from twinkle.errors import ConfigurationError, NotFoundError, StateError, Twinkl
 from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
-from twinkle.server.group import RELEASE_STATE, ModelGroup, bare
-from twinkle.server.host import ModelHost
-from twinkle.server.limits import RateLimiter
-from twinkle.server.remote_host import Host, build_host
-from twinkle.server.sampler_group import SamplerGroup
-from twinkle.server.scheduler import Batchable, Job, QueueFullError
+from twinkle.server.execution.model_group import RELEASE_STATE, ModelGroup, bare
+from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.remote_host import Host, build_host
+from twinkle.server.execution.sampler_group import SamplerGroup
+from twinkle.server.execution.scheduler import Batchable, Job, QueueFullError
+from twinkle.server.rate_limit import RateLimiter
 from twinkle.server.store import Checkpoint, Run, Store, Tenant
-from twinkle.server.tinker.state import TinkerState
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -57,7 +56,7 @@ class Service:
         for run in self.store.idle_runs(older_than_s=0.0):  # their adapters died with the last process
             self.store.set_run_status(run.id, 'released')
         self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
-        # Signs the download links of checkpoint files (twinkle.server.links); made at start, so a
+        # Signs the download links of checkpoint files (twinkle.server.api.links); made at start, so a
         # restart voids the links (the client asks for new ones).
         self.link_key = secrets.token_bytes(32)
         self.registry = CollectorRegistry()
@@ -92,7 +91,6 @@ class Service:
             )  # fmt: skip
         #: The group of ``config.base_model``: what a request that names no base model gets.
         self.default = self.groups[config.base_model]
-        self.tinker = TinkerState(config.tinker)
 
     # ---- the hosted base models -----------------------------------------------------------------
     def group_named(self, name: str | None) -> ModelGroup:

@@ -19,13 +19,14 @@ from tinker import types
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, TwinkleError
 from twinkle.model.checkpoint import folder_size
-from twinkle.server.deps import Who
-from twinkle.server.group import ModelGroup, bare
-from twinkle.server.state import Service
+from twinkle.server.api.deps import Who
+from twinkle.server.api.tinker import external
+from twinkle.server.api.tinker.base import PROTO, JsonObject, TinkerAPI, proto_result, router
+from twinkle.server.execution import tinker_codec as codec
+from twinkle.server.execution.model_group import ModelGroup, bare
+from twinkle.server.execution.tinker_compute import lora_config, optim_step, run_forward_backward
+from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name
-from twinkle.server.tinker import codec, external
-from twinkle.server.tinker.api import PROTO, JsonObject, TinkerAPI, proto_result, router
-from twinkle.server.tinker.train import lora_config, optim_step, run_forward_backward
 
 #: ``forward_backward`` takes a protobuf ``ForwardBackwardRequest`` (FastAPI cannot declare it).
 PROTOBUF_BODY = {
@@ -39,9 +40,9 @@ PROTOBUF_BODY = {
 ADAMW: JsonObject = {'optimizer_cls': 'AdamW', 'lr': 1e-4, 'betas': [0.9, 0.95]}
 
 
-def training_router(service: Service) -> APIRouter:
+def training_router(api: TinkerAPI) -> APIRouter:
     """The routes of a Tinker training client."""
-    api, routes = TinkerAPI(service), router()
+    routes = router()
     _model_routes(routes, api)
     _step_routes(routes, api)
     _checkpoint_routes(routes, api)
@@ -94,7 +95,7 @@ async def _create_run(
     config and the Tinker config it came from) and AdamW; ``then``
     runs on the new adapter (loading a checkpoint) and gives the result. A retry gets the first
     request's id."""
-    service, requests = api.service, api.service.tinker.requests
+    service, requests = api.service, api.state.requests
     if (who.id, model_id, 0) in requests:
         return requests[(who.id, model_id, 0)]
     lora, tinker_lora = loras

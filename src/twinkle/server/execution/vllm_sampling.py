@@ -28,8 +28,8 @@ from peft import PeftConfig
 from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import ConfigurationError
 from twinkle.sampler.vllm_sampler import vLLMSampler
-from twinkle.server.checks import RequestChecks, SavedAdapters, encoded_prompt
 from twinkle.server.config import SamplerSettings, ServerConfig, gpu_indices
+from twinkle.server.execution.checks import RequestChecks, SavedAdapters, encoded_prompt
 from twinkle.template import Template
 
 #: The LoRA ranks vLLM can be started with; the engine takes the smallest that holds the server's limit.

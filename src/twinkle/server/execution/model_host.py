@@ -36,15 +36,15 @@ from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
 from twinkle.sampler import TorchSampler
-from twinkle.server.checks import (
+from twinkle.server.config import ServerConfig
+from twinkle.server.execution.checks import (
     RequestChecks,
     SavedAdapters,
     check_name,
     encoded_prompt,
     shown_to_tenant,
 )
-from twinkle.server.config import ServerConfig
-from twinkle.server.vllm_sampling import VllmSampling, samples_on_vllm
+from twinkle.server.execution.vllm_sampling import VllmSampling, samples_on_vllm
 from twinkle.template import TEMPLATES
 from twinkle.utils.memory import release_free_memory
 from twinkle.utils.weights import vocab_size

@@ -8,7 +8,7 @@ from fastapi import Depends, Request
 
 from twinkle.errors import UnauthorizedError
 from twinkle.server.auth import key_from_headers
-from twinkle.server.state import Service
+from twinkle.server.service import Service
 from twinkle.server.store import Tenant
 
 

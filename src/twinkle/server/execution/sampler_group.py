@@ -21,10 +21,10 @@ from typing import Any
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.model.checkpoint import WEIGHTS_STEP
 from twinkle.server.config import ServerConfig
-from twinkle.server.multi_rank import MultiRankHost
-from twinkle.server.scheduler import Job, JobCallback, Scheduler
+from twinkle.server.execution.multi_rank import MultiRankHost
+from twinkle.server.execution.scheduler import Job, JobCallback, Scheduler
+from twinkle.server.execution.vllm_sampling import VllmSamplerHost
 from twinkle.server.store import Run, Store
-from twinkle.server.vllm_sampling import VllmSamplerHost
 
 #: The name of the checkpoint a native ``sync_sampler`` writes (each sync replaces it).
 SYNC_NAME = 'sync'

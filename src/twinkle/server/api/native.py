@@ -24,13 +24,13 @@ from pydantic import JsonValue
 
 from twinkle.errors import ConfigurationError, NotFoundError, UnknownNameError
 from twinkle.model.checkpoint import folder_size
-from twinkle.server.deps import Who
-from twinkle.server.errors import error_responses
-from twinkle.server.group import bare
-from twinkle.server.links import signed_links, weight_files
-from twinkle.server.sampler_group import SYNC_NAME, version_of
-from twinkle.server.scheduler import wait_job
-from twinkle.server.state import Service
+from twinkle.server.api.deps import Who
+from twinkle.server.api.errors import error_responses
+from twinkle.server.api.links import signed_links, weight_files
+from twinkle.server.execution.model_group import bare
+from twinkle.server.execution.sampler_group import SYNC_NAME, version_of
+from twinkle.server.execution.scheduler import wait_job
+from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name, check_name
 from twinkle.wire import (
     OPERATIONS,

@@ -21,7 +21,7 @@ from pydantic import JsonValue
 
 from twinkle.errors import NotFoundError, UnauthorizedError
 from twinkle.model.export import TRAINING_FILES
-from twinkle.server.state import Service
+from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint
 
 #: How long a download link works.

@@ -21,8 +21,8 @@ from typing import Any
 
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.server.config import ServerConfig
-from twinkle.server.host import ModelHost
-from twinkle.server.multi_rank import MultiRankHost
+from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.multi_rank import MultiRankHost
 
 #: Calls the actor runs at once: the compute of the worker thread and the routes' checks.
 ACTOR_CONCURRENCY = 4
@@ -104,7 +104,7 @@ def build_host(config: ServerConfig) -> Host:
     """The model host a config asks for: in this process, in a Ray actor (``ray:`` set), on
     worker processes of this machine (``ranks`` > 1), or on Ray actors of a cluster (both)."""
     if config.ranks > 1 and config.ray is not None:
-        from twinkle.server.ray_ranks import RayRanks
+        from twinkle.server.execution.ray_ranks import RayRanks
 
         return MultiRankHost(config, RayRanks)
     if config.ranks > 1:

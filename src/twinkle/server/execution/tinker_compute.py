@@ -20,9 +20,9 @@ from twinkle.data_format import InputFeature
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, TwinkleError
 from twinkle.loss.tinker import TinkerLoss
 from twinkle.model import AdapterCall, StepCall, StepResult
-from twinkle.server.host import ModelHost
-from twinkle.server.remote_host import Host
-from twinkle.server.tinker.codec import ForwardBackwardCall, forward_backward_output
+from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.remote_host import Host
+from twinkle.server.execution.tinker_codec import ForwardBackwardCall, forward_backward_output
 
 
 def lora_config(host: Host, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:

@@ -27,14 +27,14 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import JsonValue
 
 from twinkle.errors import NotFoundError, UnauthorizedError
+from twinkle.server.api.deps import Who, key_holder
+from twinkle.server.api.errors import error_responses
+from twinkle.server.api.links import signed_links, weight_files
+from twinkle.server.api.tinker.rest import delete_checkpoint
 from twinkle.server.auth import hash_key, key_from_headers
-from twinkle.server.deps import Who, key_holder
-from twinkle.server.errors import error_responses
-from twinkle.server.group import bare
-from twinkle.server.links import signed_links, weight_files
-from twinkle.server.state import Service
+from twinkle.server.execution.model_group import bare
+from twinkle.server.service import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, check_name
-from twinkle.server.tinker.rest import delete_checkpoint
 
 STATIC = Path(__file__).parent / 'static'
 PREFIX = '/dashboard'

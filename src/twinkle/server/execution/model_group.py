@@ -17,12 +17,12 @@ from pydantic import JsonValue
 
 from twinkle.errors import CapacityError, NotFoundError, StateError
 from twinkle.server.config import ServerConfig
-from twinkle.server.host import is_mixable, request_tokens, take_step_logs
-from twinkle.server.remote_host import Host
-from twinkle.server.sampler_group import SamplerGroup
-from twinkle.server.scheduler import Batchable, Job, JobCallback, Scheduler
+from twinkle.server.execution.model_host import is_mixable, request_tokens, take_step_logs
+from twinkle.server.execution.remote_host import Host
+from twinkle.server.execution.sampler_group import SamplerGroup
+from twinkle.server.execution.scheduler import Batchable, Job, JobCallback, Scheduler
+from twinkle.server.execution.vllm_sampling import VllmSamplerHost
 from twinkle.server.store import Run, Store
-from twinkle.server.vllm_sampling import VllmSamplerHost
 from twinkle.utils.logger import get_logger
 
 #: Where a released adapter's state is kept, beside the run's checkpoints.

@@ -28,9 +28,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from twinkle.server.api.errors import answer_framework_error
 from twinkle.server.auth import key_from_headers
 from twinkle.server.config import Limits
-from twinkle.server.errors import answer_framework_error
 
 #: Routes whose bodies carry tokens and take up to ``max_body_bytes``: the native operations
 #: (forward_backward, sample, ...), Tinker's forward_backward (``forward`` too, as a flag in its
