@@ -7,7 +7,7 @@ VPY := $(VLLM_VENV)/bin/python
 # torch is pinned first so pip takes the CPU wheel instead of pulling CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup browser train grpo test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets
+.PHONY: setup browser train grpo test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,17 @@ test: setup browser  ## lint, layer contracts, types (mypy over src/), then the 
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
+
+# The docs site (mkdocs.yml, docs/) into site/. --strict fails on a broken link or anchor, a missing page or a reference
+# that does not resolve; mkdocstrings reads the sources without importing them. `$(VENV)/bin/mkdocs serve` previews it.
+# NO_MKDOCS_2_WARNING: mkdocs-material's notice about MkDocs 2.0 on every build, not a warning of this site.
+docs: $(VENV)/.docs-installed  ## build the docs site, strict, into site/
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The `docs` extra, into the same .venv once setup has pinned torch (the project's own dependencies are then met).
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $@
 
 setup-vllm: $(VLLM_VENV)/.installed
 

@@ -1,6 +1,6 @@
 """The reward curve of the GRPO cookbook recipe (``cookbook/grpo_letter_words.py``) over
 several seeds: mean reward, KL to the base model and policy entropy per block of steps, as a
-markdown table the README quotes, plus the per-step log as JSON.
+markdown table docs/rl.md quotes, plus the per-step log as JSON.
 
 Usage::
 

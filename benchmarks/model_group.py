@@ -42,28 +42,16 @@ MIB = 2**20
 LAYOUTS = {'1 rank': (1, 1), '2 ranks, data parallel': (2, 1), '2 ranks, FSDP2': (2, 2)}
 
 
-def noop(host: Any) -> None:
-    return None
-
-
-def held_bytes(host: Any) -> list[dict[str, float]]:
-    """Per rank: MiB of base weights held, and the process's resident set."""
-    from torch.distributed.tensor import DTensor
-
-    from twinkle.infra import distributed
-
-    params = [p for name, p in host.model.model.named_parameters() if 'lora_' not in name]
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in params)
-    whole = sum(p.numel() * p.element_size() for p in params)
-    figures = {'base_weights_mib': local / MIB, 'whole_base_mib': whole / MIB, 'rss_mib': _rss() / MIB}
-    return distributed.all_gather_object(figures)
-
-
-def _rss() -> int:
-    for line in Path('/proc/self/status').read_text().splitlines():
-        if line.startswith('VmRSS:'):
-            return int(line.split()[1]) * 1024
-    return 0
+def rank_figures(host: MultiRankHost) -> list[dict[str, float]]:
+    """Per rank: MiB of base weights held (its FSDP2 shard), of all of them, and the resident set."""
+    return [
+        {
+            'base_weights_mib': rank['base_bytes_held'] / MIB,
+            'whole_base_mib': rank['base_bytes'] / MIB,
+            'rss_mib': rank['resident_mib'],
+        }
+        for rank in host.footprint()
+    ]
 
 
 def setup(host: Any, tenants: int) -> list[str]:
@@ -93,11 +81,6 @@ def timed(fn: Any, rounds: int) -> float:
 
 
 def measure_layout(config: ServerConfig, args: argparse.Namespace) -> dict[str, Any]:
-    # The functions the workers run, from this file imported as a module (a worker cannot see
-    # the server's __main__; it imports what the server's sys.path holds).
-    import model_group
-
-    held_bytes, noop = model_group.held_bytes, model_group.noop
     host = MultiRankHost(config)
     try:
         names = setup(host, args.tenants + 1)
@@ -110,12 +93,12 @@ def measure_layout(config: ServerConfig, args: argparse.Namespace) -> dict[str, 
             combined.append(step(host, solo, args.seq_len, args.tenants))
         row = [{'input_ids': [11, 23, 5, 42], 'labels': [11, 23, 5, 42]}]
         return {
-            'ranks': host.call(held_bytes),
+            'ranks': rank_figures(host),
             'step_s': statistics.median(steps),
             'steps_s': steps,
             'combined_step_s': statistics.median(combined),
             'mixed_vs_combined': statistics.median(combined) / statistics.median(steps),
-            'noop_call_ms': 1000 * timed(lambda: host.call(noop), args.calls),
+            'noop_call_ms': 1000 * timed(host.ping, args.calls),
             'forward_only_ms': 1000 * timed(lambda: host.run(names[0], 'forward_only', {'inputs': row}), args.calls),
         }
     finally:
@@ -128,7 +111,7 @@ def measure_local(config: ServerConfig, args: argparse.Namespace) -> dict[str, A
     row = [{'input_ids': [11, 23, 5, 42], 'labels': [11, 23, 5, 42]}]
     host.run(names[0], 'forward_only', {'inputs': row})
     return {
-        'noop_call_ms': 1000 * timed(lambda: host.call(noop), args.calls),
+        'noop_call_ms': 1000 * timed(host.ping, args.calls),
         'forward_only_ms': 1000 * timed(lambda: host.run(names[0], 'forward_only', {'inputs': row}), args.calls),
     }
 

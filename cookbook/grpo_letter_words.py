@@ -9,7 +9,7 @@ space for each letter (209 of its 4096 tokens start a word with "s"), so even th
 policy writes one such word per three completions or so (mean reward about 0.08). Every group
 of samples therefore holds rewards that differ, GRPO's group-relative advantages are non-zero
 from the first step, and each step raises the probability of the rewarded tokens relative to
-the rest. The reward reaches about 1.0 within 80 steps (seeds 0-2; see the README's table).
+the rest. The reward reaches about 1.0 within 80 steps (seeds 0-2; see the table in docs/rl.md).
 
 ``--letters scp`` asks for one of three letters per prompt, so the policy must also read the
 prompt: the reward rises more slowly (0.3 to 0.7 after 100 steps in our runs) and less steadily.

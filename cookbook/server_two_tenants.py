@@ -116,7 +116,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as data_dir:
         config = ServerConfig.build(base_model='tiny-qwen3', port=0, data_dir=data_dir)
         with Store(config.db_path) as store:
-            keys = [store.add_tenant(name)[1] for name in ('alice', 'bob')]
+            keys = [store.tenants.add(name)[1] for name in ('alice', 'bob')]
         with BackgroundServer(config) as url:
             logger.info(f'server on {url} (OpenAPI docs at {url}/docs)')
             train(url, keys, args.steps)

@@ -96,7 +96,7 @@ def local_server(base_model: str) -> Iterator[tuple[str, str]]:
     with tempfile.TemporaryDirectory(prefix='twinkle-tinker-sft-') as data_dir:
         config = ServerConfig.build(base_model=base_model, port=0, data_dir=data_dir)
         with Store(config.db_path) as store:
-            key = store.add_tenant('tinker-user')[1]
+            key = store.tenants.add('tinker-user')[1]
         with BackgroundServer(config) as url:
             print(f'Started a twinkle server on {url}, serving {base_model}')
             yield url, key

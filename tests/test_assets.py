@@ -11,6 +11,7 @@ import ast
 import hashlib
 import json
 import operator
+import random
 import re
 import threading
 from pathlib import Path
@@ -24,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 from twinkle.assets import DATASETS, MODELS, dataset, dataset_splits, tiny_model, twinkle_home
 from twinkle.assets import tokenizer as tok_recipe
 from twinkle.assets.cache import build_once
+from twinkle.assets.gsm8k import parse_templates
 from twinkle.assets.models import qwen3_config
 from twinkle.cli import main
 from twinkle.errors import ConfigurationError, UnknownNameError
@@ -301,6 +303,40 @@ def test_gsm8k_answers_are_correct(home: Path) -> None:
                 assert shown.rstrip('.,') == value  # the result is also written after the annotation
             final = re.fullmatch(r'#### (-?\d+)', row['answer'].splitlines()[-1])
             assert final and int(final[1]) == float(calcs[-1][1]), row
+
+
+def test_gsm8k_template_text_draws_then_calculates() -> None:
+    (template,) = parse_templates(
+        """
+[socks]
+draw: n = randint(3, 3); m = 2 * n
+ask:  {n} pairs are {m}
+      socks. Half of them?
+say:  There are [total = n * 2] socks.
+say:  Half is [total / 2].
+"""
+    )
+    question, solution = template(random.Random(0))
+    # randint(3, 3) is 3, so m = 6; then 3*2 = 6 and 6/2 = 3, the last result the answer.
+    assert question == '3 pairs are 6 socks. Half of them?'
+    assert solution.answer() == 'There are 3*2 = <<3*2=6>>6 socks.\nHalf is 6/2 = <<6/2=3>>3.\n#### 3'
+
+
+@pytest.mark.parametrize(
+    ('text', 'error', 'message'),
+    [
+        ('[t]\nask: q\nsay: s\nhint: h', ValueError, 'a line starts with draw:, ask: or say:'),
+        ('[t]\nsay: s', ValueError, 'needs one ask: line'),
+        ('[t]\ndraw: x == 1\nask: q\nsay: s', ValueError, 'a run of plain assignments'),
+        ("[t]\ndraw: x = __import__('os')\nask: q\nsay: s", ValueError, 'not allowed in a draw'),
+        ('[t]\ndraw: x = NAMES.pop()\nask: q\nsay: s', ValueError, 'not allowed in a draw'),
+        ('[t]\ndraw: x = 7\nask: q\nsay: [x / 2]', ArithmeticError, '7/2 is not a whole number'),
+    ],
+)
+def test_gsm8k_template_text_refuses_what_it_does_not_know(text: str, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        for template in parse_templates(text):
+            template(random.Random(0))
 
 
 def test_gsm8k_splits_are_distinct(home: Path) -> None:

@@ -186,6 +186,6 @@ def test_a_server_killed_in_the_swap_restarts_with_rows_matching_whole_folders(t
         server.terminate()
         server.wait()
     with Store(data_dir / 'twinkle.db') as store:  # every row names a whole checkpoint
-        for tenant in store.list_tenants():
-            rows, _ = store.list_tenant_checkpoints(tenant.id)
+        for tenant in store.tenants.all():
+            rows, _ = store.checkpoints.page(tenant.id)
             assert rows and all((Path(row.path) / 'adapter_model.safetensors').is_file() for row in rows)

@@ -131,19 +131,19 @@ def test_a_tenant_watches_its_curves_grow_and_manages_its_checkpoints(server, br
         page.click('#links a:text-is("adapter_model.safetensors")')
     saved = tmp_path / 'downloaded.safetensors'
     download.value.save_as(saved)
-    checkpoint = store.get_checkpoint(store.tenant_for_key(keys['alice']).id, run_id, 'ckpt-a')
+    checkpoint = store.checkpoints.get(store.tenants.for_key(keys['alice']).id, run_id, 'ckpt-a')
     assert saved.read_bytes() == (Path(checkpoint.path) / 'adapter_model.safetensors').read_bytes()
     assert any('lora_A' in name for name in load_file(str(saved)))
     assert 'optimizer.pt' not in page.text_content('#links')
     page.click(f'{row} button:text("Publish")')
     page.wait_for_selector(f'{row} button:text("Unpublish")', timeout=TIMEOUT_MS)
-    assert store.get_checkpoint(checkpoint.tenant_id, run_id, 'ckpt-a').public
+    assert store.checkpoints.get(checkpoint.tenant_id, run_id, 'ckpt-a').public
     (tmp_path / 'checkpoints.png').write_bytes(page.screenshot(full_page=True))
     if os.environ.get('TWINKLE_DASHBOARD_PNG'):  # the README's picture: TWINKLE_DASHBOARD_PNG=docs/dashboard.png
         page.screenshot(path=os.environ['TWINKLE_DASHBOARD_PNG'], full_page=True)
     page.click(f'{row} button:text("Delete")')
     page.wait_for_selector(row, state='detached', timeout=TIMEOUT_MS)
-    assert store.get_checkpoint(checkpoint.tenant_id, run_id, 'ckpt-a') is None
+    assert store.checkpoints.get(checkpoint.tenant_id, run_id, 'ckpt-a') is None
     assert not Path(checkpoint.path).exists()
 
     # Bob's run never reached alice's page, nor any answer it got.

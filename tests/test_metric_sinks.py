@@ -125,5 +125,5 @@ def test_unknown_and_missing_sinks_are_refused(tmp_path):
 
 def test_a_sink_whose_library_is_missing_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, 'wandb', None)  # `import wandb` now raises ImportError
-    with pytest.raises(MissingExtraError, match=r"the 'wandb' sink needs the wandb package .*twinkle\[logging\]"):
+    with pytest.raises(MissingExtraError, match=r"the 'wandb' sink needs the wandb package .*twinkle-train\[logging\]"):
         MetricWriter(['jsonl', 'wandb'], tmp_path)

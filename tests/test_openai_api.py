@@ -19,7 +19,8 @@ from tinker import types
 
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
 from twinkle.sampler import TorchSampler
-from twinkle.server.api.openai_api import DEFAULT_MAX_TOKENS, error_response
+from twinkle.server.api.openai_api import error_response
+from twinkle.server.execution.chat import DEFAULT_MAX_TOKENS
 from twinkle.server.execution.scheduler import QueueFullError
 from twinkle.template import Template
 
@@ -41,13 +42,19 @@ def client(server, tenant: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f'{url}/v1', api_key=keys[tenant], max_retries=0, timeout=120)
 
 
-def post(server, body: object, tenant: str | None = 'alice', content: str | bytes | None = None) -> httpx.Response:
+def post(
+    server,
+    body: object,
+    tenant: str | None = 'alice',
+    content: str | bytes | None = None,
+    path: str = '/v1/chat/completions',
+) -> httpx.Response:
     url, keys, _ = server
     headers = {'Authorization': f'Bearer {keys[tenant]}'} if tenant else {}
     if content is None:
-        return httpx.post(f'{url}/v1/chat/completions', json=body, headers=headers, timeout=120)
+        return httpx.post(f'{url}{path}', json=body, headers=headers, timeout=120)
     headers['Content-Type'] = 'application/json'
-    return httpx.post(f'{url}/v1/chat/completions', content=content, headers=headers, timeout=120)
+    return httpx.post(f'{url}{path}', content=content, headers=headers, timeout=120)
 
 
 @pytest.fixture(scope='module')
@@ -110,7 +117,7 @@ def host_greedy(server, prompt_ids: list[int]) -> str:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
         return service.default.host.generate([{'input_ids': prompt_ids}], params, None)[0].sequences[0].decoded
 
-    job = service.submit(service.store.tenant_for_key(keys['alice']), service.default, None, 'test_sample', sample)
+    job = service.submit(service.store.tenants.for_key(keys['alice']), service.default, None, 'test_sample', sample)
     assert job.wait(120) and job.error is None, job.error
     return job.result
 

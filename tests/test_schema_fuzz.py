@@ -1,6 +1,8 @@
 """Fuzzing every operation the server publishes in ``/openapi.json`` with requests that schemathesis
-derives from it: no answer may be a 5xx, and every answer must be one the schema declares (its
-status code, content type and body), so that a client generated from the schema works.
+derives from it: no answer may be a 5xx, every answer must be one the schema declares (its status
+code, content type, headers and body), a request that fits the schema is never refused as malformed
+(a 400 or 422: the schema or the check would be wrong) and one that breaks it is never accepted,
+so that a client generated from the schema works.
 
 A real server on loopback (real HTTP, a real SQLite store, the tiny model) and one tenant's key on
 every request. Each operation gets ``EXAMPLES`` requests that fit its schema and as many that do
@@ -23,8 +25,12 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import Failure, FailureGroup
+from schemathesis.core.transport import Response
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    negative_data_rejection,
+    positive_data_acceptance,
+    response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
@@ -41,7 +47,17 @@ PUBLIC = {
 }
 #: Requests per operation and generation mode (fitting the schema, and not).
 EXAMPLES = int(os.environ.get('TWINKLE_FUZZ_EXAMPLES', '2'))
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    # A request that fits the schema may be answered 2xx, 401, 404, 409 or 429 (a name that does not
+    # exist, a run not in that state), never 400 or 422; one that does not fit is never a 2xx.
+    positive_data_acceptance,
+    negative_data_rejection,
+]
 #: Seconds one request may take; a compute request is answered at once with a future.
 REQUEST_TIMEOUT_S = 60.0
 # Tinker's forward_backward body is protobuf: schemathesis sends the bytes it draws as they are.
@@ -54,9 +70,9 @@ def server(tmp_path_factory, tiny_model_dir):
         yield running
 
 
-def fuzz(operation: schemathesis.APIOperation, mode: GenerationMode, url: str, key: str) -> dict[str, set[str]]:
-    """Problems found on ``operation``: what failed -> the statuses it failed with."""
-    problems: dict[str, set[str]] = defaultdict(set)
+def fuzz(operation: schemathesis.APIOperation, mode: GenerationMode, url: str, key: str) -> dict[str, list[str]]:
+    """Problems found on ``operation``: what failed -> examples of it (the request and the answer)."""
+    problems: dict[str, list[str]] = defaultdict(list)
 
     @settings(
         max_examples=EXAMPLES,
@@ -73,19 +89,27 @@ def fuzz(operation: schemathesis.APIOperation, mode: GenerationMode, url: str, k
             case.validate_response(response, checks=CHECKS)
         except FailureGroup as group:  # one Failure per failed check
             for failure in group.exceptions:
-                problems[f'{operation.label}: {failure.title}: {_first_line(failure.message)}'].add(
-                    str(response.status_code)
-                )
+                _record(problems, operation, failure, response)
         except Failure as failure:
-            problems[f'{operation.label}: {failure.title}: {_first_line(failure.message)}'].add(
-                str(response.status_code)
-            )
+            _record(problems, operation, failure, response)
 
     try:
         run()
     except Unsatisfiable:
         assert mode is GenerationMode.NEGATIVE  # an operation without parameters has no request that breaks them
     return problems
+
+
+def _record(
+    problems: dict[str, list[str]], operation: schemathesis.APIOperation, failure: Failure, response: Response
+) -> None:
+    """Keep the first two examples of each problem: what was sent and what came back."""
+    examples = problems[f'{operation.label}: {failure.title}: {_first_line(failure.message)}']
+    if len(examples) < 2:
+        request = response.request
+        sent = (request.body or b'')[:200] if isinstance(request.body, bytes) else str(request.body or '')[:200]
+        answer = response.text[:300]
+        examples.append(f'HTTP {response.status_code} to {request.method} {request.url} {sent!r}: {answer}')
 
 
 def _first_line(message: str) -> str:
@@ -97,13 +121,14 @@ def test_every_operation_answers_within_its_schema(server):
     schema = schemathesis.openapi.from_url(f'{url}/openapi.json')
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) > 30  # native, Tinker (training, sampling, REST) and OpenAI routes
-    problems: dict[str, set[str]] = defaultdict(set)
+    problems: dict[str, list[str]] = defaultdict(list)
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            for problem, statuses in fuzz(operation, mode, url, keys['alice']).items():
-                problems[problem] |= statuses
+            for problem, examples in fuzz(operation, mode, url, keys['alice']).items():
+                problems[problem] += examples
     listed = '\n'.join(
-        f'{problem} (HTTP {", ".join(sorted(statuses))})' for problem, statuses in sorted(problems.items())
+        f'{problem}\n' + ''.join(f'    {example}\n' for example in examples[:2])
+        for problem, examples in sorted(problems.items())
     )
     assert not problems, f'{len(problems)} problems:\n{listed}'
 

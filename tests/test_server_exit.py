@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     model_dir, data_dir = sys.argv[1], sys.argv[2]
     runtime = twinkle.initialize(mode='http', block=False, base_model=model_dir, port=0, data_dir=data_dir)
     store = Store(runtime.server.app.state.service.config.db_path)
-    key = store.add_tenant('alice')[1]
+    key = store.tenants.add('alice')[1]
     store.close()
     model = MultiLoraTransformersModel(client=TwinkleClient(runtime.server.url, key))
     print(model.add_adapter_to_model('default', LoraConfig(r=4, target_modules='all-linear')), flush=True)

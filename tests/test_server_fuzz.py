@@ -117,7 +117,7 @@ def target(tmp_path_factory, tiny_model_dir) -> Target:
         base_model=tiny_model_dir, port=0, data_dir=str(tmp_path_factory.mktemp('fuzz')), device='cpu'
     )
     store = Store(config.db_path)
-    keys = {name: store.add_tenant(name)[1] for name in ('alice', 'bob')}
+    keys = {name: store.tenants.add(name)[1] for name in ('alice', 'bob')}
     store.close()
     background = BackgroundServer(config)
     with background as url, httpx.Client(timeout=90) as http:

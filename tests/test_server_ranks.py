@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -34,7 +35,7 @@ from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, DataError, UnknownNameError
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.model_host import ModelHost, base_dtype
-from twinkle.server.execution.multi_rank import MultiRankHost, gpu_env
+from twinkle.server.execution.multi_rank import MultiRankHost, gpu_env, row_share
 from twinkle_client import TwinkleClient, init_twinkle_client
 from twinkle_client.checkpoint_engine import CheckpointEngineManager
 from twinkle_client.model import MultiLoraTransformersModel
@@ -105,17 +106,26 @@ def test_three_tenants_on_two_ranks_get_the_numbers_of_one_rank(trained, one_ran
     assert flat(one_rank).abs().sum() > 0 and numbers[0] != numbers[2]  # trained: the losses moved
 
 
-def test_each_rank_ran_its_share_and_the_fsdp_ranks_hold_half_the_layers(two_ranks):
+def test_each_rank_takes_its_share_of_a_pass():
+    # Three rows over two ranks: 2 and 1, and the per-row arguments with them; a scalar goes whole.
+    kwargs = {'inputs': rows(3, 1), 'advantages': [1.0, 2.0, 3.0], 'micro': 4}
+    shares = [row_share(kwargs, 0, rank, 2) for rank in (0, 1)]
+    assert [(len(s['inputs']), s['advantages'], s['micro']) for s in shares] == [(2, [1.0, 2.0], 4), (1, [3.0], 4)]
+    shares = [row_share(kwargs, 1, rank, 2) for rank in (0, 1)]  # the second request of a pass starts on rank 1
+    assert [(len(s['inputs']), s['advantages'], s['micro']) for s in shares] == [(1, [3.0], 4), (2, [1.0, 2.0], 4)]
+    assert row_share(kwargs, 0, 0, 1) is kwargs  # one rank: the whole request
+
+
+def test_the_fsdp_ranks_hold_half_the_layers(two_ranks):
     assert len(set(two_ranks.pids)) == 2
-    shares = two_ranks.call(_shares, {'inputs': rows(3, 1), 'advantages': [1.0, 2.0, 3.0], 'micro': 4}, 0)
-    assert shares == [(2, [1.0, 2.0], 4), (1, [3.0], 4)]
-    shares = two_ranks.call(_shares, {'inputs': rows(3, 1), 'advantages': [1.0, 2.0, 3.0], 'micro': 4}, 1)
-    assert shares == [(1, [3.0], 4), (2, [1.0, 2.0], 4)]  # the second request of a pass starts on rank 1
-    held, total = zip(*two_ranks.call(_base_elements), strict=True)
+    footprint = two_ranks.footprint()
+    assert [rank['rank'] for rank in footprint] == [0, 1]
+    held = [rank['decoder_elements_held'] for rank in footprint]
+    total = footprint[0]['decoder_elements']  # the decoder layers' (FSDP2 keeps the root's weights whole)
     if two_ranks.config.fsdp_size == 2:
-        assert sum(held) == total[0] and max(held) <= total[0] // 2 + 64  # each rank its half
+        assert sum(held) == total and max(held) <= total // 2 + 64  # each rank its half
     else:
-        assert held == total  # data parallel: each rank the whole model
+        assert held == [total, total]  # data parallel: each rank the whole model
 
 
 def test_a_checkpoint_is_written_once_and_loads_on_one_rank(two_ranks, trained, tmp_path):
@@ -150,25 +160,6 @@ def test_errors_come_back_as_themselves_and_the_group_keeps_serving(two_ranks, t
     with pytest.raises(DataError, match="loss input 'advantages' has 3 entries for 5 rows"):
         two_ranks.run('a', 'forward_backward', {'inputs': rows(5, 1), 'advantages': [1.0, 2.0, 3.0]})
     assert len(two_ranks.run('a', 'forward_only', {'inputs': rows(1, 2)})['logps']) == 1
-
-
-def _shares(host: Any, kwargs: dict[str, Any], index: int) -> list[Any]:
-    from twinkle.infra import distributed
-
-    share = host._share(kwargs, index)
-    return distributed.all_gather_object((len(share['inputs']), share['advantages'], share['micro']))
-
-
-def _base_elements(host: Any) -> list[tuple[int, int]]:
-    """Per rank: elements of the base decoder layers' weights it holds, and of all of them."""
-    from torch.distributed.tensor import DTensor
-
-    from twinkle.infra import distributed
-
-    # The decoder layers' (FSDP2 keeps the root's weights, the embeddings, gathered between passes).
-    params = [p for name, p in host.model.model.named_parameters() if 'lora_' not in name and '.layers.' in name]
-    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
-    return distributed.all_gather_object((held, sum(p.numel() for p in params)))
 
 
 # ---- behind the service -------------------------------------------------------------------------
@@ -263,9 +254,10 @@ def test_a_killed_worker_fails_its_request_and_the_group_comes_back(served):
     model.save('before-the-crash', save_optimizer=True)
     saved_next = model.forward_backward(inputs=SERVED_ROWS).loss  # what the saved state gives next
     model.clip_grad_and_step()  # a step after the save: lost with the worker, as it was never saved
-    # A job that holds the worker while its rank 1 is killed: the job's call fails, saying why.
+    # Rank 1 is killed (as ``kill -9`` would) while the group is idle: the next call fails, saying why.
     victim = host.pids[1]
-    held = service.default.scheduler.submit('probe', lambda: host.call(_sleep_then_run, victim))
+    os.kill(victim, signal.SIGKILL)
+    held = service.default.scheduler.submit('probe', host.ping)
     assert held.wait(120) and held.status == 'failed'
     assert 'model worker rank 1 of 2 died (signal 9)' in str(held.error)
     # The other model keeps serving while this one is down.
@@ -275,21 +267,10 @@ def test_a_killed_worker_fails_its_request_and_the_group_comes_back(served):
     # The next request restarts the group; the run continues from its last save.
     assert model.forward_backward(inputs=SERVED_ROWS).loss == pytest.approx(saved_next, rel=TOL, abs=TOL)
     assert victim not in host.pids and len(host.pids) == 2
-    assert [reason for reason, _ in service.store.restarts(service.default.name)] == [str(held.error).split(';')[0]]
+    restarts = service.store.history.restarts(service.default.name)
+    assert [reason for reason, _ in restarts] == [str(held.error).split(';')[0]]
     metrics = httpx.get(f'{url}/metrics', headers={'X-API-Key': keys['alice']}).text
     assert re.search(r'twinkle_model_restarts_total\{base_model="tiny-qwen3"\} 1\.0', metrics)
-
-
-def _sleep_then_run(host: Any, victim: int) -> None:
-    """Rank 0 kills rank 1 (as ``kill -9`` would), then both would meet in a collective."""
-    import os
-    import signal
-
-    from twinkle.infra import distributed
-
-    if distributed.is_main():
-        os.kill(victim, signal.SIGKILL)
-    distributed.all_gather_object(os.getpid())  # rank 0 waits here for a rank that is gone
 
 
 SEED_SERVER = """

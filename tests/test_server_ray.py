@@ -29,7 +29,7 @@ def local_ray():
 def serve(tmp_path, model_dir: str, **options):
     config = ServerConfig.build(base_model=model_dir, port=0, data_dir=str(tmp_path), device='cpu', **options)
     store = Store(config.db_path)
-    _, key = store.add_tenant('alice')
+    _, key = store.tenants.add('alice')
     store.close()
     return BackgroundServer(config), key
 
@@ -98,7 +98,7 @@ def test_tenants_share_a_pass_in_the_ray_actor_and_get_their_numbers_alone(local
         base_model=tiny_model_dir, port=0, data_dir=str(tmp_path), device='cpu', ray={'address': None}
     )
     with Store(config.db_path) as store:
-        keys = {tenant: store.add_tenant(tenant)[1] for tenant in ('alice', 'bob')}
+        keys = {tenant: store.tenants.add(tenant)[1] for tenant in ('alice', 'bob')}
     rows = {
         'alice': [{'input_ids': [5, 9, 31, 7, 2], 'labels': [-100, 9, 31, 7, 2]}],
         'bob': [{'input_ids': [40, 8, 17], 'labels': [-100, 8, 17]}, {'input_ids': [3, 3], 'labels': [-100, 3]}],

@@ -62,7 +62,7 @@ def config_for(tiny_model_dir: str, data_dir, **kwargs) -> ServerConfig:
 
 def add_key(config: ServerConfig) -> str:
     with Store(config.db_path) as store:
-        return store.add_tenant('alice')[1]
+        return store.tenants.add('alice')[1]
 
 
 def wait_until(condition, timeout: float = 20.0) -> None:

@@ -88,9 +88,9 @@ def test_check_name_rejects_names_that_could_escape_a_directory(name):
 
 
 def test_twinkle_path_round_trip(store):
-    tenant, _ = store.add_tenant('alice')
-    run = store.create_run(tenant.id, 'base', 'default', {})
-    checkpoint = store.add_checkpoint(tenant.id, run.id, 'step-10', '/disk/x', 'training', 12)
+    tenant, _ = store.tenants.add('alice')
+    run = store.runs.create(tenant.id, 'base', 'default', {})
+    checkpoint = store.checkpoints.add(tenant.id, run.id, 'step-10', '/disk/x', 'training', 12)
     assert checkpoint.twinkle_path == f'twinkle://{run.id}/checkpoints/step-10'
     assert parse_twinkle_path(checkpoint.twinkle_path) == (run.id, 'step-10')
 
@@ -124,78 +124,78 @@ def test_parse_twinkle_path_rejects_anything_else(path):
 
 def test_keys_are_stored_only_hashed(db):
     with Store(db) as store:
-        tenant, key = store.add_tenant('alice')
-        assert store.tenant_for_key(key) == tenant
+        tenant, key = store.tenants.add('alice')
+        assert store.tenants.for_key(key) == tenant
     stored = b''.join(path.read_bytes() for path in db.parent.iterdir() if path.name.startswith(db.name))
     assert key.encode() not in stored
     assert hash_key(key).encode() in stored
 
 
 def test_tenant_lookup_by_key(store):
-    alice, alice_key = store.add_tenant('alice')
-    bob, bob_key = store.add_tenant('bob', key='tk-' + 'b' * 40)
+    alice, alice_key = store.tenants.add('alice')
+    bob, bob_key = store.tenants.add('bob', key='tk-' + 'b' * 40)
     assert bob_key == 'tk-' + 'b' * 40
-    assert store.tenant_for_key(alice_key) == alice
-    assert store.tenant_for_key(bob_key) == bob
-    assert store.tenant_for_key(alice_key + 'x') is None
-    assert store.tenant_for_key('') is None
-    assert store.list_tenants() == [alice, bob]
+    assert store.tenants.for_key(alice_key) == alice
+    assert store.tenants.for_key(bob_key) == bob
+    assert store.tenants.for_key(alice_key + 'x') is None
+    assert store.tenants.for_key('') is None
+    assert store.tenants.all() == [alice, bob]
 
 
 def test_duplicate_tenant_name_or_key_and_weak_keys_are_refused(store):
-    store.add_tenant('alice', key='k' * 40)
+    store.tenants.add('alice', key='k' * 40)
     with pytest.raises(ConfigurationError, match="a tenant named 'alice'"):
-        store.add_tenant('alice')
+        store.tenants.add('alice')
     with pytest.raises(ConfigurationError, match='that API key'):
-        store.add_tenant('bob', key='k' * 40)
+        store.tenants.add('bob', key='k' * 40)
     with pytest.raises(ConfigurationError, match='at least 32'):
-        store.add_tenant('carol', key='short')
+        store.tenants.add('carol', key='short')
     with pytest.raises(DataError, match='tenant name'):
-        store.add_tenant('../etc')
-    assert [tenant.name for tenant in store.list_tenants()] == ['alice']
+        store.tenants.add('../etc')
+    assert [tenant.name for tenant in store.tenants.all()] == ['alice']
 
 
 def test_remove_tenant_removes_their_rows_only(store):
-    alice, alice_key = store.add_tenant('alice')
-    bob, _ = store.add_tenant('bob')
-    alice_run = store.create_run(alice.id, 'base', 'a', {})
-    store.add_checkpoint(alice.id, alice_run.id, 'c', '/p', 'sampler', 1)
-    store.create_future(alice.id, alice_run.id, 'forward_backward')
-    bob_run = store.create_run(bob.id, 'base', 'b', {})
-    assert store.remove_tenant('alice') is True
-    assert store.remove_tenant('alice') is False
-    assert store.tenant_for_key(alice_key) is None
-    assert store.list_runs(alice.id) == ([], 0)
-    assert store.list_checkpoints(alice.id, alice_run.id) == []
-    assert store.get_run(bob.id, bob_run.id) == bob_run
+    alice, alice_key = store.tenants.add('alice')
+    bob, _ = store.tenants.add('bob')
+    alice_run = store.runs.create(alice.id, 'base', 'a', {})
+    store.checkpoints.add(alice.id, alice_run.id, 'c', '/p', 'sampler', 1)
+    store.futures.create(alice.id, alice_run.id, 'forward_backward')
+    bob_run = store.runs.create(bob.id, 'base', 'b', {})
+    assert store.tenants.remove('alice') is True
+    assert store.tenants.remove('alice') is False
+    assert store.tenants.for_key(alice_key) is None
+    assert store.runs.page(alice.id) == ([], 0)
+    assert store.checkpoints.of_run(alice.id, alice_run.id) == []
+    assert store.runs.get(bob.id, bob_run.id) == bob_run
 
 
 # -- tenant isolation ---------------------------------------------------------------------------------
 
 
 def test_another_tenants_rows_do_not_exist(store):
-    alice, _ = store.add_tenant('alice')
-    bob, _ = store.add_tenant('bob')
-    run = store.create_run(alice.id, 'base', 'default', {'r': 8})
-    checkpoint = store.add_checkpoint(alice.id, run.id, 'step-1', '/disk/1', 'training', 10)
-    future = store.create_future(alice.id, run.id, 'optim_step')
+    alice, _ = store.tenants.add('alice')
+    bob, _ = store.tenants.add('bob')
+    run = store.runs.create(alice.id, 'base', 'default', {'r': 8})
+    checkpoint = store.checkpoints.add(alice.id, run.id, 'step-1', '/disk/1', 'training', 10)
+    future = store.futures.create(alice.id, run.id, 'optim_step')
 
-    assert store.get_run(alice.id, run.id) == run
-    assert store.get_checkpoint(alice.id, run.id, 'step-1') == checkpoint
-    assert store.get_future(alice.id, future.id) == future
+    assert store.runs.get(alice.id, run.id) == run
+    assert store.checkpoints.get(alice.id, run.id, 'step-1') == checkpoint
+    assert store.futures.get(alice.id, future.id) == future
 
-    assert store.get_run(bob.id, run.id) is None
-    assert store.list_runs(bob.id) == ([], 0)
-    assert store.get_checkpoint(bob.id, run.id, 'step-1') is None
-    assert store.list_checkpoints(bob.id, run.id) == []
-    assert store.delete_checkpoint(bob.id, run.id, 'step-1') is False
-    assert store.get_future(bob.id, future.id) is None
+    assert store.runs.get(bob.id, run.id) is None
+    assert store.runs.page(bob.id) == ([], 0)
+    assert store.checkpoints.get(bob.id, run.id, 'step-1') is None
+    assert store.checkpoints.of_run(bob.id, run.id) == []
+    assert store.checkpoints.delete(bob.id, run.id, 'step-1') is False
+    assert store.futures.get(bob.id, future.id) is None
     # Bob cannot attach rows to Alice's run either.
     with pytest.raises(StateError, match=f'no run {run.id!r}'):
-        store.add_checkpoint(bob.id, run.id, 'mine', '/disk/2', 'training', 1)
+        store.checkpoints.add(bob.id, run.id, 'mine', '/disk/2', 'training', 1)
     with pytest.raises(StateError, match=f'no run {run.id!r}'):
-        store.create_future(bob.id, run.id, 'sample')
-    assert store.list_checkpoints(alice.id, run.id) == [checkpoint]
+        store.futures.create(bob.id, run.id, 'sample')
+    assert store.checkpoints.of_run(alice.id, run.id) == [checkpoint]
 
 
 # -- runs ---------------------------------------------------------------------------------------------
@@ -204,48 +204,48 @@ def test_another_tenants_rows_do_not_exist(store):
 def test_runs_list_newest_first_with_paging_and_without_deleted(tmp_path):
     clock = FakeClock()
     with Store(tmp_path / 'db', clock=clock) as store:
-        tenant, _ = store.add_tenant('alice')
+        tenant, _ = store.tenants.add('alice')
         runs = []
         for i in range(5):
             clock.now = 1_000.0 + i
-            runs.append(store.create_run(tenant.id, 'base', f'adapter-{i}', {'i': i}))
-        store.set_run_status(runs[4].id, 'deleted')
+            runs.append(store.runs.create(tenant.id, 'base', f'adapter-{i}', {'i': i}))
+        store.runs.set_status(runs[4].id, 'deleted')
         # Four live runs, newest first: adapter-3, adapter-2 | adapter-1, adapter-0.
-        page, total = store.list_runs(tenant.id, limit=2, offset=0)
+        page, total = store.runs.page(tenant.id, limit=2, offset=0)
         assert total == 4 and [run.adapter_name for run in page] == ['adapter-3', 'adapter-2']
-        page, total = store.list_runs(tenant.id, limit=2, offset=2)
+        page, total = store.runs.page(tenant.id, limit=2, offset=2)
         assert total == 4 and [run.adapter_name for run in page] == ['adapter-1', 'adapter-0']
         assert page[1].config == {'i': 0}
-        assert store.get_run(tenant.id, runs[4].id).status == 'deleted'
+        assert store.runs.get(tenant.id, runs[4].id).status == 'deleted'
 
 
 def test_run_status_and_names_are_validated(store):
-    tenant, _ = store.add_tenant('alice')
-    run = store.create_run(tenant.id, 'base', 'default', {})
+    tenant, _ = store.tenants.add('alice')
+    run = store.runs.create(tenant.id, 'base', 'default', {})
     with pytest.raises(ConfigurationError, match=r"'gone'.*\['active', 'deleted', 'released'\]"):
-        store.set_run_status(run.id, 'gone')
+        store.runs.set_status(run.id, 'gone')
     with pytest.raises(DataError, match='adapter name'):
-        store.create_run(tenant.id, 'base', '../other-tenant', {})
+        store.runs.create(tenant.id, 'base', '../other-tenant', {})
     with pytest.raises(StateError, match="No tenant 'tn-missing'"):
-        store.create_run('tn-missing', 'base', 'default', {})
+        store.runs.create('tn-missing', 'base', 'default', {})
 
 
 def test_idle_runs(tmp_path):
     clock = FakeClock(1_000.0)
     with Store(tmp_path / 'db', clock=clock) as store:
-        tenant, _ = store.add_tenant('alice')
-        busy = store.create_run(tenant.id, 'base', 'busy', {})
-        idle = store.create_run(tenant.id, 'base', 'idle', {})
-        released = store.create_run(tenant.id, 'base', 'released', {})
-        store.set_run_status(released.id, 'released')
+        tenant, _ = store.tenants.add('alice')
+        busy = store.runs.create(tenant.id, 'base', 'busy', {})
+        idle = store.runs.create(tenant.id, 'base', 'idle', {})
+        released = store.runs.create(tenant.id, 'base', 'released', {})
+        store.runs.set_status(released.id, 'released')
         clock.now = 1_500.0
-        store.touch_run(busy.id)
+        store.runs.touch(busy.id)
         clock.now = 1_700.0
         # 600 s before now is 1100: idle (last request 1000) is older, busy (1500) is not, released is not active.
-        assert [run.id for run in store.idle_runs(600)] == [idle.id]
-        assert store.get_run(tenant.id, busy.id).last_request_at == 1_500.0
+        assert [run.id for run in store.runs.idle(600)] == [idle.id]
+        assert store.runs.get(tenant.id, busy.id).last_request_at == 1_500.0
         # 100 s before now is 1600: both active runs are idle, the longest idle first.
-        assert [run.id for run in store.idle_runs(100)] == [idle.id, busy.id]
+        assert [run.id for run in store.runs.idle(100)] == [idle.id, busy.id]
 
 
 # -- checkpoints --------------------------------------------------------------------------------------
@@ -254,64 +254,64 @@ def test_idle_runs(tmp_path):
 def test_checkpoint_replace_and_delete(tmp_path):
     clock = FakeClock()
     with Store(tmp_path / 'db', clock=clock) as store:
-        tenant, _ = store.add_tenant('alice')
-        run = store.create_run(tenant.id, 'base', 'default', {})
-        first = store.add_checkpoint(tenant.id, run.id, 'latest', '/disk/v1', 'training', 100)
-        other = store.add_checkpoint(tenant.id, run.id, 'step-1', '/disk/s1', 'sampler', 50)
+        tenant, _ = store.tenants.add('alice')
+        run = store.runs.create(tenant.id, 'base', 'default', {})
+        first = store.checkpoints.add(tenant.id, run.id, 'latest', '/disk/v1', 'training', 100)
+        other = store.checkpoints.add(tenant.id, run.id, 'step-1', '/disk/s1', 'sampler', 50)
         clock.now += 10
-        second = store.add_checkpoint(tenant.id, run.id, 'latest', '/disk/v2', 'training', 200)
+        second = store.checkpoints.add(tenant.id, run.id, 'latest', '/disk/v2', 'training', 200)
         assert second.id != first.id
-        assert store.get_checkpoint(tenant.id, run.id, 'latest') == second
-        assert store.list_checkpoints(tenant.id, run.id) == [other, second]
+        assert store.checkpoints.get(tenant.id, run.id, 'latest') == second
+        assert store.checkpoints.of_run(tenant.id, run.id) == [other, second]
 
-        assert store.delete_checkpoint(tenant.id, run.id, 'latest') is True
-        assert store.delete_checkpoint(tenant.id, run.id, 'latest') is False
-        assert store.get_checkpoint(tenant.id, run.id, 'latest') is None
-        assert store.list_checkpoints(tenant.id, run.id) == [other]
+        assert store.checkpoints.delete(tenant.id, run.id, 'latest') is True
+        assert store.checkpoints.delete(tenant.id, run.id, 'latest') is False
+        assert store.checkpoints.get(tenant.id, run.id, 'latest') is None
+        assert store.checkpoints.of_run(tenant.id, run.id) == [other]
         with pytest.raises(ConfigurationError, match="'weights'"):
-            store.add_checkpoint(tenant.id, run.id, 'x', '/disk/x', 'weights', 1)
+            store.checkpoints.add(tenant.id, run.id, 'x', '/disk/x', 'weights', 1)
 
 
 # -- futures ------------------------------------------------------------------------------------------
 
 
 def test_future_lifecycle(store):
-    tenant, _ = store.add_tenant('alice')
-    future = store.create_future(tenant.id, None, 'create_run')
+    tenant, _ = store.tenants.add('alice')
+    future = store.futures.create(tenant.id, None, 'create_run')
     assert (future.status, future.run_id, future.finished) == ('pending', None, False)
-    assert store.set_future_running(future.id) is True
-    assert store.set_future_running(future.id) is False
-    assert store.finish_future(future.id, {'loss': 1.5, 'ids': [1, 2]}) is True
-    done = store.get_future(tenant.id, future.id)
+    assert store.futures.set_running(future.id) is True
+    assert store.futures.set_running(future.id) is False
+    assert store.futures.finish(future.id, {'loss': 1.5, 'ids': [1, 2]}) is True
+    done = store.futures.get(tenant.id, future.id)
     assert (done.status, done.result, done.finished) == ('done', {'loss': 1.5, 'ids': [1, 2]}, True)
     # A finished future never changes again.
-    assert store.fail_future(future.id, 'late', 'server') is False
-    assert store.get_future(tenant.id, future.id) == done
+    assert store.futures.fail(future.id, 'late', 'server') is False
+    assert store.futures.get(tenant.id, future.id) == done
 
-    failed = store.create_future(tenant.id, None, 'sample')
-    assert store.fail_future(failed.id, 'prompt too long', 'user') is True
-    failed = store.get_future(tenant.id, failed.id)
+    failed = store.futures.create(tenant.id, None, 'sample')
+    assert store.futures.fail(failed.id, 'prompt too long', 'user') is True
+    failed = store.futures.get(tenant.id, failed.id)
     assert (failed.status, failed.error, failed.category, failed.result) == ('failed', 'prompt too long', 'user', None)
     with pytest.raises(ConfigurationError, match="'client'"):
-        store.fail_future(failed.id, 'x', 'client')
+        store.futures.fail(failed.id, 'x', 'client')
     with pytest.raises(DataError, match='JSON-serializable'):
-        store.finish_future(store.create_future(tenant.id, None, 'op').id, object())
+        store.futures.finish(store.futures.create(tenant.id, None, 'op').id, object())
 
 
 def test_fail_unfinished_futures(store):
-    tenant, _ = store.add_tenant('alice')
-    pending = store.create_future(tenant.id, None, 'a')
-    running = store.create_future(tenant.id, None, 'b')
-    store.set_future_running(running.id)
-    done = store.create_future(tenant.id, None, 'c')
-    store.finish_future(done.id, 1)
-    assert store.fail_unfinished_futures('server restarted') == 2
+    tenant, _ = store.tenants.add('alice')
+    pending = store.futures.create(tenant.id, None, 'a')
+    running = store.futures.create(tenant.id, None, 'b')
+    store.futures.set_running(running.id)
+    done = store.futures.create(tenant.id, None, 'c')
+    store.futures.finish(done.id, 1)
+    assert store.futures.fail_unfinished('server restarted') == 2
     for future_id in (pending.id, running.id):
-        future = store.get_future(tenant.id, future_id)
+        future = store.futures.get(tenant.id, future_id)
         assert (future.status, future.error, future.category) == ('failed', 'server restarted', 'server')
         assert future.finished_at is not None
-    assert store.get_future(tenant.id, done.id).result == 1
-    assert store.fail_unfinished_futures('again') == 0
+    assert store.futures.get(tenant.id, done.id).result == 1
+    assert store.futures.fail_unfinished('again') == 0
 
 
 # -- durability and concurrency -----------------------------------------------------------------------
@@ -319,20 +319,20 @@ def test_fail_unfinished_futures(store):
 
 def test_rows_persist_across_reopen(db):
     with Store(db) as store:
-        tenant, key = store.add_tenant('alice')
-        run = store.create_run(tenant.id, 'base', 'default', {'lora': {'r': 8}})
-        store.add_checkpoint(tenant.id, run.id, 'step-1', '/disk/1', 'training', 10)
-        future = store.create_future(tenant.id, run.id, 'save')
-        store.finish_future(future.id, {'path': 'twinkle://x'})
+        tenant, key = store.tenants.add('alice')
+        run = store.runs.create(tenant.id, 'base', 'default', {'lora': {'r': 8}})
+        store.checkpoints.add(tenant.id, run.id, 'step-1', '/disk/1', 'training', 10)
+        future = store.futures.create(tenant.id, run.id, 'save')
+        store.futures.finish(future.id, {'path': 'twinkle://x'})
     store.close()  # closing twice is harmless
     with pytest.raises(StateError, match='closed'):
-        store.list_tenants()
+        store.tenants.all()
 
     with Store(db) as reopened:
-        assert reopened.tenant_for_key(key) == tenant
-        assert reopened.get_run(tenant.id, run.id) == run
-        assert reopened.get_checkpoint(tenant.id, run.id, 'step-1').size_bytes == 10
-        assert reopened.get_future(tenant.id, future.id).result == {'path': 'twinkle://x'}
+        assert reopened.tenants.for_key(key) == tenant
+        assert reopened.runs.get(tenant.id, run.id) == run
+        assert reopened.checkpoints.get(tenant.id, run.id, 'step-1').size_bytes == 10
+        assert reopened.futures.get(tenant.id, future.id).result == {'path': 'twinkle://x'}
     connection = sqlite3.connect(db)
     assert connection.execute('PRAGMA user_version').fetchone()[0] == SCHEMA_VERSION
     assert connection.execute('PRAGMA journal_mode').fetchone()[0] == 'wal'
@@ -350,9 +350,9 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(db):
     connection.commit()
     connection.close()
     with Store(db) as store:
-        alice = store.tenant_for_key('k' * 40)
-        assert alice.name == 'alice' and store.get_run(alice.id, 'run-1').session_id is None
-        checkpoint = store.get_checkpoint(alice.id, 'run-1', 'step-1')
+        alice = store.tenants.for_key('k' * 40)
+        assert alice.name == 'alice' and store.runs.get(alice.id, 'run-1').session_id is None
+        checkpoint = store.checkpoints.get(alice.id, 'run-1', 'step-1')
         assert (checkpoint.path, checkpoint.size_bytes, checkpoint.public, checkpoint.expires_at) == (
             '/disk/1',
             10,
@@ -360,16 +360,16 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(db):
             None,
         )
         # a sampler checkpoint of the same name now fits beside the training one
-        store.add_checkpoint(alice.id, 'run-1', 'step-1', '/disk/2', 'sampler', 5)
+        store.checkpoints.add(alice.id, 'run-1', 'step-1', '/disk/2', 'sampler', 5)
         # and an exported one (version 5 widened the kinds by rebuilding the table)
-        store.add_checkpoint(alice.id, 'run-1', 'step-1', '/disk/3', 'external', 3)
-        assert [c.checkpoint_id for c in store.list_checkpoints(alice.id, 'run-1')] == [
+        store.checkpoints.add(alice.id, 'run-1', 'step-1', '/disk/3', 'external', 3)
+        assert [c.checkpoint_id for c in store.checkpoints.of_run(alice.id, 'run-1')] == [
             'weights/step-1',
             'sampler_weights/step-1',
             'external_weights/step-1',
         ]
-        store.sync_keys_file({'bob': hash_key('b' * 40)})
-        assert store.tenant_for_key('b' * 40).name == 'bob'
+        store.tenants.sync_keys_file({'bob': hash_key('b' * 40)})
+        assert store.tenants.for_key('b' * 40).name == 'bob'
     connection = sqlite3.connect(db)
     assert connection.execute('PRAGMA user_version').fetchone()[0] == SCHEMA_VERSION
     indexes = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'checkpoints'")}
@@ -378,19 +378,19 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(db):
 
 
 def test_the_keys_file_decides_its_own_tenants_only(store, tmp_path):
-    carol, carol_key = store.add_tenant('carol')  # added by hand: the file never touches her
+    carol, carol_key = store.tenants.add('carol')  # added by hand: the file never touches her
     keys = tmp_path / 'keys.yaml'
     keys.write_text(f'alice: {"a" * 40}\nbob: sha256:{hash_key("b" * 40)}\n')
-    store.sync_keys_file(read_keys_file(keys))
-    alice = store.tenant_for_key('a' * 40)
-    assert alice.name == 'alice' and store.tenant_for_key('b' * 40).name == 'bob'
+    store.tenants.sync_keys_file(read_keys_file(keys))
+    alice = store.tenants.for_key('a' * 40)
+    assert alice.name == 'alice' and store.tenants.for_key('b' * 40).name == 'bob'
     keys.write_text(f'alice: {"z" * 40}\n')  # alice's key rotated, bob removed
-    store.sync_keys_file(read_keys_file(keys))
-    assert store.tenant_for_key('a' * 40) is None and store.tenant_for_key('b' * 40) is None
-    assert store.tenant_for_key('z' * 40) == alice  # the same tenant, so her runs stay hers
-    assert store.tenant_for_key(carol_key) == carol
+    store.tenants.sync_keys_file(read_keys_file(keys))
+    assert store.tenants.for_key('a' * 40) is None and store.tenants.for_key('b' * 40) is None
+    assert store.tenants.for_key('z' * 40) == alice  # the same tenant, so her runs stay hers
+    assert store.tenants.for_key(carol_key) == carol
     with pytest.raises(ConfigurationError, match="tenant 'carol' a key another tenant has"):
-        store.sync_keys_file({'alice': hash_key('z' * 40), 'carol': hash_key('z' * 40)})
+        store.tenants.sync_keys_file({'alice': hash_key('z' * 40), 'carol': hash_key('z' * 40)})
 
 
 @pytest.mark.parametrize(
@@ -420,7 +420,7 @@ def test_newer_schema_is_refused(db):
 
 
 def test_concurrent_writes_from_8_threads(store):
-    tenant, _ = store.add_tenant('alice')
+    tenant, _ = store.tenants.add('alice')
     per_thread = 40
     ids: list[list[str]] = [[] for _ in range(8)]
     errors: list[BaseException] = []
@@ -428,11 +428,11 @@ def test_concurrent_writes_from_8_threads(store):
     def work(slot: int) -> None:
         try:
             for i in range(per_thread):
-                run = store.create_run(tenant.id, 'base', f't{slot}-{i}', {'slot': slot})
-                store.touch_run(run.id)
-                store.add_checkpoint(tenant.id, run.id, 'c', f'/disk/{run.id}', 'training', i)
-                future = store.create_future(tenant.id, run.id, 'op')
-                store.finish_future(future.id, i)
+                run = store.runs.create(tenant.id, 'base', f't{slot}-{i}', {'slot': slot})
+                store.runs.touch(run.id)
+                store.checkpoints.add(tenant.id, run.id, 'c', f'/disk/{run.id}', 'training', i)
+                future = store.futures.create(tenant.id, run.id, 'op')
+                store.futures.finish(future.id, i)
                 ids[slot].append(run.id)
         except BaseException as exc:
             errors.append(exc)
@@ -443,10 +443,10 @@ def test_concurrent_writes_from_8_threads(store):
     for thread in threads:
         thread.join()
     assert errors == []
-    runs, total = store.list_runs(tenant.id, limit=1_000)
+    runs, total = store.runs.page(tenant.id, limit=1_000)
     assert total == 8 * per_thread
     assert {run.id for run in runs} == {run_id for slot in ids for run_id in slot}
-    assert all(len(store.list_checkpoints(tenant.id, run.id)) == 1 for run in runs)
+    assert all(len(store.checkpoints.of_run(tenant.id, run.id)) == 1 for run in runs)
 
 
 _WRITER = textwrap.dedent(
@@ -455,12 +455,12 @@ _WRITER = textwrap.dedent(
     from twinkle.server.store import Store
 
     store = Store(sys.argv[1])
-    tenant, _ = store.add_tenant('alice')
+    tenant, _ = store.tenants.add('alice')
     print(tenant.id, flush=True)
     i = 0
     while True:
-        run = store.create_run(tenant.id, 'base', 'a', {'i': i})
-        store.add_checkpoint(tenant.id, run.id, 'c', '/disk/' + run.id, 'training', i)
+        run = store.runs.create(tenant.id, 'base', 'a', {'i': i})
+        store.checkpoints.add(tenant.id, run.id, 'c', '/disk/' + run.id, 'training', i)
         print(run.id, flush=True)
         i += 1
     """
@@ -489,11 +489,11 @@ def test_acknowledged_rows_survive_kill_9(db):
     assert len(run_ids) >= 59
 
     with Store(db) as reopened:
-        runs, total = reopened.list_runs(tenant_id, limit=100_000)
+        runs, total = reopened.runs.page(tenant_id, limit=100_000)
         present = {run.id for run in runs}
         assert set(run_ids) <= present
         assert total >= len(run_ids)
-        assert all(reopened.get_checkpoint(tenant_id, run_id, 'c') is not None for run_id in run_ids)
+        assert all(reopened.checkpoints.get(tenant_id, run_id, 'c') is not None for run_id in run_ids)
     connection = sqlite3.connect(db)
     assert connection.execute('PRAGMA integrity_check').fetchall() == [('ok',)]
     assert connection.execute('PRAGMA foreign_key_check').fetchall() == []
@@ -501,40 +501,40 @@ def test_acknowledged_rows_survive_kill_9(db):
 
 
 def test_tinker_sessions_sampling_sessions_and_their_runs(store):
-    alice, _ = store.add_tenant('alice')
-    bob, _ = store.add_tenant('bob')
-    session = store.create_session(alice.id, {'tags': ['x'], 'sdk_version': '0.38.0'})
-    run = store.create_run(alice.id, 'base', 'default', {}, run_id=f'{session.id}:train:0', session_id=session.id)
+    alice, _ = store.tenants.add('alice')
+    bob, _ = store.tenants.add('bob')
+    session = store.sessions.create(alice.id, {'tags': ['x'], 'sdk_version': '0.38.0'})
+    run = store.runs.create(alice.id, 'base', 'default', {}, run_id=f'{session.id}:train:0', session_id=session.id)
     with pytest.raises(StateError, match='already a run'):
-        store.create_run(alice.id, 'base', 'default', {}, run_id=run.id)
-    sampler = store.create_sampling_session(alice.id, f'{session.id}:sample:0', session.id, 'base', None)
-    assert store.create_sampling_session(alice.id, sampler.id, session.id, 'other', 'x') == sampler  # idempotent
-    assert store.session_runs(alice.id, session.id) == [run.id]
-    assert store.session_samplers(alice.id, session.id) == [sampler.id]
-    assert store.get_session(bob.id, session.id) is None and store.session_runs(bob.id, session.id) == []
-    assert store.get_sampling_session(bob.id, sampler.id) is None
-    store.finish_session(session.id)
-    assert store.get_session(alice.id, session.id).status == 'finished'
-    assert [s.id for s in store.list_sessions(alice.id)] == [session.id] and store.list_sessions(bob.id) == []
+        store.runs.create(alice.id, 'base', 'default', {}, run_id=run.id)
+    sampler = store.sessions.create_sampler(alice.id, f'{session.id}:sample:0', session.id, 'base', None)
+    assert store.sessions.create_sampler(alice.id, sampler.id, session.id, 'other', 'x') == sampler  # idempotent
+    assert store.sessions.runs(alice.id, session.id) == [run.id]
+    assert store.sessions.samplers(alice.id, session.id) == [sampler.id]
+    assert store.sessions.get(bob.id, session.id) is None and store.sessions.runs(bob.id, session.id) == []
+    assert store.sessions.sampler(bob.id, sampler.id) is None
+    store.sessions.finish(session.id)
+    assert store.sessions.get(alice.id, session.id).status == 'finished'
+    assert [s.id for s in store.sessions.page(alice.id)] == [session.id] and store.sessions.page(bob.id) == []
 
 
 def test_published_checkpoints_are_readable_by_others_and_expired_ones_go(db):
     clock = FakeClock()
     with Store(db, clock=clock) as store:
-        alice, _ = store.add_tenant('alice')
-        bob, _ = store.add_tenant('bob')
-        run = store.create_run(alice.id, 'base', 'default', {})
-        kept = store.add_checkpoint(alice.id, run.id, 'kept', '/disk/k', 'sampler', 1)
-        brief = store.add_checkpoint(alice.id, run.id, 'brief', '/disk/b', 'training', 1, expires_at=clock.now + 60)
-        assert store.get_readable_checkpoint(bob.id, run.id, 'kept', 'sampler') is None
-        store.set_checkpoint_public(kept.id, True)
-        assert store.get_readable_checkpoint(bob.id, run.id, 'kept', 'sampler').path == '/disk/k'
-        assert store.get_readable_checkpoint(bob.id, run.id, 'kept', 'training') is None  # kind matters
-        assert store.get_checkpoint(bob.id, run.id, 'kept', 'sampler') is None  # still alice's alone
-        assert store.pop_expired_checkpoints() == []
+        alice, _ = store.tenants.add('alice')
+        bob, _ = store.tenants.add('bob')
+        run = store.runs.create(alice.id, 'base', 'default', {})
+        kept = store.checkpoints.add(alice.id, run.id, 'kept', '/disk/k', 'sampler', 1)
+        brief = store.checkpoints.add(alice.id, run.id, 'brief', '/disk/b', 'training', 1, expires_at=clock.now + 60)
+        assert store.checkpoints.readable(bob.id, run.id, 'kept', 'sampler') is None
+        store.checkpoints.set_public(kept.id, True)
+        assert store.checkpoints.readable(bob.id, run.id, 'kept', 'sampler').path == '/disk/k'
+        assert store.checkpoints.readable(bob.id, run.id, 'kept', 'training') is None  # kind matters
+        assert store.checkpoints.get(bob.id, run.id, 'kept', 'sampler') is None  # still alice's alone
+        assert store.checkpoints.pop_expired() == []
         clock.now += 61
-        assert [c.id for c in store.pop_expired_checkpoints()] == [brief.id]
-        checkpoints, total = store.list_tenant_checkpoints(alice.id)
+        assert [c.id for c in store.checkpoints.pop_expired()] == [brief.id]
+        checkpoints, total = store.checkpoints.page(alice.id)
         assert [c.tinker_path for c in checkpoints] == [f'tinker://{run.id}/sampler_weights/kept'] and total == 1
 
 
@@ -561,10 +561,10 @@ def test_bad_checkpoint_paths_name_the_accepted_forms(path):
 
 def test_marking_a_future_running_is_not_synced_alone_and_leaves_later_writes_synced(tmp_path):
     store = Store(tmp_path / 'twinkle.db')
-    tenant, _ = store.add_tenant('alice')
-    record = store.create_future(tenant.id, None, 'forward_backward')
-    assert store.set_future_running(record.id)
-    assert store.get_future(tenant.id, record.id).status == 'running'
-    assert store._query('PRAGMA synchronous')[0][0] == 2  # FULL again for every later write
-    assert store.fail_unfinished_futures('restarted') == 1  # what a restart does with it, as with a pending one
+    tenant, _ = store.tenants.add('alice')
+    record = store.futures.create(tenant.id, None, 'forward_backward')
+    assert store.futures.set_running(record.id)
+    assert store.futures.get(tenant.id, record.id).status == 'running'
+    assert store.db.query('PRAGMA synchronous')[0][0] == 2  # FULL again for every later write
+    assert store.futures.fail_unfinished('restarted') == 1  # what a restart does with it, as with a pending one
     store.close()

@@ -8,6 +8,7 @@ so every multi-datum request here also exercises out-of-order chunks.
 from __future__ import annotations
 
 import math
+import re
 
 import httpx
 import pytest
@@ -265,6 +266,28 @@ def test_failures_are_errors_not_hangs(server, alice, tiny_model_dir):
     assert garbage.status_code == 400 and 'malformed ForwardBackwardRequest' in garbage.json()['detail']
 
 
+def test_an_optim_step_with_a_bad_hyperparameter_is_refused_at_the_route(server, alice, tiny_model_dir):
+    # As the native set_optimizer refuses lr=-1 with a 400, not a future that fails at the step.
+    url, keys, _ = server
+    client = training_client(alice, tiny_model_dir)
+    client.forward_backward(sft_data(1), 'cross_entropy').result()
+    for params, named in (
+        (types.AdamParams(learning_rate=-1.0), "'learning_rate': -1.0"),
+        (types.AdamParams(beta1=1.0), 'beta1 and beta2 must be in [0, 1)'),
+        (types.AdamParams(grad_clip_norm=-0.5), "'grad_clip_norm': -0.5"),
+    ):
+        with pytest.raises(tinker.BadRequestError, match=re.escape(named)):
+            client.optim_step(params).result()
+    # Each refused request took its seq_id: the model's next step runs, on the gradients still pending.
+    assert client.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics['grad_norm:mean'] > 0
+    # The route answers 400 in the error shape, naming the value (the raw request, a model of its own).
+    other = training_client(alice, tiny_model_dir)
+    body = {'model_id': other.model_id, 'seq_id': 1, 'adam_params': {'learning_rate': -1.0}, 'type': 'optim_step'}
+    answer = httpx.post(f'{url}/api/v1/optim_step', json=body, headers={'X-API-Key': keys['alice']})
+    assert answer.status_code == 400 and answer.json()['error'] == 'DataError', answer.text
+    assert "'learning_rate': -1.0" in answer.json()['detail']
+
+
 def test_a_gap_in_seq_ids_fails_the_waiting_requests(server, alice, tiny_model_dir):
     url, keys, _ = server
     client = training_client(alice, tiny_model_dir)
@@ -315,7 +338,7 @@ def test_lora_switches_rank_and_seed_are_honoured(server, alice, tiny_model_dir)
         base_model=tiny_model_dir, rank=3, seed=1, train_mlp=False, train_unembed=False
     ).result()
     with Store(config.db_path) as store:
-        lora = store.get_run_by_id(attention_only.model_id).config['lora']
+        lora = store.runs.by_id(attention_only.model_id).config['lora']
     assert lora['r'] == 3 and sorted(lora['target_modules']) == ['k_proj', 'o_proj', 'q_proj', 'v_proj']
     assert attention_only.get_info().lora_rank == 3
     data, adam = sft_data(2), types.AdamParams(learning_rate=1e-2)

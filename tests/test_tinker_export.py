@@ -37,7 +37,7 @@ def server(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, dict[str, st
     background = BackgroundServer(config)
     with background as url:
         store = background.app.state.service.store
-        yield url, {name: store.add_tenant(name)[1] for name in ('alice', 'bob')}
+        yield url, {name: store.tenants.add(name)[1] for name in ('alice', 'bob')}
 
 
 @pytest.fixture(scope='module')

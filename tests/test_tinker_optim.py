@@ -5,7 +5,6 @@ first step, worked out by hand."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,7 +60,7 @@ def test_an_optimizer_without_the_hyperparameter_says_which_it_has():
 
 
 def test_the_tinker_optim_step_is_adamw_with_the_requests_hyperparameters(tiny_model_dir):
-    from twinkle.server.execution.tinker_compute import optim_step
+    from twinkle.server.execution.tinker_compute import optim_steps
 
     model = TransformersModel(tiny_model_dir, device='cpu')
     model.add_adapter_to_model('a', LoraConfig(r=2, target_modules=['q_proj']))
@@ -73,7 +72,7 @@ def test_the_tinker_optim_step_is_adamw_with_the_requests_hyperparameters(tiny_m
     params = [p for p in model.model.parameters() if p.requires_grad]
     before = [(p.detach().clone(), p.grad.clone()) for p in params]
     adam = types.AdamParams(learning_rate=0.01, beta1=0.5, beta2=0.6, eps=1e-3, weight_decay=0.1)
-    optim_step(SimpleNamespace(model=model), 'a', adam)  # a ModelHost's model is all it reads
+    assert optim_steps(model, [('a', adam)]) == [{'metrics': {}}]  # no clipping asked: no norm to report
     for param, (value, grad) in zip(params, before, strict=True):
         torch.testing.assert_close(param.detach(), first_adamw_step(value, grad, 0.01, 1e-3, 0.1))
 
@@ -81,7 +80,7 @@ def test_the_tinker_optim_step_is_adamw_with_the_requests_hyperparameters(tiny_m
 def test_optim_steps_of_several_models_equal_their_steps_alone(tiny_model_dir):
     # Three models' optim_steps as one update (two share hyperparameters, one has its own; one
     # clips, one does not), against twins stepped one at a time: the same weights, bit for bit.
-    from twinkle.server.execution.tinker_compute import optim_step, optim_steps
+    from twinkle.server.execution.tinker_compute import optim_steps
 
     model = TransformersModel(tiny_model_dir, device='cpu')
     adams = {
@@ -94,13 +93,12 @@ def test_optim_steps_of_several_models_equal_their_steps_alone(tiny_model_dir):
             torch.manual_seed(len(name))
             model.add_adapter_to_model(twin, LoraConfig(r=2, target_modules='all-linear', init_lora_weights=False))
             model.set_optimizer('AdamW', lr=1e-5, adapter_name=twin)
-    host = SimpleNamespace(model=model)  # a ModelHost's model is all they read
     for step in range(3):
         for twin in model.adapter_names:
             row = [3 + step, 5, 7 + ord(twin[0]) % 50, 9]  # twins train on the same row
             model.forward_backward(inputs=[{'input_ids': row, 'labels': [*row[1:], 2]}], adapter_name=twin)
-        together = optim_steps(host, list(adams.items()))
-        alone = [optim_step(host, f'{name}-alone', adam) for name, adam in adams.items()]
+        together = optim_steps(model, list(adams.items()))
+        alone = [optim_steps(model, [(f'{name}-alone', adam)])[0] for name, adam in adams.items()]
         assert together == alone
     for name in adams:
         pairs = zip(model.groups[name].params, model.groups[f'{name}-alone'].params, strict=True)
@@ -121,14 +119,14 @@ def test_a_shared_step_that_fails_after_clipping_fails_every_request(tiny_model_
     for name in ('a', 'b'):
         model.add_adapter_to_model(name, LoraConfig(r=2, target_modules=['q_proj']))
         model.set_optimizer('AdamW', lr=1e-3, adapter_name=name)
-    host, adam = SimpleNamespace(model=model), types.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)
+    adam = types.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)
     row = [{'input_ids': [3, 5, 7, 9], 'labels': [5, 7, 9, 11]}]
     for _ in range(2):  # the first step makes the optimizers' state; the second steps them together
         for name in ('a', 'b'):
             model.forward_backward(inputs=row, adapter_name=name)
         if model.groups['a'].optim_step:
             monkeypatch.setattr(multi_step, 'step_together', out_of_memory)
-        results = optim_steps(host, [('a', adam), ('b', adam)])
+        results = optim_steps(model, [('a', adam), ('b', adam)])
     assert [type(result) for result in results] == [MemoryError, MemoryError]
     with pytest.raises(DataError, match='beta1'):  # a bad request raises before anything changes
-        optim_steps(host, [('a', adam), ('b', types.AdamParams(learning_rate=1e-3, beta1=1.5))])
+        optim_steps(model, [('a', adam), ('b', types.AdamParams(learning_rate=1e-3, beta1=1.5))])

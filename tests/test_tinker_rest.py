@@ -63,7 +63,7 @@ def tenant(server) -> Iterator[Callable[..., Account]]:
     made: list[tinker.ServiceClient] = []
 
     def make(name: str, **kwargs) -> Account:
-        tenant, key = store.add_tenant(f'{name}-{next(_numbers)}')
+        tenant, key = store.tenants.add(f'{name}-{next(_numbers)}')
         made.append(tinker.ServiceClient(base_url=url, api_key=key, **kwargs))
         return Account(tenant.name, key, made[-1], url)
 
@@ -90,8 +90,8 @@ def on_disk(server, run_id: str, checkpoint_id: str) -> Path:
     folder, name = checkpoint_id.split('/')
     kind = {'weights': 'training', 'sampler_weights': 'sampler'}[folder]
     store = server[1]
-    run = store.get_run_by_id(run_id)
-    return Path(store.get_checkpoint(run.tenant_id, run_id, name, kind).path)
+    run = store.runs.by_id(run_id)
+    return Path(store.checkpoints.get(run.tenant_id, run_id, name, kind).path)
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:

@@ -20,7 +20,7 @@ from server_helpers import background_server
 from tinker import types
 
 import twinkle.server.common
-import twinkle.tinker_client as tinker_client
+import twinkle.tinker_sdk as tinker_sdk
 from twinkle import init_tinker_client
 from twinkle.data_format import IGNORE_INDEX
 from twinkle.dataloader import DataLoader
@@ -30,7 +30,7 @@ from twinkle.model import TransformersModel
 from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle.server.common import input_feature_to_datum
 from twinkle.server.tinker.common import input_feature_to_datum as seed_000_import
-from twinkle.tinker_client import check_tinker_version
+from twinkle.tinker_sdk import check_tinker_version
 from twinkle_client import init_tinker_compat_client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,7 +237,7 @@ def test_other_tinker_releases_are_refused_with_the_supported_range(version):
 
 def test_the_installed_tinker_is_checked_by_both_entry_points(monkeypatch, clean_env):
     assert check_tinker_version() == tinker.__version__
-    monkeypatch.setattr(tinker_client, 'installed_tinker_version', lambda: '0.39.2')
+    monkeypatch.setattr(tinker_sdk, 'installed_tinker_version', lambda: '0.39.2')
     with pytest.raises(ConfigurationError, match=r'tinker 0\.39\.2 is installed'):
         init_tinker_client('http://127.0.0.1:8000', KEY)
     with pytest.raises(ConfigurationError, match=r'tinker 0\.39\.2 is installed'):
@@ -247,13 +247,13 @@ def test_the_installed_tinker_is_checked_by_both_entry_points(monkeypatch, clean
 
 def test_a_missing_tinker_sdk_says_how_to_install_it(monkeypatch):
     def not_installed(name: str) -> str:
-        raise tinker_client.importlib.metadata.PackageNotFoundError(name)
+        raise tinker_sdk.importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(tinker_client.importlib.metadata, 'version', not_installed)
+    monkeypatch.setattr(tinker_sdk.importlib.metadata, 'version', not_installed)
     with pytest.raises(ConfigurationError, match=r"not installed; .*pip install 'tinker>=0\.38,<0\.39'"):
         check_tinker_version()
 
 
 def test_doctests():
-    for module in (twinkle.server.common, tinker_client):
+    for module in (twinkle.server.common, tinker_sdk):
         assert doctest.testmod(module, raise_on_error=False).failed == 0, module.__name__

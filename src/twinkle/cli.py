@@ -18,10 +18,12 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 from twinkle.errors import TwinkleError
 
-Subparsers = argparse._SubParsersAction  # argparse exposes no public name for this type
+# argparse exposes no public name for this type; a string, as the class is generic only in typeshed.
+Subparsers: TypeAlias = 'argparse._SubParsersAction[argparse.ArgumentParser]'
 
 
 # --- twinkle assets ------------------------------------------------------------------------------
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        run: Callable[[argparse.Namespace], int] = args.run  # set_defaults(run=...) of the chosen action
+        return run(args)
     except TwinkleError as error:
         print(f'twinkle: error: {error}', file=sys.stderr)
         return 2

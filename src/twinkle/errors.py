@@ -56,7 +56,7 @@ class HubUnavailableError(TwinkleError, ConnectionError):
 
 class MissingExtraError(TwinkleError, ImportError):
     """A component needs an optional dependency that is not installed; the message names the
-    extra to install (``pip install 'twinkle[vllm]'``)."""
+    extra to install (``pip install 'twinkle-train[vllm]'``)."""
 
 
 class StateError(TwinkleError, RuntimeError):

@@ -229,13 +229,14 @@ def _fetch_ms(raw: str, repo_id: str, repo_type: RepoType, revision: str | None,
 def _ms_snapshot(repo_id: str, repo_type: RepoType, revision: str | None, cache: Path, offline: bool) -> str:
     # import_module, because the package attribute modelscope.hub.snapshot_download is the function.
     module = importlib.import_module('modelscope.hub.snapshot_download')
-    return module.snapshot_download(
+    folder: str = module.snapshot_download(
         repo_id=repo_id,
         repo_type=repo_type,
         revision=revision,
         cache_dir=str(cache),
         local_files_only=offline,
     )
+    return folder
 
 
 def _modelscope_errors() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:

@@ -7,11 +7,13 @@ never imported as dotted paths, so a request can only reach what the code regist
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from twinkle.errors import ConfigurationError, UnknownNameError
 
 T = TypeVar('T')
+#: What a registry holds: a class, or a factory function, of its kind of component.
+F = TypeVar('F', bound=Callable[..., object])
 
 
 class Registry(Generic[T]):
@@ -21,14 +23,22 @@ class Registry(Generic[T]):
         self.kind = kind
         self._table: dict[str, type[T] | Callable[..., T]] = {}
 
-    def register(self, obj: Any = None, *, name: str | None = None) -> Any:
-        """Register a class under its own name (or ``name``); usable as a decorator."""
+    @overload
+    def register(self, obj: F, *, name: str | None = None) -> F: ...
 
-        def add(target: Any) -> Any:
-            key = name or target.__name__
+    @overload
+    def register(self, obj: None = None, *, name: str | None = None) -> Callable[[F], F]: ...
+
+    def register(self, obj: F | None = None, *, name: str | None = None) -> F | Callable[[F], F]:
+        """Register a class under its own name (or ``name``); usable as a decorator, which hands the
+        class back unchanged."""
+
+        def add(target: F) -> F:
+            key: str = name or target.__name__
             if key in self._table and self._table[key] is not target:
                 raise ConfigurationError(f'{self.kind} {key!r} is already registered')
-            self._table[key] = target
+            # F is a class or factory of this registry's kind; a TypeVar's bound cannot name T to say so.
+            self._table[key] = target  # type: ignore[assignment]
             return target
 
         return add if obj is None else add(obj)

@@ -25,6 +25,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    FailFast,
     Field,
     JsonValue,
     StrictBool,
@@ -82,6 +83,10 @@ def _finite(value: JsonValue) -> JsonValue:
 
 #: Any JSON value without NaN or infinity (``allow_inf_nan`` does not reach inside ``JsonValue``).
 FiniteJson = Annotated[JsonValue, AfterValidator(_finite)]
+#: A JSON object without NaN or infinity. Its validation, as that of every list and object of a
+#: request (``fail_fast``), stops at the first bad value: a body of a million bad values is a 422
+#: of one problem, answered in the time of one.
+FiniteObject = Annotated[dict[str, FiniteJson], FailFast()]
 
 
 class Wire(BaseModel):
@@ -96,7 +101,7 @@ class CreateRun(Wire):
 
     adapter_name: str = 'default'
     #: peft ``LoraConfig`` fields (``LORA_FIELDS``); the server checks the values it allows.
-    lora: dict[str, FiniteJson] = Field(default_factory=dict)
+    lora: FiniteObject = Field(default_factory=dict)
     gradient_accumulation_steps: int = Field(1, gt=0)
     #: One of the server's base models (``GET /server``); None: its default.
     base_model: str | None = None
@@ -124,17 +129,26 @@ class Answer(BaseModel):
     model_config = ConfigDict(extra='allow')
 
 
-class RunInfo(Answer):
-    training_run_id: str
+class RunFields(BaseModel):
+    """What a training run is, declared once: the server's record of a run (``twinkle.server.store.Run``)
+    and its answer (``RunInfo``) both hold these fields."""
+
     id: str
     tenant_id: str
     base_model: str
     adapter_name: str
+    #: The LoRA / optimizer configuration the run was created with, as the client sent it.
     config: dict[str, JsonValue]
     created_at: float
     last_request_at: float
+    #: 'active', 'released' or 'deleted'.
     status: str
+    #: The Tinker session that created the run (None for runs of the native API).
     session_id: str | None = None
+
+
+class RunInfo(RunFields, Answer):
+    training_run_id: str
 
 
 class RunList(Answer):
@@ -142,17 +156,26 @@ class RunList(Answer):
     total: int
 
 
-class CheckpointInfo(Answer):
+class CheckpointFields(BaseModel):
+    """What a saved checkpoint is, declared once: the server's record (``twinkle.server.store.Checkpoint``,
+    which adds where its files are) and its answer (``CheckpointInfo``) both hold these fields."""
+
     id: str
     run_id: str
     tenant_id: str
     name: str
-    twinkle_path: str
+    #: 'training', 'sampler' or 'external'.
     kind: str
     size_bytes: int
     created_at: float
+    #: A published checkpoint may be loaded (never listed, changed or deleted) by other tenants.
     public: bool = False
+    #: Unix time after which the checkpoint is deleted (None: kept until deleted).
     expires_at: float | None = None
+
+
+class CheckpointInfo(CheckpointFields, Answer):
+    twinkle_path: str
 
 
 class CheckpointList(Answer):
@@ -225,11 +248,11 @@ class InputRow(Wire):
 
     model_config = ConfigDict(extra='ignore')
 
-    input_ids: list[int] = Field(min_length=1)
-    labels: list[int]
-    attention_mask: list[int] | None = None
-    position_ids: list[int] | None = None
-    completion_mask: list[int] | None = None
+    input_ids: list[int] = Field(min_length=1, fail_fast=True)
+    labels: list[int] = Field(fail_fast=True)
+    attention_mask: list[int] | None = Field(None, fail_fast=True)
+    position_ids: list[int] | None = Field(None, fail_fast=True)
+    completion_mask: list[int] | None = Field(None, fail_fast=True)
 
     @model_validator(mode='after')
     def _aligned(self) -> InputRow:
@@ -255,9 +278,9 @@ class Prompt(Wire):
 
     model_config = ConfigDict(extra='ignore')
 
-    input_ids: list[int] | None = Field(None, min_length=1)
-    messages: list[dict[str, FiniteJson]] | None = Field(None, min_length=1)
-    tools: list[dict[str, FiniteJson]] | None = None
+    input_ids: list[int] | None = Field(None, min_length=1, fail_fast=True)
+    messages: list[FiniteObject] | None = Field(None, min_length=1, fail_fast=True)
+    tools: list[FiniteObject] | None = Field(None, fail_fast=True)
 
     @field_validator('messages')
     @classmethod
@@ -292,10 +315,15 @@ class Configure(Operation):
     """Picks a component by its registered name and builds it with ``options``."""
 
     setup = True
-    #: The field that names the component.
+    #: The field that names the component: the first one a subclass declares (``optimizer_cls``...).
     component_field: ClassVar[str]
     #: The component's constructor arguments (``lr``, ``betas``...), checked by the server against it.
-    options: dict[str, FiniteJson] = Field(default_factory=dict)
+    options: FiniteObject = Field(default_factory=dict)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: object) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.component_field = next(name for name in cls.model_fields if name not in Configure.model_fields)
 
     @model_validator(mode='after')
     def _options_apart(self) -> Configure:
@@ -309,44 +337,38 @@ class Configure(Operation):
 
 
 class SetOptimizer(Configure):
-    component_field = 'optimizer_cls'
     optimizer_cls: str = 'AdamW'
 
 
 class SetLrScheduler(Configure):
-    component_field = 'scheduler_cls'
     scheduler_cls: str
 
 
 class SetLoss(Configure):
-    component_field = 'loss_cls'
     loss_cls: str
 
 
 class SetTemplate(Configure):
     """The tokenizer is always the base model's: a ``model_id`` option is ignored."""
 
-    component_field = 'template_cls'
     template_cls: str = 'Template'
 
 
 class SetProcessor(Configure):
-    component_field = 'processor_cls'
     processor_cls: str = 'InputProcessor'
 
 
 class AddMetric(Configure):
-    component_field = 'metric'
     metric: str
     is_training: StrictBool = True
 
 
 class ForwardBackward(Operation):
-    inputs: list[InputRow] = Field(min_length=1)
+    inputs: list[InputRow] = Field(min_length=1, fail_fast=True)
     #: Run ``inputs`` in chunks of this many rows (one accumulation step either way).
     micro_batch_size: int | None = Field(None, gt=0)
     #: Per-row inputs of the loss (``advantages``, ``old_logps``...), passed to it by name.
-    loss_inputs: dict[str, FiniteJson] = Field(default_factory=dict)
+    loss_inputs: FiniteObject = Field(default_factory=dict)
 
     @model_validator(mode='after')
     def _loss_inputs_apart(self) -> ForwardBackward:
@@ -363,7 +385,7 @@ class ForwardBackward(Operation):
 
 
 class ForwardOnly(Operation):
-    inputs: list[InputRow] = Field(min_length=1)
+    inputs: list[InputRow] = Field(min_length=1, fail_fast=True)
     #: Score with the base model alone, the adapter off.
     disable_lora: StrictBool = False
 
@@ -376,7 +398,7 @@ class CalculateLoss(Operation):
     feeds the evaluation metrics that ``calculate_metric(is_training=False)`` reads."""
 
     #: Per-row inputs of the loss (``advantages``, ``old_logps``...), passed to it by name.
-    loss_inputs: dict[str, FiniteJson] = Field(default_factory=dict)
+    loss_inputs: FiniteObject = Field(default_factory=dict)
 
     @model_validator(mode='after')
     def _loss_inputs_apart(self) -> CalculateLoss:
@@ -392,7 +414,7 @@ class LogStepFigures(Operation):
     """Figures of the trainer's own (a mean reward, say), recorded with the run's next optimizer
     step in its history (``GET /twinkle/v1/runs/{id}/history``)."""
 
-    figures: dict[str, float] = Field(min_length=1, max_length=32)
+    figures: dict[str, float] = Field(min_length=1, max_length=32, fail_fast=True)
 
     @field_validator('figures')
     @classmethod
@@ -406,9 +428,9 @@ class LogStepFigures(Operation):
 
 
 class Sample(Operation):
-    inputs: list[Prompt] = Field(min_length=1)
+    inputs: list[Prompt] = Field(min_length=1, fail_fast=True)
     #: ``twinkle.data_format.SamplingParams`` fields; the server checks them.
-    sampling_params: dict[str, FiniteJson] | None = None
+    sampling_params: dict[str, FiniteJson] | None = Field(None, fail_fast=True)
     #: Sample the base model, every adapter off.
     base_model: StrictBool = False
 
@@ -420,8 +442,8 @@ class SampleWeights(Wire):
 
     base_model: str | None = None
     model_path: str | None = None
-    inputs: list[Prompt] = Field(min_length=1)
-    sampling_params: dict[str, FiniteJson] | None = None
+    inputs: list[Prompt] = Field(min_length=1, fail_fast=True)
+    sampling_params: dict[str, FiniteJson] | None = Field(None, fail_fast=True)
 
 
 class ClipGradNorm(Operation):
@@ -521,6 +543,7 @@ __all__ = [
     'OPERATIONS',
     'PROMPT_FIELDS',
     'STEP_FIGURES',
+    'CheckpointFields',
     'CheckpointInfo',
     'CheckpointList',
     'Configure',
@@ -533,6 +556,7 @@ __all__ = [
     'LoadRequest',
     'Operation',
     'Prompt',
+    'RunFields',
     'RunHistory',
     'RunInfo',
     'RunList',

@@ -101,7 +101,8 @@ class TwinkleClient:
             time.sleep(float(response.headers.get('Retry-After', '1')))
         if response.status_code >= 400:
             raise remote_error(_detail(response), response.status_code, kind=_error_class(response))
-        return response.json()
+        body: JsonValue = response.json()  # the server's JSON: the caller validates it with a wire model
+        return body
 
     def submit(self, path: str, body: BaseModel | dict[str, JsonValue]) -> str:
         """Queue a compute request (a ``twinkle.wire`` model, or its JSON); its future id."""
@@ -130,9 +131,10 @@ class TwinkleClient:
     # ---- management -----------------------------------------------------------------------------
     def health_check(self) -> bool:
         try:
-            return self.http.get('/healthz').json().get('status') == 'ok'
-        except httpx.HTTPError:
+            answer: JsonValue = self.http.get('/healthz').json()
+        except (httpx.HTTPError, ValueError):  # unreachable, or not JSON: not a healthy twinkle server
             return False
+        return isinstance(answer, dict) and answer.get('status') == 'ok'
 
     def list_training_runs(self, limit: int = 100, offset: int = 0) -> list[TrainingRun]:
         data = self.request('GET', f'{PREFIX}/runs', params={'limit': limit, 'offset': offset})

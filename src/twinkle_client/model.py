@@ -4,20 +4,25 @@ Each adapter added is a training run on the server, holding its own optimizer, s
 and step counters beside other tenants' adapters on the one base model. Calls block until the
 server has run them and return what the local method returns (``forward_backward`` a
 ``ModelOutput``, ``calculate_metric`` a dict of floats, ``save`` a ``twinkle://`` path).
+
+Nothing here imports torch, peft or transformers: a LoRA config is read by its fields (peft's
+``LoraConfig``, a dict, or any object with them), and only ``export`` / ``upload_to_hub`` load the
+training stack, inside the call.
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
-from peft import LoraConfig
 from pydantic import JsonValue, TypeAdapter
 from typing_extensions import NotRequired, TypedDict
 
 from twinkle.data_format import ModelOutput
-from twinkle.errors import ConfigurationError, DataError, UnknownNameError
+from twinkle.errors import ConfigurationError, DataError, MissingExtraError, UnknownNameError
 from twinkle.wire import (
     FEATURE_FIELDS,
     LORA_FIELDS,
@@ -32,6 +37,20 @@ from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
 
 #: A row of ``inputs``: its ``FEATURE_FIELDS`` (lists, tensors or arrays of ints) are sent, other keys stay here.
 Row = Mapping[str, object]
+#: What ``export`` and ``upload_to_hub`` need beyond the client (twinkle's training side).
+TRAINING_PACKAGES = 'pip install torch peft transformers'
+
+
+class LoraFields(Protocol):
+    """A LoRA config as the client reads it: peft's ``LoraConfig``, or any object with its
+    fields (``LORA_FIELDS``) as attributes; read, never imported, so the client needs no peft."""
+
+    @property
+    def r(self) -> int: ...
+
+
+#: A LoRA config: an object with its fields, or a dict of them (``{'r': 8, 'target_modules': 'all-linear'}``).
+LoraSpec = LoraFields | Mapping[str, object]
 
 
 class ForwardResult(TypedDict):
@@ -62,9 +81,10 @@ class MultiLoraTransformersModel:
 
     # ---- adapters -------------------------------------------------------------------------------
     def add_adapter_to_model(
-        self, adapter_name: str, config: LoraConfig, *, gradient_accumulation_steps: int = 1, seed: int | None = None
+        self, adapter_name: str, config: LoraSpec, *, gradient_accumulation_steps: int = 1, seed: int | None = None
     ) -> str:
-        """Create a training run for this adapter; returns its run id. ``seed`` fixes the
+        """Create a training run for this adapter; returns its run id. ``config`` is peft's
+        ``LoraConfig`` or a dict of its fields (``twinkle.wire.LORA_FIELDS``); ``seed`` fixes the
         adapter's initial weights."""
         if adapter_name in self.runs:
             raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {list(self.runs)}')
@@ -177,8 +197,13 @@ class MultiLoraTransformersModel:
         """A checkpoint of this tenant as the local ``twinkle export`` writes it: the peft adapter,
         or with ``merge=True`` the base model with it merged in (the base: ``base_model``, else the
         one the checkpoint's run trained on, as the server names it: it must resolve here, as an
-        embedded model, a hub id or a folder)."""
-        from twinkle.model.export import export_checkpoint
+        embedded model, a hub id or a folder).
+
+        It runs here, on torch, peft and transformers (the adapter is read and merged with peft),
+        imported in this call only so that the client imports without them; where they are not
+        installed, a ``MissingExtraError`` before anything is downloaded."""
+        with _training_stack('export'):
+            from twinkle.model.export import export_checkpoint
 
         with tempfile.TemporaryDirectory() as scratch:
             downloaded = self.client.download_checkpoint(path, Path(scratch) / 'checkpoint')
@@ -190,8 +215,12 @@ class MultiLoraTransformersModel:
         self, path: str, hub_id: str, *, merge: bool = False, token: str | None = None, private: bool = True
     ) -> str:
         """Export a checkpoint (``export``) and upload it to ``hf://org/name`` or ``ms://org/name``
-        with the hub's own library; ``HubUnavailableError`` when the hub cannot be reached."""
-        from twinkle.model.export import push_to_hub
+        with the hub's own library; ``HubUnavailableError`` when the hub cannot be reached.
+
+        Like ``export``, it needs torch, peft and transformers, imported in this call only;
+        without them, a ``MissingExtraError`` before anything is downloaded."""
+        with _training_stack('upload_to_hub'):
+            from twinkle.model.export import push_to_hub
 
         with tempfile.TemporaryDirectory() as scratch:
             folder = self.export(path, Path(scratch) / 'export', merge=merge)
@@ -215,13 +244,40 @@ class MultiLoraTransformersModel:
         return self.client.call(f'{PREFIX}/runs/{run_id}/ops/{operation}', build(OPERATIONS[operation], fields))
 
 
-def _lora_fields(config: LoraConfig) -> dict[str, object]:
-    fields: dict[str, object] = {}
-    for key in sorted(LORA_FIELDS):
-        value = getattr(config, key, None)
-        if value is not None:
-            fields[key] = sorted(value) if isinstance(value, (set, frozenset)) else value
-    return fields
+@contextmanager
+def _training_stack(operation: str) -> Iterator[None]:
+    """Around an import of the training side: a missing package is a ``MissingExtraError`` that
+    names it and what to install (the client itself installs without them)."""
+    try:
+        yield
+    except ImportError as error:
+        raise MissingExtraError(
+            f"{operation} needs twinkle's training side, and {error.name or 'a package'!r} is not importable here "
+            f'({error}): {TRAINING_PACKAGES}'
+        ) from None
+
+
+def _lora_fields(config: object) -> dict[str, object]:
+    """The ``LORA_FIELDS`` a config sets (None: not sent), sets sorted into lists. A dict names
+    fields on purpose, so an unknown key is refused; an object (peft's ``LoraConfig``) is read by
+    attribute, its other fields left here."""
+    if isinstance(config, Mapping):
+        unknown = sorted(str(key) for key in config if key not in LORA_FIELDS)
+        if unknown:
+            raise ConfigurationError(f'unknown LoRA field(s) {unknown}; accepted fields are {sorted(LORA_FIELDS)}')
+        values = {key: config.get(key) for key in LORA_FIELDS}
+    elif hasattr(config, 'r'):
+        values = {key: getattr(config, key, None) for key in LORA_FIELDS}
+    else:
+        raise ConfigurationError(
+            f'a LoRA config is a peft LoraConfig, a dict of {sorted(LORA_FIELDS)} or an object with them; '
+            f'got {config!r}'
+        )
+    return {
+        key: sorted(value) if isinstance(value, (set, frozenset)) else value
+        for key, value in sorted(values.items())
+        if value is not None
+    }
 
 
 def _name(spec: object) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from pydantic import JsonValue, TypeAdapter
 from typing_extensions import NotRequired, TypedDict
@@ -30,10 +30,12 @@ from typing_extensions import NotRequired, TypedDict
 from twinkle.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, TokenLogprob
 from twinkle.data_format.sampling import StopReason
 from twinkle.errors import ConfigurationError, DataError, StateError
-from twinkle.template import Template
 from twinkle.wire import PROMPT_FIELDS, Sample, SampleWeights
 from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
 from twinkle_client.model import MultiLoraTransformersModel, Row
+
+if TYPE_CHECKING:  # a type only: twinkle.template imports transformers, which the client does not need
+    from twinkle.template import Template
 
 
 class _SequenceJson(TypedDict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from twinkle.tinker_client import check_tinker_version
+from twinkle.tinker_sdk import check_tinker_version
 
 if TYPE_CHECKING:
     import tinker

@@ -2,16 +2,36 @@
 
 Each row is ``{"question": ..., "answer": ...}``. The answer is step-by-step reasoning whose
 arithmetic carries calculator annotations, ``48/2 = <<48/2=24>>24``, and ends with a line
-``#### <number>``: the result of the last calculation. Problems come from the templates below,
-filled by a seeded ``random.Random``; every number is computed here, never written by hand.
+``#### <number>``: the result of the last calculation. Problems come from the templates in
+``TEMPLATE_TEXT``, filled by a seeded ``random.Random``; every number is computed here, never
+written by hand.
+
+A template is a block of lines (a line that starts with a space continues the one above)::
+
+    [wage]
+    draw: name = choice(NAMES); w = randint(8, 30); h = randint(2, 10); d = randint(2, 7)
+    ask:  {name} earns ${w} an hour and works {h} hours a day. How much does {name} earn in {d} days?
+    say:  {name} earns [per_day = w * h] dollars per day.
+    say:  In {d} days {name} earns [per_day * d] dollars.
+
+``draw`` is a run of Python assignments, evaluated in order with whole numbers, names drawn
+before, ``+ - * //``, tuples and the calls ``choice``, ``randint``, ``sample`` (the seeded
+generator's), ``gcd`` and ``bill_for``; nothing else is evaluated. ``ask`` is the question and
+each ``say`` a line of the reasoning, with ``{name}`` fields; a ``[a op b]`` in a ``say`` line
+(``op`` one of ``+ - * /``, operands names or whole numbers) is one annotated calculation,
+and ``[x = a op b]`` also names its result for later lines. (Templates in the spirit of
+GSM-Symbolic, Mirzadeh et al. 2024, arXiv:2410.05229.)
 """
 
 from __future__ import annotations
 
+import ast
 import math
 import operator
 import random
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from twinkle.assets.words import NAMES, NOUNS, PLACES
 
@@ -21,6 +41,15 @@ _OPS: dict[str, Callable[[int, int], int]] = {
     '*': operator.mul,
     '/': operator.floordiv,
 }
+#: The operators a ``draw`` may use.
+_DRAW_OPS: dict[type[ast.operator], Callable[[int, int], int]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+}
+#: ``[x = a op b]`` or ``[a op b]`` in a ``say`` line.
+_CALC = re.compile(r'\[(?:(\w+) = )?(\w+) ([-+*/]) (\w+)\]')
 
 
 class Solution:
@@ -51,273 +80,275 @@ class Solution:
 Problem = tuple[str, Solution]
 
 
-def _clips(rng: random.Random) -> Problem:
-    name, april, s = rng.choice(NAMES), 2 * rng.randint(10, 60), Solution()
-    may_text, may = s.calc(april, '/', 2)
-    s.say(f'{name} sold {may_text} clips in May.')
-    s.say(f'{name} sold {s.calc(april, "+", may)[0]} clips altogether in April and May.')
-    q = (
-        f'{name} sold clips to {april} friends in April, and then sold half as many clips in May. '
-        f'How many clips did {name} sell altogether in April and May?'
+@dataclass(frozen=True)
+class Template:
+    """One problem template (module docstring), parsed."""
+
+    name: str
+    draws: tuple[ast.Assign, ...]
+    question: str
+    steps: tuple[str, ...]
+
+    def __call__(self, rng: random.Random) -> Problem:
+        """A problem drawn from ``rng``: its question and its worked solution."""
+        values: dict[str, object] = {'NAMES': NAMES, 'NOUNS': NOUNS, 'PLACES': PLACES}
+        functions: dict[str, Callable[..., object]] = {
+            'choice': rng.choice,
+            'randint': rng.randint,
+            'sample': rng.sample,
+            'gcd': math.gcd,
+            'bill_for': bill_for,
+        }
+        for draw in self.draws:
+            _assign(draw.targets[0], _evaluate(draw.value, values, functions), values)
+        solution = Solution()
+        for step in self.steps:
+            solution.say(_CALC.sub(lambda calc: _calculate(calc, values, solution), step).format(**values))
+        return self.question.format(**values), solution
+
+
+def bill_for(total: int) -> int:
+    """The smallest bill of $50, $100 or $200 that pays ``total`` (at most $200)."""
+    return next((bill for bill in (50, 100) if total <= bill), 200)
+
+
+def _evaluate(node: ast.expr, values: Mapping[str, object], functions: Mapping[str, Callable[..., object]]) -> object:
+    """The value of a draw's right-hand side, left to right as Python evaluates it."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.Name):
+        return values[node.id]
+    if isinstance(node, ast.Tuple):
+        return tuple(_evaluate(item, values, functions) for item in node.elts)
+    if isinstance(node, ast.BinOp) and type(node.op) in _DRAW_OPS:
+        left, right = (_whole(_evaluate(side, values, functions), node) for side in (node.left, node.right))
+        return _DRAW_OPS[type(node.op)](left, right)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions:
+        if node.keywords:
+            raise ValueError(f'{ast.unparse(node)!r}: a draw passes arguments by position')
+        return functions[node.func.id](*(_evaluate(arg, values, functions) for arg in node.args))
+    raise ValueError(
+        f'{ast.unparse(node)!r} is not allowed in a draw: it takes whole numbers, names drawn before, + - * //, '
+        f'tuples and calls of {sorted(functions)}'
     )
-    return q, s
 
 
-def _change(rng: random.Random) -> Problem:
-    name, s = rng.choice(NAMES), Solution()
-    n, p, m, c = rng.randint(2, 9), rng.randint(2, 15), rng.randint(2, 9), rng.randint(1, 9)
-    a_text, a = s.calc(n, '*', p)
-    b_text, b = s.calc(m, '*', c)
-    bill = 50 if a + b <= 50 else (100 if a + b <= 100 else 200)
-    s.say(f'The notebooks cost {a_text} dollars.')
-    s.say(f'The pens cost {b_text} dollars.')
-    t_text, total = s.calc(a, '+', b)
-    s.say(f'Altogether {name} spends {t_text} dollars.')
-    s.say(f'{name} gets {s.calc(bill, "-", total)[0]} dollars in change.')
-    q = (
-        f'{name} buys {n} notebooks that cost ${p} each and {m} pens that cost ${c} each. '
-        f'{name} pays with a ${bill} bill. How much change does {name} get, in dollars?'
-    )
-    return q, s
+def _whole(value: object, node: ast.expr) -> int:
+    if not isinstance(value, int):
+        raise TypeError(f'{ast.unparse(node)!r} needs whole numbers; got {value!r}')
+    return value
 
 
-def _wage(rng: random.Random) -> Problem:
-    name, s = rng.choice(NAMES), Solution()
-    w, h, d = rng.randint(8, 30), rng.randint(2, 10), rng.randint(2, 7)
-    day_text, per_day = s.calc(w, '*', h)
-    s.say(f'{name} earns {day_text} dollars per day.')
-    s.say(f'In {d} days {name} earns {s.calc(per_day, "*", d)[0]} dollars.')
-    q = f'{name} earns ${w} an hour and works {h} hours a day. How much does {name} earn in {d} days?'
-    return q, s
+def _assign(target: ast.expr, value: object, values: dict[str, object]) -> None:
+    if isinstance(target, ast.Name):
+        values[target.id] = value
+    elif isinstance(target, ast.Tuple) and isinstance(value, Sequence):
+        for item, part in zip(target.elts, value, strict=True):
+            _assign(item, part, values)
+    else:
+        raise ValueError(f'cannot assign {value!r} to {ast.unparse(target)!r} in a draw')
 
 
-def _reading(rng: random.Random) -> Problem:
-    name, s = rng.choice(NAMES), Solution()
-    p, k, r = rng.randint(5, 40), rng.randint(2, 12), rng.randint(10, 90)
-    total = r + p * k
-    left_text, left = s.calc(total, '-', r)
-    s.say(f'{name} has {left_text} pages left to read.')
-    s.say(f'It will take {s.calc(left, "/", p)[0]} days to finish the book.')
-    q = (
-        f'A book has {total} pages. {name} has already read {r} pages and reads {p} pages every day. '
-        f'How many more days will it take {name} to finish the book?'
-    )
-    return q, s
+def _calculate(calc: re.Match[str], values: dict[str, object], solution: Solution) -> str:
+    """One ``[x = a op b]``: the annotated text, with ``x`` bound to the result."""
+    result, a, op, b = calc.groups()
+    text, value = solution.calc(_operand(a, values), op, _operand(b, values))
+    if result is not None:
+        values[result] = value
+    return text
 
 
-def _give_away(rng: random.Random) -> Problem:
-    name, k, s = rng.choice(NAMES), rng.choice((2, 3, 4, 5)), Solution()
-    apples = k * rng.randint(4, 20)
-    give_text, give = s.calc(apples, '/', k)
-    e = rng.randint(2, apples - give - 1)
-    s.say(f'{name} gives away {give_text} apples.')
-    left_text, left = s.calc(apples, '-', give)
-    s.say(f'{name} then has {left_text} apples.')
-    s.say(f'After eating {e}, {name} has {s.calc(left, "-", e)[0]} apples left.')
-    q = (
-        f'{name} picked {apples} apples and gave 1/{k} of them to a neighbor. Then {name} ate {e} apples. '
-        f'How many apples does {name} have left?'
-    )
-    return q, s
+def _operand(token: str, values: Mapping[str, object]) -> int:
+    value = int(token) if token.isdigit() else values[token]
+    if not isinstance(value, int):
+        raise TypeError(f'{token!r} is {value!r}, not a whole number to calculate with')
+    return value
 
 
-def _chairs(rng: random.Random) -> Problem:
-    r, c, s = rng.randint(3, 12), rng.randint(4, 15), Solution()
-    chairs_text, chairs = s.calc(r, '*', c)
-    students = rng.randint(2, chairs - 1)
-    s.say(f'There are {chairs_text} chairs in the hall.')
-    s.say(f'{s.calc(chairs, "-", students)[0]} chairs are empty.')
-    q = f'A hall has {r} rows of {c} chairs. If {students} students sit down, how many chairs are empty?'
-    return q, s
+def parse_templates(text: str) -> tuple[Template, ...]:
+    """The templates of ``text`` (module docstring), in order."""
+    blocks = re.split(r'^\[(\w+)\]$', text.strip(), flags=re.MULTILINE)[1:]
+    return tuple(_parse_block(name, body) for name, body in zip(blocks[::2], blocks[1::2], strict=True))
 
 
-def _ages(rng: random.Random) -> Problem:
-    a, b = rng.sample(NAMES, 2)
-    y, x, z, s = rng.randint(3, 40), rng.randint(2, 30), rng.randint(2, 15), Solution()
-    a_text, a_now = s.calc(y, '+', x)
-    s.say(f'{a} is {a_text} years old now.')
-    a_later_text, a_later = s.calc(a_now, '+', z)
-    s.say(f'In {z} years {a} will be {a_later_text} years old.')
-    b_later_text, b_later = s.calc(y, '+', z)
-    s.say(f'In {z} years {b} will be {b_later_text} years old.')
-    s.say(f'Their ages will add up to {s.calc(a_later, "+", b_later)[0]} years.')
-    q = f'{b} is {y} years old, and {a} is {x} years older than {b}. What will the sum of their ages be in {z} years?'
-    return q, s
+def _parse_block(name: str, body: str) -> Template:
+    fields: list[tuple[str, str]] = []
+    for line in body.strip().splitlines():
+        if line.startswith(' ') and fields:
+            key, value = fields[-1]
+            fields[-1] = (key, f'{value} {line.strip()}')
+        else:
+            key, sep, value = line.partition(':')
+            if not sep or key not in ('draw', 'ask', 'say'):
+                raise ValueError(f'template {name!r}: a line starts with draw:, ask: or say:; got {line!r}')
+            fields.append((key, value.strip()))
+    draws = [value for key, value in fields if key == 'draw']
+    questions = [value for key, value in fields if key == 'ask']
+    steps = tuple(value for key, value in fields if key == 'say')
+    if len(questions) != 1 or not steps:
+        raise ValueError(f'template {name!r} needs one ask: line and at least one say: line')
+    statements = [statement for draw in draws for statement in ast.parse(draw).body]
+    if not all(isinstance(s, ast.Assign) and len(s.targets) == 1 for s in statements):
+        raise ValueError(f'template {name!r}: a draw is a run of plain assignments; got {draws}')
+    return Template(name, tuple(s for s in statements if isinstance(s, ast.Assign)), questions[0], steps)
 
 
-def _savings(rng: random.Random) -> Problem:
-    name, w, k, s = rng.choice(NAMES), rng.randint(5, 50), rng.randint(3, 20), Solution()
-    saved_text, saved = s.calc(w, '*', k)
-    spent = rng.randint(1, saved - 1)
-    s.say(f'{name} saves {saved_text} dollars.')
-    s.say(f'After buying the gift, {name} has {s.calc(saved, "-", spent)[0]} dollars left.')
-    q = (
-        f'{name} saves ${w} every week for {k} weeks, then spends ${spent} on a gift. '
-        f'How many dollars does {name} have left?'
-    )
-    return q, s
+TEMPLATE_TEXT = """
+[clips]
+draw: name = choice(NAMES); april = 2 * randint(10, 60)
+ask:  {name} sold clips to {april} friends in April, and then sold half as many clips in May.
+      How many clips did {name} sell altogether in April and May?
+say:  {name} sold [may = april / 2] clips in May.
+say:  {name} sold [april + may] clips altogether in April and May.
 
+[change]
+draw: name = choice(NAMES); n, p, m, c = randint(2, 9), randint(2, 15), randint(2, 9), randint(1, 9)
+draw: bill = bill_for(n * p + m * c)
+ask:  {name} buys {n} notebooks that cost ${p} each and {m} pens that cost ${c} each.
+      {name} pays with a ${bill} bill. How much change does {name} get, in dollars?
+say:  The notebooks cost [a = n * p] dollars.
+say:  The pens cost [b = m * c] dollars.
+say:  Altogether {name} spends [total = a + b] dollars.
+say:  {name} gets [bill - total] dollars in change.
 
-def _distance(rng: random.Random) -> Problem:
-    name, place, s = rng.choice(NAMES), rng.choice(PLACES), Solution()
-    v, h, u, g = rng.randint(30, 70), rng.randint(2, 5), rng.randint(20, 60), rng.randint(2, 4)
-    first_text, first = s.calc(v, '*', h)
-    s.say(f'First {name} drives {first_text} miles.')
-    second_text, second = s.calc(u, '*', g)
-    s.say(f'Then {name} drives {second_text} miles.')
-    s.say(f'In total {name} drives {s.calc(first, "+", second)[0]} miles.')
-    q = (
-        f'On the way to {place}, {name} drives at {v} miles per hour for {h} hours, then at {u} miles per '
-        f'hour for {g} hours. How many miles does {name} drive in total?'
-    )
-    return q, s
+[wage]
+draw: name = choice(NAMES); w, h, d = randint(8, 30), randint(2, 10), randint(2, 7)
+ask:  {name} earns ${w} an hour and works {h} hours a day. How much does {name} earn in {d} days?
+say:  {name} earns [per_day = w * h] dollars per day.
+say:  In {d} days {name} earns [per_day * d] dollars.
 
+[reading]
+draw: name = choice(NAMES); p, k, r = randint(5, 40), randint(2, 12), randint(10, 90); total = r + p * k
+ask:  A book has {total} pages. {name} has already read {r} pages and reads {p} pages every day.
+      How many more days will it take {name} to finish the book?
+say:  {name} has [left = total - r] pages left to read.
+say:  It will take [left / p] days to finish the book.
 
-def _baking(rng: random.Random) -> Problem:
-    name, f, b, s = rng.choice(NAMES), rng.randint(2, 6), rng.randint(2, 9), Solution()
-    need_text, need = s.calc(f, '*', b)
-    have = rng.randint(2, need - 1)
-    s.say(f'{name} needs {need_text} cups of flour.')
-    s.say(f'{name} must buy {s.calc(need, "-", have)[0]} more cups of flour.')
-    q = (
-        f'A cake recipe needs {f} cups of flour per batch. {name} wants to bake {b} batches and has '
-        f'{have} cups of flour. How many more cups of flour does {name} need?'
-    )
-    return q, s
+[give_away]
+draw: name, k = choice(NAMES), choice((2, 3, 4, 5)); apples = k * randint(4, 20)
+draw: e = randint(2, apples - apples // k - 1)
+ask:  {name} picked {apples} apples and gave 1/{k} of them to a neighbor. Then {name} ate {e} apples.
+      How many apples does {name} have left?
+say:  {name} gives away [give = apples / k] apples.
+say:  {name} then has [left = apples - give] apples.
+say:  After eating {e}, {name} has [left - e] apples left.
 
+[chairs]
+draw: r, c = randint(3, 12), randint(4, 15); students = randint(2, r * c - 1)
+ask:  A hall has {r} rows of {c} chairs. If {students} students sit down, how many chairs are empty?
+say:  There are [chairs = r * c] chairs in the hall.
+say:  [chairs - students] chairs are empty.
 
-def _discount(rng: random.Random) -> Problem:
-    noun, price, d, s = rng.choice(NOUNS), 20 * rng.randint(2, 30), rng.choice((10, 20, 25, 50)), Solution()
-    off_text, off = s.calc(price, '/', 100 // d)  # d% is 1/(100/d); 20 | price makes it whole
-    s.say(f'{d}% is 1/{100 // d}, so the discount is {off_text} dollars.')
-    s.say(f'The sale price is {s.calc(price, "-", off)[0]} dollars.')
-    q = f'A {noun} costs ${price}. It is on sale for {d}% off. What is the sale price in dollars?'
-    return q, s
+[ages]
+draw: a, b = sample(NAMES, 2); y, x, z = randint(3, 40), randint(2, 30), randint(2, 15)
+ask:  {b} is {y} years old, and {a} is {x} years older than {b}. What will the sum of their ages be in
+      {z} years?
+say:  {a} is [a_now = y + x] years old now.
+say:  In {z} years {a} will be [a_later = a_now + z] years old.
+say:  In {z} years {b} will be [b_later = y + z] years old.
+say:  Their ages will add up to [a_later + b_later] years.
 
+[savings]
+draw: name, w, k = choice(NAMES), randint(5, 50), randint(3, 20); spent = randint(1, w * k - 1)
+ask:  {name} saves ${w} every week for {k} weeks, then spends ${spent} on a gift.
+      How many dollars does {name} have left?
+say:  {name} saves [saved = w * k] dollars.
+say:  After buying the gift, {name} has [saved - spent] dollars left.
 
-def _sharing(rng: random.Random) -> Problem:
-    name, k, each, s = rng.choice(NAMES), rng.randint(2, 9), rng.randint(3, 15), Solution()
-    candies, e = k * each, rng.randint(2, each - 1)
-    share_text, share = s.calc(candies, '/', k)
-    s.say(f'Each friend gets {share_text} candies.')
-    s.say(f'Each friend has {s.calc(share, "-", e)[0]} candies left.')
-    q = (
-        f'{name} shares {candies} candies equally among {k} friends. Each friend eats {e} candies. '
-        f'How many candies does each friend have left?'
-    )
-    return q, s
+[distance]
+draw: name, place = choice(NAMES), choice(PLACES)
+draw: v, h, u, g = randint(30, 70), randint(2, 5), randint(20, 60), randint(2, 4)
+ask:  On the way to {place}, {name} drives at {v} miles per hour for {h} hours, then at {u} miles per
+      hour for {g} hours. How many miles does {name} drive in total?
+say:  First {name} drives [first = v * h] miles.
+say:  Then {name} drives [second = u * g] miles.
+say:  In total {name} drives [first + second] miles.
 
+[baking]
+draw: name, f, b = choice(NAMES), randint(2, 6), randint(2, 9); have = randint(2, f * b - 1)
+ask:  A cake recipe needs {f} cups of flour per batch. {name} wants to bake {b} batches and has
+      {have} cups of flour. How many more cups of flour does {name} need?
+say:  {name} needs [need = f * b] cups of flour.
+say:  {name} must buy [need - have] more cups of flour.
 
-def _garden(rng: random.Random) -> Problem:
-    name, s = rng.choice(NAMES), Solution()
-    r, p, t = rng.randint(2, 10), rng.randint(3, 12), rng.randint(2, 9)
-    plants_text, plants = s.calc(r, '*', p)
-    s.say(f'There are {plants_text} tomato plants.')
-    s.say(f'They grow {s.calc(plants, "*", t)[0]} tomatoes.')
-    q = (
-        f"{name}'s garden has {r} rows with {p} tomato plants in each row. Each plant grows {t} tomatoes. "
-        f'How many tomatoes grow in the garden?'
-    )
-    return q, s
+[discount]
+draw: noun, price, d = choice(NOUNS), 20 * randint(2, 30), choice((10, 20, 25, 50)); part = 100 // d
+ask:  A {noun} costs ${price}. It is on sale for {d}% off. What is the sale price in dollars?
+say:  {d}% is 1/{part}, so the discount is [off = price / part] dollars.
+say:  The sale price is [price - off] dollars.
 
+[sharing]
+draw: name, k, each = choice(NAMES), randint(2, 9), randint(3, 15); candies = k * each
+draw: e = randint(2, each - 1)
+ask:  {name} shares {candies} candies equally among {k} friends. Each friend eats {e} candies.
+      How many candies does each friend have left?
+say:  Each friend gets [share = candies / k] candies.
+say:  Each friend has [share - e] candies left.
 
-def _marbles(rng: random.Random) -> Problem:
-    a, b, c = rng.sample(NAMES, 3)
-    x, f, s = rng.randint(3, 40), rng.randint(2, 5), Solution()
-    b_text, b_has = s.calc(x, '*', 2)
-    s.say(f'{b} has {b_text} marbles.')
-    c_text, c_has = s.calc(b_has, '-', f)
-    s.say(f'{c} has {c_text} marbles.')
-    ab_text, ab = s.calc(x, '+', b_has)
-    s.say(f'{a} and {b} have {ab_text} marbles together.')
-    s.say(f'All three have {s.calc(ab, "+", c_has)[0]} marbles.')
-    q = (
-        f'{a} has {x} marbles. {b} has twice as many marbles as {a}, and {c} has {f} fewer marbles '
-        f'than {b}. How many marbles do they have altogether?'
-    )
-    return q, s
+[garden]
+draw: name = choice(NAMES); r, p, t = randint(2, 10), randint(3, 12), randint(2, 9)
+ask:  {name}'s garden has {r} rows with {p} tomato plants in each row. Each plant grows {t} tomatoes.
+      How many tomatoes grow in the garden?
+say:  There are [plants = r * p] tomato plants.
+say:  They grow [plants * t] tomatoes.
 
+[marbles]
+draw: a, b, c = sample(NAMES, 3); x, f = randint(3, 40), randint(2, 5)
+ask:  {a} has {x} marbles. {b} has twice as many marbles as {a}, and {c} has {f} fewer marbles
+      than {b}. How many marbles do they have altogether?
+say:  {b} has [b_has = x * 2] marbles.
+say:  {c} has [c_has = b_has - f] marbles.
+say:  {a} and {b} have [ab = x + b_has] marbles together.
+say:  All three have [ab + c_has] marbles.
 
-def _tickets(rng: random.Random) -> Problem:
-    place, s = rng.choice(PLACES), Solution()
-    adult, child, n, m = rng.randint(10, 30), rng.randint(3, 9), rng.randint(2, 4), rng.randint(2, 5)
-    a_text, a = s.calc(n, '*', adult)
-    s.say(f'The adult tickets cost {a_text} dollars.')
-    c_text, c = s.calc(m, '*', child)
-    s.say(f'The child tickets cost {c_text} dollars.')
-    s.say(f'The family pays {s.calc(a, "+", c)[0]} dollars.')
-    q = (
-        f'At the {place} zoo an adult ticket costs ${adult} and a child ticket costs ${child}. '
-        f'How much does a family of {n} adults and {m} children pay?'
-    )
-    return q, s
+[tickets]
+draw: place = choice(PLACES); adult, child, n, m = randint(10, 30), randint(3, 9), randint(2, 4), randint(2, 5)
+ask:  At the {place} zoo an adult ticket costs ${adult} and a child ticket costs ${child}.
+      How much does a family of {n} adults and {m} children pay?
+say:  The adult tickets cost [a = n * adult] dollars.
+say:  The child tickets cost [c = m * child] dollars.
+say:  The family pays [a + c] dollars.
 
+[legs]
+draw: name, d, c = choice(NAMES), randint(2, 12), randint(2, 30)
+ask:  {name}'s farm has {d} dogs and {c} chickens. How many legs do the animals have in total?
+say:  The dogs have [dog = d * 4] legs.
+say:  The chickens have [hen = c * 2] legs.
+say:  There are [dog + hen] legs in total.
 
-def _legs(rng: random.Random) -> Problem:
-    name, d, c, s = rng.choice(NAMES), rng.randint(2, 12), rng.randint(2, 30), Solution()
-    dog_text, dog = s.calc(d, '*', 4)
-    s.say(f'The dogs have {dog_text} legs.')
-    hen_text, hen = s.calc(c, '*', 2)
-    s.say(f'The chickens have {hen_text} legs.')
-    s.say(f'There are {s.calc(dog, "+", hen)[0]} legs in total.')
-    q = f"{name}'s farm has {d} dogs and {c} chickens. How many legs do the animals have in total?"
-    return q, s
+[episodes]
+draw: name, m = choice(NAMES), choice((20, 30, 40, 45, 60, 90))
+draw: e = randint(2, 8) * (60 // gcd(m, 60))
+ask:  Each episode of a show lasts {m} minutes. {name} watches {e} episodes. How many hours is that?
+say:  {name} watches for [minutes = m * e] minutes.
+say:  That is [minutes / 60] hours.
 
+[tank]
+draw: rate, k, start = randint(2, 12), randint(3, 30), randint(5, 100); capacity = start + rate * k
+ask:  A tank holds {capacity} liters and already has {start} liters in it. Water flows in at {rate}
+      liters per minute. How many minutes until the tank is full?
+say:  The tank needs [rest = capacity - start] more liters.
+say:  It takes [rest / rate] minutes to fill.
 
-def _episodes(rng: random.Random) -> Problem:
-    name, m, s = rng.choice(NAMES), rng.choice((20, 30, 40, 45, 60, 90)), Solution()
-    e = rng.randint(2, 8) * (60 // math.gcd(m, 60))  # so that m * e is a whole number of hours
-    minutes_text, minutes = s.calc(m, '*', e)
-    s.say(f'{name} watches for {minutes_text} minutes.')
-    s.say(f'That is {s.calc(minutes, "/", 60)[0]} hours.')
-    q = f'Each episode of a show lasts {m} minutes. {name} watches {e} episodes. How many hours is that?'
-    return q, s
+[bakery]
+draw: name, box, price = choice(NAMES), choice((4, 6, 8, 12)), randint(3, 12)
+draw: trays, per_tray = randint(2, 10), box * randint(1, 4)
+ask:  {name} bakes {trays} trays of {per_tray} cookies and packs them in boxes of {box}.
+      Each box sells for ${price}. How many dollars does {name} earn by selling all the boxes?
+say:  {name} bakes [cookies = trays * per_tray] cookies.
+say:  That fills [boxes = cookies / box] boxes.
+say:  {name} earns [boxes * price] dollars.
 
+[running]
+draw: name = choice(NAMES); k, w, n = randint(2, 10), randint(5, 20), randint(2, 8)
+ask:  {name} runs {k} km every weekday and {w} km on Saturday. How many kilometers does {name} run in
+      {n} weeks?
+say:  On weekdays {name} runs [weekday = k * 5] km.
+say:  Each week {name} runs [week = weekday + w] km.
+say:  In {n} weeks {name} runs [week * n] km.
+"""
 
-def _tank(rng: random.Random) -> Problem:
-    rate, k, start, s = rng.randint(2, 12), rng.randint(3, 30), rng.randint(5, 100), Solution()
-    capacity = start + rate * k
-    rest_text, rest = s.calc(capacity, '-', start)
-    s.say(f'The tank needs {rest_text} more liters.')
-    s.say(f'It takes {s.calc(rest, "/", rate)[0]} minutes to fill.')
-    q = (
-        f'A tank holds {capacity} liters and already has {start} liters in it. Water flows in at {rate} '
-        f'liters per minute. How many minutes until the tank is full?'
-    )
-    return q, s
-
-
-def _bakery(rng: random.Random) -> Problem:
-    name, box, price, s = rng.choice(NAMES), rng.choice((4, 6, 8, 12)), rng.randint(3, 12), Solution()
-    trays, per_tray = rng.randint(2, 10), box * rng.randint(1, 4)
-    cookies_text, cookies = s.calc(trays, '*', per_tray)
-    s.say(f'{name} bakes {cookies_text} cookies.')
-    boxes_text, boxes = s.calc(cookies, '/', box)
-    s.say(f'That fills {boxes_text} boxes.')
-    s.say(f'{name} earns {s.calc(boxes, "*", price)[0]} dollars.')
-    q = (
-        f'{name} bakes {trays} trays of {per_tray} cookies and packs them in boxes of {box}. '
-        f'Each box sells for ${price}. How many dollars does {name} earn by selling all the boxes?'
-    )
-    return q, s
-
-
-def _running(rng: random.Random) -> Problem:
-    name, s = rng.choice(NAMES), Solution()
-    k, w, n = rng.randint(2, 10), rng.randint(5, 20), rng.randint(2, 8)
-    weekday_text, weekday = s.calc(k, '*', 5)
-    s.say(f'On weekdays {name} runs {weekday_text} km.')
-    week_text, week = s.calc(weekday, '+', w)
-    s.say(f'Each week {name} runs {week_text} km.')
-    s.say(f'In {n} weeks {name} runs {s.calc(week, "*", n)[0]} km.')
-    q = f'{name} runs {k} km every weekday and {w} km on Saturday. How many kilometers does {name} run in {n} weeks?'
-    return q, s
-
-
-TEMPLATES: tuple[Callable[[random.Random], Problem], ...] = (
-    _clips, _change, _wage, _reading, _give_away, _chairs, _ages, _savings, _distance, _baking,
-    _discount, _sharing, _garden, _marbles, _tickets, _legs, _episodes, _tank, _bakery, _running,
-)  # fmt: skip
+TEMPLATES: tuple[Template, ...] = parse_templates(TEMPLATE_TEXT)
 
 SPLIT_SIZES: dict[str, int] = {'train': 1000, 'test': 200}
 SEED = 8_500

@@ -148,7 +148,9 @@ def model_config(name: str) -> PretrainedConfig:
         'qwen3_5': transformers.Qwen3_5TextConfig,
         'qwen3_5_moe': transformers.Qwen3_5MoeTextConfig,
     }[r.family]
-    return config_class(**shape, **_shared_settings())
+    # transformers' lazy module attributes are Any to mypy, so the class is too.
+    config: PretrainedConfig = config_class(**shape, **_shared_settings())
+    return config
 
 
 def init_weights(model: PreTrainedModel, seed: int) -> None:
@@ -187,9 +189,10 @@ def build_model(name: str) -> PreTrainedModel:
         'qwen3_5': transformers.Qwen3_5ForCausalLM,
         'qwen3_5_moe': transformers.Qwen3_5MoeForCausalLM,
     }[recipe(name).family]
-    model = model_class(config).float()
+    model: PreTrainedModel = model_class(config).float()  # transformers' lazy module attributes are Any
     init_weights(model, recipe(name).seed)
-    return model.eval()
+    model.train(False)  # eval mode; transformers leaves eval() unannotated
+    return model
 
 
 def write_model(name: str, folder: Path) -> None:
@@ -205,7 +208,9 @@ def write_model(name: str, folder: Path) -> None:
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(folder)
     pad, eos = tok.TOKEN_IDS[tok.PAD_TOKEN], tok.TOKEN_IDS[tok.EOS_TOKEN]
-    GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad).save_pretrained(folder)
+    # transformers leaves GenerationConfig.__init__(**kwargs) unannotated.
+    generation = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)  # type: ignore[no-untyped-call]
+    generation.save_pretrained(folder)
     # The header metadata is fixed, so the bytes are too.
     weights = {key: param.detach().contiguous() for key, param in model.named_parameters()}
     save_file(weights, str(folder / 'model.safetensors'), metadata={'format': 'pt'})

@@ -105,7 +105,7 @@ def export_weights(
     changes (a merged sync leaves merged matrices in the sampler's base model that an adapter
     sync must not build on); otherwise frozen base weights have not changed since the last one.
     ``to_cpu``: copies on the CPU (for another process, whose devices may differ)."""
-    group = model._group(adapter_name)
+    group = model.train_group(adapter_name)
     mode = 'full' if group.name == FULL else 'merged' if merge_and_sync else 'adapter'
     export = WeightExport(mode)
     if mode == 'full' or mode != last_mode:

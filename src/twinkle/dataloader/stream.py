@@ -12,14 +12,17 @@ ones the interrupted run would have got next.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeAlias
 
 import torch.utils.data
 
 from twinkle.dataset.streaming import Stream
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.infra import distributed
+
+#: One shard's batch: its rows, the shard's lane, the shard's state after them, and its counts.
+ShardBatch: TypeAlias = tuple[list[dict[str, Any]], int, dict[str, Any], dict[str, int]]
 
 
 class StreamBatches:
@@ -53,7 +56,7 @@ class StreamBatches:
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
         """The rest of this epoch's batches; the next ``iter`` starts the next epoch."""
         if self.workers == 0:
-            batches: Any = _ShardBatches(self.shards, self.states, self.local_batch, self.next_lane)
+            batches: Iterable[ShardBatch] = _ShardBatches(self.shards, self.states, self.local_batch, self.next_lane)
         else:
             batches = torch.utils.data.DataLoader(
                 _ShardBatches(self.shards, self.states, self.local_batch, self.next_lane),
@@ -112,14 +115,14 @@ class StreamBatches:
         self.next_lane = int(state.get('next_lane', 0))
 
 
-class _ShardBatches(torch.utils.data.IterableDataset):
+class _ShardBatches(torch.utils.data.IterableDataset[ShardBatch]):
     """(rows, shard lane, the shard's state after them): in the main process its one lane, in
     DataLoader worker ``i`` lane ``(i + first_lane) % workers`` (worker 0's batch comes first)."""
 
     def __init__(self, shards: list[Stream], states: list[dict[str, Any] | None], local_batch: int, first_lane: int):
         self.shards, self.states, self.local_batch, self.first_lane = shards, list(states), local_batch, first_lane
 
-    def __iter__(self) -> Iterator[tuple[list[dict[str, Any]], int, dict[str, Any], dict[str, int]]]:
+    def __iter__(self) -> Iterator[ShardBatch]:
         info = torch.utils.data.get_worker_info()
         lanes = [(info.id + self.first_lane) % info.num_workers] if info is not None else list(range(len(self.shards)))
         for lane in lanes:

@@ -9,14 +9,28 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import datasets as hf
 
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.hub import resolve_dataset
 from twinkle.preprocessor import FILTERS, PREPROCESSORS, DataFilter, Preprocessor
+from twinkle.registry import Registry
 from twinkle.template import TEMPLATES, Template
+
+T = TypeVar('T')
+#: A function of one row: a mapping of the new row's fields, or ``None`` to drop the row (checked
+#: by ``_call_row``, as a user's function may return anything).
+RowFn: TypeAlias = Callable[[Mapping[str, Any]], object]
+#: A preprocessor as ``map`` takes it: a registered name, a ``Preprocessor`` class (built with
+#: ``init_args``) or instance, or a function of one row.
+PreprocessorSpec: TypeAlias = str | type[Preprocessor] | Preprocessor | RowFn
+#: A filter as ``filter`` takes it: likewise, a ``DataFilter`` or a function of one row.
+Predicate: TypeAlias = Callable[[Mapping[str, Any]], bool]
+FilterSpec: TypeAlias = str | type[DataFilter] | DataFilter | Predicate
+#: A batch of rows as ``datasets`` hands it over: each field's values, row by row.
+Columns: TypeAlias = dict[str, list[Any]]
 
 #: File extension to the ``datasets`` builder that reads it.
 BUILDERS = {
@@ -116,7 +130,7 @@ class Dataset:
 
     def map(
         self,
-        preprocessor: str | type[Preprocessor] | Preprocessor | Callable[[Mapping[str, Any]], Any],
+        preprocessor: PreprocessorSpec,
         dataset_meta: DatasetMeta | None = None,
         init_args: Mapping[str, Any] | None = None,
         load_from_cache_file: bool = False,
@@ -130,16 +144,13 @@ class Dataset:
         return self
 
     def filter(
-        self,
-        predicate: str | type[DataFilter] | DataFilter | Callable[[Mapping[str, Any]], bool],
-        dataset_meta: DatasetMeta | None = None,
-        init_args: Mapping[str, Any] | None = None,
+        self, predicate: FilterSpec, dataset_meta: DatasetMeta | None = None, init_args: Mapping[str, Any] | None = None
     ) -> Dataset:
-        """Keep the rows for which ``predicate(row)`` is true."""
-        if isinstance(predicate, (str, type)):
-            predicate = FILTERS.build(predicate, DataFilter, **(init_args or {}))
+        """Keep the rows for which ``predicate(row)`` is true (a ``DataFilter``, a registered
+        filter's name or class built with ``init_args``, or a function of one row)."""
+        keep = as_predicate(predicate, init_args)
         key = self._target(dataset_meta)
-        self._store(key, self._writable(key).filter(predicate, num_proc=self.num_proc, load_from_cache_file=False))
+        self._store(key, self._writable(key).filter(keep, num_proc=self.num_proc, load_from_cache_file=False))
         return self
 
     def encode(
@@ -208,7 +219,7 @@ class Dataset:
             self.datasets[key] = data
 
     def _transform(
-        self, dataset_meta: DatasetMeta | None, fn: Callable, merge: bool, from_cache: bool, batch_size: int
+        self, dataset_meta: DatasetMeta | None, fn: RowFn, merge: bool, from_cache: bool, batch_size: int
     ) -> None:
         """Run the row function ``fn`` over the target dataset, in batches (``merge``: keep the
         input fields beside the output).
@@ -234,7 +245,8 @@ class Dataset:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.dataset[index]
+        row: dict[str, Any] = self.dataset[index]  # datasets ships no types
+        return row
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.dataset)
@@ -244,30 +256,50 @@ class Dataset:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def as_row_fn(preprocessor: Any, init_args: Mapping[str, Any] | None) -> Callable[[Mapping[str, Any]], Any]:
-    if isinstance(preprocessor, (str, type)):
-        preprocessor = PREPROCESSORS.build(preprocessor, Preprocessor, **(init_args or {}))
-    elif init_args:
-        raise ConfigurationError('init_args only apply when the preprocessor is given by name or class')
-    if isinstance(preprocessor, Preprocessor):
-        instance = preprocessor
+def as_row_fn(preprocessor: PreprocessorSpec, init_args: Mapping[str, Any] | None) -> RowFn:
+    """The function ``map`` runs on each row; a ``Preprocessor`` checks the row first."""
+    built = _built(preprocessor, PREPROCESSORS, Preprocessor, init_args)
+    if isinstance(built, Preprocessor):
+        instance = built
 
-        def run(row: Mapping[str, Any]) -> Any:
+        def run(row: Mapping[str, Any]) -> object:
             instance.check_row(row)
             return instance.preprocess(row)
 
         return run
-    if callable(preprocessor):
-        return preprocessor
+    if callable(built):
+        return built
     raise ConfigurationError(
         f'a preprocessor must be a registered name, a Preprocessor, or a function of one row; got {preprocessor!r}. '
         f'Registered names: {PREPROCESSORS.names()}'
     )
 
 
-def _map_batch(
-    fn: Callable, batch: dict[str, list], merge: bool = False, columns: Sequence[str] = ()
-) -> dict[str, list]:
+def as_predicate(predicate: FilterSpec, init_args: Mapping[str, Any] | None) -> Predicate:
+    """The function ``filter`` runs on each row: true keeps it."""
+    built = _built(predicate, FILTERS, DataFilter, init_args)
+    if callable(built):
+        return built
+    raise ConfigurationError(
+        f'a filter must be a registered name, a DataFilter, or a function of one row; got {predicate!r}. '
+        f'Registered names: {FILTERS.names()}'
+    )
+
+
+def _built(spec: object, registry: Registry[T], base: type[T], init_args: Mapping[str, Any] | None) -> object:
+    """``spec`` built by ``registry`` when it is a name or a class, else as given (and then
+    there is nothing to apply ``init_args`` to)."""
+    if isinstance(spec, (str, type)):
+        return registry.build(spec, base, **(init_args or {}))
+    if init_args:
+        raise ConfigurationError(
+            f'init_args only apply when the {registry.kind} is given by name or class; got {spec!r} with '
+            f'init_args {sorted(init_args)}'
+        )
+    return spec
+
+
+def _map_batch(fn: RowFn, batch: Columns, merge: bool = False, columns: Sequence[str] = ()) -> Columns:
     """Run a row function over a column batch; ``merge`` keeps the input fields beside the output.
     The result has ``columns`` (plus any new field a row brings), even when every row is dropped."""
     names = list(batch)
@@ -282,7 +314,7 @@ def _map_batch(
     return {key: [row.get(key) for row in rows] for key in keys}
 
 
-def _encode_on_access(fn: Callable, batch: dict[str, list]) -> dict[str, list]:
+def _encode_on_access(fn: RowFn, batch: Columns) -> Columns:
     """``with_transform``'s function: the rows read, each with its encoding beside its fields."""
     names = list(batch)
     rows = [{name: batch[name][i] for name in names} for i in range(len(batch[names[0]]) if names else 0)]
@@ -296,14 +328,14 @@ def _encode_on_access(fn: Callable, batch: dict[str, list]) -> dict[str, list]:
     return {key: [row.get(key) for row in encoded] for key in keys}
 
 
-def _call_row(fn: Callable, row: dict[str, Any]) -> Mapping[str, Any] | None:
+def _call_row(fn: RowFn, row: Mapping[str, Any]) -> Mapping[str, Any] | None:
     result = fn(row)
     if result is not None and not isinstance(result, Mapping):
         raise DataError(f'a preprocessor returned {type(result).__name__} for row {row}; expected a dict or None')
     return result
 
 
-def _output_columns(fn: Callable, data: hf.Dataset, merge: bool) -> list[str] | None:
+def _output_columns(fn: RowFn, data: hf.Dataset, merge: bool) -> list[str] | None:
     """The columns mapping ``fn`` makes: those of the first row it keeps, or ``None`` when it
     drops every row."""
     for row in data:

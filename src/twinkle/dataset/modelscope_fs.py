@@ -21,7 +21,7 @@ from fsspec.spec import AbstractFileSystem
 from twinkle.errors import AssetNotFoundError, HubUnavailableError
 
 
-class ModelScopeFileSystem(AbstractFileSystem):
+class ModelScopeFileSystem(AbstractFileSystem):  # type: ignore[misc]  # fsspec ships no types: its classes are Any
     """The files of one ModelScope dataset repository at one revision, under ``org/name/``.
 
     The hub's endpoint and token are read from the environment when the filesystem is made

@@ -12,8 +12,8 @@ packed batch gives each row's loss and gradients as the same rows padded do.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 from twinkle.data_format import RL_ROW_FIELDS, InputFeature
 from twinkle.errors import ConfigurationError, DataError
@@ -54,6 +54,7 @@ def pack(rows: Sequence[InputFeature], max_length: int) -> list[InputFeature]:
 
 
 def _concatenate(rows: list[InputFeature]) -> InputFeature:
+    fields: list[Mapping[str, Any]] = list(rows)  # the rows, read by the computed names below
     packed: dict[str, Any] = {}
     for name in (*PACKED_FIELDS, *RL_ROW_FIELDS):
         holders = sum(name in row for row in rows)
@@ -61,14 +62,15 @@ def _concatenate(rows: list[InputFeature]) -> InputFeature:
             raise DataError(f'{holders} of the {len(rows)} rows packed together have {name!r} and the others not')
     for name in PACKED_FIELDS:
         if name in rows[0]:
-            packed[name] = [value for row in rows for value in row[name]]  # type: ignore[literal-required]
+            packed[name] = [value for row in fields for value in row[name]]
     packed['position_ids'] = [p for row in rows for p in row.get('position_ids', range(len(row['input_ids'])))]
     packed['length'] = len(packed['input_ids'])
     packed['packed_rows'] = len(rows)
     for name in RL_ROW_FIELDS:  # RL loss inputs follow their rows, one entry per row
         if all(name in row for row in rows):
-            packed[name] = [row[name] for row in rows]  # type: ignore[literal-required]
-    return InputFeature(**packed)  # type: ignore[typeddict-item]
+            packed[name] = [row[name] for row in fields]
+    # Every key set above is a field of InputFeature: PACKED_FIELDS, RL_ROW_FIELDS and the three named.
+    return cast(InputFeature, packed)
 
 
 class PackingDataset(Sequence[InputFeature]):

@@ -31,10 +31,9 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from twinkle.dataset.base import as_row_fn
+from twinkle.dataset.base import FilterSpec, PreprocessorSpec, as_predicate, as_row_fn
 from twinkle.errors import AssetNotFoundError, ConfigurationError, DataError, StateError, one_of
 from twinkle.hub import is_offline, parse_hub_id, resolve_dataset
-from twinkle.preprocessor import FILTERS, DataFilter
 from twinkle.template import TEMPLATES, Template
 
 #: File extensions a stream reads, by kind.
@@ -92,22 +91,15 @@ class IterableDataset:
         self.counts = {'rows_read': 0, 'bad_lines': 0, 'dropped': 0}
 
     # ---- lazy transforms ----------------------------------------------------------------------
-    def map(self, preprocessor: Any, init_args: Mapping[str, Any] | None = None) -> IterableDataset:
+    def map(self, preprocessor: PreprocessorSpec, init_args: Mapping[str, Any] | None = None) -> IterableDataset:
         """Apply a preprocessor (as ``Dataset.map`` takes it) to each row when it is read; a
         ``None`` result drops the row."""
         self._steps.append(('map', as_row_fn(preprocessor, init_args)))
         return self
 
-    def filter(self, predicate: Any, init_args: Mapping[str, Any] | None = None) -> IterableDataset:
-        """Keep the rows for which ``predicate(row)`` is true (a ``DataFilter``, a registered
-        filter's name or class, or a function)."""
-        if isinstance(predicate, (str, type)):
-            predicate = FILTERS.build(predicate, DataFilter, **(init_args or {}))
-        if not callable(predicate):
-            raise ConfigurationError(
-                f'a filter must be a DataFilter, a registered name or a function; got {predicate!r}'
-            )
-        self._steps.append(('filter', predicate))
+    def filter(self, predicate: FilterSpec, init_args: Mapping[str, Any] | None = None) -> IterableDataset:
+        """Keep the rows for which ``predicate(row)`` is true (as ``Dataset.filter`` takes it)."""
+        self._steps.append(('filter', as_predicate(predicate, init_args)))
         return self
 
     def set_template(self, template: str | type[Template] | Template, **kwargs: Any) -> IterableDataset:

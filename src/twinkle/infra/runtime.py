@@ -15,14 +15,11 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 from twinkle.errors import ConfigurationError, one_of
 from twinkle.infra.mesh import DeviceGroup, DeviceMesh
 from twinkle.utils.logger import get_logger
-
-if TYPE_CHECKING:
-    from twinkle.infra.ray.cluster import RayCluster
 
 logger = get_logger()
 Mode = Literal['local', 'ray', 'http']
@@ -38,6 +35,14 @@ class RunningServer(Protocol):
     def stop(self) -> None: ...
 
 
+class ReservedDevices(Protocol):
+    """Devices a runtime reserved for its groups (``twinkle.infra.ray.cluster.RayCluster``),
+    given back when the runtime is released. Declared here, not imported: the Ray side imports
+    this module, and this module imports nothing of Ray."""
+
+    def release(self) -> None: ...
+
+
 @dataclass
 class Runtime:
     mode: Mode = 'local'
@@ -48,8 +53,8 @@ class Runtime:
     lazy_collect: bool = True
     #: In 'http' mode with ``block=False``: the running server (``.url``, ``.stop()``).
     server: RunningServer | None = None
-    #: In 'ray' mode: the devices reserved for the groups.
-    cluster: RayCluster | None = None
+    #: In 'ray' mode: the devices reserved for the groups (a ``RayCluster``).
+    cluster: ReservedDevices | None = None
 
     def group(self, name: str) -> DeviceGroup:
         for group in self.groups:
@@ -136,6 +141,7 @@ def _start_process_group(mesh: DeviceMesh | None) -> DeviceMesh | None:
 __all__ = [
     'MODES',
     'Mode',
+    'ReservedDevices',
     'RunningServer',
     'Runtime',
     'get_runtime',

@@ -11,15 +11,7 @@ import torch.nn.functional as F
 from twinkle.data_format import IGNORE_INDEX
 from twinkle.errors import ConfigurationError, DataError, StateError, one_of
 from twinkle.loss.base import LOSSES, Loss, LossOutput
-from twinkle.loss.rl import (
-    align_per_token,
-    check_loss_kwargs,
-    is_finite_number,
-    sequence_counts,
-    sequence_index,
-    sequence_sum,
-    token_logps,
-)
+from twinkle.loss.rl import TokenGrid, check_loss_kwargs, is_finite_number, reference_logps, token_grid
 
 DPOType = Literal['sigmoid', 'ipo', 'hinge']
 
@@ -102,33 +94,28 @@ class DPOLoss(Loss):
 
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **kwargs: Any) -> LossOutput:
         check_loss_kwargs('DPOLoss', kwargs, self.loss_inputs)
-        labels = inputs['labels']
-        mask_BS = labels != self.ignore_index
-        seq_BS = sequence_index(inputs)
-        num_sequences = int(sequence_counts(mask_BS, seq_BS).shape[0])
+        grid = token_grid(inputs, outputs['logits'], self.ignore_index)
+        num_sequences = grid.num_sequences
         if num_sequences % 2:
             raise DataError(
                 f'DPOLoss needs interleaved (chosen, rejected) pairs; the batch has {num_sequences} sequences, '
                 'an odd number'
             )
-        logps_N = sequence_sum(token_logps(outputs['logits'], labels, self.ignore_index), seq_BS, num_sequences)
+        logps_N = grid.sequence_sum(grid.logps)
         policy_P = logps_N[0::2] - logps_N[1::2]
-        reference_P = self._reference_margin(outputs, kwargs, mask_BS, seq_BS, num_sequences)
-        h_P = policy_P - reference_P
+        h_P = policy_P - self._reference_margin(outputs, kwargs, grid)
         loss = _DPO_LOSSES[self.loss_type](h_P, self.beta, self.label_smoothing).sum()
         margin_P = (self.beta * h_P).detach()
         metrics = {
-            'pairs': torch.tensor(num_sequences // 2, device=labels.device),
+            'pairs': torch.tensor(num_sequences // 2, device=grid.mask.device),
             'reward_accuracy': (margin_P > 0).sum(),
             'margin': margin_P.sum(),
         }
         return LossOutput(loss=loss, num_items=metrics['pairs'], metrics=metrics)
 
-    def _reference_margin(
-        self, outputs: dict[str, Any], kwargs: dict[str, Any], mask_BS: torch.Tensor, seq_BS: torch.Tensor, n: int
-    ) -> torch.Tensor:
-        """``rc - rr`` per pair, ``[n / 2]`` (0 when reference-free)."""
-        device = mask_BS.device
+    def _reference_margin(self, outputs: dict[str, Any], kwargs: dict[str, Any], grid: TokenGrid) -> torch.Tensor:
+        """``rc - rr`` per pair, ``[n / 2]`` for ``n`` sequences (0 when reference-free)."""
+        device, n = grid.mask.device, grid.num_sequences
         if self.reference_free:
             return torch.zeros(n // 2, device=device)
         chosen, rejected = kwargs.get('ref_chosen_logps'), kwargs.get('ref_rejected_logps')
@@ -137,7 +124,7 @@ class DPOLoss(Loss):
         if chosen is not None:
             chosen_P = _sums(chosen, n // 2, 'ref_chosen_logps', device)
             return chosen_P - _sums(rejected, n // 2, 'ref_rejected_logps', device)
-        ref = kwargs['ref_logps'] if kwargs.get('ref_logps') is not None else outputs.get('ref_logps')
+        ref = reference_logps(kwargs, outputs)
         if ref is None:
             raise StateError(
                 f'DPOLoss(beta={self.beta}) needs reference logprobs: train a LoRA adapter (the reference is the '
@@ -146,8 +133,7 @@ class DPOLoss(Loss):
         if isinstance(ref, Sequence) and all(isinstance(v, (int, float)) for v in ref):
             ref_N = _sums(ref, n, 'ref_logps', device)  # one sum per sequence
         else:
-            ref_BS = align_per_token(ref, mask_BS, seq_BS, 'ref_logps', allow_scalar=False)
-            ref_N = sequence_sum(ref_BS, seq_BS, n)
+            ref_N = grid.sequence_sum(grid.align(ref, 'ref_logps', allow_scalar=False))
         return ref_N[0::2] - ref_N[1::2]
 
 

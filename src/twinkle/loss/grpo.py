@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 
@@ -40,14 +40,12 @@ from twinkle.errors import ConfigurationError, DataError, StateError, one_of
 from twinkle.loss.base import LOSSES, Loss, LossOutput
 from twinkle.loss.rl import (
     LOG_RATIO_LIMIT,
-    align_per_token,
     check_loss_kwargs,
     is_finite_number,
-    sequence_counts,
-    sequence_index,
+    reference_logps,
     sequence_sum,
     token_entropy,
-    token_logps,
+    token_grid,
 )
 
 LossType = Literal['grpo', 'token_mean', 'drgrpo']
@@ -76,7 +74,8 @@ class GRPOLoss(Loss):
         term   = -min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL
         KL     = exp(ref - logp) - (ref - logp) - 1                   (k3 estimator, eq. 4)
 
-    aggregated by ``loss_type`` (module docstring). ``beta > 0`` needs reference log-probs.
+    aggregated by ``loss_type`` (module docstring; ``None`` takes the class's ``default_loss_type``).
+    ``beta > 0`` needs reference log-probs.
 
     Example (``loss_type='token_mean'``, on-policy so ``r = 1``): two sequences with 3 and 1
     completion tokens and advantages ``[1, -1]`` give ``loss = -(3 * 1 + 1 * -1) = -2`` over
@@ -90,16 +89,19 @@ class GRPOLoss(Loss):
     """
 
     loss_inputs = ('advantages', 'old_logps', 'ref_logps')
+    #: The ``loss_type`` when none is given: the aggregation of the paper a class is named for.
+    default_loss_type: ClassVar[LossType] = 'grpo'
 
     def __init__(
         self,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         beta: float = 0.0,
-        loss_type: LossType = 'grpo',
+        loss_type: LossType | None = None,
         max_completion_length: int | None = None,
         ignore_index: int = IGNORE_INDEX,
     ):
+        loss_type = self.default_loss_type if loss_type is None else loss_type
         self.epsilon = _positive(f'{type(self).__name__} epsilon', epsilon)
         self.epsilon_high = _positive(f'{type(self).__name__} epsilon_high', epsilon_high, default=self.epsilon)
         self.beta = _non_negative(f'{type(self).__name__} beta', beta)
@@ -142,25 +144,18 @@ class GRPOLoss(Loss):
         check_loss_kwargs(name, kwargs, self.loss_inputs)
         if kwargs.get('advantages') is None:
             raise DataError(f'{name} needs advantages=: one number per sequence (or per completion token)')
-        labels = inputs['labels']
-        mask_BS = labels != self.ignore_index
-        seq_BS = sequence_index(inputs)
-        logps_BS = token_logps(outputs['logits'], labels, self.ignore_index)
-        advantages_BS = align_per_token(kwargs['advantages'], mask_BS, seq_BS, 'advantages')
+        grid = token_grid(inputs, outputs['logits'], self.ignore_index)
+        advantages_BS = grid.align(kwargs['advantages'], 'advantages')
         old = kwargs.get('old_logps')
-        if old is None:
-            old_BS = logps_BS.detach()
-        else:
-            old_BS = align_per_token(old, mask_BS, seq_BS, 'old_logps', allow_scalar=False)
-        ref = kwargs['ref_logps'] if kwargs.get('ref_logps') is not None else outputs.get('ref_logps')
+        old_BS = grid.logps.detach() if old is None else grid.align(old, 'old_logps', allow_scalar=False)
+        ref = reference_logps(kwargs, outputs)
         if ref is None and self.needs_reference:
             raise StateError(
                 f'{name}(beta={self.beta}) needs reference logprobs: train a LoRA adapter (the reference is '
                 'the base model with the adapter off) or pass ref_logps='
             )
-        ref_BS = None if ref is None else align_per_token(ref, mask_BS, seq_BS, 'ref_logps', allow_scalar=False)
-        counts_N = sequence_counts(mask_BS, seq_BS)
-        return PolicyBatch(logps_BS, old_BS, advantages_BS, ref_BS, mask_BS, seq_BS, counts_N)
+        ref_BS = None if ref is None else grid.align(ref, 'ref_logps', allow_scalar=False)
+        return PolicyBatch(grid.logps, old_BS, advantages_BS, ref_BS, grid.mask, grid.seq_index, grid.counts)
 
     def policy_term(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token loss (before the KL term), the importance ratio, and where the clip bites."""
@@ -178,16 +173,7 @@ class PPOLoss(GRPOLoss):
     meant for per-token advantages (GAE from a value model): ``advantages=[[a_0, a_1, ...], ...]``.
     """
 
-    def __init__(
-        self,
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
-        beta: float = 0.0,
-        loss_type: LossType = 'token_mean',
-        max_completion_length: int | None = None,
-        ignore_index: int = IGNORE_INDEX,
-    ):
-        super().__init__(epsilon, epsilon_high, beta, loss_type, max_completion_length, ignore_index)
+    default_loss_type = 'token_mean'
 
 
 @LOSSES.register
@@ -262,12 +248,14 @@ class CISPOLoss(GRPOLoss):
     ``clipped`` counts the tokens whose weight was truncated, whatever the advantage's sign.
     """
 
+    default_loss_type = 'token_mean'
+
     def __init__(
         self,
         epsilon: float | None = None,
         epsilon_high: float = 3.0,
         beta: float = 0.0,
-        loss_type: LossType = 'token_mean',
+        loss_type: LossType | None = None,
         max_completion_length: int | None = None,
         ignore_index: int = IGNORE_INDEX,
     ):

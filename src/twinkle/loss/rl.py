@@ -12,7 +12,9 @@ Shapes: ``B`` batch rows, ``S`` positions, ``V`` vocabulary, ``N`` sequences.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, TypeGuard
 
 import torch
@@ -55,14 +57,14 @@ def token_entropy(logits_BSV: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tens
     """
     flat_PV = logits_BSV.detach().reshape(-1, logits_BSV.shape[-1])
     out_P = torch.zeros(flat_PV.shape[0], dtype=torch.float32, device=flat_PV.device)
-    for rows in mask_BS.reshape(-1).nonzero().squeeze(1).split(_ENTROPY_CHUNK):
+    for rows in torch.split(mask_BS.reshape(-1).nonzero().squeeze(1), _ENTROPY_CHUNK):
         z = flat_PV[rows].float()
         # H = logsumexp(z) - sum_v softmax(z)_v z_v
         out_P[rows] = z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)
     return out_P.reshape(mask_BS.shape)
 
 
-def sequence_index(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def sequence_index(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The sequence each position belongs to, ``[B, S]`` long, numbered 0.. across the batch.
 
     A sequence starts wherever ``position_ids`` is 0 (and ``attention_mask``, when given, is 1,
@@ -148,6 +150,57 @@ def sequence_counts(mask_BS: torch.Tensor, seq_index_BS: torch.Tensor) -> torch.
     num_sequences = int(seq_index_BS.max()) + 1 if seq_index_BS.numel() else 0
     counts_N = torch.zeros(num_sequences, dtype=torch.long, device=mask_BS.device)
     return counts_N.index_add_(0, seq_index_BS.reshape(-1), mask_BS.reshape(-1).long())
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """A batch's labels on the ``[B, S]`` grid: where each loss here starts.
+
+    >>> inputs = {'labels': torch.tensor([[-100, 3, 1, 2]]), 'position_ids': torch.tensor([[0, 1, 0, 1]])}
+    >>> grid = token_grid(inputs, torch.zeros(1, 4, 4))  # uniform over 4 tokens: ln(1/4) per label
+    >>> grid.counts.tolist(), grid.sequence_sum(grid.logps).tolist()
+    ([1, 2], [-1.3862943649291992, -2.7725887298583984])
+    """
+
+    #: The policy's log-probability of each label, float32 with grad; 0 where not trained.
+    logps: torch.Tensor
+    #: Trained (labelled) positions, bool.
+    mask: torch.Tensor
+    #: The sequence of each position, long (``sequence_index``).
+    seq_index: torch.Tensor
+
+    @cached_property
+    def counts(self) -> torch.Tensor:
+        """Trained positions per sequence, ``[N]`` (``sequence_counts``: one device sync)."""
+        return sequence_counts(self.mask, self.seq_index)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.counts.shape[0])
+
+    def align(self, values: Any, name: str, *, allow_scalar: bool = True) -> torch.Tensor:
+        """A per-sequence loss input laid onto this grid (``align_per_token``)."""
+        return align_per_token(values, self.mask, self.seq_index, name, allow_scalar=allow_scalar)
+
+    def sequence_sum(self, values_BS: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over each sequence's positions, ``[N]`` (differentiable)."""
+        return sequence_sum(values_BS, self.seq_index, self.num_sequences)
+
+
+def token_grid(
+    inputs: Mapping[str, torch.Tensor], logits_BSV: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> TokenGrid:
+    """The labels of ``inputs`` (padded or packed) on the grid, with their log-probabilities."""
+    labels_BS = inputs['labels']
+    mask_BS = labels_BS != ignore_index
+    return TokenGrid(token_logps(logits_BSV, labels_BS, ignore_index), mask_BS, sequence_index(inputs))
+
+
+def reference_logps(kwargs: Mapping[str, Any], outputs: Mapping[str, Any]) -> Any:
+    """The reference model's log-probabilities: ``ref_logps=`` when given, else the model's
+    ``outputs['ref_logps']`` (the base model with the adapter off), else ``None``."""
+    given = kwargs.get('ref_logps')
+    return given if given is not None else outputs.get('ref_logps')
 
 
 def check_loss_kwargs(loss_name: str, kwargs: dict[str, Any], accepted: Sequence[str]) -> None:

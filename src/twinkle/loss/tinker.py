@@ -43,24 +43,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from twinkle.data_format import IGNORE_INDEX
 from twinkle.errors import ConfigurationError, DataError, UnknownNameError
 from twinkle.loss.base import LOSSES, Loss, LossOutput
-from twinkle.loss.rl import (
-    LOG_RATIO_LIMIT,
-    align_per_token,
-    check_loss_kwargs,
-    is_finite_number,
-    sequence_index,
-    token_logps,
-)
+from twinkle.loss.rl import LOG_RATIO_LIMIT, check_loss_kwargs, is_finite_number, token_grid
 
-#: ``(loss sum, metrics)``: a 0-d tensor with grad, and detached 0-d tensors keyed ``name:sum``.
-LossTerms = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+class LossTerms(NamedTuple):
+    """What a Tinker loss computes."""
+
+    #: The loss sum, a 0-d tensor with grad.
+    loss: torch.Tensor
+    #: Detached 0-d tensors keyed ``name:sum``.
+    metrics: dict[str, torch.Tensor]
+
+
 #: ``(logprobs_T, inputs_T, config, sequence_ids_T) -> LossTerms``
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float], torch.Tensor], LossTerms]
 
@@ -291,6 +292,13 @@ def tinker_loss_terms(
     Metrics: ``loss:sum``; ``ppo`` and ``gspo`` add ``clipped:sum`` (positions whose gradient
     the clip removed), ``cispo`` adds ``clipped:sum`` (positions with ``A != 0`` whose weight
     was truncated).
+
+    >>> lp, weights = torch.tensor([-1.0, -2.0]), torch.tensor([1.0, 0.5])
+    >>> tinker_loss_terms('cross_entropy', lp, {'weights': weights}).loss.item()  # -(-1 * 1 + -2 * 0.5)
+    2.0
+    >>> rl = {'logprobs': lp, 'advantages': torch.tensor([1.0, 2.0])}
+    >>> tinker_loss_terms('importance_sampling', lp, rl).loss.item()  # ratio 1: -(1 + 2)
+    -3.0
     """
     spec = tinker_loss_spec(loss_fn)
     resolved = resolve_config(loss_fn, config)
@@ -300,25 +308,6 @@ def tinker_loss_terms(
     if sequence_ids_T is None:
         sequence_ids_T = torch.zeros(logprobs_T.shape, dtype=torch.long, device=logprobs_T.device)
     return spec.compute(logprobs_T, floats, resolved, sequence_ids_T.long())
-
-
-def tinker_loss(
-    loss_fn: str,
-    logprobs_T: torch.Tensor,
-    inputs: Mapping[str, torch.Tensor],
-    config: Mapping[str, float] | None = None,
-    sequence_ids_T: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The loss sum of ``tinker_loss_terms``.
-
-    >>> lp = torch.tensor([-1.0, -2.0])
-    >>> tinker_loss('cross_entropy', lp, {'weights': torch.tensor([1.0, 0.5])}).item()  # -(-1 * 1 + -2 * 0.5)
-    2.0
-    >>> rl = {'logprobs': lp, 'advantages': torch.tensor([1.0, 2.0])}
-    >>> tinker_loss('importance_sampling', lp, rl).item()  # ratio 1: -(1 + 2)
-    -3.0
-    """
-    return tinker_loss_terms(loss_fn, logprobs_T, inputs, config, sequence_ids_T)[0]
 
 
 @LOSSES.register
@@ -354,18 +343,13 @@ class TinkerLoss(Loss):
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **loss_inputs: Any) -> LossOutput:
         given = {name: value for name, value in loss_inputs.items() if value is not None}
         check_inputs(self.loss_fn, given)
-        labels = inputs['labels']
-        mask_BS = labels != self.ignore_index
-        seq_BS = sequence_index(inputs)
-        logps_BS = token_logps(outputs['logits'], labels, self.ignore_index)
-        flat = {
-            name: align_per_token(value, mask_BS, seq_BS, name, allow_scalar=False)[mask_BS]
-            for name, value in given.items()
-        }
+        grid = token_grid(inputs, outputs['logits'], self.ignore_index)
+        flat = {name: grid.align(value, name, allow_scalar=False)[grid.mask] for name, value in given.items()}
+        seq_T = grid.seq_index[grid.mask]
         if 'target_tokens' in flat:
-            _check_targets(flat.pop('target_tokens'), labels[mask_BS], seq_BS[mask_BS])
-        loss, metrics = tinker_loss_terms(self.loss_fn, logps_BS[mask_BS], flat, self.config, seq_BS[mask_BS])
-        self.last_logps, self.last_metrics = logps_BS.detach(), metrics
+            _check_targets(flat.pop('target_tokens'), inputs['labels'][grid.mask], seq_T)
+        loss, metrics = tinker_loss_terms(self.loss_fn, grid.logps[grid.mask], flat, self.config, seq_T)
+        self.last_logps, self.last_metrics = grid.logps.detach(), metrics
         loss = loss if self.share == 1.0 else loss * self.share
         return LossOutput(loss=loss, num_items=torch.zeros((), device=loss.device), metrics=metrics)
 
@@ -374,7 +358,7 @@ class TinkerLoss(Loss):
 def _terms(loss: torch.Tensor, **sums: torch.Tensor) -> LossTerms:
     metrics = {'loss:sum': loss.detach()}
     metrics.update({f'{name}:sum': value.detach().float() for name, value in sums.items()})
-    return loss, metrics
+    return LossTerms(loss, metrics)
 
 
 def _log_ratio(logprobs_T: torch.Tensor, old_T: torch.Tensor) -> torch.Tensor:

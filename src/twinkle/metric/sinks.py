@@ -190,7 +190,7 @@ def _library(sink: str, module: str) -> Any:
         return importlib.import_module(module)
     except ImportError as error:
         raise MissingExtraError(
-            f"the {sink!r} sink needs the {sink} package ({error}): pip install 'twinkle[logging]'"
+            f"the {sink!r} sink needs the {sink} package ({error}): pip install 'twinkle-train[logging]'"
         ) from None
 
 

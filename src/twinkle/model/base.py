@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from twinkle.data_format import InputFeature, ModelOutput, Trajectory
@@ -99,7 +100,6 @@ class TwinkleModel(ABC):
             results.append(StepResult(norm, stepped))
         return results
 
-    @abstractmethod
     def save(
         self,
         name: str | None = None,
@@ -108,7 +108,31 @@ class TwinkleModel(ABC):
         adapter_name: str | None = None,
         save_optimizer: bool = False,
         consumed_train_samples: int | None = None,
-    ) -> str: ...
+    ) -> str:
+        """Write a checkpoint of the adapter to ``output_dir/name`` (by default
+        ``checkpoint-<optimizer steps>``), atomically, and return its path (``write_checkpoint``
+        says what it holds). With ``save_optimizer=True`` it also holds what
+        ``resume_from_checkpoint`` needs, ``consumed_train_samples`` (default: the adapter's
+        count) among it."""
+        name = name or f'checkpoint-{self.optimizer_steps(adapter_name=adapter_name)}'
+        destination = Path(output_dir) / name
+        self.write_checkpoint(
+            destination,
+            adapter_name=adapter_name,
+            save_optimizer=save_optimizer,
+            consumed_train_samples=consumed_train_samples,
+        )
+        return str(destination)
+
+    @abstractmethod
+    def optimizer_steps(self, *, adapter_name: str | None = None) -> int:
+        """The optimizer steps the adapter has taken."""
+
+    @abstractmethod
+    def write_checkpoint(
+        self, destination: Path, *, adapter_name: str | None, save_optimizer: bool, consumed_train_samples: int | None
+    ) -> None:
+        """Write the adapter's checkpoint to ``destination`` (see ``save``)."""
 
     @abstractmethod
     def load(

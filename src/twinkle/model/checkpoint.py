@@ -52,7 +52,7 @@ CHECKPOINT_VERSION = 1
 
 
 @contextlib.contextmanager
-def atomic_directory(destination: str | os.PathLike) -> Iterator[Path]:
+def atomic_directory(destination: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a fresh temporary directory; on success it replaces ``destination`` atomically."""
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,7 @@ def _renameat2() -> Any:
 _LEFTOVER = re.compile(r'\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{8}')
 
 
-def recover(destination: str | os.PathLike) -> None:
+def recover(destination: str | os.PathLike[str]) -> None:
     """Finish what a crash left of a save to ``destination``: if the name is missing and its old
     checkpoint is parked, move it back; then delete the save's temporary and parked directories.
     Assumes no other save of this name runs at the same time."""
@@ -136,7 +136,7 @@ def recover(destination: str | os.PathLike) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def recover_all(root: str | os.PathLike) -> int:
+def recover_all(root: str | os.PathLike[str]) -> int:
     """``recover`` every checkpoint under ``root`` that a crash left mid-save; how many there were."""
     destinations = set()
     for path in Path(root).rglob('.*-*'):
@@ -148,7 +148,7 @@ def recover_all(root: str | os.PathLike) -> int:
     return len(destinations)
 
 
-def folder_size(root: str | os.PathLike) -> int:
+def folder_size(root: str | os.PathLike[str]) -> int:
     """Bytes in the files under ``root`` (a saved checkpoint's size)."""
     return sum(f.stat().st_size for f in Path(root).rglob('*') if f.is_file())
 
@@ -180,7 +180,8 @@ def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
             f'{checkpoint} has no {TRAINER_STATE}: it was saved without save_optimizer=True, '
             'so there is no training state to resume (load(...) still loads its weights)'
         )
-    return json.loads(path.read_text())
+    state: dict[str, Any] = json.loads(path.read_text())  # save_training_state wrote a JSON object
+    return state
 
 
 def rng_state() -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -101,9 +102,13 @@ class ExpertShard:
         meta = torch.stack([experts, adapters], dim=1)
         meta_in = funcol.all_to_all_single(meta, recv_sizes, send_sizes, group)
         x_in = funcol.all_to_all_single_autograd(x, recv_sizes, send_sizes, group)
-        meta_in = funcol.wait_tensor(meta_in)
+        meta_in = _wait_tensor(meta_in)
         y_in = compute(x_in, meta_in[:, 0], meta_in[:, 1])
         return funcol.all_to_all_single_autograd(y_in, send_sizes, recv_sizes, group)
+
+
+#: ``funcol.wait_tensor``: the tensor an async collective gave, once it has arrived (torch leaves it unannotated).
+_wait_tensor = cast(Callable[[torch.Tensor], torch.Tensor], funcol.wait_tensor)
 
 
 def expert_groups(ep_size: int) -> tuple[int, dist.ProcessGroup]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,13 +12,20 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from twinkle.errors import DataError
 from twinkle.loss import CrossEntropyLoss, Loss, LossOutput
 from twinkle.metric import Accuracy, LossMetric, Metric, TrainMetric
 from twinkle.processor import InputProcessor
 from twinkle.template import Template
+from twinkle.wire import RESERVED_FIGURES
 
 #: The group that trains every parameter of a model without adapters.
 FULL = ''
+#: A collated batch on the model's device: ``input_ids``, ``labels``, ``attention_mask``... by name.
+Batch = dict[str, torch.Tensor]
+#: What a forward gives its loss and metrics: ``logits`` and, on a mixture of experts,
+#: ``router_logits``; the loss and the metrics add theirs (``ref_logps``, ``expert_tokens``...).
+Outputs = dict[str, torch.Tensor]
 #: Sums a step's gradients over data-parallel ranks; returns the step's item count over all ranks.
 GradientReducer = Callable[[list[torch.nn.Parameter], torch.Tensor | int], torch.Tensor | int]
 
@@ -42,8 +50,19 @@ class StepLog:
     steps: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=StepLog.MAX_STEPS))
 
     def log(self, figures: dict[str, float]) -> None:
-        """Figures of the trainer's own (a mean reward...) recorded with the next step."""
-        self.logged.update(figures)
+        """Figures of the trainer's own (a mean reward...) recorded with the next step:
+        ``DataError`` unless each is a finite number under a name the log does not record itself
+        (``RESERVED_FIGURES``)."""
+        if not isinstance(figures, dict) or not all(isinstance(k, str) for k in figures):
+            raise DataError(f'figures must be a dict of names to numbers; got {type(figures).__name__}')
+        numbers = {}
+        for name, value in figures.items():
+            if name in RESERVED_FIGURES:
+                raise DataError(f'{name!r} is a figure the model records itself; the model records {RESERVED_FIGURES}')
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise DataError(f'figure {name!r} must be a finite number; got {value!r:.60}')
+            numbers[name] = float(value)
+        self.logged.update(numbers)
 
     def on_call(self, loss: float, tokens: int, elapsed_s: float) -> None:
         self.loss_sum, self.calls = self.loss_sum + loss, self.calls + 1
@@ -73,8 +92,8 @@ class StepLog:
 class Pending:
     """The last forward of a group, waiting for ``calculate_loss`` and ``backward``."""
 
-    batch: dict[str, torch.Tensor]
-    outputs: dict[str, Any]
+    batch: Batch
+    outputs: Outputs
     training: bool
     rows: int  # sequences in the batch (a packed batch holds them all in one tensor row)
     loss: LossOutput | None = None
@@ -150,6 +169,12 @@ class TrainGroup:
     def reset_accumulation(self) -> None:
         self.pending_items = 0
         self.grads_normalized = False
+
+    def restore_counters(self, state: Mapping[str, int]) -> None:
+        """The step counters of a trainer state a checkpoint holds (``cur_step``, ``optim_step``,
+        ``consumed_train_samples``; ``checkpoint.read_trainer_state``)."""
+        self.micro_step, self.optim_step = state['cur_step'], state['optim_step']
+        self.consumed_train_samples = state['consumed_train_samples']
 
     def current_lr(self) -> float | None:
         return None if self.optimizer is None else float(self.optimizer.param_groups[0]['lr'])

@@ -91,7 +91,8 @@ class LoraAdapter(nn.Module):
 
     def forward(self, x_N_I: torch.Tensor) -> torch.Tensor:
         x_N_I = nn.functional.dropout(x_N_I.to(self.lora_A.weight.dtype), self.active_dropout)
-        return self.lora_B(self.lora_A(x_N_I)) * self.scaling
+        delta_N_O: torch.Tensor = self.lora_B(self.lora_A(x_N_I)) * self.scaling
+        return delta_N_O
 
     @property
     def active_dropout(self) -> float:
@@ -187,4 +188,6 @@ def contiguous_runs(names: Sequence[str | None]) -> list[tuple[str | None, int, 
 
 def check_name(name: str) -> None:
     if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
-        raise ConfigurationError(f'Invalid adapter name {name!r}: use letters, digits, "_", "-" and ":" only')
+        raise ConfigurationError(
+            f'Invalid adapter name {name!r}: it must be non-empty letters, digits, "_", "-" or ":"'
+        )

@@ -20,8 +20,9 @@ weight gradients, and ``drop(x) = x * mask / (1 - p)`` with the mask ``nn.Dropou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,7 +43,8 @@ def add_run_deltas(out: torch.Tensor, x: torch.Tensor, runs: list[Run], weights:
 
     ``weights`` holds each run's ``lora_A`` [r, in] and ``lora_B`` [out, r] in turn; rows in
     no run keep ``out``."""
-    return _RunDeltas.apply(out, x, runs, *weights)
+    # torch leaves Function.apply unannotated; it returns what _RunDeltas.forward does, one tensor.
+    return cast(Callable[..., torch.Tensor], _RunDeltas.apply)(out, x, runs, *weights)
 
 
 class _RunDeltas(torch.autograd.Function):

@@ -19,7 +19,6 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,7 +27,7 @@ from twinkle.errors import ConfigurationError, DataError
 from twinkle.loss import LossOutput
 from twinkle.model import multi_lora
 from twinkle.model.base import AdapterCall
-from twinkle.model.group import FULL, Pending, TrainGroup
+from twinkle.model.group import FULL, Batch, Outputs, Pending, TrainGroup
 from twinkle.model.passes import (
     accumulate,
     carried,
@@ -39,23 +38,26 @@ from twinkle.model.passes import (
     record_call,
     with_logps,
 )
-
-if TYPE_CHECKING:
-    from twinkle.model.transformers import TransformersModel
+from twinkle.model.runner import ModelRunner
 
 
 def forward_backward_mixed(
-    model: TransformersModel, calls: Sequence[AdapterCall], forward_only: bool
+    runner: ModelRunner,
+    groups: list[TrainGroup],
+    calls: Sequence[AdapterCall],
+    forward_only: bool,
+    max_tokens: int | None = None,
 ) -> list[ModelOutput | DataError]:
-    """``TransformersModel.forward_backward_mixed``: every call's rows through one forward, then
-    one backward of the finite losses; a call with a non-finite loss gets its ``DataError``."""
-    groups = [model._group(call.adapter_name) for call in calls]
-    _check_mixable(groups, [batch_key(model, group.name) for group in groups])
-    features = [_rows(model, group, call) for group, call in zip(groups, calls, strict=True)]
+    """``TransformersModel.forward_backward_mixed``: every call's rows (``calls[i]`` is
+    ``groups[i]``'s) through one forward, then one backward of the finite losses; a call with a
+    non-finite loss gets its ``DataError``. ``max_tokens``: the padded tokens a forward may hold
+    (``TransformersModel.mixed_forward_tokens``)."""
+    _check_mixable(groups, [batch_key(runner, group) for group in groups])
+    features = [_rows(runner, group, call) for group, call in zip(groups, calls, strict=True)]
     # Each call's loss inputs with those its rows carry (per-sequence inputs checked against the rows).
     loss_inputs = [next(chunks(rows, None, call.loss_inputs))[1] for rows, call in zip(features, calls, strict=True)]
     started = time.perf_counter()
-    parts, logits = _mixed_forward(model, groups, features, forward_only)
+    parts, logits = _mixed_forward(runner, groups, features, forward_only, max_tokens)
     if forward_only:
         for group, rows, part in zip(groups, features, parts, strict=True):
             group.pending = (
@@ -64,10 +66,10 @@ def forward_backward_mixed(
         return [_empty_output() if part is None else with_logps(part[1]['logits'], part[0]) for part in parts]
     # Every loss first, then the metrics: a loss that raises leaves no adapter half-counted.
     losses = [
-        None if part is None else model._loss_value(group, *part, inputs)
+        None if part is None else runner.loss_value(group, *part, inputs)
         for group, inputs, part in zip(groups, loss_inputs, parts, strict=True)
     ]
-    errors = non_finite(groups, losses, model._parallel.sum_)
+    errors = non_finite(groups, losses, runner.parallel.sum_)
     kept = [i for i, error in enumerate(errors) if error is None]
     failed = [group for group, error in zip(groups, errors, strict=True) if error is not None]
     for i in kept:
@@ -77,16 +79,16 @@ def forward_backward_mixed(
     trained: list[ModelOutput] = []
     if kept:
         pass_ = _Pass([groups[i] for i in kept], [features[i] for i in kept], [parts[i] for i in kept], logits)
-        trained = _mixed_backward(model, pass_, [losses[i] for i in kept], started, failed)
+        trained = _mixed_backward(runner, pass_, [losses[i] for i in kept], started, failed)
     outputs = iter(trained)
     return [error if error is not None else next(outputs) for error in errors]
 
 
-def _rows(model: TransformersModel, group: TrainGroup, call: AdapterCall) -> list[InputFeature]:
+def _rows(runner: ModelRunner, group: TrainGroup, call: AdapterCall) -> list[InputFeature]:
     """The call's rows on this rank: under a device mesh a rank's share of a call may be empty."""
-    if model._parallel.enabled and not call.inputs:
+    if runner.parallel.enabled and not call.inputs:
         return []
-    return model._features(group, call.inputs)
+    return runner.features(group, call.inputs)
 
 
 def _empty_output() -> ModelOutput:
@@ -94,17 +96,21 @@ def _empty_output() -> ModelOutput:
     return ModelOutput(logps=torch.zeros(0, 0), num_tokens=0)
 
 
-def batch_key(model: TransformersModel, adapter_name: str | None = None) -> tuple | None:
+#: What adapters that can share a pass have alike: their processor's class, its padding side and the pad token.
+BatchKey = tuple[type, str, int]
+
+
+def batch_key(runner: ModelRunner, group: TrainGroup) -> BatchKey | None:
     """``TransformersModel.batch_key``: the adapter's collation (processor, padding side, pad
     token); None for rows that cannot be mixed (packed rows, the full model)."""
-    group = model._group(adapter_name)
     processor = group.processor
     if group.name == FULL or processor.padding_free:
         return None
-    return (type(processor), processor.padding_side, model._template_for(group).pad_token_id)
+    return (type(processor), processor.padding_side, runner.template_for(group).pad_token_id)
 
 
-Part = tuple[dict, dict]
+#: One call's share of a forward: its rows' batch and their outputs.
+Part = tuple[Batch, Outputs]
 
 
 @dataclass
@@ -119,7 +125,11 @@ class _Pass:
 
 
 def _mixed_forward(
-    model: TransformersModel, groups: list[TrainGroup], features: list[list[InputFeature]], forward_only: bool
+    runner: ModelRunner,
+    groups: list[TrainGroup],
+    features: list[list[InputFeature]],
+    forward_only: bool,
+    max_tokens: int | None,
 ) -> tuple[list[Part | None], torch.Tensor | None]:
     """The forward of every call's rows: each call's (batch, outputs) part of it (None for a call
     with no rows here), and the logits of the first forward (None when this rank ran none).
@@ -127,23 +137,22 @@ def _mixed_forward(
     Calls of similar lengths share a forward (``length_buckets``), so a short call is not padded
     to a long neighbour's length; under FSDP2 (whose all-gathers run in step on every rank) and
     with gradient checkpointing (whose recompute sees the last row assignment) it is one forward."""
-    model._parallel.prepare(model.model, model.groups.values())
-    model._set_mode(not forward_only)
-    pad = model._template_for(groups[0]).pad_token_id
+    runner.prepare(training=not forward_only)
+    pad = runner.template_for(groups[0]).pad_token_id
     if not any(features):
-        if not model._parallel.fsdp:
+        if not runner.parallel.fsdp:
             return [None] * len(groups), None
         # No row here, but FSDP2's all-gathers run on every rank: one padding token, trained on nothing.
         dummy: list[InputFeature] = [{'input_ids': [pad], 'labels': [IGNORE_INDEX]}]
-        return [None] * len(groups), _forward(model, groups, [dummy], [0], forward_only)[1]
+        return [None] * len(groups), _forward(runner, groups, [dummy], [0], forward_only)[1]
     lengths = [max((len(row['input_ids']) for row in rows), default=0) for rows in features]
     sizes = [len(rows) for rows in features]
-    one = model._parallel.fsdp or _checkpointing(model)
-    buckets = [list(range(len(groups)))] if one else length_buckets(lengths, sizes, model.mixed_forward_tokens)
+    one = runner.parallel.fsdp or runner.checkpointing
+    buckets = [list(range(len(groups)))] if one else length_buckets(lengths, sizes, max_tokens)
     parts: list[Part | None] = [None] * len(groups)
     first: torch.Tensor | None = None
     for bucket in buckets:
-        pieces, logits = _forward(model, groups, features, bucket, forward_only)
+        pieces, logits = _forward(runner, groups, features, bucket, forward_only)
         first = logits if first is None else first
         for i, part in zip(bucket, pieces, strict=True):
             parts[i] = part
@@ -151,7 +160,7 @@ def _mixed_forward(
 
 
 def _forward(
-    model: TransformersModel,
+    runner: ModelRunner,
     groups: list[TrainGroup],
     features: list[list[InputFeature]],
     calls: list[int],
@@ -161,15 +170,14 @@ def _forward(
     call after call: each call's part (None for one with no rows) and the batch's logits."""
     flat = [row for i in calls for row in features[i]]
     names = [groups[i].name for i in calls for _ in features[i]]
-    pad = model._template_for(groups[calls[0]]).pad_token_id
-    batch = {k: v.to(model.device, non_blocking=True) for k, v in groups[calls[0]].processor(flat, pad).items()}
-    multi_lora.assign_rows(model.model, names)
+    batch = runner.collate(groups[calls[0]], flat)
+    multi_lora.assign_rows(runner.model, names)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        outputs = model._outputs(batch)
+        outputs = runner.outputs(batch)
     # split, not slices: a slice's backward would write into zeros the size of all the logits
     sizes = [len(features[i]) for i in calls]
-    columns = {k: v.split(sizes) for k, v in batch.items()}
-    pieces = {k: v.split(sizes, dim=1 if k == 'router_logits' else 0) for k, v in outputs.items()}
+    columns = {k: torch.split(v, sizes) for k, v in batch.items()}
+    pieces = {k: torch.split(v, sizes, dim=1 if k == 'router_logits' else 0) for k, v in outputs.items()}
     parts: list[Part | None] = [
         ({k: v[j] for k, v in columns.items()}, {k: v[j] for k, v in pieces.items()}) if sizes[j] else None
         for j in range(len(sizes))
@@ -232,17 +240,8 @@ def length_buckets(
     return buckets
 
 
-def _checkpointing(model: TransformersModel) -> bool:
-    """Whether the model recomputes layers in the backward (transformers' gradient checkpointing;
-    ``is_activation_checkpointing`` from transformers 5, ``is_gradient_checkpointing`` before)."""
-    inner = model.model
-    if hasattr(type(inner), 'is_activation_checkpointing'):
-        return bool(inner.is_activation_checkpointing)
-    return bool(getattr(inner, 'is_gradient_checkpointing', False))
-
-
 def _mixed_backward(
-    model: TransformersModel,
+    runner: ModelRunner,
     pass_: _Pass,
     losses: list[LossOutput | None],
     started: float,
@@ -258,18 +257,18 @@ def _mixed_backward(
             check_trainable(group, loss)
     kept_grads = [(p, p.grad if p.grad is None else p.grad.clone()) for group in failed for p in group.params]
     if here:
-        torch.stack([loss.loss for loss in here]).sum().backward()
-    elif model._parallel.fsdp and pass_.logits is not None:
-        (pass_.logits.sum() * 0).backward()  # FSDP2's backward all-gathers run on every rank
+        torch.autograd.backward(torch.stack([loss.loss for loss in here]).sum())
+    elif runner.parallel.fsdp and pass_.logits is not None:
+        torch.autograd.backward(pass_.logits.sum() * 0)  # FSDP2's backward all-gathers run on every rank
     for param, grad in kept_grads:
         param.grad = grad
     sums_N = torch.stack(
         [
-            _sums(model, loss, part, len(rows))
+            _sums(runner, loss, part, len(rows))
             for loss, part, rows in zip(losses, pass_.parts, pass_.features, strict=True)
         ]
     )
-    sums = model._parallel.sum_(sums_N).tolist()  # the pass's one sync
+    sums = runner.parallel.sum_(sums_N).tolist()  # the pass's one sync
     elapsed = time.perf_counter() - started
     outputs = []
     for group, rows, loss, call_sums in zip(pass_.groups, pass_.features, losses, sums, strict=True):
@@ -279,14 +278,14 @@ def _mixed_backward(
     return outputs
 
 
-def _sums(model: TransformersModel, loss: LossOutput | None, part: Part | None, rows: int) -> torch.Tensor:
+def _sums(runner: ModelRunner, loss: LossOutput | None, part: Part | None, rows: int) -> torch.Tensor:
     """``loss_sums`` of a call on this rank (zeros where it has no rows here)."""
     if loss is None or part is None:
-        return torch.zeros(4, device=model.device)
+        return torch.zeros(4, device=runner.device)
     return loss_sums(loss, part[0], rows)
 
 
-def _check_mixable(groups: list[TrainGroup], keys: list[tuple | None]) -> None:
+def _check_mixable(groups: list[TrainGroup], keys: list[BatchKey | None]) -> None:
     names = [group.name for group in groups]
     if not groups or len(set(names)) != len(names):
         raise ConfigurationError(f'a mixed pass needs one call per adapter, each adapter once; got {names}')

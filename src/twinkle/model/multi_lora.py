@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -84,7 +84,7 @@ class MultiLoraLinear(nn.Module):
         if assignment is None:
             raise StateError('MultiLoraLinear ran outside row_adapters(model, names): wrap the forward in it')
         assignment = assignment.over(x.shape[0])
-        out = self.base_layer(x)
+        out: torch.Tensor = self.base_layer(x)
         if assignment.runs is not None:
             return self._by_runs(x, out, assignment.runs)
         for name, idx in assignment.rows_on(x.device).items():
@@ -92,9 +92,11 @@ class MultiLoraLinear(nn.Module):
                 continue
             adapter = self.adapters[name]
             if idx is None:  # the whole batch: no gather needed
-                out = out + adapter(x).to(out.dtype)
+                delta: torch.Tensor = adapter(x)
+                out = out + delta.to(out.dtype)
             else:
-                out = out.index_add(0, idx, adapter(x.index_select(0, idx)).to(out.dtype))
+                delta = adapter(x.index_select(0, idx))
+                out = out.index_add(0, idx, delta.to(out.dtype))
         return out
 
     def _by_runs(self, x: torch.Tensor, out: torch.Tensor, runs: list[tuple[str | None, int, int]]) -> torch.Tensor:
@@ -443,7 +445,8 @@ MLP_PARENTS = ('mlp', 'feed_forward', 'experts', 'shared_expert')
 def lora_targets(model: PreTrainedModel, attn: bool, mlp: bool, unembed: bool) -> list[str]:
     """Leaf names of the linear layers under attention blocks, MLP blocks, and the output head
     (a layer another adapter already wraps counts by the wrapper's name)."""
-    head = model.get_output_embeddings()
+    # transformers leaves get_output_embeddings unannotated: it returns the output head module.
+    head = cast(Callable[[], torch.nn.Module | None], model.get_output_embeddings)()
     head_leaf = next(name for name, module in model.named_modules() if module is head).split('.')[-1]
     names: set[str] = set()
     for name, module in model.named_modules():

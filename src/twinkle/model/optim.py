@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
@@ -23,6 +24,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from twinkle.errors import ConfigurationError
 from twinkle.registry import Registry
 
+T = TypeVar('T')
 OPTIMIZERS: Registry[Optimizer] = Registry('optimizer')
 SCHEDULERS: Registry[LRScheduler] = Registry('lr scheduler')
 
@@ -34,24 +36,37 @@ for _name, _cls in vars(torch.optim.lr_scheduler).items():
         SCHEDULERS.register(_cls, name=_name)
 
 
-def _warmup_then(
-    num_warmup_steps: int, num_training_steps: int, min_lr_ratio: float, decay: Callable[[float], float]
-) -> Callable[[int], float]:
-    """A LambdaLR factor: linear warmup, then ``decay(progress)`` from 1 to 0 scaled into
-    ``[min_lr_ratio, 1]`` over the remaining steps."""
-    _check_steps(num_warmup_steps, num_training_steps)
+class WarmupScheduler(LambdaLR, ABC):
+    """Linear warmup over ``num_warmup_steps``, then ``decay(progress)`` (from 1 at the end of
+    the warmup to 0 at ``num_training_steps``) scaled into ``[min_lr_ratio, 1]`` of the base rate.
+    A subclass says how it decays; the two registered ones share this one schedule."""
 
-    def factor(step: int) -> float:
-        if step < num_warmup_steps:
-            return (step + 1) / (num_warmup_steps + 1)
-        progress = min(1.0, (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * decay(progress)
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        num_warmup_steps: int = 0,
+        num_training_steps: int = 1000,
+        min_lr_ratio: float = 0.0,
+        last_epoch: int = -1,
+    ):
+        _check_steps(num_warmup_steps, num_training_steps)
 
-    return factor
+        def factor(step: int) -> float:
+            if step < num_warmup_steps:
+                return (step + 1) / (num_warmup_steps + 1)
+            progress = min(1.0, (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps))
+            return min_lr_ratio + (1.0 - min_lr_ratio) * self.decay(progress)
+
+        super().__init__(optimizer, factor, last_epoch)
+
+    @abstractmethod
+    def decay(self, progress: float) -> float:
+        """The share of the way from the base rate down to ``min_lr_ratio`` of it left at
+        ``progress`` (0 at the end of the warmup, 1 at ``num_training_steps``): 1 falling to 0."""
 
 
 @SCHEDULERS.register
-class CosineWarmupScheduler(LambdaLR):
+class CosineWarmupScheduler(WarmupScheduler):
     """Linear warmup over ``num_warmup_steps``, then a cosine decay to ``min_lr_ratio`` of the
     base rate at ``num_training_steps`` (``num_cycles=0.5`` is one half cosine)."""
 
@@ -64,31 +79,20 @@ class CosineWarmupScheduler(LambdaLR):
         min_lr_ratio: float = 0.0,
         last_epoch: int = -1,
     ):
-        def cosine(progress: float) -> float:
-            return 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+        self.num_cycles = num_cycles  # before the base steps to the first rate, which decays by it
+        super().__init__(optimizer, num_warmup_steps, num_training_steps, min_lr_ratio, last_epoch)
 
-        factor = _warmup_then(num_warmup_steps, num_training_steps, min_lr_ratio, cosine)
-        super().__init__(optimizer, factor, last_epoch)
+    def decay(self, progress: float) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * self.num_cycles * 2.0 * progress))
 
 
 @SCHEDULERS.register
-class LinearWarmupScheduler(LambdaLR):
+class LinearWarmupScheduler(WarmupScheduler):
     """Linear warmup over ``num_warmup_steps``, then a linear decay to ``min_lr_ratio`` of the
     base rate at ``num_training_steps``."""
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        num_warmup_steps: int = 0,
-        num_training_steps: int = 1000,
-        min_lr_ratio: float = 0.0,
-        last_epoch: int = -1,
-    ):
-        def linear(progress: float) -> float:
-            return 1.0 - progress
-
-        factor = _warmup_then(num_warmup_steps, num_training_steps, min_lr_ratio, linear)
-        super().__init__(optimizer, factor, last_epoch)
+    def decay(self, progress: float) -> float:
+        return 1.0 - progress
 
 
 def _check_steps(num_warmup_steps: int, num_training_steps: int) -> None:
@@ -126,19 +130,19 @@ ACCEPTED = {
 _REFUSALS = (TypeError, ValueError, IndexError, KeyError, RuntimeError, ConfigurationError)
 
 
-def build_optimizer(spec: str | type[Optimizer], params: list[Any], kwargs: dict) -> Optimizer:
+def build_optimizer(spec: str | type[Optimizer], params: list[Any], kwargs: dict[str, Any]) -> Optimizer:
     cls = OPTIMIZERS.get(spec) if isinstance(spec, str) else _subclass(spec, Optimizer, 'optimizer')
     check_kwargs('optimizer', cls, kwargs, skip=('params',))
     return _refused_or('optimizer', cls, kwargs, lambda args: cls(params, **args))
 
 
-def build_scheduler(spec: str | type[LRScheduler], optimizer: Optimizer, kwargs: dict) -> LRScheduler:
+def build_scheduler(spec: str | type[LRScheduler], optimizer: Optimizer, kwargs: dict[str, Any]) -> LRScheduler:
     cls = SCHEDULERS.get(spec) if isinstance(spec, str) else _subclass(spec, LRScheduler, 'lr scheduler')
     check_kwargs('lr scheduler', cls, kwargs, skip=('optimizer',))
     return _refused_or('lr scheduler', cls, kwargs, lambda args: cls(optimizer, **args))
 
 
-def check_optimizer_args(spec: str, kwargs: dict, device: torch.device | str = 'cpu') -> None:
+def check_optimizer_args(spec: str, kwargs: dict[str, Any], device: torch.device | str = 'cpu') -> None:
     """``ConfigurationError`` unless ``spec(**kwargs)`` builds and steps over one zero 2x2
     parameter on ``device`` (a matrix, as every optimizer takes: Muon takes nothing else): torch
     checks an optimizer's hyperparameters in ``__init__``, so this is the exact check, touching
@@ -146,7 +150,7 @@ def check_optimizer_args(spec: str, kwargs: dict, device: torch.device | str = '
     cls = OPTIMIZERS.get(spec)
     check_kwargs('optimizer', cls, kwargs, skip=('params',))
 
-    def build_and_step(args: dict) -> None:
+    def build_and_step(args: dict[str, Any]) -> None:
         param = torch.nn.Parameter(torch.zeros(2, 2, device=device))
         optimizer = cls([param], **args)
         param.grad = torch.zeros_like(param)
@@ -155,13 +159,13 @@ def check_optimizer_args(spec: str, kwargs: dict, device: torch.device | str = '
     _refused_or('optimizer', cls, kwargs, build_and_step)
 
 
-def check_scheduler_args(spec: str, kwargs: dict) -> None:
+def check_scheduler_args(spec: str, kwargs: dict[str, Any]) -> None:
     """``ConfigurationError`` unless ``spec(**kwargs)`` builds over a plain SGD optimizer and
     takes two steps (some schedulers read an argument only when they step)."""
     cls = SCHEDULERS.get(spec)
     check_kwargs('lr scheduler', cls, kwargs, skip=('optimizer',))
 
-    def build_and_step(args: dict) -> None:
+    def build_and_step(args: dict[str, Any]) -> None:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         scheduler = cls(optimizer, **args)
         for _ in range(2):
@@ -171,7 +175,9 @@ def check_scheduler_args(spec: str, kwargs: dict) -> None:
     _refused_or('lr scheduler', cls, kwargs, build_and_step)
 
 
-def _refused_or(kind: str, cls: Callable[..., Any], kwargs: dict, build: Callable[[dict], Any]) -> Any:
+def _refused_or(
+    kind: str, cls: Callable[..., object], kwargs: dict[str, Any], build: Callable[[dict[str, Any]], T]
+) -> T:
     """``build(kwargs)``; what it raises for a refused value becomes a ``ConfigurationError``
     that names the argument, its value and what is accepted."""
     try:
@@ -190,7 +196,9 @@ def _refused_or(kind: str, cls: Callable[..., Any], kwargs: dict, build: Callabl
         ) from error
 
 
-def _culprit(cls: Callable[..., Any], kwargs: dict, build: Callable[[dict], Any]) -> str | None:
+def _culprit(
+    cls: Callable[..., object], kwargs: dict[str, Any], build: Callable[[dict[str, Any]], object]
+) -> str | None:
     """The first argument refused beside the required ones alone (those first)."""
     params = inspect.signature(cls).parameters
     required = {n: v for n, v in kwargs.items() if n in params and params[n].default is inspect.Parameter.empty}
@@ -206,7 +214,7 @@ def _culprit(cls: Callable[..., Any], kwargs: dict, build: Callable[[dict], Any]
     return None
 
 
-def _shown(kwargs: dict) -> str:
+def _shown(kwargs: dict[str, Any]) -> str:
     return ', '.join(f'{name}={value!r}' for name, value in kwargs.items())
 
 
@@ -251,7 +259,7 @@ def _check_hyperparams(values: dict[str, Any]) -> None:
                 )
 
 
-def _subclass(spec: Any, base: type, kind: str) -> type:
+def _subclass(spec: object, base: type[T], kind: str) -> type[T]:
     if isinstance(spec, type) and issubclass(spec, base):
         return spec
     raise ConfigurationError(f'{kind} must be a registered name or a {base.__name__} subclass; got {spec!r}')

@@ -13,7 +13,7 @@ import torch
 from twinkle.data_format import IGNORE_INDEX, RL_ROW_FIELDS, InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.loss import LossOutput
-from twinkle.model.group import TrainGroup
+from twinkle.model.group import Batch, Outputs, TrainGroup
 
 
 def check_positive(name: str, value: int) -> None:
@@ -113,23 +113,27 @@ def carried(features: Sequence[InputFeature]) -> dict[str, list[Any]]:
     return carried
 
 
-def with_logps(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> ModelOutput:
-    """Logits plus the log-probability of each label token (0 where the label is ignored)."""
-    labels = batch['labels']
-    mask = labels != IGNORE_INDEX
+def label_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each label token ([batch, seq]; 0 where the label is ignored), without gradient."""
     with torch.no_grad():
         logps = torch.log_softmax(logits.detach().float(), dim=-1)
-        logps = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
-    return ModelOutput(logits=logits, logps=logps, num_tokens=int(mask.sum()))
+        return logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (labels != IGNORE_INDEX)
 
 
-def accumulate(group: TrainGroup, batch: dict, outputs: dict, loss: LossOutput, training: bool) -> None:
+def with_logps(logits: torch.Tensor, batch: Batch) -> ModelOutput:
+    """Logits plus the log-probability of each label token (0 where the label is ignored)."""
+    labels = batch['labels']
+    trained = int((labels != IGNORE_INDEX).sum())
+    return ModelOutput(logits=logits, logps=label_logps(logits, labels), num_tokens=trained)
+
+
+def accumulate(group: TrainGroup, batch: Batch, outputs: Outputs, loss: LossOutput, training: bool) -> None:
     """Feed a loss to the group's training (or evaluation) metrics."""
     for metric in group.train_metrics if training else group.eval_metrics:
         metric.accumulate(inputs=batch, outputs=outputs, loss=loss)
 
 
-def loss_sums(loss: LossOutput, batch: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
+def loss_sums(loss: LossOutput, batch: Batch, rows: int) -> torch.Tensor:
     """[loss sum, loss items, trained tokens, rows] of one backward, summed over ranks by the caller."""
     trained = (batch['labels'] != IGNORE_INDEX).sum()
     counts = torch.tensor([float(rows)], device=trained.device)

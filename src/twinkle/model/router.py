@@ -180,8 +180,12 @@ def replay_routing(model: torch.nn.Module, experts: torch.Tensor | None) -> Iter
             handle.remove()
 
 
-def _replay_hook(recorded: torch.Tensor) -> Callable[[torch.nn.Module, object, object], tuple]:
-    def hook(gate: torch.nn.Module, inputs: object, output: object) -> tuple:
+#: A top-k router's output: ``(logits [N, E], weights [N, K], experts [N, K])``.
+RouterOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _replay_hook(recorded: torch.Tensor) -> Callable[[torch.nn.Module, object, object], RouterOutput]:
+    def hook(gate: torch.nn.Module, inputs: object, output: object) -> RouterOutput:
         logits, weights, chosen = _router_output(gate, output)
         if recorded.shape != chosen.shape:
             raise DataError(

@@ -26,6 +26,9 @@ from twinkle.template.base import encoded_feature
 #: What ``sample`` takes: one row or a list of rows. A row is an encoded prompt (``input_ids``,
 #: e.g. from ``dataset.encode(add_generation_prompt=True)``) or a trajectory (``messages``).
 SampleInputs = Mapping[str, Any] | Sequence[Mapping[str, Any]]
+#: Which adapter ``sample`` samples from: one by name, one per row (``vLLMSampler``), or None
+#: for the adapter the last weight sync installed (else the base model).
+AdapterChoice = str | Sequence[str | None] | None
 
 
 @dataclass
@@ -66,15 +69,32 @@ class Sampler(ABC):
     _template: Template | None = None
     model_id: str | None = None
 
-    @abstractmethod
     def sample(
         self,
         inputs: SampleInputs,
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         *,
-        adapter_name: str | None = None,
+        adapter_name: AdapterChoice = None,
     ) -> list[SampleResponse]:
-        """One ``SampleResponse`` per input row, in order, each with ``num_samples`` sequences."""
+        """One ``SampleResponse`` per input row, in order, each with ``num_samples`` sequences.
+        ``adapter_name``: the adapter to sample from; by default the one the last weight sync
+        installed, else the base model (``vLLMSampler`` also takes a list, one per row)."""
+        params = SamplingParams.from_dict(sampling_params)
+        prompts = self._prompts(inputs)
+        self._check(prompts, params)
+        completions, prompt_info = self._complete(prompts, params, adapter_name)
+        return self._responses(prompts, completions, prompt_info, params)
+
+    @abstractmethod
+    def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        """Refuse, before any work, what this sampler cannot do with these prompts and params."""
+
+    @abstractmethod
+    def _complete(
+        self, prompts: list[Prompt], params: SamplingParams, adapter_name: AdapterChoice
+    ) -> tuple[list[Completion], list[PromptLogprobs]]:
+        """Each prompt's ``num_samples`` completions, prompt after prompt, and with
+        ``prompt_logprobs`` or ``topk_prompt_logprobs`` each completion's prompt logprobs."""
 
     def set_template(self, template_cls: str | type[Template] | Template = 'Template', **kwargs: Any) -> None:
         """The template that turns ``messages`` inputs into prompts; ``model_id`` defaults to

@@ -16,13 +16,14 @@ from typing import Any, cast
 
 import torch
 from peft import PeftConfig
-from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
-from twinkle.data_format import SampleResponse, SamplingParams, TokenLogprob
+from twinkle.data_format import SamplingParams, TokenLogprob
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, UnknownNameError
 from twinkle.hub import resolve_model
 from twinkle.model import multi_lora, router
-from twinkle.sampler.base import SAMPLERS, Completion, Prompt, PromptLogprobs, SampleInputs, Sampler, row_seed
+from twinkle.model.loading import load_causal_lm, resolve_device
+from twinkle.sampler.base import SAMPLERS, AdapterChoice, Completion, Prompt, PromptLogprobs, Sampler, row_seed
 from twinkle.sampler.logits import choose, processed_scores
 from twinkle.template import Template
 from twinkle.utils.weights import canonical_name, vocab_size
@@ -57,21 +58,12 @@ class TorchSampler(Sampler):
         max_batch_size: int | None = None,
         **from_pretrained_kwargs: Any,
     ):
-        if model_id is None and config is None:
-            raise ConfigurationError('TorchSampler needs a model_id or a config')
-        device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+        device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if device.type == 'cuda' else torch.float32)
-        cls = model_cls or AutoModelForCausalLM
-        kwargs: dict[str, Any] = {'dtype': dtype, 'attn_implementation': attn_implementation}
-        model: PreTrainedModel
-        if model_id is not None:
-            model = cls.from_pretrained(resolve_model(model_id), **kwargs, **from_pretrained_kwargs)
-        elif model_cls is None:
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
-        else:  # a model class has no public from_config; _from_config is what the Auto class calls
-            model = model_cls._from_config(config, **kwargs)
+        kwargs = {'dtype': dtype, 'attn_implementation': attn_implementation, **from_pretrained_kwargs}
+        model = load_causal_lm('TorchSampler', model_id, model_cls, config, **kwargs)
         model.to(device)  # type: ignore[arg-type]  # transformers wraps to() in functools.wraps: self is not bound
-        self._attach(model.eval().requires_grad_(False), model_id, device, max_batch_size, shared=False)
+        self._attach(_frozen(model), model_id, device, max_batch_size, shared=False)
 
     @classmethod
     def from_model(
@@ -188,20 +180,13 @@ class TorchSampler(Sampler):
         if adapter_name in self.adapter_names:
             return
         multi_lora.add_adapter(self.model, adapter_name, multi_lora.spec_from_peft(config, self.model))
-        self.model.requires_grad_(False).eval()
+        _frozen(self.model)
 
     # ---- sampling -------------------------------------------------------------------------------
-    def sample(
-        self,
-        inputs: SampleInputs,
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
-        *,
-        adapter_name: str | None = None,
-    ) -> list[SampleResponse]:
-        params = SamplingParams.from_dict(sampling_params)
+    def _complete(
+        self, prompts: list[Prompt], params: SamplingParams, adapter_name: AdapterChoice
+    ) -> tuple[list[Completion], list[PromptLogprobs]]:
         adapter = self._resolve_adapter(adapter_name)
-        prompts = self._prompts(inputs)
-        self._check(prompts, params)
         rows = [prompt.input_ids for prompt in prompts for _ in range(params.num_samples)]
         seeds = [row_seed(params.seed, p.input_ids, j) for p in prompts for j in range(params.num_samples)]
         want_prompt = params.prompt_logprobs or params.topk_prompt_logprobs > 0
@@ -213,11 +198,16 @@ class TorchSampler(Sampler):
                 batch = _Generation(self, rows[start : start + size], seeds[start : start + size], params, want_prompt)
                 completions += batch.run()
                 prompt_info += batch.prompt_logprobs
-        return self._responses(prompts, completions, prompt_info, params)
+        return completions, prompt_info
 
-    def _resolve_adapter(self, adapter_name: str | None) -> str | None:
+    def _resolve_adapter(self, adapter_name: AdapterChoice) -> str | None:
         if adapter_name is None:
             return self.default_adapter
+        if not isinstance(adapter_name, str):
+            raise ConfigurationError(
+                f'TorchSampler samples a call from one adapter; got adapter_name={list(adapter_name)!r}: make a call '
+                'per adapter (vLLMSampler takes one adapter per prompt)'
+            )
         if adapter_name not in self.adapter_names:
             raise UnknownNameError('adapter', adapter_name, self.adapter_names or ['(none: no adapter was added)'])
         return adapter_name
@@ -230,7 +220,7 @@ class TorchSampler(Sampler):
         model = self.model
         modes = [(module, module.training) for module in model.modules()]
         grads = [(param, param.requires_grad) for param in model.parameters()]
-        model.eval()
+        model.train(False)  # eval(), which transformers leaves unannotated
         try:
             with multi_lora.row_adapters(model, adapter):
                 yield
@@ -402,6 +392,12 @@ class _Routes:
             experts = torch.cat(parts, dim=1).permute(1, 0, 2)
             last = torch.full_like(experts[:1], router.NOT_RECORDED)
             completion.routed_experts = torch.cat([experts, last]).tolist()
+
+
+def _frozen(model: PreTrainedModel) -> PreTrainedModel:
+    """The model in eval mode (no dropout), no parameter requiring grad: a sampler never trains it."""
+    model.train(False)  # eval(), which transformers leaves unannotated
+    return model.requires_grad_(False)
 
 
 def _left_pad(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

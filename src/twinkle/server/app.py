@@ -4,7 +4,8 @@ that run beside the requests.
 
 - native (``native.py``): ``/twinkle/v1``, the twinkle client's API, its shapes in ``twinkle.wire``;
 - Tinker (``tinker/``): ``/api/v1``, what the official ``tinker`` SDK calls;
-- OpenAI (``openai_api.py``): ``/v1``, chat completions over a run's saved weights.
+- OpenAI (``openai_api.py``, ``openai_completions.py``): ``/v1``, chat and text completions over
+  a run's saved weights.
 
 A tenant sees only its own runs, checkpoints and futures: anything else is a 404, as if it did
 not exist.
@@ -24,6 +25,7 @@ from twinkle.server.api.dashboard import mount_dashboard
 from twinkle.server.api.errors import install_error_handlers
 from twinkle.server.api.native import native_router
 from twinkle.server.api.openai_api import openai_router
+from twinkle.server.api.openai_completions import completions_router
 from twinkle.server.api.request_limits import HttpLimits
 from twinkle.server.api.tinker.base import TinkerAPI
 from twinkle.server.api.tinker.rest import expire_checkpoints_periodically, rest_router
@@ -32,7 +34,7 @@ from twinkle.server.api.tinker.session import session_router
 from twinkle.server.api.tinker.state import TinkerState
 from twinkle.server.api.tinker.training import training_router
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.remote_host import Host
+from twinkle.server.execution.host import Host
 from twinkle.server.service import Service
 from twinkle.utils.logger import get_logger
 
@@ -62,12 +64,13 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     app.state.service = service
     install_error_handlers(app)
     app.include_router(native_router(service))
-    app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenant_for_key)
+    app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenants.for_key)
     tinker = TinkerAPI(service, TinkerState(config.tinker))
     app.state.tinker = tinker
     for tinker_router in (session_router, training_router, sampling_router, rest_router):
         app.include_router(tinker_router(tinker))
     app.include_router(openai_router(service))
+    app.include_router(completions_router(service))
     mount_dashboard(app, service)
 
     @app.get('/healthz')

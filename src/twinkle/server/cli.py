@@ -119,15 +119,15 @@ def manage_keys(config: ServerConfig, action: str, tenant: str | None) -> None:
     store = Store(config.db_path)
     try:
         if action == 'list':
-            for row in store.list_tenants():
+            for row in store.tenants.all():
                 print(row.name)
         elif tenant is None:
             sys.exit(f'keys {action} needs a tenant name')
         elif action == 'add':
-            _, key = store.add_tenant(tenant)
+            _, key = store.tenants.add(tenant)
             print(key)
         else:
-            store.remove_tenant(tenant)
+            store.tenants.remove(tenant)
     finally:
         store.close()
 

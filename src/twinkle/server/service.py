@@ -21,9 +21,10 @@ from twinkle.errors import ConfigurationError, NotFoundError, StateError, Twinkl
 from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
+from twinkle.server.execution.host import Host
 from twinkle.server.execution.model_group import RELEASE_STATE, ModelGroup, bare
 from twinkle.server.execution.model_host import ModelHost
-from twinkle.server.execution.remote_host import Host, build_host
+from twinkle.server.execution.placement import build_host
 from twinkle.server.execution.sampler_group import SamplerGroup
 from twinkle.server.execution.scheduler import Batchable, Job, QueueFullError
 from twinkle.server.rate_limit import RateLimiter
@@ -46,15 +47,15 @@ class Service:
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         self.store = Store(config.db_path)
         if config.api_keys_file is not None:
-            self.store.sync_keys_file(read_keys_file(config.api_keys_file))
+            self.store.tenants.sync_keys_file(read_keys_file(config.api_keys_file))
         per_minute = config.limits.max_requests_per_minute
         self.limiter: RateLimiter | None = RateLimiter(per_minute) if per_minute is not None else None
-        failed = self.store.fail_unfinished_futures('the server restarted before this request finished')
+        failed = self.store.futures.fail_unfinished('the server restarted before this request finished')
         if failed:
             logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
         recover_all(config.checkpoint_dir)  # checkpoint saves that a crash cut short in their swap
-        for run in self.store.idle_runs(older_than_s=0.0):  # their adapters died with the last process
-            self.store.set_run_status(run.id, 'released')
+        for run in self.store.runs.idle(older_than_s=0.0):  # their adapters died with the last process
+            self.store.runs.set_status(run.id, 'released')
         self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
         # Signs the download links of checkpoint files (twinkle.server.api.links); made at start, so a
         # restart voids the links (the client asks for new ones).
@@ -125,7 +126,7 @@ class Service:
 
     def check_trained_on(self, checkpoint: Checkpoint, group: ModelGroup, shown_as: str) -> None:
         """A checkpoint loads only into an adapter of the base model it was trained on."""
-        source = self.store.get_run_by_id(checkpoint.run_id)
+        source = self.store.runs.by_id(checkpoint.run_id)
         if source is not None and self.hosting(source.base_model, f'checkpoint {shown_as!r}') is not group:
             raise ConfigurationError(
                 f'checkpoint {shown_as!r} holds weights for {bare(source.base_model)!r}, not {bare(group.name)!r}'
@@ -145,7 +146,7 @@ class Service:
         for group in self.groups.values():
             unrun = group.scheduler.stop(wait=True) + (group.sampler.stop() if group.sampler is not None else [])
             for job in unrun:
-                self.store.fail_future(job.id, 'the server stopped before this request ran', 'server')
+                self.store.futures.fail(job.id, 'the server stopped before this request ran', 'server')
             group.host.shutdown()  # model workers in a Ray actor or processes, and a vLLM engine, go with their server
 
     # ---- jobs -----------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class Service:
         internal: bool = False,
     ) -> Job:
         """Record a future and queue ``fn`` as its job on ``group``'s worker."""
-        record = self.store.create_future(tenant.id, run_id, operation)
+        record = self.store.futures.create(tenant.id, run_id, operation)
         return self.enqueue(tenant, group, record.id, operation, fn, batch, internal)
 
     def enqueue(
@@ -194,7 +195,7 @@ class Service:
                 tenant.id, fn, job_id=future_id, batch=batch, operation=operation, internal=internal
             )
         except QueueFullError as e:
-            self.store.fail_future(future_id, str(e), 'user')
+            self.store.futures.fail(future_id, str(e), 'user')
             raise
         self.queued.set(self.queued_jobs())
         return job
@@ -214,7 +215,7 @@ class Service:
         here = [g for g in self.groups.values() if isinstance(g.host, ModelHost)]
         if group in here and any(g.scheduler.busy() for g in here if g is not group):
             return  # that model's worker releases once it is idle too
-        if group.host.call(ModelHost.release_free_memory):
+        if group.release_free_memory():
             self.memory_releases.inc()
 
     def _on_restart(self, group: ModelGroup) -> None:
@@ -223,19 +224,19 @@ class Service:
         self.restarts.labels(name).inc()
 
     def _on_start(self, job: Job) -> None:
-        self.store.set_future_running(job.id)
+        self.store.futures.set_running(job.id)
 
     def _on_finish(self, job: Job) -> None:
         operation = job.operation
         if job.error is None:
-            self.store.finish_future(job.id, job.result)
+            self.store.futures.finish(job.id, job.result)
         else:
             category = 'user' if isinstance(job.error, TwinkleError) else 'server'
             message = f'{type(job.error).__name__}: {job.error}'
             if category == 'server':  # its text may name server paths: the tenant gets the request id
                 logger.error(f'request {job.id} ({operation}) failed: {job.error!r}')
                 message = f'{type(job.error).__name__}: the server failed; its log has the details of request {job.id}'
-            self.store.fail_future(job.id, message, category)
+            self.store.futures.fail(job.id, message, category)
         self.requests.labels(operation, job.status).inc()
         if job.started_at and job.finished_at:
             self.seconds.labels(operation).observe(job.finished_at - job.started_at)
@@ -246,7 +247,7 @@ class Service:
     async def adapter_of(self, tenant: Tenant, run_id: str) -> Run:
         """A run of this tenant that is on its model or can be brought back; 404 otherwise.
         Jobs then call its group's ``loaded`` on the worker thread, where no release can slip in."""
-        run = self.store.get_run(tenant.id, run_id)
+        run = self.store.runs.get(tenant.id, run_id)
         if run is None or run.status == 'deleted':
             raise NotFoundError(f'training run {run_id!r} not found')
         group = self.group_of(run)
@@ -263,23 +264,23 @@ class Service:
         now = time.monotonic()
         if now - self._touched.get(run_id, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S:
             self._touched[run_id] = now
-            self.store.touch_run(run_id)
+            self.store.runs.touch(run_id)
 
     def remember_setup(self, run_id: str, operation: str, kwargs: dict[str, JsonValue]) -> None:
         """Record a configuration call, to replay when the adapter is brought back."""
-        run = self.store.get_run_by_id(run_id)
+        run = self.store.runs.by_id(run_id)
         if run is None:
             raise NotFoundError(f'training run {run_id!r} not found')
         config = dict(run.config)
         config['setup'] = [*config.get('setup', []), {'operation': operation, 'kwargs': kwargs}]
-        self.store.set_run_config(run_id, config)
+        self.store.runs.set_config(run_id, config)
 
     # ---- releasing idle adapters ----------------------------------------------------------------
     def release_all(self, timeout: float = 600.0) -> None:
         """Release every adapter of every group (a graceful stop keeps their state)."""
         for group in self.groups.values():
             for run_id in list(group.adapters):
-                run = self.store.get_run_by_id(run_id)
+                run = self.store.runs.by_id(run_id)
                 if run is not None:
                     self._release_later(group, run)
         for group in self.groups.values():
@@ -290,7 +291,7 @@ class Service:
         if self.config.idle_release_s is None:
             return []
         jobs = []
-        for run in self.store.idle_runs(self.config.idle_release_s):
+        for run in self.store.runs.idle(self.config.idle_release_s):
             group = self.find_group(run.base_model)
             if group is not None and run.id in group.adapters:
                 jobs.append(self._release_later(group, run))

@@ -71,8 +71,9 @@ class Template:
     # ---- public API -------------------------------------------------------------------------
     @property
     def pad_token_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return pad if pad is not None else self.tokenizer.eos_token_id
+        pad: int | None = self.tokenizer.pad_token_id
+        eos: int = self.tokenizer.eos_token_id
+        return pad if pad is not None else eos
 
     def encode(self, row: Mapping[str, Any], add_generation_prompt: bool = False) -> InputFeature | None:
         """Encode one row (a ``Trajectory``, or ``{'text': ...}``). Returns ``None`` only when
@@ -103,7 +104,8 @@ class Template:
         return [feature for feature in encoded if feature is not None]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        text: str = self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return text
 
     # ---- steps --------------------------------------------------------------------------------
     def _messages(self, row: Mapping[str, Any]) -> list[Message]:
@@ -124,13 +126,14 @@ class Template:
         if not self.use_chat_template:
             text = '\n'.join(m['content'] for m in messages)
             return text + '\n' if add_generation_prompt else text
-        return self.tokenizer.apply_chat_template(
+        rendered: str = self.tokenizer.apply_chat_template(  # a str: tokenize=False
             messages,
             tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=self.enable_thinking,
         )
+        return rendered
 
     def _assistant_spans(self, messages: list[Message], full: str, tools: Any = None) -> list[tuple[int, int]]:
         spans = []

@@ -40,3 +40,20 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def resident_mib() -> float:
+    """This process's resident set in MiB (``VmRSS`` of ``/proc/self/status``; where there is no
+    ``/proc``, the peak resident set ``getrusage`` reports, in KiB on Linux and bytes on macOS)."""
+    try:
+        with open('/proc/self/status') as status:
+            for line in status:
+                if line.startswith('VmRSS:'):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == 'darwin' else peak / 1024

@@ -72,7 +72,7 @@ def build_remote(
 
 
 def _cluster(runtime: Runtime) -> RayCluster:
-    if runtime.cluster is None:
+    if not isinstance(runtime.cluster, RayCluster):
         raise StateError(
             "a remote component runs on the devices twinkle.initialize(mode='ray') reserves; "
             f'the current {runtime.mode!r} runtime has reserved none'

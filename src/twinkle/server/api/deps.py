@@ -19,7 +19,7 @@ def key_holder(request: Request) -> Tenant:
     if not key:
         raise UnauthorizedError('missing API key: send "Authorization: Bearer <key>" or "X-API-Key: <key>"')
     service: Service = request.app.state.service
-    found = service.store.tenant_for_key(key)
+    found = service.store.tenants.for_key(key)
     if found is None:
         raise UnauthorizedError('unknown API key')
     return found

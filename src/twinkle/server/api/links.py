@@ -63,7 +63,7 @@ def files_route(routes: APIRouter, service: Service) -> None:
                 'this download link is altered or expired: ask for new links (external_weights_urls, or '
                 'POST /twinkle/v1/runs/{run_id}/checkpoints/{name}/links)'
             )
-        checkpoint = await asyncio.to_thread(service.store.get_checkpoint_by_id, checkpoint_id)
+        checkpoint = await asyncio.to_thread(service.store.checkpoints.by_id, checkpoint_id)
         root = Path(checkpoint.path).resolve() if checkpoint is not None else None
         path = (root / name).resolve() if root is not None else None
         if root is None or path is None or not path.is_relative_to(root) or not path.is_file():

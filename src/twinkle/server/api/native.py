@@ -15,7 +15,6 @@ import asyncio
 import inspect
 import shutil
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -65,7 +64,7 @@ Page = Annotated[int, Query(ge=0, lt=SQLITE_INT_LIMIT)]
 
 def native_router(service: Service) -> APIRouter:
     """The routes of the native API over ``service``."""
-    router = APIRouter(prefix=PREFIX, tags=['native'], responses=error_responses(400, 401, 404, 409, 429))
+    router = APIRouter(prefix=PREFIX, tags=['native'], responses=error_responses(400, 401, 404, 409, 422, 429))
     _run_routes(router, service)
     for name, spec in OPERATIONS.items():
         router.add_api_route(
@@ -101,25 +100,22 @@ def _run_routes(router: APIRouter, service: Service) -> None:
     async def create_run(body: CreateRun, who: Who) -> dict[str, JsonValue]:
         check_name('adapter name', body.adapter_name)
         group = service.group_named(body.base_model)
-        group.host.check_adapter(body.lora)
-        run = service.store.create_run(who.id, group.name, body.adapter_name, body.model_dump())
-        adapter = group.adapter_name(run)
+        group.check_lora(body.lora)
+        run = service.store.runs.create(who.id, group.name, body.adapter_name, body.model_dump())
 
         def add() -> None:
-            group.make_room(run)
-            group.host.add_adapter(adapter, body.lora, body.gradient_accumulation_steps, body.seed)
-            group.adapters[run.id] = adapter
+            group.add_run(run, body.lora, body.gradient_accumulation_steps, body.seed)
 
         job = await service.submit_async(who, group, run.id, 'create_run', add)
         await wait_job(job, None)
         if job.error is not None:
-            service.store.set_run_status(run.id, 'deleted')
+            service.store.runs.set_status(run.id, 'deleted')
             raise job.error
         return _run_json(_own_run(service, who.id, run.id))
 
     @router.get('/runs', response_model=RunList)
     async def list_runs(who: Who, limit: Page = 100, offset: Page = 0) -> dict[str, JsonValue]:
-        runs, total = service.store.list_runs(who.id, limit=limit, offset=offset)
+        runs, total = service.store.runs.page(who.id, limit=limit, offset=offset)
         return {'runs': [_run_json(r) for r in runs], 'total': total}
 
     @router.get('/runs/{run_id}', response_model=RunInfo)
@@ -132,7 +128,7 @@ def _run_routes(router: APIRouter, service: Service) -> None:
     ) -> RunHistory:
         """The run's figures at each optimizer step (of either API), after step ``after``."""
         _own_run(service, who.id, run_id)
-        steps = await asyncio.to_thread(service.store.run_steps, run_id, after, limit)
+        steps = await asyncio.to_thread(service.store.history.steps, run_id, after, limit)
         return RunHistory(run_id=run_id, steps=[RunStep.model_validate(step) for step in steps])
 
 
@@ -146,7 +142,7 @@ def _operation_endpoint(
         run = await service.adapter_of(who, run_id)
         group = service.group_of(run)
         kwargs = body.arguments()
-        group.host.validate(name, kwargs)  # names, token ids, sizes: a 4xx now, not a failed future
+        group.validate(name, kwargs)  # names, token ids, sizes: a 4xx now, not a failed future
         if name == 'calculate_loss' and group.config.ranks > 1:
             raise ConfigurationError(
                 'calculate_loss is not taken by a model on several ranks (each rank holds a share of the rows of '
@@ -161,7 +157,7 @@ def _operation_endpoint(
             return FutureAccepted(future_id=future.id)
 
         def compute() -> JsonValue:
-            result = group.host.run(group.loaded(run), name, kwargs)
+            result = group.run(run, name, kwargs)
             if spec.setup:
                 service.remember_setup(run_id, name, kwargs)
             return result
@@ -197,9 +193,9 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         directory, group = service.checkpoint_dir(who, run_id), service.group_of(run)
 
         def write() -> str:
-            path = Path(group.host.save(group.loaded(run), directory, body.name, body.save_optimizer))
+            path = group.save(run, directory, body.name, body.save_optimizer)
             size = folder_size(path)
-            return store.add_checkpoint(who.id, run_id, body.name, str(path), 'training', size).twinkle_path
+            return store.checkpoints.add(who.id, run_id, body.name, str(path), 'training', size).twinkle_path
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'save', write)).id)
 
@@ -207,7 +203,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     async def load(run_id: str, body: LoadRequest, who: Who) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         source_run, name = parse_twinkle_path(body.path)
-        checkpoint = store.get_checkpoint(who.id, source_run, name)
+        checkpoint = store.checkpoints.get(who.id, source_run, name)
         if checkpoint is None:
             raise NotFoundError(f'checkpoint {body.path!r} not found')
 
@@ -215,7 +211,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         service.check_trained_on(checkpoint, group, body.path)
 
         def read() -> str:
-            group.host.load(group.loaded(run), Path(checkpoint.path), body.load_optimizer, body.path)
+            group.load(run, Path(checkpoint.path), body.load_optimizer, body.path)
             return checkpoint.twinkle_path
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'load', read)).id)
@@ -228,9 +224,9 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         directory, group = service.checkpoint_dir(who, run_id) / 'sampler_weights', service.group_of(run)
 
         def write() -> dict[str, JsonValue]:
-            path = Path(group.host.save(group.loaded(run), directory, SYNC_NAME, False))
+            path = group.save(run, directory, SYNC_NAME, False)
             size = folder_size(path)
-            checkpoint = store.add_checkpoint(who.id, run_id, SYNC_NAME, str(path), 'sampler', size)
+            checkpoint = store.checkpoints.add(who.id, run_id, SYNC_NAME, str(path), 'sampler', size)
             return {'path': checkpoint.twinkle_path, 'weight_version': version_of(path)}
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'sync_sampler', write)).id)
@@ -238,13 +234,13 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
         _own_run(service, who.id, run_id)
-        return {'checkpoints': [_checkpoint_json(c) for c in store.list_checkpoints(who.id, run_id)]}
+        return {'checkpoints': [_checkpoint_json(c) for c in store.checkpoints.of_run(who.id, run_id)]}
 
     @router.post('/runs/{run_id}/checkpoints/{name}/links', response_model=FileLinks)
     async def checkpoint_links(run_id: str, name: str, who: Who, request: Request) -> FileLinks:
         """Links to the checkpoint's weight files (not its optimizer state) that work without a key
         for an hour: what ``download_checkpoint``, ``export`` and ``upload_to_hub`` fetch."""
-        checkpoint = store.get_checkpoint(who.id, run_id, check_checkpoint_name(name))
+        checkpoint = store.checkpoints.get(who.id, run_id, check_checkpoint_name(name))
         if checkpoint is None:
             raise NotFoundError(f'checkpoint {name!r} of run {run_id!r} not found')
         urls, expires = signed_links(service, checkpoint, request, weight_files(checkpoint))
@@ -252,10 +248,10 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
     @router.delete('/runs/{run_id}/checkpoints/{name}', response_model=Deleted)
     async def delete_checkpoint(run_id: str, name: str, who: Who) -> Deleted:
-        checkpoint = store.get_checkpoint(who.id, run_id, name)
+        checkpoint = store.checkpoints.get(who.id, run_id, name)
         if checkpoint is None:
             raise NotFoundError(f'checkpoint {name!r} of run {run_id!r} not found')
-        store.delete_checkpoint(who.id, run_id, name)
+        store.checkpoints.delete(who.id, run_id, name)
         shutil.rmtree(checkpoint.path, ignore_errors=True)
         return Deleted(deleted=True)
 
@@ -268,20 +264,19 @@ def _sample_route(router: APIRouter, service: Service) -> None:
         directory, group = None, service.group_named(body.base_model)
         if body.model_path is not None:
             run_id, kind, name = parse_checkpoint_path(body.model_path)
-            checkpoint = service.store.get_readable_checkpoint(who.id, run_id, name, kind)
+            checkpoint = service.store.checkpoints.readable(who.id, run_id, name, kind)
             if checkpoint is None or kind == 'external':  # exports are for download, not sampling
                 raise NotFoundError(f'checkpoint {body.model_path!r} not found')
-            source = service.store.get_run_by_id(checkpoint.run_id)
+            source = service.store.runs.by_id(checkpoint.run_id)
             if body.base_model is None and source is not None:
                 group = service.hosting(source.base_model, f'checkpoint {body.model_path!r}')
             service.check_trained_on(checkpoint, group, body.model_path)
             directory = Path(checkpoint.path)
         inputs = [prompt.model_dump(exclude_none=True) for prompt in body.inputs]
-        group.host.sample_request(inputs, body.sampling_params)  # a 4xx now, not a failed future
+        group.check_sample_request(inputs, body.sampling_params)  # a 4xx now, not a failed future
 
         def run() -> object:
-            version = 0 if directory is None else version_of(directory)
-            return group.sampling_host.sample_weights(inputs, body.sampling_params, directory, body.model_path, version)
+            return group.sample_weights(inputs, body.sampling_params, directory, body.model_path)
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, None, 'sample', run)).id)
 
@@ -290,29 +285,29 @@ def _sample_route(router: APIRouter, service: Service) -> None:
 def _future_routes(router: APIRouter, service: Service) -> None:
     @router.get('/futures/{future_id}', response_model=FutureInfo)
     async def get_future(future_id: str, who: Who, wait: float = 0.0) -> dict[str, JsonValue]:
-        record = service.store.get_future(who.id, future_id)
+        record = service.store.futures.get(who.id, future_id)
         if record is None:
             raise NotFoundError(f'request {future_id!r} not found')
         job = service.job(future_id)
         if job is not None and wait > 0:
             await wait_job(job, min(wait, MAX_WAIT_S))
-            record = service.store.get_future(who.id, future_id) or record
-        return asdict(record)
+            record = service.store.futures.get(who.id, future_id) or record
+        return record.model_dump()
 
 
 def _own_run(service: Service, tenant_id: str, run_id: str) -> Run:
-    run = service.store.get_run(tenant_id, run_id)
+    run = service.store.runs.get(tenant_id, run_id)
     if run is None:
         raise NotFoundError(f'training run {run_id!r} not found')
     return run
 
 
 def _run_json(run: Run) -> dict[str, JsonValue]:
-    return {**asdict(run), 'training_run_id': run.id}
+    return {**run.model_dump(), 'training_run_id': run.id}
 
 
 def _checkpoint_json(checkpoint: Checkpoint) -> dict[str, JsonValue]:
-    data = asdict(checkpoint)
+    data = checkpoint.model_dump()
     data.pop('path', None)  # server paths stay on the server
     return {**data, 'twinkle_path': checkpoint.twinkle_path}
 

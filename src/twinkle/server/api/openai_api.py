@@ -33,7 +33,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import TypedDict
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -42,27 +41,21 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twinkle.data_format import SampledSequence, SamplingParams, StopReason
 from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
 from twinkle.server.api.deps import Who
-from twinkle.server.api.errors import MAX_LOCATION_CHARS, retry_after_header, status_of, unparsable
+from twinkle.server.api.errors import location_name, problems_sentence, retry_after_header, status_of, unparsable
+from twinkle.server.execution.chat import ChatReply, ChatRequest, ChatTurn, ReplyToken
 from twinkle.server.execution.checks import MAX_TOP_LOGPROBS
 from twinkle.server.execution.model_group import ModelGroup, bare
-from twinkle.server.execution.model_host import ModelHost
 from twinkle.server.execution.scheduler import wait_job
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Store, Tenant, parse_checkpoint_path
-from twinkle.template import Template
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
 PREFIX = '/v1'
 #: Most choices (``n``) one request may ask for.
 MAX_CHOICES = 8
-#: Tokens to sample when a request gives no ``max_tokens``, fewer if the context has less room.
-DEFAULT_MAX_TOKENS = 512
-#: What OpenAI reports for a logprob too small for a float (JSON has no infinity).
-MIN_LOGPROB = -9999.0
 #: Roles OpenAI has that the chat templates spell differently.
 ROLE_ALIASES = {'developer': 'system'}
 #: The ``type`` of an error body, by HTTP status (OpenAI's names).
@@ -139,41 +132,6 @@ class ChatCompletionRequest(BaseModel):
 # ---- what the routes pass around --------------------------------------------------------------------
 #: A JSON object, as the routes answer it.
 JsonObject = dict[str, JsonValue]
-
-
-class ChatTurn(TypedDict):
-    """A message as the chat template takes it."""
-
-    role: str
-    content: str
-
-
-class ChatRow(TypedDict):
-    messages: list[ChatTurn]
-
-
-class ReplyToken(TypedDict):
-    """One sampled token: the text it adds to the reply (``piece``), its own text, its logprob,
-    and the most likely tokens with theirs."""
-
-    piece: str
-    token: str
-    logprob: float
-    top: list[tuple[str, float]]
-
-
-class ReplyChoice(TypedDict):
-    text: str
-    finish_reason: StopReason
-    completion_tokens: int
-    tokens: list[ReplyToken]
-
-
-class ChatReply(TypedDict):
-    """What sampling on the worker thread gives the route: the prompt's length and each choice."""
-
-    prompt_tokens: int
-    choices: list[ReplyChoice]
 
 
 #: Options this server does not implement, with how to tell that a request uses them.
@@ -260,9 +218,8 @@ def _described(error: Exception) -> tuple[int, str, str | None, str | None]:
         return 400, str(not_json), None, None
     if isinstance(error, RequestValidationError):
         problems = error.errors()
-        where = [_location(problem['loc']) for problem in problems]
-        message = '; '.join(f'{loc or "body"}: {problem["msg"]}' for loc, problem in zip(where, problems, strict=True))
-        return 422, f'invalid request: {message}', where[0] if where else None, None
+        first = location_name(problems[0]['loc']) if problems else None
+        return 422, f'invalid request: {problems_sentence(problems)}', first, None
     if isinstance(error, StarletteHTTPException):  # FastAPI's own: a body it cannot read
         return error.status_code, str(error.detail), None, None
     if isinstance(error, FieldError):
@@ -272,11 +229,6 @@ def _described(error: Exception) -> tuple[int, str, str | None, str | None]:
         return status_of(error), str(error), param, code
     logger.exception('an OpenAI API request failed', exc_info=error)
     return 500, f'the server failed to answer: {type(error).__name__}', None, None
-
-
-def _location(loc: tuple[int | str, ...]) -> str:
-    """A pydantic error location as a parameter name: ``('body', 'messages', 0, 'role')`` -> ``messages.0.role``."""
-    return '.'.join(str(part)[:MAX_LOCATION_CHARS] for part in loc if part != 'body')
 
 
 # ---- the routes -------------------------------------------------------------------------------------
@@ -309,12 +261,11 @@ def _chat_routes(router: APIRouter, service: Service) -> None:
     async def chat_completions(body: ChatCompletionRequest, who: Who) -> JsonObject | StreamingResponse:
         group, checkpoint = _resolve_model(service, who, body.model)
         _check_options(body)
-        row: ChatRow = {'messages': [_message(index, message) for index, message in enumerate(body.messages)]}
-        directory = Path(checkpoint.path) if checkpoint is not None else None
-        limit = service.config.limits.max_tokens_per_request
+        messages = [_message(index, message) for index, message in enumerate(body.messages)]
+        request = _chat_request(body, service.config.limits.max_tokens_per_request, checkpoint, messages=messages)
 
         def compute() -> ChatReply:
-            return group.host.call(_sample_chat, directory, row, body, limit)
+            return group.sample_chat(request)
 
         job = await service.submit_async(who, group, None, 'chat_completion', compute)
         await wait_job(job, None)
@@ -333,15 +284,29 @@ def _chat_routes(router: APIRouter, service: Service) -> None:
 def _resolve_model(service: Service, who: Tenant, model: str) -> tuple[ModelGroup, Checkpoint | None]:
     """The hosted base model ``model`` names (its configured id, that id without a hub scheme,
     its local path), or the checkpoint it names with the base model it was trained on, if this
-    tenant may read it; else 404."""
-    for group in service.groups.values():
-        if group.answers_to(model):
-            return group, None
+    tenant may read it; else 404. Tinker's ``<base model>;<checkpoint path>`` names the
+    checkpoint too, and must name the base model it was trained on (a 400 otherwise)."""
+    base_name, separator, path = model.partition(';')
+    group = next((group for group in service.groups.values() if group.answers_to(base_name)), None)
+    if not separator:
+        return (group, None) if group is not None else _resolve_checkpoint(service, who, model, model)
+    if group is None:
+        raise _model_not_found(model)
+    trained_on, checkpoint = _resolve_checkpoint(service, who, path, model)
+    if trained_on is not group:
+        message = f'checkpoint {path!r} holds weights for {bare(trained_on.name)!r}, not {base_name!r}'
+        raise FieldError(f'{message}; name its base model, or the checkpoint alone', 'model')
+    return group, checkpoint
+
+
+def _resolve_checkpoint(service: Service, who: Tenant, path: str, model: str) -> tuple[ModelGroup, Checkpoint]:
+    """The checkpoint ``path`` names and the base model it was trained on, if this tenant may read
+    it; else a 404 for ``model``."""
     try:
-        run_id, kind, name = parse_checkpoint_path(model)
+        run_id, kind, name = parse_checkpoint_path(path)
     except DataError:
         raise _model_not_found(model) from None
-    found = service.store.get_readable_checkpoint(who.id, run_id, name, kind) if kind != 'external' else None
+    found = service.store.checkpoints.readable(who.id, run_id, name, kind) if kind != 'external' else None
     trained_on = _group_of(service, found) if found is not None else None
     if found is None or trained_on is None or not Path(found.path).is_dir():
         raise _model_not_found(model)
@@ -350,7 +315,7 @@ def _resolve_model(service: Service, who: Tenant, model: str) -> tuple[ModelGrou
 
 def _group_of(service: Service, checkpoint: Checkpoint) -> ModelGroup | None:
     """The hosted base model a checkpoint was trained on (None: not hosted any more)."""
-    run = service.store.get_run_by_id(checkpoint.run_id)
+    run = service.store.runs.by_id(checkpoint.run_id)
     return None if run is None else service.find_group(run.base_model)
 
 
@@ -360,9 +325,9 @@ def _model_not_found(model: str) -> NotFoundError:
 
 def _tenant_checkpoints(store: Store, who: Tenant, page: int = 500) -> list[Checkpoint]:
     """Every checkpoint of the tenant, newest first."""
-    checkpoints, total = store.list_tenant_checkpoints(who.id, limit=page)
+    checkpoints, total = store.checkpoints.page(who.id, limit=page)
     while len(checkpoints) < total:
-        more, total = store.list_tenant_checkpoints(who.id, limit=page, offset=len(checkpoints))
+        more, total = store.checkpoints.page(who.id, limit=page, offset=len(checkpoints))
         if not more:
             break
         checkpoints += more
@@ -383,7 +348,7 @@ def _model_json(
         'root': base,
         'parent': None,
     }
-    model['max_model_len'] = group.host.context
+    model['max_model_len'] = group.context
     if checkpoint is None:
         return model
     owner = who.name if checkpoint.tenant_id == who.id else 'published'
@@ -419,104 +384,35 @@ def _message(index: int, message: ChatMessage) -> ChatTurn:
     return {'role': ROLE_ALIASES.get(message.role, message.role), 'content': content or ''}
 
 
-# ---- sampling (on the worker thread) ----------------------------------------------------------------
-def _sample_chat(
-    host: ModelHost, directory: Path | None, row: ChatRow, body: ChatCompletionRequest, limit: int
-) -> ChatReply:
-    """Encode the messages, sample the choices, and split each reply at its tokens (JSON-ready)."""
-    template = host.sampler().template
-    prompt = _encode(template, row)
-    params = _sampling_params(body, len(prompt), host.context, limit)
-    adapter = host.sampler_adapter(directory, body.model) if directory is not None else None
-    response = host.generate([{'input_ids': prompt}], params, adapter)[0]
-    return {'prompt_tokens': len(prompt), 'choices': [_choice(template, seq) for seq in response.sequences]}
-
-
-def _encode(template: Template, row: ChatRow) -> list[int]:
-    try:
-        feature = template.encode(row, add_generation_prompt=True)
-    except TwinkleError:
-        raise
-    except Exception as e:  # the chat template refusing the messages (a jinja error, a bad type)
-        raise DataError(f'the messages cannot be encoded: {type(e).__name__}: {e}') from e
-    if feature is None:
-        raise SequenceTooLongError("the messages are over the template's max_length")
-    return feature['input_ids']
-
-
-def _sampling_params(
-    body: ChatCompletionRequest, prompt_tokens: int, context: int | None, limit: int
-) -> SamplingParams:
-    n = body.n or 1
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is None:  # as much as fits, up to the default
-        room = min(limit // n, context if context is not None else limit) - prompt_tokens
-        if room < 1:
-            raise SequenceTooLongError(f'the messages take {prompt_tokens} tokens, leaving no room to reply')
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
-    temperature = 1.0 if body.temperature is None else body.temperature
+# ---- what the host samples ---------------------------------------------------------------------------
+def _chat_request(
+    body: ChatCompletionRequest,
+    token_limit: int,
+    checkpoint: Checkpoint | None,
+    messages: list[ChatTurn] | None = None,
+    prompt_ids: list[int] | None = None,
+) -> ChatRequest:
+    """What the host samples for ``body``: the prompt, the saved weights, OpenAI's options as the sampler's."""
     top_p = 1.0 if body.top_p is None else body.top_p
+    temperature = 1.0 if body.temperature is None else body.temperature
     if top_p == 0:  # the smallest set of tokens reaching probability 0: the most likely one
         temperature, top_p = 0.0, 1.0
-    return SamplingParams(
-        max_tokens=max_tokens,
+    return ChatRequest(
+        token_limit=token_limit,
+        messages=messages,
+        prompt_ids=prompt_ids,
+        directory=Path(checkpoint.path) if checkpoint is not None else None,
+        shown_as=body.model,
+        n=body.n or 1,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=-1 if body.top_k in (None, 0) else body.top_k,
         stop=body.stop or None,
         seed=body.seed,
-        num_samples=n,
-        logprobs=body.top_logprobs if body.logprobs and body.top_logprobs else None,
+        top_logprobs=body.top_logprobs if body.logprobs and body.top_logprobs else None,
         repetition_penalty=body.repetition_penalty or 1.0,
     )
-
-
-def _choice(template: Template, sequence: SampledSequence) -> ReplyChoice:
-    text = sequence.decoded
-    pieces = _token_pieces(template, sequence.tokens, text)
-    tokens: list[ReplyToken] = [
-        {
-            'piece': piece,
-            'token': template.decode([token]),
-            'logprob': _logprob(entries[0][1]),
-            'top': [(template.decode([top]), _logprob(value)) for top, value in entries[1:]],
-        }
-        for piece, token, entries in zip(pieces, sequence.tokens, sequence.logprobs, strict=False)
-    ]
-    return {
-        'text': text,
-        'finish_reason': sequence.stop_reason,
-        'completion_tokens': len(sequence.tokens),
-        'tokens': tokens,
-    }
-
-
-def _token_pieces(template: Template, tokens: list[int], text: str) -> list[str]:
-    """``text`` split at the tokens that produced it: piece ``i`` is what token ``i`` adds ('' while
-    a character's bytes are incomplete). The pieces join to ``text``; tokens past its end (the
-    end-of-sequence token, a stop string's) are left out.
-
-    Decoding is incremental over a short window of tokens (as vLLM detokenizes), so a long reply
-    costs linear time, not quadratic."""
-    pieces: list[str] = []
-    sent = start = read = 0  # chars of text given out; the window is tokens[start:read], decoded already
-    for index in range(len(tokens)):
-        if sent >= len(text):
-            break
-        before = template.decode(tokens[start:read], skip_special_tokens=True)
-        after = template.decode(tokens[start : index + 1], skip_special_tokens=True)
-        added = ''
-        if len(after) > len(before) and not after.endswith('\ufffd'):
-            added, start, read = after[len(before) :], read, index + 1
-        pieces.append(text[sent : sent + len(added)])
-        sent += len(pieces[-1])
-    if pieces:
-        pieces[-1] += text[sent:]  # what an incomplete character or a tokenizer's clean-up left over
-    return pieces
-
-
-def _logprob(value: float) -> float:
-    return max(float(value), MIN_LOGPROB)
 
 
 # ---- the reply --------------------------------------------------------------------------------------

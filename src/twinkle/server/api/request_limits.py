@@ -38,7 +38,7 @@ from twinkle.server.config import Limits
 TOKEN_ROUTES = re.compile(
     r'/twinkle/v1/runs/[^/]+/ops/[^/]+'
     r'|/api/v1/(forward_backward|asample)'
-    r'|/v1/chat/completions'
+    r'|/v1/(chat/)?completions'
 )
 #: Bytes in a request head (request line and headers); h11's own default, made explicit.
 MAX_HEAD_BYTES = 16 * 1024

@@ -12,12 +12,13 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
-from twinkle.data_format import IGNORE_INDEX, InputFeature, SamplingParams
+from twinkle.data_format import IGNORE_INDEX, InputFeature, SampleResponse, SamplingParams
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, TwinkleError, UnknownNameError
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
@@ -84,7 +85,7 @@ class RequestChecks:
         params = SamplingParams.from_dict(sampling_params)
         self.check_sampling_params(params)
         prompts = [_prompt(index, row, self.vocab_size) for index, row in enumerate(inputs)]
-        self._check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
+        self.check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
         return prompts, params
 
     def check_sampling_params(self, params: SamplingParams) -> None:
@@ -107,7 +108,7 @@ class RequestChecks:
                 "enabled); ask for the sampled tokens' logprobs only, or use a server with the torch sampler"
             )
 
-    def _check_prompt_lengths(self, prompts: list[tuple[int, list[int]]], params: SamplingParams) -> None:
+    def check_prompt_lengths(self, prompts: list[tuple[int, list[int]]], params: SamplingParams) -> None:
         """Each prompt plus ``max_tokens`` fits the context; the request's sequences (prompt
         plus ``max_tokens``, ``num_samples`` times per prompt) fit the token limit."""
         for index, ids in prompts:
@@ -218,6 +219,51 @@ def encoded_prompt(template: Template, index: int, prompt: dict[str, Any]) -> di
     return {**prompt, 'input_ids': feature['input_ids']}
 
 
+class SavedWeightsSampler(Protocol):
+    """What samples saved weights: the checks of a request, the adapter of a checkpoint, generation."""
+
+    def sample_request(
+        self, inputs: list[dict[str, Any]], sampling_params: dict[str, Any] | None
+    ) -> tuple[list[dict[str, Any]], SamplingParams]: ...
+
+    def sampler_adapter(self, directory: Path, shown_as: str | None = None) -> str: ...
+
+    def generate(
+        self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
+    ) -> list[SampleResponse]: ...
+
+
+def sample_saved(
+    sampler: SavedWeightsSampler,
+    template: Template,
+    inputs: list[dict[str, Any]],
+    sampling_params: dict[str, Any] | None,
+    directory: Path | None,
+    shown_as: str | None,
+    weight_version: int,
+) -> list[dict[str, Any]]:
+    """Sample the base model (``directory`` None) or the weights saved in ``directory`` (a
+    checkpoint the tenant calls ``shown_as``, its sequences marked ``weight_version``);
+    ``messages`` prompts are encoded with ``template``. One ``SampleResponse`` per prompt, as a dict."""
+    prompts, params = sampler.sample_request(inputs, sampling_params)
+    prompts = [encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
+    adapter = None if directory is None else sampler.sampler_adapter(directory, shown_as)
+    return [asdict(response) for response in sampler.generate(prompts, params, adapter, weight_version)]
+
+
+def sample_prompt(
+    sampler: SavedWeightsSampler,
+    prompt: list[int],
+    params: SamplingParams,
+    directory: Path | None,
+    shown_as: str | None,
+) -> SampleResponse:
+    """Sample one prompt of token ids (checked) from the base model (``directory`` None) or the
+    weights saved in ``directory`` (errors name ``shown_as``)."""
+    adapter = None if directory is None else sampler.sampler_adapter(directory, shown_as)
+    return sampler.generate([{'input_ids': prompt}], params, adapter)[0]
+
+
 @contextmanager
 def shown_to_tenant(path: Path, shown_as: str | None) -> Iterator[None]:
     """Errors raised inside name ``shown_as`` (what the tenant calls the checkpoint) where they
@@ -284,5 +330,7 @@ __all__ = [
     'SavedAdapters',
     'checkpoint_stamp',
     'encoded_prompt',
+    'sample_prompt',
+    'sample_saved',
     'shown_to_tenant',
 ]

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
-from pydantic import JsonValue
+from tinker import types as tinker_types
 
+from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import CapacityError, NotFoundError, StateError
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.model_host import is_mixable, request_tokens, take_step_logs
-from twinkle.server.execution.remote_host import Host
-from twinkle.server.execution.sampler_group import SamplerGroup
+from twinkle.server.execution.chat import ChatReply, ChatRequest
+from twinkle.server.execution.host import Host, Json, JsonObject, Outcome, SamplingHost
+from twinkle.server.execution.model_host import is_mixable, request_tokens
+from twinkle.server.execution.sampler_group import SamplerGroup, version_of
 from twinkle.server.execution.scheduler import Batchable, Job, JobCallback, Scheduler
-from twinkle.server.execution.vllm_sampling import VllmSamplerHost
+from twinkle.server.execution.tinker_codec import ForwardBackwardCall
 from twinkle.server.store import Run, Store
 from twinkle.utils.logger import get_logger
 
@@ -93,7 +96,7 @@ class ModelGroup:
         return self.sampler.scheduler if self.sampler is not None and operation == 'sample' else self.scheduler
 
     @property
-    def sampling_host(self) -> Host | VllmSamplerHost:
+    def sampling_host(self) -> SamplingHost:
         """The host that samples: the sampler group's, else the model's own."""
         return self.host if self.sampler is None else self.sampler.host
 
@@ -105,15 +108,14 @@ class ModelGroup:
         """Before a job (worker thread): a model whose worker process died starts again. Its
         adapters died with it: their runs are marked released and come back, on their next
         request, from their last saved or released state (``restore``)."""
-        restart = getattr(self.host, 'restart_if_dead', None)
-        reason = restart() if restart is not None else None
+        reason = self.host.restart_if_dead()
         if reason is None:
             return
         for run_id in self.adapters:
-            self.store.set_run_status(run_id, 'released')
+            self.store.runs.set_status(run_id, 'released')
         self.adapters.clear()
         self._pinned.clear()
-        self.store.record_restart(self.name, reason)
+        self.store.history.record_restart(self.name, reason)
         self._on_restart(self)
 
     def _finished(self, job: Job) -> None:
@@ -127,16 +129,16 @@ class ModelGroup:
     def _record_steps(self) -> None:
         """Each run's optimizer steps since the last record into the store (its step history)."""
         try:
-            logs = self.host.call(take_step_logs)
+            logs = self.host.take_step_logs()
             runs = {adapter: run_id for run_id, adapter in self.adapters.items()}
             for adapter, steps in logs.items():
                 if adapter in runs:
-                    self.store.add_run_steps(runs[adapter], steps)
+                    self.store.history.add_steps(runs[adapter], steps)
         except Exception as error:  # a dead worker, a closing store: the history misses these steps, nothing else
             logger.warning(f'the step history of {self.name!r} was not recorded: {type(error).__name__}: {error}')
 
     # ---- passes shared by tenants ----------------------------------------------------------------
-    def mixable(self, run: Run, operation: str, kwargs: dict[str, JsonValue]) -> Batchable | None:
+    def mixable(self, run: Run, operation: str, kwargs: JsonObject) -> Batchable | None:
         """How a native ``forward_backward`` / ``forward_only`` request can share a pass with
         other tenants', and a ``clip_grad_and_step`` their optimizer update (None for other
         operations, micro-batched ones, and the base model alone)."""
@@ -144,7 +146,7 @@ class ModelGroup:
             return None
         stepping = operation == 'clip_grad_and_step'
 
-        def run_many(payloads: list[tuple[Run, dict[str, JsonValue]]]) -> list[object]:
+        def run_many(payloads: list[tuple[Run, JsonObject]]) -> list[Outcome]:
             requests = [(self.loaded(run), kwargs) for run, kwargs in payloads]
             if stepping:
                 return self.host.run_steps(requests)  # by name: a RankHost runs its own (its share)
@@ -152,6 +154,145 @@ class ModelGroup:
 
         tokens = 0 if stepping else request_tokens(kwargs['inputs'])
         return Batchable(('native', operation), tokens, (run, kwargs), run_many)
+
+    def tinker_mixable(self, run: Run, call: ForwardBackwardCall) -> Batchable | None:
+        """How a Tinker ``forward_backward`` (or ``forward``) call can share a pass with other
+        models' (each result the ``ForwardBackwardOutput`` protobuf, or that call's error)."""
+        if not self.config.mixed_batches:
+            return None
+
+        def run_many(payloads: list[tuple[Run, ForwardBackwardCall]]) -> list[bytes | Exception]:
+            return list(self.host.tinker_forward_backward([(self.loaded(run), call) for run, call in payloads]))
+
+        tokens = sum(len(datum.tokens) for datum in call.data)
+        return Batchable(('tinker', call.forward_only), tokens, (run, call), run_many)
+
+    def tinker_steppable(self, run: Run, params: tinker_types.AdamParams) -> Batchable | None:
+        """How a Tinker ``optim_step`` can share one optimizer update with other models' steps."""
+        if not self.config.mixed_batches:
+            return None
+
+        def run_many(payloads: list[tuple[Run, tinker_types.AdamParams]]) -> list[Outcome]:
+            return self.host.tinker_optim_step([(self.loaded(run), params) for run, params in payloads])
+
+        return Batchable(('tinker', 'optim_step'), 0, (run, params), run_many)
+
+    # ---- what the routes ask of the model -----------------------------------------------------------
+    # Checks need the model's shape only: they run where the routes do. The rest runs on the worker
+    # thread (in a job): a run's adapter is restored first if it was released (``loaded``).
+    @property
+    def context(self) -> int | None:
+        """The model's context length in tokens (None: not known)."""
+        return self.host.context
+
+    def check_lora(self, lora: JsonObject) -> None:
+        self.host.check_adapter(lora)
+
+    def validate(self, operation: str, kwargs: JsonObject) -> None:
+        """Names, token ids, sizes of a request: a 4xx before it is queued, not a failed future."""
+        self.host.validate(operation, kwargs)
+
+    def check_sample_request(self, inputs: list[JsonObject], sampling_params: JsonObject | None) -> None:
+        self.sampling_host.sample_request(inputs, sampling_params)
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        self.sampling_host.check_sampling_params(params)
+
+    @property
+    def architecture(self) -> str | None:
+        return self.host.architecture
+
+    @property
+    def model_id(self) -> str:
+        """The model as its host loaded it: its hub id, or the local directory it was read from."""
+        return self.host.model_id
+
+    def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+        return self.host.lora_targets(attn, mlp, unembed)
+
+    def expert_targets(self) -> list[str]:
+        return self.host.expert_targets()
+
+    def add_run(
+        self,
+        run: Run,
+        lora: JsonObject,
+        gradient_accumulation_steps: int = 1,
+        seed: int | None = None,
+        setup: list[tuple[str, JsonObject]] | None = None,
+    ) -> str:
+        """Put a new run's adapter on the model (worker thread), room made first, with its
+        ``setup`` operations run on it; nothing of it stays if one fails. Its adapter's name."""
+        adapter = self.adapter_name(run)
+        self.make_room(run)
+        self.host.add_adapter(adapter, lora, gradient_accumulation_steps, seed)
+        try:
+            for operation, kwargs in setup or []:
+                self.host.run(adapter, operation, dict(kwargs))
+        except BaseException:
+            self.host.remove_adapter(adapter)
+            raise
+        self.adapters[run.id] = adapter
+        return adapter
+
+    def remove_run(self, run: Run) -> None:
+        """Take a run's adapter off the model, if it is there (worker thread)."""
+        adapter = self.adapters.pop(run.id, None)
+        if adapter is not None:
+            self.host.remove_adapter(adapter)
+
+    def run(self, run: Run, operation: str, kwargs: JsonObject) -> Json:
+        """A tenant's ``operation`` on its run's adapter (worker thread); the result is JSON-ready."""
+        return self.host.run(self.loaded(run), operation, kwargs)
+
+    def save(self, run: Run, directory: Path, name: str, save_optimizer: bool) -> Path:
+        """Save the run's adapter as ``directory/name`` (worker thread); the checkpoint's folder."""
+        return Path(self.host.save(self.loaded(run), directory, name, save_optimizer))
+
+    def load(self, run: Run, path: Path, load_optimizer: bool, shown_as: str) -> None:
+        """Load a checkpoint into the run's adapter (worker thread); errors name ``shown_as``."""
+        self.host.load(self.loaded(run), path, load_optimizer, shown_as)
+
+    def sample_weights(
+        self, inputs: list[JsonObject], sampling_params: JsonObject | None, directory: Path | None, shown_as: str | None
+    ) -> list[JsonObject]:
+        """Sample the base model (``directory`` None) or saved weights, on the sampler if the model has one."""
+        version = 0 if directory is None else version_of(directory)
+        return self.sampling_host.sample_weights(inputs, sampling_params, directory, shown_as, version)
+
+    def sample_ids(
+        self, prompt: list[int], params: SamplingParams, directory: Path | None, shown_as: str | None
+    ) -> SampleResponse:
+        """Sample a prompt of token ids from the base model or saved weights, on the sampler if the
+        model has one (worker thread)."""
+        return self.sampling_host.sample_ids(prompt, params, directory, shown_as)
+
+    def sample_chat(self, request: ChatRequest) -> ChatReply:
+        """An OpenAI-style completion of the base model or saved weights (worker thread)."""
+        return self.host.sample_chat(request)
+
+    def tinker_forward_backward(self, run: Run, call: ForwardBackwardCall) -> bytes:
+        """A Tinker ``forward_backward`` (or ``forward``) call alone (worker thread): its output protobuf."""
+        (output,) = self.host.tinker_forward_backward([(self.loaded(run), call)])
+        if isinstance(output, Exception):
+            raise output
+        return output
+
+    def tinker_optim_step(self, run: Run, params: tinker_types.AdamParams) -> JsonObject:
+        """A Tinker ``optim_step`` alone (worker thread): its metrics."""
+        (result,) = self.host.tinker_optim_step([(self.loaded(run), params)])
+        if isinstance(result, Exception):
+            raise result
+        return cast(JsonObject, result)
+
+    def forget_sampler_weights(self, directory: Path) -> None:
+        """Unload ``directory``'s weights if the model loaded them for sampling (its checkpoint went;
+        worker thread). A sampler group of its own unloads them once evicted or saved again."""
+        self.host.forget_sampler_weights(directory)
+
+    def release_free_memory(self) -> bool:
+        """Give the model process's free heap pages back to the OS (worker thread, when idle)."""
+        return self.host.release_free_memory()
 
     # ---- the runs' adapters ----------------------------------------------------------------------
     def adapter_name(self, run: Run) -> str:
@@ -169,7 +310,7 @@ class ModelGroup:
 
     def _stored_run(self, run_id: str) -> Run:
         """The run as the store has it now (its latest config and status)."""
-        run = self.store.get_run_by_id(run_id)
+        run = self.store.runs.by_id(run_id)
         if run is None:
             raise NotFoundError(f'training run {run_id!r} not found')
         return run
@@ -182,7 +323,7 @@ class ModelGroup:
         """Where a run off the model continues from: the newer of its released state and its
         last training checkpoint (a model restarted after a crash held steps saved since the
         release); None if it has neither."""
-        saved = [Path(c.path) for c in self.store.list_checkpoints(run.tenant_id, run.id) if c.kind == 'training']
+        saved = [Path(c.path) for c in self.store.checkpoints.of_run(run.tenant_id, run.id) if c.kind == 'training']
         places = [path for path in (self.release_state(run), *saved[-1:]) if (path / 'trainer_state.json').is_file()]
         return max(places, key=lambda path: (path / 'trainer_state.json').stat().st_mtime, default=None)
 
@@ -198,7 +339,7 @@ class ModelGroup:
         self.host.save(adapter, path.parent, path.name, save_optimizer=True)
         self.host.remove_adapter(adapter)
         del self.adapters[run.id]
-        self.store.set_run_status(run.id, 'released')
+        self.store.runs.set_status(run.id, 'released')
         return True
 
     def restore(self, run: Run) -> None:
@@ -220,7 +361,7 @@ class ModelGroup:
             self.host.remove_adapter(adapter)
             raise
         self.adapters[run.id] = adapter
-        self.store.set_run_status(run.id, 'active')
+        self.store.runs.set_status(run.id, 'active')
 
     # ---- room on the model -----------------------------------------------------------------------
     def make_room(self, run: Run) -> None:
@@ -248,7 +389,7 @@ class ModelGroup:
 
     def _held(self, tenant_id: str | None, but: str | None = None) -> list[Run]:
         """Runs (of a tenant, or of all) with an adapter on this model, least recently used first."""
-        return [run for run in self.store.active_runs(tenant_id) if run.id in self.adapters and run.id != but]
+        return [run for run in self.store.runs.active(tenant_id) if run.id in self.adapters and run.id != but]
 
     def _release_first(self, runs: list[Run]) -> bool:
         """Release the first of ``runs`` that can go; False if none could."""

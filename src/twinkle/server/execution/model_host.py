@@ -16,47 +16,52 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import torch
 from peft import LoraConfig
+from tinker import types as tinker_types
 
-from twinkle.data_format import InputFeature, ModelOutput, SamplingParams
-from twinkle.errors import (
-    CapacityError,
-    ConfigurationError,
-    DataError,
-    TwinkleError,
-)
+from twinkle.data_format import InputFeature, ModelOutput, SampleResponse, SamplingParams
+from twinkle.errors import CapacityError, ConfigurationError, DataError, TwinkleError
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model import AdapterCall, StepCall, TransformersModel
+from twinkle.model import checkpoint as ckpt
 from twinkle.model.multi_lora import expert_target_parameters, lora_targets, peft_state_dict
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
 from twinkle.sampler import TorchSampler
 from twinkle.server.config import ServerConfig
+from twinkle.server.execution import chat, tinker_compute
+from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.checks import (
     RequestChecks,
     SavedAdapters,
     check_name,
     encoded_prompt,
+    sample_prompt,
+    sample_saved,
     shown_to_tenant,
 )
+from twinkle.server.execution.host import AdapterRequest, Footprint, Json, JsonObject, Outcome
+from twinkle.server.execution.tinker_codec import ForwardBackwardCall
 from twinkle.server.execution.vllm_sampling import VllmSampling, samples_on_vllm
 from twinkle.template import TEMPLATES
-from twinkle.utils.memory import release_free_memory
+from twinkle.utils.memory import release_free_memory, resident_mib
 from twinkle.utils.weights import vocab_size
 from twinkle.wire import OPERATIONS, Configure
 
+#: The handler of a wire operation: the adapter, then the request's arguments by name.
+Operation = Callable[..., Json]
 SAMPLER_PREFIX = 'sampler--'
 #: Held while an adapter is drawn from the process's random generator (``add_adapter``).
 _SEEDED_INIT = threading.Lock()
 
 
 class ModelHost(RequestChecks):
-    """The base model and the adapters on it."""
+    """The base model and the adapters on it (a ``Host``, in this process)."""
 
     def __init__(self, config: ServerConfig):
         from twinkle import assets
@@ -75,6 +80,7 @@ class ModelHost(RequestChecks):
         self.device = self.model.device
         self.vocab_size = vocab_size(self.model.model)
         self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
+        self.architecture: str | None = (getattr(self.model.model.config, 'architectures', None) or [None])[0]
         self._sampler: TorchSampler | None = None
         self._sampler_adapters = SavedAdapters(
             SAMPLER_PREFIX,
@@ -88,14 +94,36 @@ class ModelHost(RequestChecks):
         # Bumped whenever an adapter's weights change other than by a step (added, loaded): with
         # the optimizer step, what says a run's weights exported to the vLLM engine are current.
         self._weights_epoch: dict[str, int] = {}
-        # The handler of each wire operation: the method ``_<name>`` here, else the model's ``<name>``.
-        self.operations: dict[str, Callable[..., Any]] = {
-            name: getattr(self, f'_{name}', None) or self._simple(name) for name in OPERATIONS
+        self.operations = self._operations()
+
+    def _operations(self) -> dict[str, Operation]:
+        """The handler of each wire operation (``twinkle.wire.OPERATIONS``): the server's own
+        (checking names against their registries), or the model's method of that name."""
+        model = self.model
+        return {
+            'set_optimizer': self._set_optimizer,
+            'set_lr_scheduler': self._set_lr_scheduler,
+            'set_loss': self._set_loss,
+            'set_template': self._set_template,
+            'set_processor': self._set_processor,
+            'add_metric': self._add_metric,
+            'forward_backward': self._forward_backward,
+            'forward_only': self._forward_only,
+            'calculate_loss': self._calculate_loss,
+            'sample': self._sample,
+            'log_step_figures': self._log_step_figures,
+            'clip_grad_norm': _model_call('clip_grad_norm', model.clip_grad_norm),
+            'step': _model_call('step', model.step),
+            'zero_grad': _model_call('zero_grad', model.zero_grad),
+            'lr_step': _model_call('lr_step', model.lr_step),
+            'clip_grad_and_step': _model_call('clip_grad_and_step', model.clip_grad_and_step),
+            'calculate_metric': _model_call('calculate_metric', model.calculate_metric),
+            'get_train_configs': _model_call('get_train_configs', model.get_train_configs),
         }
 
     # ---- adapters -------------------------------------------------------------------------------
     def add_adapter(
-        self, adapter: str, lora: Mapping[str, Any], gradient_accumulation_steps: int = 1, seed: int | None = None
+        self, adapter: str, lora: Mapping[str, Json], gradient_accumulation_steps: int = 1, seed: int | None = None
     ) -> None:
         """Add an adapter; with ``seed`` its initial weights are drawn from that seed (the same
         adapter a local ``torch.manual_seed(seed)`` then ``add_adapter_to_model`` gives), without
@@ -124,17 +152,13 @@ class ModelHost(RequestChecks):
             self.vllm.close()
             self.vllm = None
 
+    def restart_if_dead(self) -> str | None:
+        """Nothing to restart: the model is this process's."""
+        return None
+
     def hosts_sampler_engine(self) -> bool:
         """Whether this process starts the vLLM engine of ``sampler: vllm`` (a group's rank 0)."""
         return True
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(self, *args)``: an operation written against the host (a Tinker step, say) runs
-        where the model is, here in this process, in the actor of a ``RemoteHost`` or on every
-        rank of a ``MultiRankHost``. ``fn`` runs as given: call a host's own method by name
-        (``host.run_mixed(...)``), not as ``call(ModelHost.run_mixed, ...)``, or a ``RankHost``
-        would run the base class's instead of its own."""
-        return fn(self, *args)
 
     def whole_request_share(self) -> float:
         """How much this process counts of a request every rank of a group runs whole: all of it
@@ -145,6 +169,17 @@ class ModelHost(RequestChecks):
         """Give the model process's free heap pages back to the OS (``release_free_memory``)."""
         return release_free_memory()
 
+    def footprint(self) -> list[Footprint]:
+        """The base weights this process holds (all of them) and its resident memory."""
+        return [weights_footprint(self.model.model, rank=0)]
+
+    def ping(self) -> None:
+        """Nothing: what a call costs to reach the model."""
+
+    def take_step_logs(self) -> dict[str, list[dict[str, float]]]:
+        """Each adapter's optimizer steps since the last call (the runs' step history)."""
+        return self.model.take_step_logs()
+
     def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
         """Leaf names of the linear layers under attention, MLP blocks and the output head."""
         return lora_targets(self.model.model, attn, mlp, unembed)
@@ -154,10 +189,6 @@ class ModelHost(RequestChecks):
         what Tinker's ``train_mlp`` trains besides the MLP's linear layers."""
         return expert_target_parameters(self.model.model)
 
-    @property
-    def architecture(self) -> str | None:
-        return (getattr(self.model.model.config, 'architectures', None) or [None])[0]
-
     def has_pending_gradients(self, adapter: str) -> bool:
         """Whether the adapter holds gradients (or a forward) waiting for an optimizer step."""
         group = self.model.groups[adapter]
@@ -166,8 +197,6 @@ class ModelHost(RequestChecks):
     def restore_state(self, adapter: str, path: Path, shown_as: str | None = None) -> None:
         """Load a state ``save`` wrote (with the optimizer when the adapter has one) and its step
         counters; errors name ``shown_as`` for ``path`` (see ``load``)."""
-        from twinkle.model import checkpoint as ckpt
-
         group = self.model.groups[adapter]
         self.load(adapter, path, load_optimizer=group.optimizer is not None, shown_as=shown_as)
         with shown_to_tenant(path, shown_as):
@@ -194,7 +223,7 @@ class ModelHost(RequestChecks):
         self._weights_epoch[adapter] = self._weights_epoch.get(adapter, 0) + 1
 
     # ---- operations -----------------------------------------------------------------------------
-    def run_mixed(self, operation: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    def run_mixed(self, operation: str, requests: list[AdapterRequest]) -> list[Outcome]:
         """Several adapters' ``forward_backward`` (or ``forward_only``) requests as one pass
         (``is_mixable`` ones); each result is what ``run`` would return for that request."""
         forward_only = operation == 'forward_only'
@@ -202,10 +231,10 @@ class ModelHost(RequestChecks):
         for adapter, kwargs in requests:
             options = {k: v for k, v in kwargs.items() if k not in ('inputs', 'disable_lora')}
             _check_scalars(operation, options)
-            rows.append(self.features(kwargs['inputs']))
+            rows.append(self.features(_rows(kwargs['inputs'])))
             calls.append(AdapterCall(adapter, rows[-1], options))
         outputs = self.model.forward_backward_mixed(calls, forward_only=forward_only)
-        results: list[Any] = []
+        results: list[Outcome] = []
         for out, features in zip(outputs, rows, strict=True):
             if isinstance(out, TwinkleError):  # its loss was not finite: its DataError in place of its output
                 results.append(out)
@@ -215,90 +244,101 @@ class ModelHost(RequestChecks):
                 results.append({'loss': out.loss, 'num_tokens': out.num_tokens})
         return results
 
-    def run_steps(self, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    def run_steps(self, requests: list[AdapterRequest]) -> list[Outcome]:
         """Several adapters' ``clip_grad_and_step`` requests as one update
         (``clip_grad_and_step_many``); each result is what ``run`` would return for that request."""
         calls = []
         for adapter, kwargs in requests:
             _check_scalars('clip_grad_and_step', kwargs)
-            calls.append(StepCall(adapter, kwargs.get('max_grad_norm', 1.0)))
+            norm = kwargs.get('max_grad_norm', 1.0)
+            calls.append(StepCall(adapter, float(norm) if isinstance(norm, (int, float)) else 1.0))
         try:
             return [result.grad_norm for result in self.model.clip_grad_and_step_many(calls)]
         except Exception as error:  # gradients may be clipped already: each request fails, none runs again
             return [error] * len(calls)
 
-    def run(self, adapter: str, operation: str, kwargs: dict[str, Any]) -> Any:
+    def tinker_forward_backward(self, requests: list[tuple[str, ForwardBackwardCall]]) -> list[bytes | TwinkleError]:
+        """Tinker ``forward_backward`` (or ``forward``) calls of several models as one pass."""
+        return tinker_compute.forward_backward_many(self, requests)
+
+    def tinker_optim_step(self, requests: list[tuple[str, tinker_types.AdamParams]]) -> list[Outcome]:
+        """Tinker ``optim_step`` calls of several models as one optimizer update."""
+        return tinker_compute.optim_steps(self.model, requests)
+
+    def sample_chat(self, request: ChatRequest) -> ChatReply:
+        """An OpenAI-style completion of the base model or of saved weights (``twinkle.server.execution.chat``)."""
+        return chat.sample_chat(self, self.sampler().template, self.context, request)
+
+    def run(self, adapter: str, operation: str, kwargs: JsonObject) -> Json:
         """Run a tenant's ``operation`` on its adapter; the result is JSON-ready."""
-        if operation not in self.operations:
+        handler = self.operations.get(operation)
+        if handler is None:
             raise ConfigurationError(f'unknown operation {operation!r}; accepted: {sorted(self.operations)}')
         if not isinstance(kwargs, dict):
             raise DataError(f'arguments of {operation} must be an object; got {type(kwargs).__name__}')
-        if not _builds_components(operation):
-            return self.operations[operation](adapter, **kwargs)
+        if operation not in BUILDS_COMPONENTS:
+            return handler(adapter, **kwargs)
         try:
-            return self.operations[operation](adapter, **kwargs)
+            return handler(adapter, **kwargs)
         except TwinkleError:
             raise
         except (TypeError, ValueError, IndexError, KeyError) as e:  # a component refusing a value's type
             raise ConfigurationError(f'{operation}({_brief(kwargs)}) failed: {type(e).__name__}: {e}') from e
 
-    def _simple(self, method: str) -> Callable[..., Any]:
-        def call(adapter: str, **kwargs: Any) -> Any:
-            _check_scalars(method, kwargs)
-            return getattr(self.model, method)(adapter_name=adapter, **kwargs)
-
-        return call
-
-    def _set_optimizer(self, adapter: str, optimizer_cls: str = 'AdamW', **kwargs: Any) -> None:
+    def _set_optimizer(self, adapter: str, optimizer_cls: str = 'AdamW', **kwargs: Json) -> None:
         check_name('optimizer', optimizer_cls, OPTIMIZERS.names())
         _check_scalars('set_optimizer', kwargs)
         self.model.set_optimizer(optimizer_cls, adapter_name=adapter, **kwargs)
 
-    def _set_lr_scheduler(self, adapter: str, scheduler_cls: str, **kwargs: Any) -> None:
+    def _set_lr_scheduler(self, adapter: str, scheduler_cls: str, **kwargs: Json) -> None:
         check_name('lr scheduler', scheduler_cls, SCHEDULERS.names())
         _check_scalars('set_lr_scheduler', kwargs)
         self.model.set_lr_scheduler(scheduler_cls, adapter_name=adapter, **kwargs)
 
-    def _set_loss(self, adapter: str, loss_cls: str, **kwargs: Any) -> None:
+    def _set_loss(self, adapter: str, loss_cls: str, **kwargs: Json) -> None:
         check_name('loss', loss_cls, LOSSES.names())
         _check_scalars('set_loss', kwargs)
         self.model.set_loss(loss_cls, adapter_name=adapter, **kwargs)
 
-    def _set_template(self, adapter: str, template_cls: str = 'Template', **kwargs: Any) -> None:
+    def _set_template(self, adapter: str, template_cls: str = 'Template', **kwargs: Json) -> None:
         check_name('template', template_cls, TEMPLATES.names())
         kwargs.pop('model_id', None)  # the tokenizer is the base model's, whatever the client names
         _check_scalars('set_template', kwargs)
         self.model.set_template(template_cls, adapter_name=adapter, model_id=self.model_id, **kwargs)
 
-    def _set_processor(self, adapter: str, processor_cls: str = 'InputProcessor', **kwargs: Any) -> None:
+    def _set_processor(self, adapter: str, processor_cls: str = 'InputProcessor', **kwargs: Json) -> None:
         check_name('processor', processor_cls, PROCESSORS.names())
         _check_scalars('set_processor', kwargs)
         self.model.set_processor(processor_cls, adapter_name=adapter, **kwargs)
 
-    def _add_metric(self, adapter: str, metric: str, is_training: bool = True, **kwargs: Any) -> None:
+    def _add_metric(self, adapter: str, metric: str, is_training: bool = True, **kwargs: Json) -> None:
         check_name('metric', metric, METRICS.names())
         _check_scalars('add_metric', kwargs)
         self.model.add_metric(metric, is_training=is_training, adapter_name=adapter, **kwargs)
 
-    def _forward_backward(self, adapter: str, inputs: Any, **kwargs: Any) -> dict[str, Any]:
-        features = self.features(inputs)
+    def _forward_backward(self, adapter: str, inputs: Json, **kwargs: Json) -> JsonObject:
+        features = self.features(_rows(inputs))
         output = self.model.forward_backward(inputs=features, adapter_name=adapter, **kwargs)
         return {'loss': output.loss, 'num_tokens': output.num_tokens}
 
     def _log_step_figures(self, adapter: str, figures: dict[str, float]) -> None:
         self.model.log_step_figures(figures, adapter_name=adapter)
 
-    def _calculate_loss(self, adapter: str, **loss_inputs: Any) -> float:
+    def _calculate_loss(self, adapter: str, **loss_inputs: Json) -> float:
         return self.model.calculate_loss(adapter_name=adapter, **loss_inputs)
 
-    def _forward_only(self, adapter: str, inputs: Any, disable_lora: bool = False) -> dict[str, Any]:
-        features = self.features(inputs)
+    def _forward_only(self, adapter: str, inputs: Json, disable_lora: bool = False) -> JsonObject:
+        features = self.features(_rows(inputs))
         output = self.model.forward_only(inputs=features, adapter_name=adapter, disable_lora=disable_lora)
         return {'loss': output.loss, 'num_tokens': output.num_tokens, 'logps': _row_logps(output, features)}
 
     def _sample(
-        self, adapter: str, inputs: Any, sampling_params: dict[str, Any] | None = None, base_model: bool = False
-    ) -> list[dict[str, Any]]:
+        self,
+        adapter: str,
+        inputs: list[JsonObject],
+        sampling_params: JsonObject | None = None,
+        base_model: bool = False,
+    ) -> list[JsonObject]:
         """Sample the run's adapter as it is now (``base_model=True``: the base model, every
         adapter off); one ``SampleResponse`` per prompt, as a dict. ``messages`` prompts are
         encoded with the run's template (``set_template``), else the base model's. A sequence's
@@ -325,29 +365,32 @@ class ModelHost(RequestChecks):
 
     def sample_weights(
         self,
-        inputs: list[dict[str, Any]],
-        sampling_params: dict[str, Any] | None,
+        inputs: list[JsonObject],
+        sampling_params: JsonObject | None,
         directory: Path | None,
         shown_as: str | None = None,
         weight_version: int = 0,
-    ) -> list[dict[str, Any]]:
+    ) -> list[JsonObject]:
         """Sample the base model (``directory`` None) or the weights saved in ``directory`` (a
         checkpoint the tenant calls ``shown_as``, its sequences marked ``weight_version``),
         without a training run; ``messages`` prompts are encoded with the base model's template.
         One ``SampleResponse`` per prompt, as a dict."""
-        prompts, params = self.sample_request(inputs, sampling_params)
         template = self.sampler().template
-        prompts = [encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
-        adapter = None if directory is None else self.sampler_adapter(directory, shown_as)
-        return [asdict(response) for response in self.generate(prompts, params, adapter, weight_version)]
+        return sample_saved(self, template, inputs, sampling_params, directory, shown_as, weight_version)
+
+    def sample_ids(
+        self, prompt: list[int], params: SamplingParams, directory: Path | None, shown_as: str | None
+    ) -> SampleResponse:
+        """Sample a prompt of token ids from the base model (``directory`` None) or saved weights."""
+        return sample_prompt(self, prompt, params, directory, shown_as)
 
     def generate(
-        self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
-    ) -> list[Any]:
+        self, prompts: list[JsonObject], params: SamplingParams, adapter: str | None, weight_version: int = 0
+    ) -> list[SampleResponse]:
         """Sample encoded ``prompts`` (``input_ids`` checked) from ``adapter`` (None: the base
         model); one ``SampleResponse`` per prompt."""
         self.check_sampling_params(params)
-        self._check_prompt_lengths(list(enumerate(p['input_ids'] for p in prompts)), params)
+        self.check_prompt_lengths(list(enumerate(cast(list[int], p['input_ids']) for p in prompts)), params)
         if self.vllm is not None:
             return self.vllm.generate(prompts, params, adapter, weight_version)
         sampler = self.sampler()
@@ -387,13 +430,47 @@ def base_dtype(config: ServerConfig) -> torch.dtype:
     return torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
 
 
-def _builds_components(operation: str) -> bool:
-    """Whether ``operation`` hands its arguments to a component or a model method, whose
-    ``TypeError`` / ``ValueError`` then means a bad argument (the user's error)."""
-    return issubclass(OPERATIONS[operation], Configure) or not hasattr(ModelHost, f'_{operation}')
+#: Operations whose handler hands its arguments to a component or a model method, whose
+#: ``TypeError`` / ``ValueError`` then means a bad argument (the user's error).
+BUILDS_COMPONENTS = frozenset(name for name, spec in OPERATIONS.items() if issubclass(spec, Configure)) | {
+    'clip_grad_norm',
+    'step',
+    'zero_grad',
+    'lr_step',
+    'clip_grad_and_step',
+    'calculate_metric',
+    'get_train_configs',
+}
 
 
-def is_mixable(operation: str, kwargs: Mapping[str, Any]) -> bool:
+def weights_footprint(model: torch.nn.Module, rank: int) -> Footprint:
+    """What ``model``'s base weights take on this rank (its FSDP2 shard of each, or all of it)."""
+    from torch.distributed.tensor import DTensor
+
+    base = [(name, p) for name, p in model.named_parameters() if 'lora_' not in name]
+    local = [(name, p.to_local() if isinstance(p, DTensor) else p) for name, p in base]
+    layers = [(p, held) for (name, p), (_, held) in zip(base, local, strict=True) if '.layers.' in name]
+    return {
+        'rank': rank,
+        'decoder_elements_held': sum(held.numel() for _, held in layers),
+        'decoder_elements': sum(p.numel() for p, _ in layers),
+        'base_bytes_held': sum(held.numel() * held.element_size() for _, held in local),
+        'base_bytes': sum(p.numel() * p.element_size() for _, p in base),
+        'resident_mib': resident_mib(),
+    }
+
+
+def _model_call(operation: str, method: Callable[..., Json]) -> Operation:
+    """The handler of an operation that is the model's own method of that name."""
+
+    def call(adapter: str, **kwargs: Json) -> Json:
+        _check_scalars(operation, kwargs)
+        return method(adapter_name=adapter, **kwargs)
+
+    return call
+
+
+def is_mixable(operation: str, kwargs: Mapping[str, Json]) -> bool:
     """Whether a request can share a pass with other adapters' requests: ``forward_backward``
     without micro-batches, ``forward_only`` through the adapter (not the base model alone), or
     ``clip_grad_and_step`` (stepped together, ``ModelHost.run_steps``)."""
@@ -404,28 +481,27 @@ def is_mixable(operation: str, kwargs: Mapping[str, Any]) -> bool:
     return operation == 'forward_only' and not kwargs.get('disable_lora', False)
 
 
-def request_tokens(inputs: Any) -> int:
+def request_tokens(inputs: Json) -> int:
     """Tokens in a request's rows (checked already), for the pass's token budget."""
-    rows = [inputs] if isinstance(inputs, Mapping) else inputs
-    return sum(len(row['input_ids']) for row in rows)
+    return sum(len(row['input_ids']) for row in _rows(inputs))
+
+
+def _rows(inputs: Json) -> list[JsonObject]:
+    """A request's rows, as the wire checked them (``twinkle.wire.InputRow`` s; one row alone as a list of one)."""
+    return cast(list[JsonObject], [inputs] if isinstance(inputs, dict) else inputs)
 
 
 def _row_logps(output: ModelOutput, features: list[InputFeature]) -> list[list[float]]:
     return [output.logps[i, : len(f['input_ids'])].tolist() for i, f in enumerate(features)]
 
 
-def _brief(kwargs: Mapping[str, Any]) -> str:
+def _brief(kwargs: Mapping[str, Json]) -> str:
     return ', '.join(f'{k}={str(v)[:40]}' for k, v in kwargs.items())
 
 
-def _check_scalars(operation: str, kwargs: Mapping[str, Any]) -> None:
+def _check_scalars(operation: str, kwargs: Mapping[str, Json]) -> None:
     """Plain JSON values only, and no NaN or infinity."""
     for key, value in kwargs.items():
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, float) and not math.isfinite(item):
                 raise DataError(f'{operation} argument {key!r} is {item}; it must be a finite number')
-
-
-def take_step_logs(host: ModelHost) -> dict[str, list[dict[str, float]]]:
-    """Each adapter's optimizer steps since the last call (run with ``Host.call``, where the model is)."""
-    return host.model.take_step_logs()

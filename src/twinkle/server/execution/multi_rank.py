@@ -36,16 +36,27 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, wait
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
+from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import ConfigurationError, DataError, WorkerError
 from twinkle.infra import distributed
 from twinkle.infra.ray.dispatch import shard_bounds
 from twinkle.server.config import ServerConfig, gpu_indices
-from twinkle.server.execution.checks import RequestChecks
-from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.host import (
+    FORWARDED,
+    AdapterRequest,
+    Footprint,
+    Forwarded,
+    ForwardingHost,
+    Json,
+    JsonObject,
+    Outcome,
+)
+from twinkle.server.execution.model_host import ModelHost, weights_footprint
+from twinkle.server.execution.remote_host import Described
 from twinkle.server.execution.vllm_sampling import samples_on_vllm
 
 #: Seconds a worker may take to load the model and join the others.
@@ -58,6 +69,14 @@ ERROR_GRACE_S = 30.0
 
 
 # ---- the worker side ----------------------------------------------------------------------------
+class RankDescribed(Described):
+    """What rank 0 tells the server once: the model's shape, and the LoRA targets of each choice
+    of Tinker's switches (so a route never waits for a pass to learn them)."""
+
+    lora_targets: dict[tuple[bool, bool, bool], list[str]]
+    expert_targets: list[str]
+
+
 class RankHost(ModelHost):
     """A ``ModelHost`` on one rank of a mesh: the data operations take the whole request, run this
     rank's share of its rows, and return the whole request's result (gathered from every rank)."""
@@ -65,14 +84,14 @@ class RankHost(ModelHost):
     def __init__(self, config: ServerConfig):
         super().__init__(config)
         self.model.shard_base()  # FSDP2: the base is sharded now, adapters come and go beside it
-        mesh = self.model._parallel.mesh
+        mesh = self.model.mesh
         self.data_rank = distributed.data_rank(mesh) if mesh is not None else 0
         self.data_ranks = mesh.dp_world_size if mesh is not None else 1
 
     def hosts_sampler_engine(self) -> bool:
         return distributed.is_main()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> RankDescribed:
         """What the server keeps of the model: its shape, and the LoRA targets of each choice of
         Tinker's switches (so a route never waits for a pass to learn them)."""
         switches = [
@@ -88,8 +107,15 @@ class RankHost(ModelHost):
             'expert_targets': self.expert_targets(),
         }
 
-    def run_mixed(self, operation: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-        shared = [(adapter, self._share(kwargs, index)) for index, (adapter, kwargs) in enumerate(requests)]
+    def footprint(self) -> list[Footprint]:
+        """Every rank's: what it holds of the base weights (its FSDP2 shard), and its resident memory."""
+        return distributed.all_gather_object(weights_footprint(self.model.model, distributed.rank()))
+
+    def run_mixed(self, operation: str, requests: list[AdapterRequest]) -> list[Outcome]:
+        shared = [
+            (adapter, row_share(kwargs, index, self.data_rank, self.data_ranks))
+            for index, (adapter, kwargs) in enumerate(requests)
+        ]
         results = super().run_mixed(operation, shared)
         if operation != 'forward_only':
             return results  # losses and token counts are the pass's, summed over the ranks already
@@ -100,24 +126,18 @@ class RankHost(ModelHost):
                 result['logps'] = [row for rank in ranks for row in shares[rank][index]]
         return results
 
-    def _forward_backward(self, adapter: str, inputs: Any, **kwargs: Any) -> dict[str, Any]:
+    def _forward_backward(self, adapter: str, inputs: Json, **kwargs: Json) -> JsonObject:
         if kwargs.pop('micro_batch_size', None) is not None:
             raise ConfigurationError(
                 'micro_batch_size is not taken by a model on several ranks: each rank runs its share of the rows '
                 'in one pass; send smaller requests instead'
             )
-        (result,) = self.run_mixed('forward_backward', [(adapter, {'inputs': inputs, **kwargs})])
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return _one(self.run_mixed('forward_backward', [(adapter, {'inputs': inputs, **kwargs})]))
 
-    def _forward_only(self, adapter: str, inputs: Any, disable_lora: bool = False) -> dict[str, Any]:
+    def _forward_only(self, adapter: str, inputs: Json, disable_lora: bool = False) -> JsonObject:
         if disable_lora:  # the base model alone: every rank runs the whole request (no adapter to mix)
             return super()._forward_only(adapter, inputs, disable_lora=True)
-        (result,) = self.run_mixed('forward_only', [(adapter, {'inputs': inputs})])
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return _one(self.run_mixed('forward_only', [(adapter, {'inputs': inputs})]))
 
     def whole_request_share(self) -> float:
         """Rank 0 counts a request every rank runs whole (Tinker's ``forward_backward``): the
@@ -125,32 +145,48 @@ class RankHost(ModelHost):
         return 1.0 if distributed.is_main() else 0.0
 
     def generate(
-        self, prompts: list[dict[str, Any]], params: Any, adapter: str | None, weight_version: int = 0
-    ) -> list[Any]:
+        self, prompts: list[JsonObject], params: SamplingParams, adapter: str | None, weight_version: int = 0
+    ) -> list[SampleResponse]:
         """Data parallel, or through vLLM (``sampler: vllm``, whose engine rank 0 holds): rank 0
         samples, the others wait. FSDP2: every rank samples the same sequences in step (its
         forwards all-gather the weights), from one seed rank 0 draws."""
-        if not self.model._parallel.fsdp or samples_on_vllm(self.config):
+        if not self.model.fsdp or samples_on_vllm(self.config):
             return super().generate(prompts, params, adapter, weight_version) if distributed.is_main() else []
         seed = distributed.all_gather_object(int(torch.randint(0, 2**62, ()).item()))[0]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return super().generate(prompts, params, adapter, weight_version)
 
-    def _share(self, kwargs: dict[str, Any], index: int = 0) -> dict[str, Any]:
-        """This rank's share of the ``index``-th request of a pass: its contiguous part of the rows
-        (``inputs``) and of each per-row argument (advantages, old logprobs). Request ``i``'s
-        first share goes to rank ``i`` (modulo the ranks), so one-row requests spread evenly."""
-        rows = kwargs['inputs']
-        if not isinstance(rows, list):
-            return kwargs
-        for key, value in kwargs.items():  # every rank holds the whole request: all refuse it alike
-            if isinstance(value, list) and len(value) != len(rows):
-                raise DataError(f'loss input {key!r} has {len(value)} entries for {len(rows)} rows')
-        if self.data_ranks == 1:
-            return kwargs
-        start, end = shard_bounds(len(rows), (self.data_rank - index) % self.data_ranks, self.data_ranks)
-        return {k: v[start:end] if isinstance(v, list) else v for k, v in kwargs.items()}
+
+def row_share(kwargs: JsonObject, index: int, data_rank: int, data_ranks: int) -> JsonObject:
+    """Rank ``data_rank``'s share of the ``index``-th request of a pass: its contiguous part of the
+    rows (``inputs``) and of each per-row argument (advantages, old logprobs). Request ``i``'s
+    first share goes to rank ``i`` (modulo the ranks), so one-row requests spread evenly.
+
+    >>> kwargs = {'inputs': [{'input_ids': [1]}] * 3, 'advantages': [1.0, 2.0, 3.0], 'micro': 4}
+    >>> [row_share(kwargs, 0, rank, 2)['advantages'] for rank in (0, 1)]
+    [[1.0, 2.0], [3.0]]
+    >>> [row_share(kwargs, 1, rank, 2)['advantages'] for rank in (0, 1)]  # request 1 starts on rank 1
+    [[3.0], [1.0, 2.0]]
+    """
+    rows = kwargs['inputs']
+    if not isinstance(rows, list):
+        return kwargs
+    for key, value in kwargs.items():  # every rank holds the whole request: all refuse it alike
+        if isinstance(value, list) and len(value) != len(rows):
+            raise DataError(f'loss input {key!r} has {len(value)} entries for {len(rows)} rows')
+    if data_ranks == 1:
+        return kwargs
+    start, end = shard_bounds(len(rows), (data_rank - index) % data_ranks, data_ranks)
+    return {k: v[start:end] if isinstance(v, list) else v for k, v in kwargs.items()}
+
+
+def _one(results: list[Outcome]) -> JsonObject:
+    """The result of a pass of one request, or its error raised."""
+    (result,) = results
+    if isinstance(result, Exception):
+        raise result
+    return cast(JsonObject, result)
 
 
 def serve_rank(address: str, authkey: bytes) -> None:
@@ -182,9 +218,11 @@ def serve_rank(address: str, authkey: bytes) -> None:
         if message is None:
             host.shutdown()
             return
-        name, args, kwargs = message
+        name, args = message
         try:
-            reply = ('ok', host.call(*args) if name == 'call' else getattr(host, name)(*args, **kwargs))
+            if name not in FORWARDED:
+                raise ConfigurationError(f'a model worker runs {sorted(FORWARDED)}; not {name!r}')
+            reply = ('ok', getattr(host, name)(*args))
         except BaseException as error:
             reply = ('error', _portable(error))
         _send(conn, reply)
@@ -249,22 +287,22 @@ class Ranks(Protocol):
     """How the server reaches its workers: processes it starts (``ProcessRanks``), or Ray
     actors on any node of a cluster (``twinkle.server.execution.ray_ranks.RayRanks``)."""
 
-    described: dict[str, Any]  # rank 0's RankHost.describe()
+    described: RankDescribed  # rank 0's RankHost.describe()
 
     @property
     def pids(self) -> list[int]:
         """The worker processes, by rank."""
         ...
 
-    def run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def run(self, name: Forwarded, args: tuple[object, ...]) -> object:
         """Rank 0's result of ``name`` on every rank; a rank's error raised; ``RankDied`` if one died."""
         ...
 
     def stop(self, dead: bool) -> None: ...
 
 
-class MultiRankHost(RequestChecks):
-    """The model on ``config.ranks`` workers, with a ``ModelHost``'s methods."""
+class MultiRankHost(ForwardingHost):
+    """The model on ``config.ranks`` workers: every forwarded method runs on every rank, in order."""
 
     def __init__(self, config: ServerConfig, start: Callable[[ServerConfig], Ranks] | None = None):
         """``start`` makes the workers: ``ProcessRanks`` (the default) or ``RayRanks``."""
@@ -279,10 +317,10 @@ class MultiRankHost(RequestChecks):
         self._dead: str | None = None
         self._workers = self._start()
         described = self._workers.described
-        self.model_id: str = described['model_id']
-        self.vocab_size: int = described['vocab_size']
-        self.context: int | None = described['context']
-        self.architecture: str | None = described['architecture']
+        self.model_id = described['model_id']
+        self.vocab_size = described['vocab_size']
+        self.context = described['context']
+        self.architecture = described['architecture']
         self._lora_targets: dict[tuple[bool, bool, bool], list[str]] = described['lora_targets']
         self._expert_targets: list[str] = described['expert_targets']
 
@@ -291,13 +329,18 @@ class MultiRankHost(RequestChecks):
         """The worker processes, by rank."""
         return self._workers.pids
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name.startswith('_') or not callable(getattr(ModelHost, name, None)):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self._on_every_rank(name, args, kwargs)
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self._on_every_rank('call', (fn, *args), {})
+    def forward(self, name: Forwarded, *args: object) -> object:
+        with self._lock:
+            if self._dead is not None:
+                raise WorkerError(f'{self._dead}; it restarts before the next request')
+            try:
+                return self._workers.run(name, args)
+            except RankDied as died:
+                self._workers.stop(dead=True)  # the others wait in a collective for the dead one
+                self._dead = str(died)
+                raise WorkerError(
+                    f'{died}; the model restarts, and its runs continue from their last saved state'
+                ) from None
 
     def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
         return list(self._lora_targets[(attn, mlp, unembed)])
@@ -325,19 +368,6 @@ class MultiRankHost(RequestChecks):
     def _start(self) -> Ranks:
         return self._start_workers(self.config)
 
-    def _on_every_rank(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with self._lock:
-            if self._dead is not None:
-                raise WorkerError(f'{self._dead}; it restarts before the next request')
-            try:
-                return self._workers.run(name, args, kwargs)
-            except RankDied as died:
-                self._workers.stop(dead=True)  # the others wait in a collective for the dead one
-                self._dead = str(died)
-                raise WorkerError(
-                    f'{died}; the model restarts, and its runs continue from their last saved state'
-                ) from None
-
 
 class ProcessRanks:
     """The workers as processes of this machine: ``python -m twinkle.server.execution.multi_rank``, a fresh
@@ -356,7 +386,7 @@ class ProcessRanks:
             try:
                 for rank in range(self.ranks):
                     self._procs.append(subprocess.Popen(command, env={**env, **gpu_env(config.device, rank)}))
-                self.described: dict[str, Any] = self._join(listener)
+                self.described: RankDescribed = self._join(listener)
             except BaseException:
                 self.stop(dead=True)
                 raise
@@ -365,9 +395,12 @@ class ProcessRanks:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
 
-    def run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        for conn in self._conns:
-            _send(conn, (name, args, kwargs))
+    def run(self, name: Forwarded, args: tuple[object, ...]) -> object:
+        for rank, conn in enumerate(self._conns):
+            try:
+                _send(conn, (name, args))
+            except OSError:  # its end is closed: the worker died while the group was idle
+                raise self._died(rank, name) from None
         return self._replies(name)
 
     def stop(self, dead: bool) -> None:
@@ -384,7 +417,7 @@ class ProcessRanks:
             conn.close()
         self._conns = []
 
-    def _join(self, listener: Listener) -> dict[str, Any]:
+    def _join(self, listener: Listener) -> RankDescribed:
         """Accept every worker's connection, give each its rank and the config, wait until ready.
         A worker that exits before it connects closes the listener, so ``accept`` gives up."""
         port, data = _free_port(), self.config.model_dump()
@@ -403,7 +436,7 @@ class ProcessRanks:
         finally:
             connected.set()
             watcher.join()
-        return self._replies('start-up', timeout=START_TIMEOUT_S, fail_fast=True)
+        return cast(RankDescribed, self._replies('start-up', timeout=START_TIMEOUT_S, fail_fast=True))
 
     def _watch_start(self, listener: Listener, connected: threading.Event) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -412,7 +445,7 @@ class ProcessRanks:
                 listener.close()
                 return
 
-    def _replies(self, what: str, timeout: float | None = None, fail_fast: bool = False) -> Any:
+    def _replies(self, what: str, timeout: float | None = None, fail_fast: bool = False) -> object:
         """Every rank's reply to the call just sent; rank 0's value, or the first rank's error
         (``fail_fast``: as soon as one rank fails, as at start-up, where the others may be waiting
         for it to join)."""

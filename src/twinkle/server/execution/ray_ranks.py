@@ -12,7 +12,7 @@ several machines ``data_dir`` must be a shared file system.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -22,7 +22,8 @@ from twinkle.infra.mesh import DeviceGroup, DeviceMesh
 from twinkle.infra.ray.cluster import RayCluster, torchrun_env
 from twinkle.infra.ray.worker import ComponentWorker
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.multi_rank import START_TIMEOUT_S, RankDied, RankHost
+from twinkle.server.execution.host import Forwarded
+from twinkle.server.execution.multi_rank import START_TIMEOUT_S, RankDescribed, RankDied, RankHost
 
 _Worker: Any = ray.remote(ComponentWorker)  # Ray's types cannot follow a class made an actor
 
@@ -57,26 +58,24 @@ class RayRanks:
                 for actor, env in zip(self._actors, torchrun_env(device_type, places), strict=True)
             ]
             self._gather(builds, 'start-up')
-            described = self._gather([self._call(actor, 'describe', (), {}) for actor in self._actors], 'start-up')
+            described = self._gather([self._call(actor, 'describe', ()) for actor in self._actors], 'start-up')
         except BaseException:
             self.stop(dead=True)
             raise
-        self.described: dict[str, Any] = described[0]
+        self.described: RankDescribed = described[0]
         self.pids: list[int] = [d['pid'] for d in described]
 
-    def run(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self._gather([self._call(actor, name, args, kwargs) for actor in self._actors], name)[0]
+    def run(self, name: Forwarded, args: tuple[object, ...]) -> object:
+        return self._gather([self._call(actor, name, args) for actor in self._actors], name)[0]
 
     def stop(self, dead: bool) -> None:
         for actor in self._actors:
             ray.kill(actor)
         self._cluster.release()
 
-    def _call(self, actor: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if name == 'call':
-            fn, *rest = args
-            return actor.execute.remote(fn, (tuple(rest), kwargs), False)[1]
-        return actor.call.remote(name, (args, kwargs), False)[1]
+    def _call(self, actor: Any, name: Forwarded | Literal['describe'], args: tuple[object, ...]) -> Any:
+        """The object ref of ``name(*args)`` on ``actor``'s ``RankHost`` (Any: a Ray ``ObjectRef``)."""
+        return actor.call.remote(name, (args, {}), False)[1]
 
     def _gather(self, refs: list[Any], what: str) -> list[Any]:
         """Every rank's value, in rank order: as soon as one rank's actor dies, ``RankDied`` (the

@@ -1,12 +1,11 @@
 """``RemoteHost``: the service's model in a Ray actor, so the model workers can live on any node
 of a Ray cluster while the API (FastAPI, SQLite, the scheduler) stays where it is.
 
-The service talks to its host only through ``ModelHost`` methods, so ``RemoteHost`` forwards
-each call to a ``ModelHost`` built in the actor; operations written against the host
-(``host.call(fn, ...)``, a Tinker step say) are sent by reference and run next to the model.
-The actor runs a few calls at once: the server's one worker thread sends the compute, while
-the cheap checks the routes make before queueing (``validate``, ``check_adapter``, ...) are
-answered beside it instead of waiting for a step to end. Checkpoints are written by the actor,
+The service talks to its host only through the named methods of ``Host``, so ``RemoteHost``
+sends each by name to a ``ModelHost`` built in the actor. The checks the routes make before
+queueing (``validate``, ``check_adapter``, ...) need only the model's shape: they are answered
+here, without a round trip. The actor runs a few calls at once (the compute of the worker
+thread, and chores such as releasing freed memory). Checkpoints are written by the actor,
 so on several machines ``data_dir`` must be a shared file system.
 
 Config::
@@ -16,24 +15,34 @@ Config::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import os
+from typing import Any, TypedDict
+
+import torch
 
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.server.config import ServerConfig
+from twinkle.server.execution.host import Forwarded, ForwardingHost
 from twinkle.server.execution.model_host import ModelHost
-from twinkle.server.execution.multi_rank import MultiRankHost
 
-#: Calls the actor runs at once: the compute of the worker thread and the routes' checks.
+#: Calls the actor runs at once: the compute of the worker thread and the chores beside it.
 ACTOR_CONCURRENCY = 4
+
+
+class Described(TypedDict):
+    """What a host's far side tells once: the model's shape and its process."""
+
+    model_id: str
+    vocab_size: int
+    context: int | None
+    architecture: str | None
+    pid: int
 
 
 class _HostActor(ModelHost):
     """``ModelHost`` with what a proxy needs to learn once: its fixed attributes."""
 
-    def describe(self) -> dict[str, Any]:
-        import os
-
+    def describe(self) -> Described:
         return {
             'model_id': self.model_id,
             'vocab_size': self.vocab_size,
@@ -43,8 +52,9 @@ class _HostActor(ModelHost):
         }
 
 
-class RemoteHost:
-    """A ``ModelHost`` in a Ray actor, with the same methods."""
+class RemoteHost(ForwardingHost):
+    """A ``ModelHost`` in a Ray actor: the checks are answered here, from the model's shape; every
+    other method is sent to the actor by name."""
 
     def __init__(self, config: ServerConfig):
         import ray
@@ -57,27 +67,39 @@ class RemoteHost:
         num_gpus = settings.num_gpus
         if num_gpus is None:
             num_gpus = 1 if (config.device or '').startswith('cuda') else 0
-        # Any: the handle's methods are Ray ActorMethods (``.remote``), which ray types as the plain methods.
+        # Any: a Ray actor handle, whose methods are ActorMethods (``.remote``) that ray types as the plain methods.
         actor: Any = ray.remote(_HostActor).options(
             num_cpus=settings.num_cpus, num_gpus=num_gpus, max_concurrency=ACTOR_CONCURRENCY
         )
         self.config = config
+        self.device = torch.device('cuda' if (config.device or '').startswith('cuda') else 'cpu')
         self._actor = actor.remote(config)
-        described = self._get(self._actor.describe.remote(), 'start')
-        self.model_id: str = described['model_id']
-        self.vocab_size: int = described['vocab_size']
-        self.context: int | None = described['context']
-        self.architecture: str | None = described['architecture']
-        self.pid: int = described['pid']
+        described: Described = self._get(self._actor.describe.remote(), 'start')
+        self.model_id = described['model_id']
+        self.vocab_size = described['vocab_size']
+        self.context = described['context']
+        self.architecture = described['architecture']
+        self.pid = described['pid']
+        self._targets: dict[tuple[bool, bool, bool], list[str]] = {}
+        self._expert_targets: list[str] | None = None
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name.startswith('_'):
-            raise AttributeError(name)
-        method = getattr(self._actor, name)
-        return lambda *args, **kwargs: self._get(method.remote(*args, **kwargs), name)
+    def forward(self, name: Forwarded, *args: object) -> object:
+        return self._get(getattr(self._actor, name).remote(*args), name)
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self._get(self._actor.call.remote(fn, *args), getattr(fn, '__name__', 'call'))
+    def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
+        key = (attn, mlp, unembed)
+        if key not in self._targets:
+            self._targets[key] = self._get(self._actor.lora_targets.remote(attn, mlp, unembed), 'lora_targets')
+        return list(self._targets[key])
+
+    def expert_targets(self) -> list[str]:
+        if self._expert_targets is None:
+            self._expert_targets = self._get(self._actor.expert_targets.remote(), 'expert_targets')
+        return list(self._expert_targets)
+
+    def restart_if_dead(self) -> str | None:
+        """A Ray actor that died stays dead: its calls fail with a ``StateError`` that says so."""
+        return None
 
     def shutdown(self) -> None:
         import ray
@@ -85,6 +107,7 @@ class RemoteHost:
         ray.kill(self._actor)
 
     def _get(self, ref: Any, what: str) -> Any:
+        """The value of a call's object ref (Any: what the actor's method returned, unpickled)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -96,17 +119,4 @@ class RemoteHost:
             raise StateError(f'the model worker (Ray actor) died during {what}: {e}') from None
 
 
-#: Where a hosted model runs: this process, a Ray actor, or worker processes of this machine.
-Host = ModelHost | RemoteHost | MultiRankHost
-
-
-def build_host(config: ServerConfig) -> Host:
-    """The model host a config asks for: in this process, in a Ray actor (``ray:`` set), on
-    worker processes of this machine (``ranks`` > 1), or on Ray actors of a cluster (both)."""
-    if config.ranks > 1 and config.ray is not None:
-        from twinkle.server.execution.ray_ranks import RayRanks
-
-        return MultiRankHost(config, RayRanks)
-    if config.ranks > 1:
-        return MultiRankHost(config)
-    return RemoteHost(config) if config.ray is not None else ModelHost(config)
+__all__ = ['ACTOR_CONCURRENCY', 'Described', 'RemoteHost']

@@ -55,12 +55,12 @@ class SamplerGroup:
         the runs' sampler weights are on disk)."""
         reason = self.host.restart_if_dead()
         if reason is not None:
-            self.store.record_restart(self.name, reason)
+            self.store.history.record_restart(self.name, reason)
         self._on_start(job)
 
     def weights_of(self, run: Run) -> tuple[Path, int]:
         """The run's sampler weights: its newest sampler checkpoint and the step it was saved at."""
-        saved = [c for c in self.store.list_checkpoints(run.tenant_id, run.id) if c.kind == 'sampler']
+        saved = [c for c in self.store.checkpoints.of_run(run.tenant_id, run.id) if c.kind == 'sampler']
         if not saved:
             raise StateError(
                 f'training run {run.id!r} has no sampler weights yet: this server samples on a sampler group of its '

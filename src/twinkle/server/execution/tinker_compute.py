@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Protocol
 
 import torch
 from tinker import types
@@ -19,13 +19,21 @@ from tinker import types
 from twinkle.data_format import InputFeature
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, TwinkleError
 from twinkle.loss.tinker import TinkerLoss
-from twinkle.model import AdapterCall, StepCall, StepResult
-from twinkle.server.execution.model_host import ModelHost
-from twinkle.server.execution.remote_host import Host
+from twinkle.model import AdapterCall, StepCall, StepResult, TransformersModel
+from twinkle.server.config import ServerConfig
+from twinkle.server.execution.host import JsonObject, Outcome
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall, forward_backward_output
 
 
-def lora_config(host: Host, lora: types.LoraConfig, alpha: float) -> dict[str, Any]:
+class LoraTargets(Protocol):
+    """Where a model's LoRA layers can go (a ``Host``, or the ``ModelGroup`` in front of one)."""
+
+    def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]: ...
+
+    def expert_targets(self) -> list[str]: ...
+
+
+def lora_config(host: LoraTargets, lora: types.LoraConfig, alpha: float) -> JsonObject:
     """The peft ``LoraConfig`` fields of a Tinker ``LoraConfig``: rank, no dropout, and the
     linear layers its ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches name; on a
     mixture of experts ``train_mlp`` trains the expert stacks too (``target_parameters``)."""
@@ -35,24 +43,26 @@ def lora_config(host: Host, lora: types.LoraConfig, alpha: float) -> dict[str, A
         raise ConfigurationError(
             'the LoRA config trains nothing: set at least one of train_attn, train_mlp, train_unembed'
         )
-    config: dict[str, Any] = {'r': lora.rank, 'lora_alpha': alpha, 'lora_dropout': 0.0}
+    config: JsonObject = {'r': lora.rank, 'lora_alpha': alpha, 'lora_dropout': 0.0}
     config['target_modules'] = targets or None
     if stacks:
         config['target_parameters'] = stacks
     return config
 
 
-def run_forward_backward(host: ModelHost, adapter: str, call: ForwardBackwardCall) -> bytes:
-    """Forward (and, unless ``forward_only``, backward) over the call's datums with its loss;
-    the ``ForwardBackwardOutput`` protobuf with each datum's target logprobs and the metrics."""
-    (output,) = run_forward_backward_many(host, [(adapter, call)])
-    if isinstance(output, Exception):
-        raise output
-    return output
+class TinkerTarget(Protocol):
+    """What a Tinker pass needs of its host: the model, its shape and limits, and its share of a request."""
+
+    model: TransformersModel
+    config: ServerConfig
+    vocab_size: int
+    context: int | None
+
+    def whole_request_share(self) -> float: ...
 
 
-def run_forward_backward_many(
-    host: ModelHost, requests: list[tuple[str, ForwardBackwardCall]]
+def forward_backward_many(
+    host: TinkerTarget, requests: list[tuple[str, ForwardBackwardCall]]
 ) -> list[bytes | TwinkleError]:
     """Several models' ``forward_backward`` calls (all forward-only, or none) as one pass, each
     datum through its own model's adapter; one ``ForwardBackwardOutput`` per call. A call whose
@@ -96,7 +106,9 @@ def _output(rows: list[InputFeature], logps: torch.Tensor, loss: TinkerLoss) -> 
     return forward_backward_output(outputs, metrics)
 
 
-def datum_rows(host: ModelHost, call: ForwardBackwardCall) -> tuple[list[InputFeature], dict[str, list[torch.Tensor]]]:
+def datum_rows(
+    host: TinkerTarget, call: ForwardBackwardCall
+) -> tuple[list[InputFeature], dict[str, list[torch.Tensor]]]:
     """Rows for the model and per-row loss inputs, checked: tokens in the vocabulary, inputs as
     long as the datum, lengths within the context and the request within the token limit."""
     if not call.data:
@@ -118,7 +130,7 @@ def datum_rows(host: ModelHost, call: ForwardBackwardCall) -> tuple[list[InputFe
     return rows, inputs
 
 
-def _row(host: ModelHost, index: int, tokens: list[int], inputs: Mapping[str, torch.Tensor]) -> InputFeature:
+def _row(host: TinkerTarget, index: int, tokens: list[int], inputs: Mapping[str, torch.Tensor]) -> InputFeature:
     length = len(tokens)
     if length == 0:
         raise DataError(f'datum {index} has no tokens')
@@ -139,22 +151,12 @@ def _row(host: ModelHost, index: int, tokens: list[int], inputs: Mapping[str, to
     return {'input_ids': list(tokens), 'labels': targets}
 
 
-def optim_step(host: ModelHost, adapter: str, params: types.AdamParams) -> dict[str, Any]:
-    """One AdamW step with the request's hyperparameters on the gradients accumulated since the
-    last step, clipped to ``grad_clip_norm`` first (0: no clipping); then the gradients are zeroed."""
-    (result,) = optim_steps(host, [(adapter, params)])
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
-def optim_steps(host: ModelHost, requests: list[tuple[str, types.AdamParams]]) -> list[dict[str, Any] | Exception]:
+def optim_steps(model: TransformersModel, requests: list[tuple[str, types.AdamParams]]) -> list[Outcome]:
     """Several models' ``optim_step`` as one optimizer update (``clip_grad_and_step_many``): the
     numbers of each model's step taken alone. Every request is checked before any is applied;
     a failure after that fails every request (none is run again: gradients may be clipped)."""
     for _, params in requests:
-        _check_adam(params)
-    model = host.model
+        check_adam(params)
     calls = [StepCall(adapter, p.grad_clip_norm if p.grad_clip_norm > 0 else math.inf) for adapter, p in requests]
     try:
         for adapter, params in requests:
@@ -167,15 +169,15 @@ def optim_steps(host: ModelHost, requests: list[tuple[str, types.AdamParams]]) -
         return [error] * len(requests)
 
 
-def _step_metrics(result: StepResult) -> dict[str, Any]:
+def _step_metrics(result: StepResult) -> JsonObject:
     norm = result.grad_norm
-    metrics = {'grad_norm:mean': norm} if norm is not None and math.isfinite(norm) else {}
+    metrics: JsonObject = {'grad_norm:mean': norm} if norm is not None and math.isfinite(norm) else {}
     if not result.stepped:
         metrics['skipped_steps:sum'] = 1.0
     return {'metrics': metrics}
 
 
-def _check_adam(params: types.AdamParams) -> None:
+def check_adam(params: types.AdamParams) -> None:
     values = params.model_dump()
     bad = {k: v for k, v in values.items() if not math.isfinite(v)}
     if bad:

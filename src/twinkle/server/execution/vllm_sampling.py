@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import ConfigurationError
 from twinkle.sampler.vllm_sampler import vLLMSampler
 from twinkle.server.config import SamplerSettings, ServerConfig, gpu_indices
-from twinkle.server.execution.checks import RequestChecks, SavedAdapters, encoded_prompt
+from twinkle.server.execution.checks import RequestChecks, SavedAdapters, sample_prompt, sample_saved
 from twinkle.template import Template
 
 #: The LoRA ranks vLLM can be started with; the engine takes the smallest that holds the server's limit.
@@ -132,7 +131,7 @@ class VllmSamplerHost(RequestChecks):
     def generate(
         self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
     ) -> list[SampleResponse]:
-        self._check_prompt_lengths(list(enumerate(p['input_ids'] for p in prompts)), params)
+        self.check_prompt_lengths(list(enumerate(p['input_ids'] for p in prompts)), params)
         return self.sampling.generate(prompts, params, adapter, weight_version)
 
     def sample_weights(
@@ -144,10 +143,13 @@ class VllmSamplerHost(RequestChecks):
         weight_version: int = 0,
     ) -> list[dict[str, Any]]:
         """``ModelHost.sample_weights`` on the engine: the base model, or the weights in ``directory``."""
-        prompts, params = self.sample_request(inputs, sampling_params)
-        prompts = [encoded_prompt(self.sampling.template, index, prompt) for index, prompt in enumerate(prompts)]
-        adapter = None if directory is None else self.sampler_adapter(directory, shown_as)
-        return [asdict(response) for response in self.generate(prompts, params, adapter, weight_version)]
+        template = self.sampling.template
+        return sample_saved(self, template, inputs, sampling_params, directory, shown_as, weight_version)
+
+    def sample_ids(
+        self, prompt: list[int], params: SamplingParams, directory: Path | None, shown_as: str | None
+    ) -> SampleResponse:
+        return sample_prompt(self, prompt, params, directory, shown_as)
 
     def restart_if_dead(self) -> str | None:
         """Start the engine again if its process died; then what happened, else None."""

@@ -54,7 +54,7 @@ def is_admin(service: Service, request: Request) -> bool:
 
 def dashboard_router(service: Service) -> APIRouter:
     """The page and the routes of its own (under ``/dashboard``)."""
-    routes = APIRouter(prefix=PREFIX, tags=['dashboard'], responses=error_responses(400, 401, 404, 409, 429))
+    routes = APIRouter(prefix=PREFIX, tags=['dashboard'], responses=error_responses(400, 401, 404, 409, 422, 429))
 
     def admin(request: Request) -> None:
         if not is_admin(service, request):
@@ -83,7 +83,7 @@ def owned_checkpoint(request: Request, who: Who, run_id: str, kind: Kind, name: 
     """The tenant's checkpoint of the route's path; 404 for anything else, another tenant's included."""
     check_name('checkpoint', name)
     service: Service = request.app.state.service
-    checkpoint = service.store.get_checkpoint(who.id, run_id, name, kind)
+    checkpoint = service.store.checkpoints.get(who.id, run_id, name, kind)
     if checkpoint is None:
         raise NotFoundError(f'{kind} checkpoint {name!r} of run {run_id!r} not found')
     return checkpoint
@@ -104,7 +104,7 @@ def _checkpoint_routes(routes: APIRouter, service: Service) -> None:
 
     @routes.put(path + '/public')
     async def publish(checkpoint: Owned, public: bool = True) -> JsonObject:
-        await asyncio.to_thread(store.set_checkpoint_public, checkpoint.id, public)
+        await asyncio.to_thread(store.checkpoints.set_public, checkpoint.id, public)
         return {'name': checkpoint.name, 'kind': checkpoint.kind, 'public': public}
 
     @routes.delete(path)
@@ -118,13 +118,13 @@ def admin_overview(service: Service) -> JsonObject:
     """Tenants (names, runs, queued requests) and models (queue, passes, adapters, restarts)."""
     store = service.store
     tenants: list[JsonValue] = []
-    for tenant in store.list_tenants():
-        _, total = store.list_runs(tenant.id, limit=1)
+    for tenant in store.tenants.all():
+        _, total = store.runs.page(tenant.id, limit=1)
         tenants.append(
             {
                 'name': tenant.name,
                 'runs': total,
-                'active_runs': store.count_runs('active', tenant_id=tenant.id),
+                'active_runs': store.runs.count('active', tenant_id=tenant.id),
                 'queued': service.queued_jobs(tenant.id),
             }
         )
@@ -136,8 +136,8 @@ def admin_overview(service: Service) -> JsonObject:
                 'name': Path(bare(group.name)).name,  # a local model's folder name, not its path
                 'queued': sum(s.queued() for s in group.schedulers),
                 'adapters_in_memory': len(group.adapters),
-                'released_runs': store.count_runs('released', base_model=group.name),
-                'restarts': [{'reason': reason, 'at': at} for reason, at in store.restarts(group.name)],
+                'released_runs': store.runs.count('released', base_model=group.name),
+                'restarts': [{'reason': reason, 'at': at} for reason, at in store.history.restarts(group.name)],
             }
         )
     return {'tenants': tenants, 'models': models, 'requests_per_pass': per_pass}

@@ -3,8 +3,8 @@ the lookups every route makes (a tenant's models, sessions, checkpoints, the bas
 
 Every route is under ``/api/v1`` and reads its body once, as the SDK's own request type (strict:
 an unknown field is a 422). A body that is not JSON, or is nested deeper than ``MAX_JSON_DEPTH``,
-is a 400; a body that fails validation is a 422 whose ``detail`` is one sentence naming each bad
-field. Other errors are the exception tree's, answered by ``twinkle.server.api.errors``.
+is a 400; a body that fails validation is a 422 whose ``detail`` is one sentence naming the first
+bad fields and how many there are. Other errors are the exception tree's, answered by ``twinkle.server.api.errors``.
 
 Compute requests are accepted at once as futures that ``retrieve_future`` long-polls. A training
 client's requests start in ``seq_id`` order (:mod:`.sequencer`), and a retried ``(model_id,
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 from collections.abc import Callable, Coroutine
 
 from fastapi import APIRouter, Request, Response
@@ -24,7 +25,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import JsonValue
-from tinker import types
 
 from twinkle.errors import (
     BusyError,
@@ -36,12 +36,11 @@ from twinkle.errors import (
     UnauthorizedError,
 )
 from twinkle.server.api.deps import key_holder
-from twinkle.server.api.errors import ErrorBody, error_responses, validation_problems
+from twinkle.server.api.errors import ErrorBody, error_responses, problems_sentence
 from twinkle.server.api.tinker.state import TinkerState
 from twinkle.server.execution.model_group import ModelGroup
 from twinkle.server.execution.scheduler import Batchable
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
-from twinkle.server.execution.tinker_compute import optim_steps, run_forward_backward_many
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Session, Tenant, parse_checkpoint_path
 
@@ -102,7 +101,7 @@ def skip_refused_turn(request: Request, body: JsonValue) -> None:
     if not isinstance(model_id, str) or not isinstance(seq_id, int) or isinstance(seq_id, bool):
         return
     api: TinkerAPI = request.app.state.tinker
-    if api.service.store.get_run(key_holder(request).id, model_id) is not None:
+    if api.service.store.runs.get(key_holder(request).id, model_id) is not None:
         api.state.sequencer.skip(model_id, seq_id)
 
 
@@ -123,12 +122,9 @@ async def read_json(request: Request, name: str) -> JsonValue:
 
 
 def invalid_request(name: str, error: RequestValidationError) -> JSONResponse:
-    """A 422 whose ``detail`` names each bad field: ``invalid X: a.b: Field required; ...``."""
-    problems = []
-    for problem in validation_problems(error):
-        where = '.'.join(str(part) for part in problem['loc'] if part != 'body') or 'body'
-        problems.append(f'{where}: {problem["msg"]}')
-    body = ErrorBody(detail=f'invalid {name}: {"; ".join(problems)}', error=DataError.__name__)
+    """A 422 whose ``detail`` names the first bad fields and how many more there are:
+    ``invalid X: a.b: Field required; ... (and 12 more problems)``, small whatever was sent."""
+    body = ErrorBody(detail=f'invalid {name}: {problems_sentence(error.errors())}', error=DataError.__name__)
     return JSONResponse(body.model_dump(), status_code=422)
 
 
@@ -176,7 +172,7 @@ class TinkerAPI:
             raise QueueFullError(who.name, limit, retry_after_s=2.0)
         if run_id is not None:
             await asyncio.to_thread(service.touch, run_id)  # an active run is not idle
-        record = await asyncio.to_thread(service.store.create_future, who.id, run_id, operation)
+        record = await asyncio.to_thread(service.store.futures.create, who.id, run_id, operation)
         if key is not None:
             requests[key] = record.id
             if len(requests) > REMEMBERED_REQUESTS:
@@ -187,7 +183,7 @@ class TinkerAPI:
                 service.enqueue(who, group, record.id, operation, fn, batch)
 
         def fail(message: str) -> None:
-            service.store.fail_future(record.id, message, 'user')
+            service.store.futures.fail(record.id, message, 'user')
 
         if run_id is None:
             start()  # sampling: no model order to keep
@@ -196,37 +192,27 @@ class TinkerAPI:
         return record.id
 
     def mixable(self, group: ModelGroup, run: Run, call: ForwardBackwardCall) -> Batchable | None:
-        """How a ``forward_backward`` (or ``forward``) call can share a pass with other models'."""
-        if not self.service.config.mixed_batches:
+        """How a ``forward_backward`` (or ``forward``) call can share a pass with other models':
+        the group's batch, its outputs answered as the route answers one."""
+        batch = group.tinker_mixable(run, call)
+        if batch is None:
             return None
+        run_many = batch.run_many
 
-        def run_many(payloads: list[tuple[Run, ForwardBackwardCall]]) -> list[dict[str, str] | Exception]:
-            requests = [(group.loaded(run), call) for run, call in payloads]
-            outputs = group.host.call(run_forward_backward_many, requests)
-            return [o if isinstance(o, Exception) else proto_result(o) for o in outputs]
+        def answered(payloads: list[tuple[Run, ForwardBackwardCall]]) -> list[dict[str, str] | Exception]:
+            return [o if isinstance(o, Exception) else proto_result(o) for o in run_many(payloads)]
 
-        tokens = sum(len(datum.tokens) for datum in call.data)
-        return Batchable(('tinker', call.forward_only), tokens, (run, call), run_many)
-
-    def steppable(self, group: ModelGroup, run: Run, params: types.AdamParams) -> Batchable | None:
-        """How an ``optim_step`` can share one optimizer update with other models' steps."""
-        if not self.service.config.mixed_batches:
-            return None
-
-        def run_many(payloads: list[tuple[Run, types.AdamParams]]) -> list[JsonObject | Exception]:
-            return group.host.call(optim_steps, [(group.loaded(run), params) for run, params in payloads])
-
-        return Batchable(('tinker', 'optim_step'), 0, (run, params), run_many)
+        return dataclasses.replace(batch, run_many=answered)
 
     # ---- lookups --------------------------------------------------------------------------------
     def run_of(self, who: Tenant, model_id: str) -> Run:
-        run = self.service.store.get_run(who.id, model_id)
+        run = self.service.store.runs.get(who.id, model_id)
         if run is None or run.status == 'deleted':
             raise NotFoundError(f'model {model_id!r} not found')
         return run
 
     def session_of(self, who: Tenant, session_id: str) -> Session:
-        session = self.service.store.get_session(who.id, session_id)
+        session = self.service.store.sessions.get(who.id, session_id)
         if session is None:
             raise NotFoundError(f'session {session_id!r} not found')
         return session
@@ -241,7 +227,7 @@ class TinkerAPI:
     def checkpoint(self, who: Tenant, path: str, kinds: tuple[str, ...]) -> Checkpoint:
         """The checkpoint a ``tinker://`` path names, if this tenant may read it; else 404."""
         run_id, kind, name = parse_checkpoint_path(path)  # a malformed path is a DataError (400)
-        found = self.service.store.get_readable_checkpoint(who.id, run_id, name, kind)
+        found = self.service.store.checkpoints.readable(who.id, run_id, name, kind)
         if found is None or kind not in kinds:
             raise NotFoundError(f'checkpoint {path!r} not found')
         return found

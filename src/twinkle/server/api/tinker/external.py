@@ -61,7 +61,7 @@ def export_weights(
     folder.mkdir(parents=True, exist_ok=True)
     group = service.group_of(run)
     with tempfile.TemporaryDirectory(dir=folder, prefix='.saving-') as scratch:
-        saved = Path(group.host.save(group.loaded(run), Path(scratch), 'adapter', save_optimizer=False))
+        saved = group.save(run, Path(scratch), 'adapter', save_optimizer=False)
         with ckpt.atomic_directory(folder / name) as staging:
             write_tinker_adapter(saved, staging)
             if recipients:
@@ -69,7 +69,7 @@ def export_weights(
                     pyrage.encrypt_file(str(path), f'{path}.age', recipients)
                     path.unlink()
     size = ckpt.folder_size(folder / name)
-    return service.store.add_checkpoint(
+    return service.store.checkpoints.add(
         who.id, run.id, name, str(folder / name), 'external', size, expires_at=expires_at
     )
 

@@ -35,8 +35,7 @@ from twinkle.server.api import links
 from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker import external
 from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, router
-from twinkle.server.execution.model_group import bare
-from twinkle.server.execution.remote_host import Host
+from twinkle.server.execution.model_group import ModelGroup, bare
 from twinkle.server.service import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Session, Store, Tenant, check_name
 from twinkle.utils.logger import get_logger
@@ -87,14 +86,14 @@ def rest_router(api: TinkerAPI) -> APIRouter:
 def _run_routes(router: APIRouter, api: TinkerAPI) -> None:
     service = api.service
     store: Store = service.store
-    targets = {name: _module_targets(group.host) for name, group in service.groups.items()}
+    targets = {name: _module_targets(group) for name, group in service.groups.items()}
 
     @router.get('/training_runs')
     async def list_training_runs(
         who: Who, limit: Page = 20, offset: Page = 0, access_scope: Scope = 'owned', project_id: str | None = None
     ) -> JsonObject:
         if project_id is None:
-            runs, total = store.list_runs(who.id, limit=limit, offset=offset)
+            runs, total = store.runs.page(who.id, limit=limit, offset=offset)
         else:
             matching = _project_runs(store, who, project_id)
             runs, total = matching[offset : offset + limit], len(matching)
@@ -109,7 +108,7 @@ def _run_routes(router: APIRouter, api: TinkerAPI) -> None:
     async def weights_info(body: WeightsInfoRequest, who: Who) -> JsonObject:
         """What loading a checkpoint needs; answered for published checkpoints of others too."""
         checkpoint = api.checkpoint(who, body.tinker_path, kinds=('training', 'sampler'))
-        run = store.get_run_by_id(checkpoint.run_id)
+        run = store.runs.by_id(checkpoint.run_id)
         if run is None:  # deleted between the two reads
             raise NotFoundError(f'checkpoint {body.tinker_path!r} not found')
         tinker = run.config.get('tinker_lora') or {}
@@ -120,7 +119,7 @@ def _run_routes(router: APIRouter, api: TinkerAPI) -> None:
 
 
 def _own_run(store: Store, who: Tenant, run_id: str) -> Run:
-    run = store.get_run(who.id, run_id)
+    run = store.runs.get(who.id, run_id)
     if run is None or run.status == 'deleted':
         raise NotFoundError(f'training run {run_id!r} not found')
     return run
@@ -128,14 +127,14 @@ def _own_run(store: Store, who: Tenant, run_id: str) -> Run:
 
 def _project_runs(store: Store, who: Tenant, project_id: str) -> list[Run]:
     """The tenant's runs made in sessions of ``project_id``, newest first."""
-    sessions = {s.id for s in store.list_sessions(who.id, limit=2**62) if s.info.get('project_id') == project_id}
-    runs, _ = store.list_runs(who.id, limit=2**62)
+    sessions = {s.id for s in store.sessions.page(who.id, limit=2**62) if s.info.get('project_id') == project_id}
+    runs, _ = store.runs.page(who.id, limit=2**62)
     return [run for run in runs if run.session_id in sessions]
 
 
 def _run_json(store: Store, run: Run, owner: str) -> JsonObject:
     """A ``tinker.types.TrainingRun``: its LoRA rank, last request and latest checkpoints."""
-    latest = {c.kind: c for c in store.list_checkpoints(run.tenant_id, run.id)}  # oldest first
+    latest = {c.kind: c for c in store.checkpoints.of_run(run.tenant_id, run.id)}  # oldest first
     return {
         'training_run_id': run.id,
         'base_model': bare(run.base_model),
@@ -155,14 +154,14 @@ def _lora_rank(run: Run) -> int:
     return tinker.get('rank') or (run.config.get('lora') or {}).get('r', 8)  # peft's default rank is 8
 
 
-def _module_targets(host: Host) -> dict[str, set[str]]:
+def _module_targets(group: ModelGroup) -> dict[str, set[str]]:
     """The linear layers each of Tinker's switches trains, by leaf name."""
     flags = {
         'train_attn': (True, False, False),
         'train_mlp': (False, True, False),
         'train_unembed': (False, False, True),
     }
-    return {name: set(host.lora_targets(*flag)) for name, flag in flags.items()}
+    return {name: set(group.lora_targets(*flag)) for name, flag in flags.items()}
 
 
 def _switches(lora: JsonObject, targets: dict[str, set[str]]) -> dict[str, bool]:
@@ -186,18 +185,18 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     @router.get('/training_runs/{run_id}/checkpoints')
     async def list_checkpoints(run_id: str, who: Who) -> JsonObject:
         _own_run(store, who, run_id)
-        return {'checkpoints': [_checkpoint_json(c) for c in store.list_checkpoints(who.id, run_id)]}
+        return {'checkpoints': [_checkpoint_json(c) for c in store.checkpoints.of_run(who.id, run_id)]}
 
     @router.get('/checkpoints')
     async def list_user_checkpoints(who: Who, limit: Page = 100, offset: Page = 0) -> JsonObject:
-        checkpoints, total = store.list_tenant_checkpoints(who.id, limit=limit, offset=offset)
+        checkpoints, total = store.checkpoints.page(who.id, limit=limit, offset=offset)
         cursor: JsonObject = {'offset': offset, 'limit': limit, 'total_count': total}
         return {'checkpoints': [_checkpoint_json(c) for c in checkpoints], 'cursor': cursor}
 
     @router.post('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish')
     async def publish(run_id: str, checkpoint_id: str, who: Who) -> JsonObject:
         checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
-        await asyncio.to_thread(store.set_checkpoint_public, checkpoint.id, True)
+        await asyncio.to_thread(store.checkpoints.set_public, checkpoint.id, True)
         return {'tinker_path': checkpoint.tinker_path, 'public': True}
 
     @router.delete('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish')
@@ -205,14 +204,14 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         if '/' not in checkpoint_id:  # DELETE .../weights/publish: the checkpoint named 'publish'
             return await delete_checkpoint(service, who, run_id, f'{checkpoint_id}/publish')
         checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
-        await asyncio.to_thread(store.set_checkpoint_public, checkpoint.id, False)
+        await asyncio.to_thread(store.checkpoints.set_public, checkpoint.id, False)
         return {'tinker_path': checkpoint.tinker_path, 'public': False}
 
     @router.put('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl')
     async def set_ttl(run_id: str, checkpoint_id: str, body: TTLRequest, who: Who) -> JsonObject:
         checkpoint = _own_checkpoint(store, who, run_id, checkpoint_id)
         expires_at = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
-        await asyncio.to_thread(store.set_checkpoint_expiry, checkpoint.id, expires_at)
+        await asyncio.to_thread(store.checkpoints.set_expiry, checkpoint.id, expires_at)
         return {'tinker_path': checkpoint.tinker_path, 'expires_at': _iso(expires_at)}
 
     @router.get('/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls')
@@ -230,7 +229,7 @@ def _delete_route(router: APIRouter, service: Service) -> None:
 async def delete_checkpoint(service: Service, who: Tenant, run_id: str, checkpoint_id: str) -> JsonObject:
     """Forget the tenant's checkpoint and remove its files."""
     checkpoint = _own_checkpoint(service.store, who, run_id, checkpoint_id)
-    await asyncio.to_thread(service.store.delete_checkpoint, who.id, run_id, checkpoint.name, checkpoint.kind)
+    await asyncio.to_thread(service.store.checkpoints.delete, who.id, run_id, checkpoint.name, checkpoint.kind)
     await asyncio.to_thread(discard_files, service, [checkpoint])
     return {'tinker_path': checkpoint.tinker_path, 'deleted': True}
 
@@ -249,7 +248,7 @@ def _own_checkpoint(store: Store, who: Tenant, run_id: str, checkpoint_id: str) 
             'external_weights/<name>, where '
             'name is 1 to 64 of A-Z, a-z, 0-9, ".", "_", "-" starting with a letter or digit',
         ) from None
-    checkpoint = store.get_checkpoint(who.id, run_id, name, kind)
+    checkpoint = store.checkpoints.get(who.id, run_id, name, kind)
     if checkpoint is None:
         raise NotFoundError(f'checkpoint {checkpoint_id!r} of training run {run_id!r} not found')
     return checkpoint
@@ -281,9 +280,9 @@ def discard_files(service: Service, checkpoints: list[Checkpoint]) -> None:
 
     for group in service.groups.values():  # any model may have loaded them for sampling
 
-        def forget(host: Host = group.host) -> None:
+        def forget(group: ModelGroup = group) -> None:
             for path in paths:
-                host.forget_sampler_weights(path)
+                group.forget_sampler_weights(path)
 
         try:
             group.scheduler.submit(HOUSEKEEPING, forget, operation='forget_sampler_weights')
@@ -293,7 +292,7 @@ def discard_files(service: Service, checkpoints: list[Checkpoint]) -> None:
 
 def expire_checkpoints(service: Service) -> list[Checkpoint]:
     """Delete every checkpoint past its TTL, files included; the deleted ones."""
-    expired = service.store.pop_expired_checkpoints()
+    expired = service.store.checkpoints.pop_expired()
     discard_files(service, expired)
     return expired
 
@@ -318,15 +317,15 @@ def _session_routes(router: APIRouter, service: Service) -> None:
 
     @router.get('/sessions')
     async def list_sessions(who: Who, limit: Page = 20, offset: Page = 0, access_scope: Scope = 'owned') -> JsonObject:
-        return {'sessions': [s.id for s in store.list_sessions(who.id, limit=limit, offset=offset)]}
+        return {'sessions': [s.id for s in store.sessions.page(who.id, limit=limit, offset=offset)]}
 
     @router.get('/sessions/{session_id}')
     async def get_session(session_id: str, who: Who, access_scope: Scope = 'owned') -> JsonObject:
         session = _own_session(store, who, session_id)
         runs: list[JsonValue] = [
-            r for r in store.session_runs(who.id, session_id) if _own_run_or_none(store, who, r) is not None
+            r for r in store.sessions.runs(who.id, session_id) if _own_run_or_none(store, who, r) is not None
         ]
-        samplers: list[JsonValue] = [*store.session_samplers(who.id, session_id)]
+        samplers: list[JsonValue] = [*store.sessions.samplers(who.id, session_id)]
         return {
             'training_run_ids': runs,
             'sampler_ids': samplers,
@@ -336,7 +335,7 @@ def _session_routes(router: APIRouter, service: Service) -> None:
 
 
 def _own_session(store: Store, who: Tenant, session_id: str) -> Session:
-    session = store.get_session(who.id, session_id)
+    session = store.sessions.get(who.id, session_id)
     if session is None:
         raise NotFoundError(f'session {session_id!r} not found')
     return session

@@ -39,12 +39,12 @@ def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
         api.session_of(who, body.session_id)
         group, path = _sampling_target(api, who, body.base_model, body.model_path)
         sampling_id = f'{body.session_id}:sample:{body.sampling_session_seq_id}'
-        await asyncio.to_thread(store.create_sampling_session, who.id, sampling_id, body.session_id, group.name, path)
+        await asyncio.to_thread(store.sessions.create_sampler, who.id, sampling_id, body.session_id, group.name, path)
         return {'type': 'create_sampling_session', 'sampling_session_id': sampling_id}
 
     @routes.get('/samplers/{sampler_id}')
     async def get_sampler(sampler_id: str, who: Who) -> JsonObject:
-        sampler = store.get_sampling_session(who.id, sampler_id)
+        sampler = store.sessions.sampler(who.id, sampler_id)
         if sampler is None:
             raise NotFoundError(f'sampler {sampler_id!r} not found')
         return {'sampler_id': sampler.id, 'base_model': bare(sampler.base_model), 'model_path': sampler.model_path}
@@ -56,7 +56,7 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
     @routes.post('/asample')
     async def asample(body: types.SampleRequest, who: Who) -> JsonObject:
         if body.sampling_session_id is not None:
-            sampler = service.store.get_sampling_session(who.id, body.sampling_session_id)
+            sampler = service.store.sessions.sampler(who.id, body.sampling_session_id)
             if sampler is None:
                 raise NotFoundError(f'sampling session {body.sampling_session_id!r} not found')
             group, path = service.hosting(sampler.base_model, f'sampling session {sampler.id!r}'), sampler.model_path
@@ -64,12 +64,10 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
             group, path = _sampling_target(api, who, body.base_model, body.model_path)
         directory = Path(api.checkpoint(who, path, kinds=('sampler', 'training')).path) if path else None
         prompt, params = _sample_request(body, api.settings.default_max_tokens)
-        host = group.sampling_host  # the sampler group's, if the model has one
-        host.check_sampling_params(params)
+        group.check_sampling_params(params)
 
         def sample() -> dict[str, str]:
-            adapter = host.sampler_adapter(directory, path) if directory is not None else None
-            response = host.generate([{'input_ids': prompt}], params, adapter)[0]
+            response = group.sample_ids(prompt, params, directory, path)
             return proto_result(
                 codec.sample_response(
                     response,
@@ -91,7 +89,7 @@ def _sampling_target(
     """(the base model's group, sampler weights path or None) of a sampling request."""
     if model_path is not None:
         checkpoint = api.checkpoint(who, model_path, kinds=('sampler', 'training'))
-        source = api.service.store.get_run_by_id(checkpoint.run_id)
+        source = api.service.store.runs.by_id(checkpoint.run_id)
         if source is None:  # deleted between the two reads
             raise NotFoundError(f'checkpoint {model_path!r} not found')
         return api.service.hosting(source.base_model, f'checkpoint {model_path!r}'), model_path

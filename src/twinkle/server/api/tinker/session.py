@@ -72,7 +72,7 @@ def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
     @routes.post('/create_session')
     async def create_session(body: types.CreateSessionRequest, who: Who) -> JsonObject:
         info = body.model_dump(mode='json', exclude={'type'})
-        session = await asyncio.to_thread(store.create_session, who.id, info)
+        session = await asyncio.to_thread(store.sessions.create, who.id, info)
         return {'type': 'create_session', 'session_id': session.id}
 
     @routes.post('/session_heartbeat', responses=GONE, response_model=None)
@@ -81,13 +81,13 @@ def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
         if session.status != 'active':
             gone = ErrorBody(detail=f'session {body.session_id!r} is finished', error='StateError')
             return JSONResponse(gone.model_dump(), status_code=410)
-        await asyncio.to_thread(store.heartbeat, session.id)
+        await asyncio.to_thread(store.sessions.heartbeat, session.id)
         return {'type': 'session_heartbeat'}
 
     @routes.post('/sessions/{session_id}/finish')
     async def finish(session_id: str, who: Who) -> JsonObject:
         api.session_of(who, session_id)
-        await asyncio.to_thread(store.finish_session, session_id)
+        await asyncio.to_thread(store.sessions.finish, session_id)
         return {'session_id': session_id, 'status': 'finished'}
 
 
@@ -98,7 +98,7 @@ def _future_routes(routes: APIRouter, api: TinkerAPI) -> None:
     async def retrieve_future(body: types.FutureRetrieveRequest, who: Who) -> JsonValue | Response:
         """The request's result once it is done; ``try_again`` after ``retrieve_wait_s`` if not;
         ``{error, category}`` if it failed."""
-        record = service.store.get_future(who.id, body.request_id)
+        record = service.store.futures.get(who.id, body.request_id)
         if record is None:
             raise NotFoundError(f'request {body.request_id!r} not found')
         deadline = time.monotonic() + api.settings.retrieve_wait_s
@@ -108,7 +108,7 @@ def _future_routes(routes: APIRouter, api: TinkerAPI) -> None:
                 await wait_job(job, max(0.0, deadline - time.monotonic()))
             else:
                 await asyncio.sleep(0.05)  # waiting for its turn in the model's seq_id order
-            record = service.store.get_future(who.id, body.request_id) or record
+            record = service.store.futures.get(who.id, body.request_id) or record
         if not record.finished:
             return {'type': 'try_again', 'request_id': record.id, 'queue_state': 'active'}
         if record.status == 'failed':

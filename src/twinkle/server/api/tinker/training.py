@@ -24,7 +24,7 @@ from twinkle.server.api.tinker import external
 from twinkle.server.api.tinker.base import PROTO, JsonObject, TinkerAPI, proto_result, router
 from twinkle.server.execution import tinker_codec as codec
 from twinkle.server.execution.model_group import ModelGroup, bare
-from twinkle.server.execution.tinker_compute import lora_config, optim_step, run_forward_backward
+from twinkle.server.execution.tinker_compute import check_adam, lora_config
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name
 
@@ -61,8 +61,8 @@ def _model_routes(routes: APIRouter, api: TinkerAPI) -> None:
             raise ConfigurationError('this server trains LoRA adapters only: send a lora_config')
         _check_optimizer(body.optimizer_config)
         model_id = f'{body.session_id}:train:{body.model_seq_id}'
-        lora = lora_config(group.host, body.lora_config, api.settings.lora_alpha)
-        group.host.check_adapter(lora)
+        lora = lora_config(group, body.lora_config, api.settings.lora_alpha)
+        group.check_lora(lora)
         loras = (lora, body.lora_config.model_dump(mode='json'))
         request_id = await _create_run(api, who, model_id, group, loras, body.session_id, body.user_metadata)
         return {'request_id': request_id, 'model_id': model_id}
@@ -70,11 +70,11 @@ def _model_routes(routes: APIRouter, api: TinkerAPI) -> None:
     @routes.post('/get_info')
     async def get_info(body: types.GetInfoRequest, who: Who) -> JsonObject:
         run = api.run_of(who, body.model_id)
-        host, name = service.group_of(run).host, bare(run.base_model)
+        group, name = service.group_of(run), bare(run.base_model)
         return {
             'type': 'get_info',
             'model_id': run.id,
-            'model_data': {'arch': host.architecture, 'model_name': name, 'tokenizer_id': host.model_id},
+            'model_data': {'arch': group.architecture, 'model_name': name, 'tokenizer_id': group.model_id},
             'is_lora': True,
             'lora_rank': run.config.get('lora', {}).get('r'),
             'model_name': name,
@@ -89,7 +89,7 @@ async def _create_run(
     loras: tuple[JsonObject, JsonObject],
     session_id: str,
     metadata: dict[str, JsonValue] | None,
-    then: Callable[[str], JsonObject] | None = None,
+    then: Callable[[Run], JsonObject] | None = None,
 ) -> str:
     """Create the run ``model_id`` (seq 0 of its model) with a LoRA adapter (``loras``: its peft
     config and the Tinker config it came from) and AdamW; ``then``
@@ -105,26 +105,21 @@ async def _create_run(
     }  # fmt: skip
     try:
         run = await asyncio.to_thread(
-            service.store.create_run, who.id, group.name, 'default', config, run_id=model_id, session_id=session_id
+            service.store.runs.create, who.id, group.name, 'default', config, run_id=model_id, session_id=session_id
         )
     except TwinkleError as e:  # a 400, not the store's 409: the SDK retries a 409 for minutes
         raise DataError(f'model {model_id!r} cannot be created: {e}') from None
 
     def create() -> JsonObject:
-        adapter = group.adapter_name(run)
+        seed = tinker_lora.get('seed')
         try:
-            group.make_room(run)
-            seed = tinker_lora.get('seed')
-            group.host.add_adapter(adapter, lora, 1, seed if isinstance(seed, int) else None)
-            group.host.run(adapter, 'set_optimizer', dict(ADAMW))
+            group.add_run(run, lora, 1, seed if isinstance(seed, int) else None, setup=[('set_optimizer', dict(ADAMW))])
             created: JsonObject = {'model_id': model_id, 'type': 'create_model'}
-            result = then(adapter) if then is not None else created
+            return then(run) if then is not None else created
         except BaseException:
-            group.host.remove_adapter(adapter)
-            service.store.set_run_status(run.id, 'deleted')
+            group.remove_run(run)
+            service.store.runs.set_status(run.id, 'deleted')
             raise
-        group.adapters[run.id] = adapter
-        return result
 
     return await api.accept(who, group, model_id, 0, 'create_model', create)
 
@@ -150,7 +145,7 @@ def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
         group = service.group_of(run)
 
         def compute() -> dict[str, str]:
-            return proto_result(group.host.call(run_forward_backward, group.loaded(run), call))
+            return proto_result(group.tinker_forward_backward(run, call))
 
         operation = 'forward' if call.forward_only else 'forward_backward'
         batch = api.mixable(group, run, call)
@@ -163,13 +158,14 @@ def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
         params = body.optim_params
         if not isinstance(params, types.AdamParams):
             raise ConfigurationError(f'optimizer {params.type!r} is not supported; this server runs adamw')
+        check_adam(params)  # lr=-1 or beta1=1: a 400 now, as the native set_optimizer, not a failed future
 
         group = service.group_of(run)
 
         def compute() -> JsonObject:
-            return group.host.call(optim_step, group.loaded(run), params)
+            return group.tinker_optim_step(run, params)
 
-        batch = api.steppable(group, run, params)
+        batch = group.tinker_steppable(run, params)
         request_id = await api.accept(who, group, run.id, body.seq_id, 'optim_step', compute, batch)
         return {'request_id': request_id, 'model_id': run.id}
 
@@ -185,7 +181,7 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
         expires = _expiry(body.ttl_seconds)
 
         def save() -> JsonObject:
-            if not body.overwrite and service.store.get_checkpoint(who.id, run.id, name) is not None:
+            if not body.overwrite and service.store.checkpoints.get(who.id, run.id, name) is not None:
                 raise ConfigurationError(f'checkpoint weights/{name} exists; save with overwrite=True to replace it')
             checkpoint = _save(service, who, run, name, 'training', expires)
             return {'path': checkpoint.tinker_path, 'type': 'save_weights'}
@@ -226,7 +222,7 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
                 if run.session_id is None:
                     raise DataError(f'run {run.id!r} was made by the native API: save its sampler weights by name')
                 sampling_id = f'{run.session_id}:sample:{body.sampling_session_seq_id}'
-                service.store.create_sampling_session(
+                service.store.sessions.create_sampler(
                     who.id, sampling_id, run.session_id, run.base_model, checkpoint.tinker_path
                 )
                 result['sampling_session_id'] = sampling_id
@@ -246,7 +242,7 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
         service.check_trained_on(checkpoint, group, body.path)
 
         def load() -> JsonObject:
-            group.host.load(group.loaded(run), Path(checkpoint.path), body.optimizer, body.path)
+            group.load(run, Path(checkpoint.path), body.optimizer, body.path)
             return {'path': body.path, 'model_id': run.id, 'type': 'load_weights'}
 
         request_id = await api.accept(who, group, run.id, body.seq_id, 'load_weights', load)
@@ -262,7 +258,7 @@ async def _create_from_checkpoint(
         raise DataError('load_weights needs a model_id, or a session_id and model_seq_id to create one')
     api.session_of(who, body.session_id)
     _check_optimizer(body.optimizer_config)
-    source = api.service.store.get_run_by_id(checkpoint.run_id)
+    source = api.service.store.runs.by_id(checkpoint.run_id)
     if source is None:  # deleted between the two reads
         raise NotFoundError(f'checkpoint {body.path!r} not found')
     group = api.model_group(bare(source.base_model) if body.base_model is None else body.base_model)
@@ -271,8 +267,8 @@ async def _create_from_checkpoint(
     lora = source.config['lora']
     tinker_lora = source.config.get('tinker_lora') or {'rank': lora.get('r')}  # a native run's: its rank
 
-    def load(adapter: str) -> JsonObject:
-        group.host.load(adapter, Path(checkpoint.path), body.optimizer, body.path)
+    def load(run: Run) -> JsonObject:
+        group.load(run, Path(checkpoint.path), body.optimizer, body.path)
         return {'path': body.path, 'model_id': model_id, 'type': 'load_weights'}
 
     loras = (lora, tinker_lora)
@@ -286,9 +282,9 @@ def _save(service: Service, who: Tenant, run: Run, name: str, kind: str, expires
     if kind == 'sampler':
         directory = directory / 'sampler_weights'
     group = service.group_of(run)
-    path = Path(group.host.save(group.loaded(run), directory, name, save_optimizer=kind == 'training'))
+    path = group.save(run, directory, name, save_optimizer=kind == 'training')
     size = folder_size(path)
-    return service.store.add_checkpoint(who.id, run.id, name, str(path), kind, size, expires_at=expires_at)
+    return service.store.checkpoints.add(who.id, run.id, name, str(path), kind, size, expires_at=expires_at)
 
 
 def _checkpoint_name(path: str | None, seq_id: int | None) -> str:

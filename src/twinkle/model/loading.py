@@ -1,0 +1,72 @@
+"""Where a model's weights come from and where they run: a Hugging Face causal LM loaded from a
+hub id or a directory (or built from a config with random weights), its device and its precision.
+
+``TransformersModel`` and ``TorchSampler`` load their models here, so both read a model id, a
+model class and a config the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from twinkle.errors import ConfigurationError
+from twinkle.hub import resolve_model
+
+#: ``mixed_precision``: forwards under bfloat16 autocast, or in the weights' own dtype.
+Precision = Literal['no', 'bf16']
+
+
+def load_causal_lm(
+    owner: str,
+    model_id: str | None,
+    model_cls: type[PreTrainedModel] | None,
+    config: PretrainedConfig | None,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """The model ``model_id`` names (``ms://``, ``hf://`` or a directory) loaded with
+    ``model_cls`` (``AutoModelForCausalLM`` by default), else one built from ``config`` with
+    random weights; ``kwargs`` go to ``from_pretrained`` (or the config constructor): ``dtype``,
+    ``attn_implementation``... ``owner`` names the component in the error when both are missing."""
+    if model_id is not None:
+        return (model_cls or AutoModelForCausalLM).from_pretrained(resolve_model(model_id), **kwargs)
+    if config is None:
+        raise ConfigurationError(f'{owner} needs a model_id or a config')
+    # transformers leaves both unannotated; each returns the model the config describes. A model
+    # class has no public from_config: _from_config is what the Auto class calls.
+    from_config = AutoModelForCausalLM.from_config if model_cls is None else model_cls._from_config
+    return cast(Callable[..., PreTrainedModel], from_config)(config, **kwargs)
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each layer in the backward instead of keeping its activations (not reentrant,
+    so that layers without a trained weight still pass gradients on), with the inputs requiring
+    grad so the first layer's recompute has a graph to join."""
+    # transformers leaves both unannotated; both return nothing.
+    enable = cast(Callable[..., None], model.gradient_checkpointing_enable)
+    enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+    cast(Callable[[], None], model.enable_input_require_grads)()
+
+
+def resolve_device(device: str | torch.device | None, mesh_device: torch.device | None = None) -> torch.device:
+    """The given device, else the mesh's for this rank (``mesh_device``), else CUDA when there is one."""
+    if device is None:
+        return mesh_device or torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    device = torch.device(device)
+    if mesh_device is not None and device.type != mesh_device.type:
+        raise ConfigurationError(
+            f'device={str(device)!r} does not match the mesh device_type={mesh_device.type!r}; '
+            f'leave device out to use {str(mesh_device)!r}'
+        )
+    return device
+
+
+def default_precision(device: torch.device) -> Precision:
+    """bf16 autocast on a GPU that supports it; the weights' own dtype elsewhere (a CPU)."""
+    return 'bf16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'no'
+
+
+__all__ = ['Precision', 'default_precision', 'enable_gradient_checkpointing', 'load_causal_lm', 'resolve_device']

@@ -1,0 +1,290 @@
+"""The forward side of a ``TransformersModel``: rows encoded and checked, collated into a batch,
+run through the model (under autocast, each row on the adapter it asks for), and turned into
+logits, router logits, losses and a backward.
+
+``TransformersModel`` runs its single-adapter passes here, and the mixed pass
+(``twinkle.model.mixed_pass``) runs several adapters' rows through the same methods: both see
+one ``ModelRunner``, not each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+import torch
+from transformers import PreTrainedModel
+
+from twinkle.data_format import InputFeature, ModelOutput
+from twinkle.errors import DataError, StateError
+from twinkle.loss import LossOutput
+from twinkle.metric import ExpertLoad
+from twinkle.model import multi_lora, router
+from twinkle.model.base import Inputs
+from twinkle.model.group import FULL, Batch, Outputs, Pending, TrainGroup
+from twinkle.model.loading import Precision
+from twinkle.model.parallel import ModelParallel
+from twinkle.model.passes import (
+    accumulate,
+    carried,
+    check_finite,
+    check_trainable,
+    chunks,
+    label_logps,
+    loss_sums,
+    record_call,
+    with_logps,
+)
+from twinkle.template import Template
+from twinkle.wire import FEATURE_FIELDS
+
+#: Row fields that hold one value per token, as ``input_ids`` does (the wire checks the same).
+ALIGNED_FIELDS = tuple(field for field in FEATURE_FIELDS if field != 'input_ids')
+
+
+class ModelRunner:
+    """Runs a model's adapters' rows: what a forward, its loss and its backward need.
+
+    ``groups`` is the model's own table of adapters (``TransformersModel.groups``, the same
+    dict): the first forward prepares every adapter's weights over the mesh, not only the ones it runs.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        model_id: str | None,
+        groups: Mapping[str, TrainGroup],
+        parallel: ModelParallel,
+        *,
+        device: torch.device,
+        mixed_precision: Precision,
+        model_router: router.Router | None,
+    ):
+        self.model = model
+        self.model_id = model_id
+        self.groups = groups
+        self.parallel = parallel
+        self.device = device
+        self.mixed_precision: Precision = mixed_precision
+        #: A mixture of experts' router (None for a dense model): its load-balancing loss joins
+        #: the training loss with ``router.aux_loss_coef``, and the experts' load is a metric.
+        self.router = model_router
+        self._template: Template | None = None
+        self._mode: bool | None = None  # the train/eval mode set_mode last set on every module
+
+    # ---- rows ---------------------------------------------------------------------------------
+    def template_for(self, group: TrainGroup) -> Template:
+        """The template that encodes the group's trajectories: its own, else the model's (from ``model_id``)."""
+        if group.template is not None:
+            return group.template
+        if self._template is None:
+            if self.model_id is None:
+                raise StateError('this model was built from a config: call set_template(...) first')
+            self._template = Template(self.model_id)
+        return self._template
+
+    def features(self, group: TrainGroup, inputs: Inputs) -> list[InputFeature]:
+        """``inputs`` as encoded rows (trajectories through the group's template), each checked
+        against the model's vocabulary and its per-token fields against its ``input_ids``."""
+        rows = [inputs] if isinstance(inputs, Mapping) else list(inputs)
+        if not rows:
+            raise DataError('inputs is empty: pass at least one row')
+        if all('input_ids' in row for row in rows):
+            features = cast(list[InputFeature], rows)  # every row is encoded
+        else:
+            features = self.template_for(group).batch_encode(rows)
+            if not features:
+                raise DataError('every input row was dropped by the template (truncation_strategy="delete")')
+        self._check_tokens(features)
+        return features
+
+    def _check_tokens(self, features: Sequence[InputFeature]) -> None:
+        embeddings = self.model.get_input_embeddings()
+        vocab = (
+            embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else self.model.config.vocab_size
+        )
+        for index, feature in enumerate(features):
+            ids = feature['input_ids']
+            if len(ids) == 0:
+                raise DataError(f'input row {index} has no tokens')
+            for key in ALIGNED_FIELDS:
+                values = cast(Sequence[int] | None, feature.get(key))
+                if values is not None and len(values) != len(ids):
+                    raise DataError(
+                        f'input row {index}: {key} has {len(values)} values; '
+                        f'it must be as long as input_ids ({len(ids)})'
+                    )
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise DataError(f'input row {index} has token id {bad}, outside the vocabulary [0, {vocab})')
+
+    def collate(self, group: TrainGroup, rows: Sequence[InputFeature]) -> Batch:
+        """The rows as one batch on the model's device, by the group's processor and pad token."""
+        pad = self.template_for(group).pad_token_id
+        return {k: v.to(self.device, non_blocking=True) for k, v in group.processor(rows, pad).items()}
+
+    # ---- the forward ----------------------------------------------------------------------------
+    def prepare(self, training: bool) -> None:
+        """Before a forward: the weights ready over the mesh (the first forward syncs, then shards)
+        and every module in training or evaluation mode."""
+        self.parallel.prepare(self.model, self.groups.values())
+        if self._mode is not training:
+            # Every module, not the top one alone: new LoRA modules start in train mode while the
+            # model around them is still in from_pretrained's eval mode (no dropout).
+            self.model.train(training)
+            self._mode = training
+
+    def forget_mode(self) -> None:
+        """Set the mode again at the next forward: modules were added (new LoRA layers start in train mode)."""
+        self._mode = None
+
+    def run(
+        self, group: TrainGroup, rows: Sequence[InputFeature], training: bool, lora: bool = True
+    ) -> tuple[Batch, Outputs]:
+        """The group's rows through the model (``lora=False``: the base model alone)."""
+        self.parallel.check_trainable(training and group.name == FULL)
+        self.prepare(training)
+        batch = self.collate(group, rows)
+        multi_lora.assign_rows(self.model, group.name if lora and group.name != FULL else None)
+        return batch, self.outputs(batch)
+
+    def outputs(self, batch: Batch, router_logits: bool = True) -> Outputs:
+        """The batch's ``logits`` and, on a mixture of experts, its ``router_logits`` per row
+        ([layers, rows, positions, experts]), through the adapters the rows are assigned to."""
+        model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
+        with self._autocast(), router.replay_routing(self.model, batch.get('routed_experts')):
+            if self.router is None or not router_logits:
+                logits: torch.Tensor = self.model(**model_inputs, use_cache=False).logits
+                return {'logits': logits}
+            out = self.model(**model_inputs, use_cache=False, output_router_logits=True)
+        return {'logits': out.logits, 'router_logits': router.per_row(out.router_logits, len(batch['input_ids']))}
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.mixed_precision == 'bf16':
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether the model recomputes layers in the backward (transformers' gradient checkpointing;
+        ``is_activation_checkpointing`` from transformers 5, ``is_gradient_checkpointing`` before)."""
+        if hasattr(type(self.model), 'is_activation_checkpointing'):
+            return bool(self.model.is_activation_checkpointing)
+        return bool(getattr(self.model, 'is_gradient_checkpointing', False))
+
+    # ---- one adapter's passes -------------------------------------------------------------------
+    def forward(
+        self, group: TrainGroup, features: list[InputFeature], training: bool, lora: bool = True
+    ) -> ModelOutput:
+        """A forward of the rows left pending on the group (``Pending``) for ``calculate_loss``
+        and, when ``training``, ``backward``; its logits and label logprobs."""
+        batch, outputs = self.run(group, features, training, lora)
+        group.pending = Pending(batch, outputs, training, rows=len(features), carried=carried(features))
+        return with_logps(outputs['logits'], batch)
+
+    def calculate_loss(self, group: TrainGroup, loss_inputs: dict[str, object]) -> float:
+        """The loss of the group's pending forward, fed to its metrics: its mean over the items
+        it counts, over every rank (the pending forward keeps it for ``backward``)."""
+        pending = group.pending
+        if pending is None:
+            raise StateError(f'calculate_loss() needs a forward()/forward_only() first (adapter {group.name!r})')
+        loss_inputs = {**pending.carried, **loss_inputs}
+        pending.loss = self.loss(group, pending.batch, pending.outputs, pending.training, loss_inputs)
+        sums = torch.stack([pending.loss.loss.detach().float(), pending.loss.num_items.float()])
+        total, items = self.parallel.sum_(sums)
+        return float(total / items.clamp(min=1))
+
+    def backward_pending(self, group: TrainGroup) -> None:
+        """The backward of the group's pending training forward and its loss: one micro step."""
+        pending = group.pending
+        if pending is None or pending.loss is None or not pending.training:
+            raise StateError(f'backward() needs forward() then calculate_loss() first (adapter {group.name!r})')
+        check_finite(group, pending.loss, self.parallel.sum_)
+        self.backward(group, pending.loss)
+        group.micro_step += 1
+        group.consumed_train_samples += pending.rows
+        group.pending = None
+
+    def forward_backward(
+        self,
+        group: TrainGroup,
+        features: list[InputFeature],
+        micro_batch_size: int | None,
+        loss_inputs: dict[str, object],
+    ) -> ModelOutput:
+        """Forward, loss and backward of the rows, in chunks of ``micro_batch_size`` (one micro
+        step either way); a NaN or infinite loss raises ``DataError`` before its backward."""
+        started, sums = time.perf_counter(), []
+        for rows, chunk_inputs in chunks(features, micro_batch_size, loss_inputs):
+            batch, outputs = self.run(group, rows, training=True)
+            loss = self.loss_value(group, batch, outputs, chunk_inputs)
+            check_finite(group, loss, self.parallel.sum_)  # before the metrics and the gradients see it
+            accumulate(group, batch, outputs, loss, training=True)
+            self.backward(group, loss)
+            sums.append(loss_sums(loss, batch, len(rows)))
+        call_sums = self.parallel.sum_(torch.stack(sums).sum(0)).tolist()
+        return record_call(group, features, call_sums, time.perf_counter() - started)
+
+    # ---- losses and the backward ----------------------------------------------------------------
+    def loss(
+        self, group: TrainGroup, batch: Batch, outputs: Outputs, training: bool, loss_inputs: dict[str, object]
+    ) -> LossOutput:
+        """``loss_value``, fed to the group's training (or evaluation) metrics."""
+        loss = self.loss_value(group, batch, outputs, loss_inputs)
+        accumulate(group, batch, outputs, loss, training)
+        return loss
+
+    def loss_value(
+        self, group: TrainGroup, batch: Batch, outputs: Outputs, loss_inputs: dict[str, object]
+    ) -> LossOutput:
+        """The group's loss of a forward's ``outputs`` (the reference logprobs computed first
+        where the loss needs them and none were given), with the router's loss on a mixture of experts."""
+        if group.loss.needs_reference and 'ref_logps' not in loss_inputs and group.name != FULL:
+            outputs['ref_logps'] = self._reference_logps(batch)
+        return self._router_loss(batch, outputs, group.loss(batch, outputs, **loss_inputs))
+
+    def backward(self, group: TrainGroup, loss: LossOutput) -> None:
+        """The loss's backward, its items added to what the group's step divides by."""
+        check_trainable(group, loss)
+        torch.autograd.backward(loss.loss)
+        group.pending_items = group.pending_items + loss.num_items.detach()
+
+    def _reference_logps(self, batch: Batch) -> torch.Tensor:
+        """Label-token logprobs under the base model with every adapter switched off: the KL
+        reference of GRPO and DPO, at the cost of one forward pass and no extra weights."""
+        # The base model, then back to the rows the training forward used: gradient
+        # checkpointing recomputes those layers during backward.
+        with torch.no_grad(), multi_lora.row_adapters(self.model, None):
+            logits = self.outputs(batch, router_logits=False)['logits']
+        return label_logps(logits, batch['labels'])
+
+    def _router_loss(self, batch: Batch, outputs: Outputs, loss: LossOutput) -> LossOutput:
+        """The experts' load into ``outputs`` for the metrics and, where the loss trains (its
+        router logits carry gradients: not ``forward_only``), the router's load-balancing loss of
+        these rows added to ``loss``, x its items: the step divides by them, so the optimizer sees
+        the mean loss plus coef x aux, as transformers adds it. A summed loss (no items: Tinker's)
+        gets coef x aux per real token, what that sum of per-token losses would get."""
+        if self.router is None or 'router_logits' not in outputs:
+            return loss
+        logits, mask = outputs['router_logits'], batch.get('attention_mask')
+        outputs['expert_tokens'] = router.expert_tokens(self.router, logits.detach(), mask)
+        if not logits.requires_grad or not self.router.aux_loss_coef:
+            return loss
+        aux = router.aux_loss(self.router, logits, mask)
+        outputs['router_aux_loss'] = aux.detach()
+        tokens = mask.sum() if mask is not None else torch.tensor(batch['input_ids'].numel())
+        items = torch.where(loss.num_items > 0, loss.num_items.detach(), tokens.to(loss.num_items.device))
+        return LossOutput(loss.loss + self.router.aux_loss_coef * aux * items, loss.num_items, loss.metrics)
+
+    def with_router_metric(self, group: TrainGroup) -> TrainGroup:
+        """The group with the experts' load among its metrics, on a mixture of experts."""
+        if self.router is not None:
+            group.train_metrics.append(ExpertLoad())
+            group.eval_metrics.append(ExpertLoad())
+        return group
+
+
+__all__ = ['ALIGNED_FIELDS', 'ModelRunner']

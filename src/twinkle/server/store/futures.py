@@ -1,0 +1,116 @@
+"""Futures: a queued request's status and, once it finished, its result or what went wrong and whose fault it was.
+
+A future is written pending, moved to running, then finished once (done or failed); a finished future
+never changes again, so a worker that completes late cannot overwrite what the client was told.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any
+
+from pydantic import BaseModel
+
+from twinkle.errors import StateError, one_of
+from twinkle.server.store.database import Aggregate, dumps, new_id
+
+FUTURE_STATUSES = ('pending', 'running', 'done', 'failed')
+ERROR_CATEGORIES = ('user', 'server')
+
+
+class FutureRecord(BaseModel, frozen=True):
+    id: str
+    tenant_id: str
+    run_id: str | None
+    op: str
+    status: str
+    #: The JSON-decoded result of a 'done' future; None otherwise (Any: whatever JSON the operation answered).
+    result: Any
+    #: What went wrong, and whose fault it was ('user' or 'server'), for a 'failed' future.
+    error: str | None
+    category: str | None
+    created_at: float
+    finished_at: float | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ('done', 'failed')
+
+
+class Futures(Aggregate):
+    """The futures table; a tenant reads only its own futures."""
+
+    def create(self, tenant_id: str, run_id: str | None, op: str) -> FutureRecord:
+        """A pending future of ``op`` on the tenant's run (None: on no run)."""
+        future = FutureRecord(
+            id=new_id('fut'),
+            tenant_id=tenant_id,
+            run_id=run_id,
+            op=op,
+            status='pending',
+            result=None,
+            error=None,
+            category=None,
+            created_at=self._db.clock(),
+            finished_at=None,
+        )
+        try:
+            self._db.execute(
+                "INSERT INTO futures (id, tenant_id, run_id, op, status, created_at) VALUES (?, ?, ?, ?, 'pending', ?)",
+                (future.id, tenant_id, run_id, op, future.created_at),
+            )
+        except sqlite3.IntegrityError as exc:
+            raise StateError(f'Tenant {tenant_id!r} has no run {run_id!r} to start {op!r} on') from exc
+        return future
+
+    def set_running(self, future_id: str) -> bool:
+        """Move a pending future to running; False if it was not pending. Not synced to disk on its
+        own: after a crash, ``fail_unfinished`` fails a running future as it does a pending one."""
+        sql = "UPDATE futures SET status = 'running' WHERE id = ? AND status = 'pending'"
+        return self._db.execute(sql, (future_id,), durable=False) > 0
+
+    def finish(self, future_id: str, result: Any) -> bool:  # Any: the operation's JSON answer
+        """Store the JSON-encoded ``result`` of an unfinished future; False if it had already finished.
+
+        A finished future never changes again, so a worker that completes after the future was failed
+        (say by ``fail_unfinished``) cannot overwrite what the client was told.
+        """
+        return self._finish(future_id, 'done', dumps('future result', result), None, None)
+
+    def fail(self, future_id: str, error: str, category: str) -> bool:
+        """Mark an unfinished future failed, blaming ``category`` ('user' or 'server'); False if finished."""
+        if category not in ERROR_CATEGORIES:
+            raise one_of('error category', category, ERROR_CATEGORIES)
+        return self._finish(future_id, 'failed', None, error, category)
+
+    def _finish(
+        self, future_id: str, status: str, result_json: str | None, error: str | None, category: str | None
+    ) -> bool:
+        sql = (
+            'UPDATE futures SET status = ?, result_json = ?, error = ?, category = ?, finished_at = ? '
+            "WHERE id = ? AND status IN ('pending', 'running')"
+        )
+        return self._db.execute(sql, (status, result_json, error, category, self._db.clock(), future_id)) > 0
+
+    def get(self, tenant_id: str, future_id: str) -> FutureRecord | None:
+        rows = self._db.query('SELECT * FROM futures WHERE id = ? AND tenant_id = ?', (future_id, tenant_id))
+        return _future(rows[0]) if rows else None
+
+    def fail_unfinished(self, reason: str) -> int:
+        """At server start: fail every pending or running future as the server's fault; return how many.
+
+        Their work died with the previous process, so their clients would otherwise wait for ever.
+        """
+        sql = (
+            "UPDATE futures SET status = 'failed', error = ?, category = 'server', finished_at = ? "
+            "WHERE status IN ('pending', 'running')"
+        )
+        return self._db.execute(sql, (reason, self._db.clock()))
+
+
+def _future(row: sqlite3.Row) -> FutureRecord:
+    fields = dict(row)
+    result_json = fields.pop('result_json')
+    fields['result'] = None if result_json is None else json.loads(result_json)
+    return FutureRecord.model_validate(fields)

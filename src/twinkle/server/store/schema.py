@@ -1,0 +1,159 @@
+"""The store's one schema and its one migration path: ``migrate`` runs once, when the store opens.
+
+A new file gets ``_SCHEMA`` whole; an older one runs each step of ``_MIGRATIONS`` from its
+``PRAGMA user_version`` up to ``SCHEMA_VERSION``, all in one transaction, so a failed upgrade leaves the
+file as it was. A file newer than this twinkle is refused rather than misread.
+"""
+
+from __future__ import annotations
+
+import re
+
+from twinkle.errors import StateError
+from twinkle.server.store.database import Database
+
+SCHEMA_VERSION = 5
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tenants (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    key_hash TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL,
+    -- 1 when the tenant comes from the server's API keys file, which then decides its key.
+    from_keys_file INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    base_model TEXT NOT NULL,
+    adapter_name TEXT NOT NULL,
+    config_json TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_request_at REAL NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('active', 'released', 'deleted')),
+    -- The Tinker session that created the run (NULL for runs of the native API).
+    session_id TEXT,
+    UNIQUE (id, tenant_id)
+);
+CREATE INDEX IF NOT EXISTS runs_by_tenant ON runs (tenant_id, created_at);
+CREATE INDEX IF NOT EXISTS runs_by_activity ON runs (status, last_request_at);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    id TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    tenant_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    path TEXT NOT NULL,
+    -- 'external': weights exported for download (Tinker's save_weights_external).
+    kind TEXT NOT NULL CHECK (kind IN ('training', 'sampler', 'external')),
+    size_bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    -- A published checkpoint may be loaded (never listed, changed or deleted) by other tenants.
+    public INTEGER NOT NULL DEFAULT 0,
+    -- Unix time after which the checkpoint is deleted (NULL: kept until deleted).
+    expires_at REAL,
+    UNIQUE (run_id, kind, name),
+    FOREIGN KEY (run_id, tenant_id) REFERENCES runs (id, tenant_id) ON DELETE CASCADE
+);
+CREATE INDEX IF NOT EXISTS checkpoints_by_tenant ON checkpoints (tenant_id, created_at);
+CREATE INDEX IF NOT EXISTS checkpoints_by_expiry ON checkpoints (expires_at);
+CREATE TABLE IF NOT EXISTS futures (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    run_id TEXT,
+    op TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('pending', 'running', 'done', 'failed')),
+    result_json TEXT,
+    error TEXT,
+    category TEXT CHECK (category IN ('user', 'server')),
+    created_at REAL NOT NULL,
+    finished_at REAL,
+    FOREIGN KEY (run_id, tenant_id) REFERENCES runs (id, tenant_id) ON DELETE CASCADE
+);
+CREATE INDEX IF NOT EXISTS futures_by_status ON futures (status);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    info_json TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_heartbeat_at REAL NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('active', 'finished'))
+);
+CREATE INDEX IF NOT EXISTS sessions_by_tenant ON sessions (tenant_id, created_at);
+CREATE TABLE IF NOT EXISTS sampling_sessions (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    base_model TEXT NOT NULL,
+    -- The tinker:// path of the sampler weights (NULL: the base model).
+    model_path TEXT,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS model_restarts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    -- The hosted base model (as the config names it) whose worker processes were started again.
+    base_model TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
+-- A run's figures at each optimizer step (loss, lr, grad_norm, tokens_per_s), as JSON.
+CREATE TABLE IF NOT EXISTS run_steps (
+    run_id TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    step INTEGER NOT NULL,
+    at REAL NOT NULL,
+    figures_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, step)
+);
+"""
+
+
+def _creating(*tables: str) -> list[str]:
+    """The statements of the schema that create ``tables`` and their indexes."""
+    pattern = re.compile(r'(?:TABLE IF NOT EXISTS|ON) (\w+) \(')
+    return [statement for statement in _SCHEMA.split(';') if (m := pattern.search(statement)) and m[1] in tables]
+
+
+_CHECKPOINT_COLUMNS = 'id, run_id, tenant_id, name, path, kind, size_bytes, created_at, public, expires_at'
+#: Statements that bring a database of version ``n - 1`` to version ``n``.
+_MIGRATIONS = {
+    2: ['ALTER TABLE tenants ADD COLUMN from_keys_file INTEGER NOT NULL DEFAULT 0'],
+    3: [
+        'ALTER TABLE runs ADD COLUMN session_id TEXT',
+        'ALTER TABLE checkpoints RENAME TO checkpoints_v2',
+        *_creating('checkpoints', 'sessions', 'sampling_sessions'),
+        'INSERT INTO checkpoints (id, run_id, tenant_id, name, path, kind, size_bytes, created_at) '
+        'SELECT id, run_id, tenant_id, name, path, kind, size_bytes, created_at FROM checkpoints_v2',
+        'DROP TABLE checkpoints_v2',
+    ],
+    4: _creating('model_restarts'),
+    # The kind 'external': SQLite cannot change a CHECK, so the table is rebuilt.
+    5: [
+        'DROP INDEX IF EXISTS checkpoints_by_tenant',
+        'DROP INDEX IF EXISTS checkpoints_by_expiry',
+        'ALTER TABLE checkpoints RENAME TO checkpoints_v4',
+        *_creating('checkpoints'),
+        f'INSERT INTO checkpoints ({_CHECKPOINT_COLUMNS}) SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints_v4',
+        'DROP TABLE checkpoints_v4',
+        *_creating('run_steps'),
+    ],
+}
+
+
+def migrate(db: Database) -> None:
+    """Bring the file to ``SCHEMA_VERSION``: create it when new, else migrate it from its version."""
+    with db.write() as conn:
+        version = int(conn.execute('PRAGMA user_version').fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise StateError(
+                f'{db.path} has schema version {version}, newer than the {SCHEMA_VERSION} this twinkle '
+                'understands: upgrade twinkle or point the server at another database'
+            )
+        if version == 0:
+            for statement in _SCHEMA.split(';'):
+                if statement.strip():
+                    conn.execute(statement)
+        else:
+            for target in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _MIGRATIONS[target]:
+                    conn.execute(statement)
+        conn.execute(f'PRAGMA user_version = {SCHEMA_VERSION}')

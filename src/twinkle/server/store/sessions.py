@@ -1,0 +1,121 @@
+"""Tinker sessions: what a Tinker client opens first, with the training runs and sampling sessions under it."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any
+
+from pydantic import BaseModel
+
+from twinkle.errors import StateError
+from twinkle.server.store.database import Aggregate, dumps, insert, new_id
+
+
+class Session(BaseModel, frozen=True):
+    id: str
+    tenant_id: str
+    #: What the client sent: tags, user_metadata, sdk_version (Any: JSON values, each read by name).
+    info: dict[str, Any]
+    created_at: float
+    last_heartbeat_at: float
+    #: 'active' or 'finished'.
+    status: str
+
+
+class SamplingSession(BaseModel, frozen=True):
+    id: str
+    tenant_id: str
+    session_id: str
+    base_model: str
+    #: The tinker:// path of the sampler weights (None: the base model).
+    model_path: str | None
+    created_at: float
+
+
+class Sessions(Aggregate):
+    """The sessions and sampling_sessions tables; a tenant reads only its own."""
+
+    def create(self, tenant_id: str, info: dict[str, Any]) -> Session:
+        now = self._db.clock()
+        session = Session(
+            id=new_id('sess'),
+            tenant_id=tenant_id,
+            info=dict(info),
+            created_at=now,
+            last_heartbeat_at=now,
+            status='active',
+        )
+        self._db.execute(
+            'INSERT INTO sessions (id, tenant_id, info_json, created_at, last_heartbeat_at, status) '
+            "VALUES (?, ?, ?, ?, ?, 'active')",
+            (session.id, tenant_id, dumps('session info', info), now, now),
+        )
+        return session
+
+    def get(self, tenant_id: str, session_id: str) -> Session | None:
+        rows = self._db.query('SELECT * FROM sessions WHERE id = ? AND tenant_id = ?', (session_id, tenant_id))
+        return _session(rows[0]) if rows else None
+
+    def page(self, tenant_id: str, limit: int = 100, offset: int = 0) -> list[Session]:
+        """One page of the tenant's sessions, newest first."""
+        rows = self._db.query(
+            'SELECT * FROM sessions WHERE tenant_id = ? ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?',
+            (tenant_id, limit, offset),
+        )
+        return [_session(row) for row in rows]
+
+    def heartbeat(self, session_id: str) -> None:
+        self._db.execute('UPDATE sessions SET last_heartbeat_at = ? WHERE id = ?', (self._db.clock(), session_id))
+
+    def finish(self, session_id: str) -> None:
+        self._db.execute("UPDATE sessions SET status = 'finished' WHERE id = ?", (session_id,))
+
+    def runs(self, tenant_id: str, session_id: str) -> list[str]:
+        """The ids of the training runs the session created, oldest first."""
+        return self._db.ids(
+            'SELECT id FROM runs WHERE tenant_id = ? AND session_id = ? ORDER BY created_at, rowid',
+            (tenant_id, session_id),
+        )
+
+    def create_sampler(
+        self, tenant_id: str, sampling_id: str, session_id: str, base_model: str, model_path: str | None
+    ) -> SamplingSession:
+        """Record a sampling session named ``sampling_id``; the same id again returns the first one."""
+        existing = self.sampler(tenant_id, sampling_id)
+        if existing is not None:
+            return existing
+        record = SamplingSession(
+            created_at=self._db.clock(),
+            id=sampling_id,
+            tenant_id=tenant_id,
+            session_id=session_id,
+            base_model=base_model,
+            model_path=model_path,
+        )
+        try:
+            with self._db.write() as conn:
+                insert(conn, 'sampling_sessions', record.model_dump())
+        except sqlite3.IntegrityError as exc:
+            raise StateError(f'sampling session {sampling_id!r} cannot be created: {exc}') from exc
+        return record
+
+    def sampler(self, tenant_id: str, sampling_id: str) -> SamplingSession | None:
+        """The tenant's sampling session of this id, or None."""
+        rows = self._db.query(
+            'SELECT * FROM sampling_sessions WHERE id = ? AND tenant_id = ?', (sampling_id, tenant_id)
+        )
+        return SamplingSession.model_validate(dict(rows[0])) if rows else None
+
+    def samplers(self, tenant_id: str, session_id: str) -> list[str]:
+        """The ids of the session's sampling sessions, oldest first."""
+        return self._db.ids(
+            'SELECT id FROM sampling_sessions WHERE tenant_id = ? AND session_id = ? ORDER BY created_at, rowid',
+            (tenant_id, session_id),
+        )
+
+
+def _session(row: sqlite3.Row) -> Session:
+    fields = dict(row)
+    fields['info'] = json.loads(fields.pop('info_json'))
+    return Session.model_validate(fields)
