@@ -82,6 +82,11 @@ def train(scenario: str, out_dir: Path, mesh: DeviceMesh | None = None) -> dict[
         'train_metrics': train_metrics,
         'eval_metrics': eval_metrics,
         'checkpoint': checkpoint,
+        # What a rank worker reads of the model (TransformersModel.device_mesh, uses_fsdp).
+        'layout': {
+            'world_size': model.device_mesh.world_size if model.device_mesh is not None else 1,
+            'uses_fsdp': model.uses_fsdp,
+        },
     }
     if training == 'lora':
         result.update(resume_losses(model, data, out_dir / scenario, mesh))

@@ -86,6 +86,14 @@ def test_the_torchrun_checkpoint_loads_in_one_process_with_the_same_logits(runs,
     torch.testing.assert_close(logits(two[scenario]['checkpoint']), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize('scenario', SCENARIOS)
+def test_the_model_says_how_it_is_spread(runs, scenario):
+    # One process: no mesh. Two ranks: data parallel over the runtime's mesh of 2, or FSDP2
+    # sharding over a mesh of 2 (the scenario's own), whose forwards every rank runs in step.
+    assert runs[0][scenario]['layout'] == {'world_size': 1, 'uses_fsdp': False}
+    assert runs[1][scenario]['layout'] == {'world_size': 2, 'uses_fsdp': SCENARIOS[scenario][1] == 'fsdp'}
+
+
 def test_fsdp2_refuses_an_adapter_after_it_sharded_the_model(runs):
     one, two = runs[0], runs[1]
     assert one['fsdp-lora']['late_adapter'] == 'added'  # one process: nothing is sharded

@@ -213,6 +213,23 @@ def test_a_resumed_run_reproduces_the_uninterrupted_losses(tiny_model_dir, rows,
     assert first + second == pytest.approx(uninterrupted, abs=1e-6)
 
 
+def test_the_public_face_the_model_gives_its_collaborators(tiny_model_dir, rows, tmp_path):
+    model = new_model(tiny_model_dir, 'alice', 'bob')
+    # One process: no mesh to find a data rank in, no FSDP2 sharding to run forwards in step.
+    assert model.device_mesh is None and model.uses_fsdp is False
+    assert model.train_group('alice') is model.groups['alice'] and model.train_group('alice').name == 'alice'
+    with pytest.raises(ConfigurationError, match=r"adapter_name= one of \['alice', 'bob'\]"):
+        model.train_group()
+    with pytest.raises(UnknownNameError, match=r"Unknown adapter 'carol'"):
+        model.train_group('carol')
+    # Three calls of one accumulation step each: three optimizer steps for alice, none for bob;
+    # a save without a name is named for alice's steps.
+    train(model, [rows[:2]] * 3, adapter='alice')
+    assert model.optimizer_steps(adapter_name='alice') == 3 and model.optimizer_steps(adapter_name='bob') == 0
+    assert Path(model.save(output_dir=str(tmp_path), adapter_name='alice')) == tmp_path / 'checkpoint-3'
+    assert Path(model.save(output_dir=str(tmp_path), adapter_name='bob')) == tmp_path / 'checkpoint-0'
+
+
 def test_checkpoint_swap_is_atomic_when_a_save_fails(tiny_model_dir, rows, tmp_path, monkeypatch):
     model = new_model(tiny_model_dir, 'default')
     path = Path(model.save('ckpt', output_dir=str(tmp_path)))

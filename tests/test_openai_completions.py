@@ -132,7 +132,7 @@ BAD_REQUESTS = [
     ('max_tokens past the context', {'max_tokens': 10**6}, 400, None, 'model context'),
     ('an unknown model', {'model': 'gpt-4o'}, 404, 'model', 'does not exist'),
     ('logprobs over 20', {'logprobs': 21}, 422, 'logprobs', 'less than or equal to 20'),
-    ('no prompt', {'prompt': None}, 422, 'prompt', 'prompt'),
+    ('no prompt', {'prompt': None}, 422, 'prompt.str', 'Input should be a valid string'),
 ]
 
 

@@ -216,6 +216,11 @@ def test_bad_inputs_fail_before_any_compute(sampler, monkeypatch):
         sampler.sample([])
     with pytest.raises(UnknownNameError, match="adapter 'nope'"):
         sampler.sample(PROMPTS[0], adapter_name='nope')
+    # One adapter per call (vLLMSampler takes one per prompt): a list is refused, not looked up as a name.
+    with pytest.raises(ConfigurationError, match=r"one adapter; got adapter_name=\['a', None\]"):
+        sampler.sample(PROMPTS[:2], adapter_name=['a', None])
+    with pytest.raises(ConfigurationError, match='needs a model_id or a config'):
+        TorchSampler()
 
 
 def lora() -> LoraConfig:

@@ -187,7 +187,6 @@ def test_a_tenant_whose_loss_is_not_finite_fails_alone_in_a_shared_tinker_pass(t
     from twinkle.server.config import ServerConfig
     from twinkle.server.execution.model_host import ModelHost
     from twinkle.server.execution.tinker_codec import Datum, ForwardBackwardCall
-    from twinkle.server.execution.tinker_compute import run_forward_backward_many
 
     host = ModelHost(ServerConfig.build(base_model=tiny_model_dir, device='cpu', data_dir=str(tmp_path)))
     for name in ('good', 'bad', 'twin'):
@@ -202,10 +201,10 @@ def test_a_tenant_whose_loss_is_not_finite_fails_alone_in_a_shared_tinker_pass(t
         }
         return ForwardBackwardCall('m', 1, 'importance_sampling', {}, False, [Datum(tokens, inputs)])
 
-    good, bad = run_forward_backward_many(host, [('good', call(-1.0)), ('bad', call(-1e30, 3e38))])
+    good, bad = host.tinker_forward_backward([('good', call(-1.0)), ('bad', call(-1e30, 3e38))])
     assert isinstance(good, bytes)
     assert isinstance(bad, DataError) and 'not finite' in str(bad)
-    (twin,) = run_forward_backward_many(host, [('twin', call(-1.0))])
+    (twin,) = host.tinker_forward_backward([('twin', call(-1.0))])
     # A pass of 2 rows against one of 1 row: equal up to float rounding (CPU matmuls block by shape).
     from tinker.proto.response_conv import deserialize_forward_backward_output
 

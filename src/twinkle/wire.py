@@ -24,6 +24,7 @@ from typing import Annotated, ClassVar
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     FailFast,
     Field,
@@ -89,6 +90,49 @@ FiniteJson = Annotated[JsonValue, AfterValidator(_finite)]
 FiniteObject = Annotated[dict[str, FiniteJson], FailFast()]
 
 
+def _whole(value: object) -> object:
+    """A JSON number without a fraction (``2.0``) as the integer it is: JSON has one kind of number
+    and JSON Schema's ``integer`` takes ``2.0``. Strict validation still refuses ``2.5``, ``'2'`` and ``true``."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _whole_numbers(values: object) -> object:
+    """``_whole`` over a list, copied only when it holds a float (a list of a million ints is not)."""
+    if isinstance(values, list) and float in map(type, values):  # a scan in C: ~20 ms per million
+        return [_whole(value) for value in values]
+    return values
+
+
+#: An integer of a request: ``2`` or ``2.0`` (constraints go before the validator, inside ``Annotated``,
+#: for the schema to state them).
+Int = Annotated[int, BeforeValidator(_whole)]
+#: Integers of a request (token ids, labels): ``2`` or ``2.0``; validation stops at the first bad one.
+Ints = Annotated[list[int], Field(fail_fast=True), BeforeValidator(_whole_numbers)]
+
+#: An adapter or checkpoint name (the server's store checks it, and that a checkpoint's is not one of
+#: its reserved folder names).
+NAME_PATTERN = '^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$'
+
+# What the schema declares beyond the types, so that a request that fits the schema is served (the
+# validators below check the same; the server checks what needs the model: ids in its vocabulary).
+#: A token id.
+TOKEN_ID: dict[str, JsonValue] = {'type': 'integer', 'minimum': 0}
+#: A label: a token id, or IGNORE_INDEX where the row is not trained on.
+LABEL: dict[str, JsonValue] = {'anyOf': [TOKEN_ID, {'const': IGNORE_INDEX}]}
+#: A chat message of a prompt.
+MESSAGE: dict[str, JsonValue] = {
+    'type': 'object',
+    'required': ['role', 'content'],
+    'properties': {'role': {'type': 'string'}, 'content': {'anyOf': [{'type': 'string'}, {'type': 'null'}]}},
+}
+#: A prompt has its token ids or its messages.
+PROMPT: dict[str, JsonValue] = {
+    'anyOf': [{'required': [name], 'properties': {name: {'type': 'array'}}} for name in ('input_ids', 'messages')]
+}
+#: The name of a figure of the trainer's own.
+FIGURE_NAME: dict[str, JsonValue] = {'pattern': f'^{_FIGURE_NAME.pattern}$', 'not': {'enum': list(RESERVED_FIGURES)}}
+
+
 class Wire(BaseModel):
     """Strict JSON: no unknown fields, no '1' for 1 or 1 for true, no NaN or infinity."""
 
@@ -99,20 +143,20 @@ class Wire(BaseModel):
 class CreateRun(Wire):
     """``POST /twinkle/v1/runs``: a training run, one LoRA adapter on the server's base model."""
 
-    adapter_name: str = 'default'
+    adapter_name: str = Field('default', json_schema_extra={'pattern': NAME_PATTERN})
     #: peft ``LoraConfig`` fields (``LORA_FIELDS``); the server checks the values it allows.
-    lora: FiniteObject = Field(default_factory=dict)
-    gradient_accumulation_steps: int = Field(1, gt=0)
+    lora: FiniteObject = Field(default_factory=dict, json_schema_extra={'propertyNames': {'enum': sorted(LORA_FIELDS)}})
+    gradient_accumulation_steps: Int = Field(1, gt=0)
     #: One of the server's base models (``GET /server``); None: its default.
     base_model: str | None = None
     #: Draw the adapter's initial weights from this seed (reproducible runs); torch takes 64 bits.
-    seed: int | None = Field(None, ge=-INT64, lt=2 * INT64)
+    seed: Annotated[int, Field(ge=-INT64, lt=2 * INT64), BeforeValidator(_whole)] | None = None
 
 
 class SaveRequest(Wire):
     """``POST /twinkle/v1/runs/{run_id}/save``."""
 
-    name: str
+    name: str = Field(json_schema_extra={'pattern': NAME_PATTERN})
     save_optimizer: StrictBool = False
 
 
@@ -248,11 +292,11 @@ class InputRow(Wire):
 
     model_config = ConfigDict(extra='ignore')
 
-    input_ids: list[int] = Field(min_length=1, fail_fast=True)
-    labels: list[int] = Field(fail_fast=True)
-    attention_mask: list[int] | None = Field(None, fail_fast=True)
-    position_ids: list[int] | None = Field(None, fail_fast=True)
-    completion_mask: list[int] | None = Field(None, fail_fast=True)
+    input_ids: Ints = Field(min_length=1, json_schema_extra={'items': TOKEN_ID})
+    labels: Ints = Field(json_schema_extra={'items': LABEL})
+    attention_mask: Ints | None = None
+    position_ids: Ints | None = None
+    completion_mask: Ints | None = None
 
     @model_validator(mode='after')
     def _aligned(self) -> InputRow:
@@ -276,10 +320,12 @@ class Prompt(Wire):
     """A prompt to sample from: encoded ``input_ids``, or ``messages`` the run's template encodes.
     Other keys of a dataset's row (``user_data``...) are dropped."""
 
-    model_config = ConfigDict(extra='ignore')
+    model_config = ConfigDict(extra='ignore', json_schema_extra=PROMPT)
 
-    input_ids: list[int] | None = Field(None, min_length=1, fail_fast=True)
-    messages: list[FiniteObject] | None = Field(None, min_length=1, fail_fast=True)
+    input_ids: Ints | None = Field(None, min_length=1, json_schema_extra={'items': TOKEN_ID})
+    messages: list[FiniteObject] | None = Field(
+        None, min_length=1, fail_fast=True, json_schema_extra={'items': MESSAGE}
+    )
     tools: list[FiniteObject] | None = Field(None, fail_fast=True)
 
     @field_validator('messages')
@@ -366,7 +412,7 @@ class AddMetric(Configure):
 class ForwardBackward(Operation):
     inputs: list[InputRow] = Field(min_length=1, fail_fast=True)
     #: Run ``inputs`` in chunks of this many rows (one accumulation step either way).
-    micro_batch_size: int | None = Field(None, gt=0)
+    micro_batch_size: Annotated[int, Field(gt=0), BeforeValidator(_whole)] | None = None
     #: Per-row inputs of the loss (``advantages``, ``old_logps``...), passed to it by name.
     loss_inputs: FiniteObject = Field(default_factory=dict)
 
@@ -414,7 +460,9 @@ class LogStepFigures(Operation):
     """Figures of the trainer's own (a mean reward, say), recorded with the run's next optimizer
     step in its history (``GET /twinkle/v1/runs/{id}/history``)."""
 
-    figures: dict[str, float] = Field(min_length=1, max_length=32, fail_fast=True)
+    figures: dict[str, float] = Field(
+        min_length=1, max_length=32, fail_fast=True, json_schema_extra={'propertyNames': FIGURE_NAME}
+    )
 
     @field_validator('figures')
     @classmethod

@@ -42,9 +42,9 @@ def load_causal_lm(
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute each layer in the backward instead of keeping its activations (not reentrant,
-    so that layers without a trained weight still pass gradients on), with the inputs requiring
-    grad so the first layer's recompute has a graph to join."""
+    """Recompute each layer in the backward instead of keeping its activations (torch's
+    non-reentrant checkpointing), with the embeddings' output requiring grad, as transformers
+    asks when the base weights are frozen (adapters)."""
     # transformers leaves both unannotated; both return nothing.
     enable = cast(Callable[..., None], model.gradient_checkpointing_enable)
     enable(gradient_checkpointing_kwargs={'use_reentrant': False})

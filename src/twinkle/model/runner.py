@@ -72,7 +72,7 @@ class ModelRunner:
         #: the training loss with ``router.aux_loss_coef``, and the experts' load is a metric.
         self.router = model_router
         self._template: Template | None = None
-        self._mode: bool | None = None  # the train/eval mode set_mode last set on every module
+        self._mode: bool | None = None  # the train/eval mode prepare last set on every module
 
     # ---- rows ---------------------------------------------------------------------------------
     def template_for(self, group: TrainGroup) -> Template:

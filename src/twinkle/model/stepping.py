@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from twinkle.errors import StateError
 from twinkle.model import multi_step
@@ -49,7 +50,9 @@ class Stepper:
         group.optimizer = build_optimizer(optimizer_cls, _param_groups(group.params), kwargs)
         group.scheduler = None
 
-    def set_lr_scheduler(self, group: TrainGroup, scheduler_cls: str | type, kwargs: dict[str, Any]) -> None:
+    def set_lr_scheduler(
+        self, group: TrainGroup, scheduler_cls: str | type[LRScheduler], kwargs: dict[str, Any]
+    ) -> None:
         group.scheduler = build_scheduler(scheduler_cls, self._optimizer(group, 'set_lr_scheduler'), kwargs)
 
     def set_hyperparams(self, group: TrainGroup, values: dict[str, Any]) -> None:

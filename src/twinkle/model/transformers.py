@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftConfig
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedModel
 
 from twinkle.data_format import ModelOutput
@@ -26,7 +27,7 @@ from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss
 from twinkle.metric import METRICS, Metric, TrainMetric
 from twinkle.model import checkpoint as ckpt
-from twinkle.model import mixed_pass, multi_lora, router
+from twinkle.model import mixed_pass, multi_lora
 from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, TwinkleModel
 from twinkle.model.checkpointer import Checkpointer, existing_checkpoint
 from twinkle.model.group import FULL, TrainGroup
@@ -41,6 +42,7 @@ from twinkle.model.lora_adapter import check_name
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.passes import check_positive
+from twinkle.model.router import Router, model_router
 from twinkle.model.runner import ModelRunner
 from twinkle.model.stepping import Stepper, describe_optimizer
 from twinkle.processor import PROCESSORS, InputProcessor
@@ -103,7 +105,7 @@ class TransformersModel(TwinkleModel):
         params = [p for p in self.model.parameters() if p.requires_grad]
         #: Each adapter's training state by name (only ``FULL``, every weight, before any adapter).
         self.groups: dict[str, TrainGroup] = {}
-        moe_router = router.model_router(self.model.config, router_aux_loss_coef)
+        moe_router = model_router(self.model.config, router_aux_loss_coef)
         self.runner = ModelRunner(
             self.model,
             model_id,
@@ -132,7 +134,7 @@ class TransformersModel(TwinkleModel):
         return self.runner.mixed_precision
 
     @property
-    def router(self) -> router.Router | None:
+    def router(self) -> Router | None:
         """A mixture of experts' router (None for a dense model): its load-balancing loss joins the
         training loss with ``router.aux_loss_coef`` (the config's ``router_aux_loss_coef`` unless
         given), and the experts' load is a metric (``ExpertLoad``)."""
@@ -238,7 +240,9 @@ class TransformersModel(TwinkleModel):
         weight decay."""
         self.stepper.set_optimizer(self.train_group(adapter_name), optimizer_cls, kwargs)
 
-    def set_lr_scheduler(self, scheduler_cls: str | type, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+    def set_lr_scheduler(
+        self, scheduler_cls: str | type[LRScheduler], *, adapter_name: str | None = None, **kwargs: Any
+    ) -> None:
         """A ``torch.optim.lr_scheduler`` scheduler, ``CosineWarmupScheduler`` or
         ``LinearWarmupScheduler``; stepped once per optimizer step."""
         self.stepper.set_lr_scheduler(self.train_group(adapter_name), scheduler_cls, kwargs)

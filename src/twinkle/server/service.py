@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from functools import partial
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import JsonValue
 
-from twinkle.errors import ConfigurationError, NotFoundError, StateError, TwinkleError
+from twinkle.errors import ConfigurationError, NotFoundError, QueueFullError, StateError, TwinkleError
 from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
@@ -26,14 +27,25 @@ from twinkle.server.execution.model_group import RELEASE_STATE, ModelGroup, bare
 from twinkle.server.execution.model_host import ModelHost
 from twinkle.server.execution.placement import build_host
 from twinkle.server.execution.sampler_group import SamplerGroup
-from twinkle.server.execution.scheduler import Batchable, Job, QueueFullError
+from twinkle.server.execution.scheduler import Batchable, Job
 from twinkle.server.rate_limit import RateLimiter
 from twinkle.server.store import Checkpoint, Run, Store, Tenant
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
+P = ParamSpec('P')
+R = TypeVar('R')
 #: Seconds between two recordings of a run's last request time.
 TOUCH_INTERVAL_S = 1.0
+
+
+def off_the_loop(method: Callable[P, R]) -> Callable[P, Coroutine[None, None, R]]:
+    """``method`` as a coroutine that runs it in a thread, off the event loop (it writes to disk)."""
+
+    async def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(method, *args, **kwargs)
+
+    return run
 
 
 class Service:
@@ -80,6 +92,7 @@ class Service:
             ['base_model'],
             registry=self.registry,
         )
+        self.submit_async = off_the_loop(self.submit)
         self.groups: dict[str, ModelGroup] = {}
         for index, group_config in enumerate(config.model_groups()):
             group_host = host if index == 0 and host is not None else build_host(group_config)
@@ -150,18 +163,6 @@ class Service:
             group.host.shutdown()  # model workers in a Ray actor or processes, and a vLLM engine, go with their server
 
     # ---- jobs -----------------------------------------------------------------------------------
-    async def submit_async(
-        self,
-        tenant: Tenant,
-        group: ModelGroup,
-        run_id: str | None,
-        operation: str,
-        fn: Callable[[], object],
-        batch: Batchable | None = None,
-    ) -> Job:
-        """``submit`` from a route: the future's row is written (and fsynced) off the event loop."""
-        return await asyncio.to_thread(self.submit, tenant, group, run_id, operation, fn, batch)
-
     def submit(
         self,
         tenant: Tenant,
@@ -171,25 +172,15 @@ class Service:
         fn: Callable[[], object],
         batch: Batchable | None = None,
         internal: bool = False,
+        future_id: str | None = None,
     ) -> Job:
-        """Record a future and queue ``fn`` as its job on ``group``'s worker."""
-        record = self.store.futures.create(tenant.id, run_id, operation)
-        return self.enqueue(tenant, group, record.id, operation, fn, batch, internal)
-
-    def enqueue(
-        self,
-        tenant: Tenant,
-        group: ModelGroup,
-        future_id: str,
-        operation: str,
-        fn: Callable[[], object],
-        batch: Batchable | None = None,
-        internal: bool = False,
-    ) -> Job:
-        """Queue ``fn`` on ``group``'s worker as the job of the future ``future_id`` (already
-        recorded); with ``batch`` it may share a pass with other tenants' jobs. An ``internal``
-        job (the server's own, such as releasing an idle adapter) is not held to the tenant's
-        queue limit."""
+        """Queue ``fn`` on ``group``'s worker as the job of a future: a new one recorded for
+        ``run_id``, or ``future_id`` (recorded already). With ``batch`` it may share a pass with
+        other tenants' jobs. An ``internal`` job (the server's own, such as releasing an idle
+        adapter) is not held to the tenant's queue limit. ``submit_async`` is this from a route:
+        the future's row is written (and fsynced) off the event loop."""
+        if future_id is None:
+            future_id = self.store.futures.create(tenant.id, run_id, operation).id
         try:
             job = group.scheduler_for(operation).submit(
                 tenant.id, fn, job_id=future_id, batch=batch, operation=operation, internal=internal

@@ -10,9 +10,9 @@ components (a model and its data loader) share the group's devices as the seed s
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -113,7 +113,8 @@ class RayCluster:
     @classmethod
     def start(cls, groups: Sequence[DeviceGroup], seed: int | None = None) -> RayCluster:
         connect()
-        check_resources(groups, ray.cluster_resources())
+        # Ray leaves cluster_resources unannotated; it returns each resource's total by name.
+        check_resources(groups, cast(Callable[[], dict[str, float]], ray.cluster_resources)())
         cluster = cls({g.name: g for g in groups}, seed=seed)
         try:
             for group in groups:
@@ -146,7 +147,7 @@ class RayCluster:
 
 def _reserve(group: DeviceGroup) -> PlacementGroup:
     bundle = {RESOURCE_NAMES[group.device_type]: group.gpus_per_worker}
-    pg = placement_group([dict(bundle) for _ in range(group.world_size)], strategy='PACK')
+    pg: PlacementGroup = placement_group([dict(bundle) for _ in range(group.world_size)], strategy='PACK')
     try:
         ray.get(pg.ready(), timeout=RESERVE_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:

@@ -36,7 +36,8 @@ class RemoteHandle:
 
 def method_dispatch(cls: type, name: str) -> Dispatch:
     """How ``cls.name`` runs remotely: its declared ``Dispatch`` (inherited), else ``('all', 'first')``."""
-    return getattr(cls, METHODS_ATTR, {}).get(name, DEFAULT_DISPATCH)
+    table: dict[str, Dispatch] = getattr(cls, METHODS_ATTR, {})  # remote_class sets it
+    return table.get(name, DEFAULT_DISPATCH)
 
 
 def accepts_argument(cls: type, name: str) -> bool:

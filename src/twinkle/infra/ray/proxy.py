@@ -230,7 +230,8 @@ class RemoteComponent(RemoteHandle):
 
     def __len__(self) -> int:
         self._require('__len__', 'len()')
-        return self._submit('call', ('__len__',), ((), {}), dispatch='rank0', what='__len__').get()
+        length: int = self._submit('call', ('__len__',), ((), {}), dispatch='rank0', what='__len__').get()
+        return length
 
     def __iter__(self) -> Iterator[Any]:
         self._require('__iter__', 'iterable')
@@ -355,7 +356,7 @@ class RemoteIterator:
         return self._owner._result(call)
 
 
-class LazyResult(Sequence):
+class LazyResult(Sequence[Any]):
     """A remote call's result, fetched (and merged) the first time it is used.
 
     It behaves as its value for iteration, ``len``, indexing, attributes, numbers, ``str`` and ``==``;
@@ -401,7 +402,8 @@ class LazyResult(Sequence):
         return int(self.get())
 
     def __eq__(self, other: object) -> bool:
-        return self.get() == (other.get() if isinstance(other, LazyResult) else other)
+        equal: bool = self.get() == (other.get() if isinstance(other, LazyResult) else other)
+        return equal
 
     __hash__ = None  # type: ignore[assignment]
 

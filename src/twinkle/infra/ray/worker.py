@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -64,7 +64,9 @@ class ComponentWorker:
         with socket.socket() as sock:
             sock.bind(('', 0))
             port = sock.getsockname()[1]
-        return Placement(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port)
+        # Ray leaves get_node_ip_address unannotated; it returns this node's address as a string.
+        address = cast(Callable[[], str], ray.util.get_node_ip_address)()
+        return Placement(ray.get_runtime_context().get_node_id(), address, port)
 
     @ray.method(num_returns=2)
     def build(

@@ -21,7 +21,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from pydantic import JsonValue
 
-from twinkle.errors import ConfigurationError, NotFoundError, UnknownNameError
+from twinkle.errors import ConfigurationError, DataError, NotFoundError, UnknownNameError
 from twinkle.model.checkpoint import folder_size
 from twinkle.server.api.deps import Who
 from twinkle.server.api.errors import error_responses
@@ -157,7 +157,7 @@ def _operation_endpoint(
             return FutureAccepted(future_id=future.id)
 
         def compute() -> JsonValue:
-            result = group.run(run, name, kwargs)
+            result: JsonValue = group.run(run, name, kwargs)
             if spec.setup:
                 service.remember_setup(run_id, name, kwargs)
             return result
@@ -240,7 +240,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     async def checkpoint_links(run_id: str, name: str, who: Who, request: Request) -> FileLinks:
         """Links to the checkpoint's weight files (not its optimizer state) that work without a key
         for an hour: what ``download_checkpoint``, ``export`` and ``upload_to_hub`` fetch."""
-        checkpoint = store.checkpoints.get(who.id, run_id, check_checkpoint_name(name))
+        checkpoint = store.checkpoints.get(who.id, run_id, name)  # a name no save took: not found
         if checkpoint is None:
             raise NotFoundError(f'checkpoint {name!r} of run {run_id!r} not found')
         urls, expires = signed_links(service, checkpoint, request, weight_files(checkpoint))
@@ -263,7 +263,10 @@ def _sample_route(router: APIRouter, service: Service) -> None:
         """Sample the base model, or a saved checkpoint's weights, without a training run."""
         directory, group = None, service.group_named(body.base_model)
         if body.model_path is not None:
-            run_id, kind, name = parse_checkpoint_path(body.model_path)
+            try:
+                run_id, kind, name = parse_checkpoint_path(body.model_path)
+            except DataError as malformed:  # a path no checkpoint can have, saying what one looks like
+                raise NotFoundError(f'checkpoint not found: {malformed}') from None
             checkpoint = service.store.checkpoints.readable(who.id, run_id, name, kind)
             if checkpoint is None or kind == 'external':  # exports are for download, not sampling
                 raise NotFoundError(f'checkpoint {body.model_path!r} not found')

@@ -33,12 +33,14 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
+from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
@@ -63,6 +65,24 @@ ERROR_TYPES = {401: 'authentication_error', 409: 'conflict_error', 429: 'rate_li
 
 
 # ---- the request ------------------------------------------------------------------------------------
+#: Texts; their validation stops at the first bad one (a million bad items are one problem).
+Texts = Annotated[list[str], Field(fail_fast=True)]
+#: The schema of ``response_format``: only plain text is served.
+TEXT_FORMAT: dict[str, JsonValue] = {
+    'properties': {'type': {'const': 'text'}},
+    'required': ['type'],
+    'description': 'Not supported by this server other than {"type": "text"}',
+}
+
+
+def served_only(*values: JsonValue) -> dict[str, JsonValue]:
+    """The schema of an option this server serves only with ``values`` (or left out): any other
+    value is refused by the route with a 400 that names the option. The schema declares what is
+    served, so a request that fits it is never refused."""
+    served = f'other than {", ".join(json.dumps(value) for value in values)}' if values else 'at all: leave it out'
+    return {'enum': [*values, None], 'description': f'Not supported by this server {served}'}
+
+
 class ContentPart(BaseModel):
     """One part of a message's content; only ``text`` parts are served."""
 
@@ -76,7 +96,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra='ignore')
 
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(fail_fast=True)] | None = None
     # Tool calls of an earlier assistant turn: refused, as this server has no tool calling.
     tool_calls: list[JsonValue] | None = None
 
@@ -95,7 +115,7 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra='ignore', allow_inf_nan=False)
 
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     # Tokens to sample per choice; max_completion_tokens (OpenAI's newer name) wins over max_tokens.
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -103,8 +123,8 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     # 0 keeps only the most likely token (greedy).
     top_p: float | None = Field(None, ge=0, le=1)
-    n: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, json_schema_extra={'maximum': MAX_CHOICES})
+    stop: str | Texts | None = None
     # The same seed, messages and weights give the same reply.
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False
@@ -114,19 +134,19 @@ class ChatCompletionRequest(BaseModel):
     # vLLM's extensions: keep the k most likely tokens (0 or -1: all), and CTRL's repetition penalty.
     top_k: int | None = Field(None, ge=-1)
     repetition_penalty: float | None = Field(None, gt=0)
-    # ---- accepted only to be refused when used
-    tools: list[JsonValue] | None = None
-    tool_choice: str | dict[str, JsonValue] | None = None
-    functions: list[JsonValue] | None = None
-    function_call: str | dict[str, JsonValue] | None = None
-    response_format: dict[str, JsonValue] | None = None
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    modalities: list[str] | None = None
-    audio: dict[str, JsonValue] | None = None
-    prediction: dict[str, JsonValue] | None = None
-    web_search_options: dict[str, JsonValue] | None = None
+    # ---- accepted only to be refused when used; the schema declares the values that change nothing
+    tools: list[JsonValue] | None = Field(None, json_schema_extra={'maxItems': 0})
+    tool_choice: str | dict[str, JsonValue] | None = Field(None, json_schema_extra=served_only('none', 'auto'))
+    functions: list[JsonValue] | None = Field(None, json_schema_extra={'maxItems': 0})
+    function_call: str | dict[str, JsonValue] | None = Field(None, json_schema_extra=served_only('none', 'auto'))
+    response_format: dict[str, JsonValue] | None = Field(None, json_schema_extra=TEXT_FORMAT)
+    logit_bias: dict[str, float] | None = Field(None, fail_fast=True, json_schema_extra={'maxProperties': 0})
+    presence_penalty: float | None = Field(None, ge=-2, le=2, json_schema_extra=served_only(0))
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, json_schema_extra=served_only(0))
+    modalities: list[str] | None = Field(None, fail_fast=True, json_schema_extra=served_only(['text']))
+    audio: dict[str, JsonValue] | None = Field(None, json_schema_extra=served_only())
+    prediction: dict[str, JsonValue] | None = Field(None, json_schema_extra=served_only())
+    web_search_options: dict[str, JsonValue] | None = Field(None, json_schema_extra=served_only())
 
 
 # ---- what the routes pass around --------------------------------------------------------------------
@@ -232,6 +252,17 @@ def _described(error: Exception) -> tuple[int, str, str | None, str | None]:
 
 
 # ---- the routes -------------------------------------------------------------------------------------
+class ModelIdConvertor(PathConvertor):
+    """A model id in a path: anything after ``/models/``, slashes (``Qwen/Qwen3-0.6B``,
+    ``tinker://...``) and line breaks included, so that every id is answered by the route, in this
+    API's error shape (Starlette's ``path`` stops at a line break: a framework 404 otherwise)."""
+
+    regex = r'[\s\S]*'
+
+
+register_url_convertor('model_id', ModelIdConvertor())
+
+
 def openai_router(service: Service) -> APIRouter:
     """The OpenAI-compatible routes, over ``service`` (see ``twinkle.server.app``)."""
     router = APIRouter(prefix=PREFIX, route_class=OpenAIRoute, responses=ERROR_RESPONSES)
@@ -250,7 +281,7 @@ def _model_routes(router: APIRouter, service: Service) -> None:
                 models.append(_model_json(trained_on, who, checkpoint))
         return {'object': 'list', 'data': models}
 
-    @router.get('/models/{model:path}')
+    @router.get('/models/{model:model_id}')
     async def get_model(model: str, who: Who) -> JsonObject:
         group, checkpoint = _resolve_model(service, who, model)
         return _model_json(group, who, checkpoint, model)

@@ -44,8 +44,10 @@ from twinkle.server.api.openai_api import (
     JsonObject,
     OpenAIRoute,
     StreamOptions,
+    Texts,
     _resolve_model,
     _usage,
+    served_only,
 )
 from twinkle.server.execution.chat import ChatReply, ChatRequest, ReplyToken
 from twinkle.server.execution.checks import MAX_TOP_LOGPROBS
@@ -67,15 +69,8 @@ PROMPT_SCHEMA: dict[str, JsonValue] = {
 }
 
 
-#: Token ids, and texts; their validation stops at the first bad one (a million bad ids are one problem).
+#: Token ids; their validation stops at the first bad one (a million bad ids are one problem).
 Ids = Annotated[list[int], Field(fail_fast=True)]
-Texts = Annotated[list[str], Field(fail_fast=True)]
-
-
-def served_only(*values: JsonValue) -> dict[str, JsonValue]:
-    """The schema of an option this server serves only with ``values`` (or left out): any other
-    value is refused by the route with a 400 that names the option."""
-    return {'enum': [*values, None], 'description': f'Not supported by this server other than {list(values)}'}
 
 
 class CompletionRequest(BaseModel):

@@ -12,7 +12,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -29,6 +29,10 @@ from twinkle.server.config import ServerConfig
 from twinkle.template import TEMPLATES, Template
 from twinkle.wire import LORA_FIELDS, OPERATIONS, Configure
 
+#: JSON as the wire checked it: a request's arguments, rows and prompts, an operation's result. Its shape is
+#: each operation's (``twinkle.wire.OPERATIONS``); this ``Any`` is JSON and nothing else.
+Json = Any
+JsonObject = dict[str, Json]
 #: Most top-k logprobs per token a sampling request may ask for (vLLM's default ``max_logprobs``).
 MAX_TOP_LOGPROBS = 20
 #: Saved sampler weights kept loaded as adapters at once; the least recently used one goes first.
@@ -45,7 +49,7 @@ class RequestChecks:
     context: int | None
     device: torch.device
 
-    def check_adapter(self, lora: Mapping[str, Any]) -> None:
+    def check_adapter(self, lora: Mapping[str, Json]) -> None:
         """Known LoRA fields and a rank within the limit (room on the model is the service's
         to make, ``Service.make_room``; ``add_adapter`` checks that it is there)."""
         limits = self.config.limits
@@ -56,7 +60,7 @@ class RequestChecks:
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limits.max_lora_rank:
             raise ConfigurationError(f'LoRA rank r={rank!r} must be an integer in [1, {limits.max_lora_rank}]')
 
-    def validate(self, operation: str, kwargs: dict[str, Any]) -> None:
+    def validate(self, operation: str, kwargs: JsonObject) -> None:
         """What the request's wire model (``twinkle.wire.OPERATIONS[operation]``, checked at the
         route) cannot check: a registered component that takes these options, token ids in the
         vocabulary, lengths within the context and the request limits. The server runs it before
@@ -75,8 +79,8 @@ class RequestChecks:
             check_scheduler_args(kwargs['scheduler_cls'], {k: v for k, v in kwargs.items() if k != 'scheduler_cls'})
 
     def sample_request(
-        self, inputs: list[dict[str, Any]], sampling_params: dict[str, Any] | None
-    ) -> tuple[list[dict[str, Any]], SamplingParams]:
+        self, inputs: list[JsonObject], sampling_params: JsonObject | None
+    ) -> tuple[list[JsonObject], SamplingParams]:
         """The prompts (``twinkle.wire.Prompt`` s) and parameters of a ``sample`` request,
         checked: known parameters with valid values, prompt token ids in the vocabulary, and
         (for prompts given as token ids; ``messages`` are counted once encoded, on the worker)
@@ -125,7 +129,7 @@ class RequestChecks:
                 f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
             )
 
-    def features(self, inputs: list[dict[str, Any]]) -> list[InputFeature]:
+    def features(self, inputs: list[JsonObject]) -> list[InputFeature]:
         """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
         labels in the vocabulary, and the request's token total within the limit."""
         features, total = [], 0
@@ -149,14 +153,14 @@ _REGISTRIES: dict[str, Registry[Any]] = {
     'metric': METRICS,
 }
 #: Constructor parameters the model fills in itself (the parameters, the optimizer, the model id).
-_COMPONENT_SLOTS: dict[str, dict[str, Any]] = {
+_COMPONENT_SLOTS: dict[str, JsonObject] = {
     'optimizer_cls': {'params': None},
     'scheduler_cls': {'optimizer': None},
     'template_cls': {'model_id': 'x'},
 }
 
 
-def _check_component(spec: type[Configure], kwargs: Mapping[str, Any]) -> None:
+def _check_component(spec: type[Configure], kwargs: Mapping[str, Json]) -> None:
     """The component ``kwargs`` names is registered and its constructor takes the options."""
     field = spec.component_field
     registry = _REGISTRIES[field]
@@ -168,7 +172,7 @@ def _check_component(spec: type[Configure], kwargs: Mapping[str, Any]) -> None:
     _bind(f'{registry.kind} {component.__name__}', component, options, slots)
 
 
-def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Any], filled: Mapping[str, Any]) -> None:
+def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Json], filled: Mapping[str, Json]) -> None:
     """``DataError`` unless ``target`` accepts ``kwargs`` (besides what the server fills in)."""
     signature = inspect.signature(target)
     try:
@@ -178,12 +182,12 @@ def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Any], fill
         raise DataError(f'{what}: {e}; it accepts {accepted}') from None
 
 
-def check_name(kind: str, name: Any, valid: list[str]) -> None:
+def check_name(kind: str, name: object, valid: list[str]) -> None:
     if not isinstance(name, str) or name not in valid:
         raise UnknownNameError(kind, name, valid)
 
 
-def _feature(index: int, row: dict[str, Any], vocab: int) -> InputFeature:
+def _feature(index: int, row: JsonObject, vocab: int) -> InputFeature:
     """A row the wire checked (``twinkle.wire.InputRow``: integer ids >= 0, labels, equal
     lengths), checked against the vocabulary."""
     bad = next((t for t in row['input_ids'] if t >= vocab), None)
@@ -195,7 +199,7 @@ def _feature(index: int, row: dict[str, Any], vocab: int) -> InputFeature:
     return cast(InputFeature, row)  # an InputRow's fields: input_ids, labels and the token fields it has
 
 
-def _prompt(index: int, prompt: dict[str, Any], vocab: int) -> dict[str, Any]:
+def _prompt(index: int, prompt: JsonObject, vocab: int) -> JsonObject:
     """A prompt the wire checked (``twinkle.wire.Prompt``), its token ids in the vocabulary;
     the template checks the roles of ``messages`` when it encodes them."""
     bad = next((t for t in prompt.get('input_ids') or [] if t >= vocab), None)
@@ -204,7 +208,7 @@ def _prompt(index: int, prompt: dict[str, Any], vocab: int) -> dict[str, Any]:
     return prompt
 
 
-def encoded_prompt(template: Template, index: int, prompt: dict[str, Any]) -> dict[str, Any]:
+def encoded_prompt(template: Template, index: int, prompt: JsonObject) -> JsonObject:
     """``prompt`` with ``input_ids``: its own, or its ``messages`` encoded for generation."""
     if 'input_ids' in prompt:
         return prompt
@@ -223,44 +227,47 @@ class SavedWeightsSampler(Protocol):
     """What samples saved weights: the checks of a request, the adapter of a checkpoint, generation."""
 
     def sample_request(
-        self, inputs: list[dict[str, Any]], sampling_params: dict[str, Any] | None
-    ) -> tuple[list[dict[str, Any]], SamplingParams]: ...
+        self, inputs: list[JsonObject], sampling_params: JsonObject | None
+    ) -> tuple[list[JsonObject], SamplingParams]: ...
 
     def sampler_adapter(self, directory: Path, shown_as: str | None = None) -> str: ...
 
     def generate(
-        self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
+        self, prompts: list[JsonObject], params: SamplingParams, adapter: str | None, weight_version: int = 0
     ) -> list[SampleResponse]: ...
+
+
+@dataclass(frozen=True)
+class SavedWeights:
+    """A checkpoint's weights to sample: its folder, what the tenant calls it (errors name that,
+    never the folder), and the optimizer step they were saved at (each sequence's ``weight_version``)."""
+
+    directory: Path
+    shown_as: str | None = None
+    version: int = 0
 
 
 def sample_saved(
     sampler: SavedWeightsSampler,
     template: Template,
-    inputs: list[dict[str, Any]],
-    sampling_params: dict[str, Any] | None,
-    directory: Path | None,
-    shown_as: str | None,
-    weight_version: int,
-) -> list[dict[str, Any]]:
-    """Sample the base model (``directory`` None) or the weights saved in ``directory`` (a
-    checkpoint the tenant calls ``shown_as``, its sequences marked ``weight_version``);
-    ``messages`` prompts are encoded with ``template``. One ``SampleResponse`` per prompt, as a dict."""
+    inputs: list[JsonObject],
+    sampling_params: JsonObject | None,
+    weights: SavedWeights | None,
+) -> list[JsonObject]:
+    """Sample the base model (``weights`` None) or saved weights; ``messages`` prompts are encoded
+    with ``template``. One ``SampleResponse`` per prompt, as a dict."""
     prompts, params = sampler.sample_request(inputs, sampling_params)
     prompts = [encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
-    adapter = None if directory is None else sampler.sampler_adapter(directory, shown_as)
-    return [asdict(response) for response in sampler.generate(prompts, params, adapter, weight_version)]
+    adapter = None if weights is None else sampler.sampler_adapter(weights.directory, weights.shown_as)
+    version = 0 if weights is None else weights.version
+    return [asdict(response) for response in sampler.generate(prompts, params, adapter, version)]
 
 
 def sample_prompt(
-    sampler: SavedWeightsSampler,
-    prompt: list[int],
-    params: SamplingParams,
-    directory: Path | None,
-    shown_as: str | None,
+    sampler: SavedWeightsSampler, prompt: list[int], params: SamplingParams, weights: SavedWeights | None
 ) -> SampleResponse:
-    """Sample one prompt of token ids (checked) from the base model (``directory`` None) or the
-    weights saved in ``directory`` (errors name ``shown_as``)."""
-    adapter = None if directory is None else sampler.sampler_adapter(directory, shown_as)
+    """Sample one prompt of token ids (checked) from the base model (``weights`` None) or saved weights."""
+    adapter = None if weights is None else sampler.sampler_adapter(weights.directory, weights.shown_as)
     return sampler.generate([{'input_ids': prompt}], params, adapter)[0]
 
 
@@ -326,8 +333,11 @@ class SavedAdapters:
 __all__ = [
     'MAX_SAMPLER_ADAPTERS',
     'MAX_TOP_LOGPROBS',
+    'Json',
+    'JsonObject',
     'RequestChecks',
     'SavedAdapters',
+    'SavedWeights',
     'checkpoint_stamp',
     'encoded_prompt',
     'sample_prompt',

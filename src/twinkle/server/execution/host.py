@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import torch
 from tinker import types as tinker_types
@@ -23,16 +23,12 @@ from typing_extensions import TypedDict
 from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import TwinkleError
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.checks import RequestChecks
+from twinkle.server.execution.checks import Json, JsonObject, RequestChecks, SavedWeights
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
 
 if TYPE_CHECKING:
     from twinkle.server.execution.chat import ChatReply, ChatRequest
 
-#: JSON as the wire checked it: a request's arguments, an operation's result, a sampled response.
-#: Its shape is each operation's (``twinkle.wire.OPERATIONS``); this ``Any`` is JSON and nothing else.
-Json = Any
-JsonObject = dict[str, Json]
 #: A request of a shared pass: its adapter and its arguments.
 AdapterRequest = tuple[str, JsonObject]
 #: The result of one request of a shared pass, or the error of that request alone (the others keep theirs).
@@ -66,21 +62,14 @@ class SamplingHost(Protocol):
 
     def check_sampling_params(self, params: SamplingParams) -> None: ...
 
-    def sample_ids(
-        self, prompt: list[int], params: SamplingParams, directory: Path | None, shown_as: str | None
-    ) -> SampleResponse:
-        """Sample a prompt of token ids from the base model (``directory`` None) or saved weights."""
+    def sample_ids(self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None) -> SampleResponse:
+        """Sample a prompt of token ids from the base model (``weights`` None) or saved weights."""
         ...
 
     def sample_weights(
-        self,
-        inputs: list[JsonObject],
-        sampling_params: JsonObject | None,
-        directory: Path | None,
-        shown_as: str | None = None,
-        weight_version: int = 0,
+        self, inputs: list[JsonObject], sampling_params: JsonObject | None, weights: SavedWeights | None = None
     ) -> list[JsonObject]:
-        """Sample the base model (``directory`` None) or the weights saved in ``directory``."""
+        """Sample the base model (``weights`` None) or saved weights; one ``SampleResponse`` per prompt, as a dict."""
         ...
 
     def forget_sampler_weights(self, directory: Path) -> None:
@@ -218,22 +207,12 @@ class ForwardingHost(RequestChecks):
         return cast('ChatReply', self.forward('sample_chat', request))
 
     def sample_weights(
-        self,
-        inputs: list[JsonObject],
-        sampling_params: JsonObject | None,
-        directory: Path | None,
-        shown_as: str | None = None,
-        weight_version: int = 0,
+        self, inputs: list[JsonObject], sampling_params: JsonObject | None, weights: SavedWeights | None = None
     ) -> list[JsonObject]:
-        return cast(
-            'list[JsonObject]',
-            self.forward('sample_weights', inputs, sampling_params, directory, shown_as, weight_version),
-        )
+        return cast('list[JsonObject]', self.forward('sample_weights', inputs, sampling_params, weights))
 
-    def sample_ids(
-        self, prompt: list[int], params: SamplingParams, directory: Path | None, shown_as: str | None
-    ) -> SampleResponse:
-        return cast('SampleResponse', self.forward('sample_ids', prompt, params, directory, shown_as))
+    def sample_ids(self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None) -> SampleResponse:
+        return cast('SampleResponse', self.forward('sample_ids', prompt, params, weights))
 
     def forget_sampler_weights(self, directory: Path) -> None:
         self.forward('forget_sampler_weights', directory)
@@ -252,6 +231,6 @@ class ForwardingHost(RequestChecks):
 
 
 __all__ = [
-    'FORWARDED', 'AdapterRequest', 'Footprint', 'Forwarded', 'ForwardingHost', 'Host', 'JsonObject', 'Outcome',
+    'FORWARDED', 'AdapterRequest', 'Footprint', 'Forwarded', 'ForwardingHost', 'Host', 'Json', 'JsonObject', 'Outcome',
     'SamplingHost',
 ]  # fmt: skip

@@ -22,7 +22,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.host import Host, Json, JsonObject, Outcome, SamplingHost
 from twinkle.server.execution.model_host import is_mixable, request_tokens
-from twinkle.server.execution.sampler_group import SamplerGroup, version_of
+from twinkle.server.execution.sampler_group import SamplerGroup, saved_weights
 from twinkle.server.execution.scheduler import Batchable, Job, JobCallback, Scheduler
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
 from twinkle.server.store import Run, Store
@@ -32,6 +32,8 @@ from twinkle.utils.logger import get_logger
 logger = get_logger()
 RELEASE_STATE = 'released-state'
 #: Operations of both APIs that take an optimizer step: the runs' step history is recorded after them.
+#: The tenant the server's own chores are queued as.
+HOUSEKEEPING = 'server-housekeeping'
 STEP_OPERATIONS = frozenset({'clip_grad_and_step', 'step', 'optim_step'})
 
 
@@ -257,15 +259,14 @@ class ModelGroup:
         self, inputs: list[JsonObject], sampling_params: JsonObject | None, directory: Path | None, shown_as: str | None
     ) -> list[JsonObject]:
         """Sample the base model (``directory`` None) or saved weights, on the sampler if the model has one."""
-        version = 0 if directory is None else version_of(directory)
-        return self.sampling_host.sample_weights(inputs, sampling_params, directory, shown_as, version)
+        return self.sampling_host.sample_weights(inputs, sampling_params, saved_weights(directory, shown_as))
 
     def sample_ids(
         self, prompt: list[int], params: SamplingParams, directory: Path | None, shown_as: str | None
     ) -> SampleResponse:
         """Sample a prompt of token ids from the base model or saved weights, on the sampler if the
         model has one (worker thread)."""
-        return self.sampling_host.sample_ids(prompt, params, directory, shown_as)
+        return self.sampling_host.sample_ids(prompt, params, saved_weights(directory, shown_as))
 
     def sample_chat(self, request: ChatRequest) -> ChatReply:
         """An OpenAI-style completion of the base model or saved weights (worker thread)."""
@@ -285,10 +286,20 @@ class ModelGroup:
             raise result
         return cast(JsonObject, result)
 
-    def forget_sampler_weights(self, directory: Path) -> None:
-        """Unload ``directory``'s weights if the model loaded them for sampling (its checkpoint went;
-        worker thread). A sampler group of its own unloads them once evicted or saved again."""
-        self.host.forget_sampler_weights(directory)
+    def unload_saved_weights(self, directories: list[Path]) -> None:
+        """Queue a chore that unloads these folders' weights where the model loaded them for
+        sampling (their checkpoints were deleted); on the worker thread, no sampling job is using
+        them. A sampler group of its own unloads them once evicted or saved again."""
+
+        def forget() -> None:
+            for directory in directories:
+                self.host.forget_sampler_weights(directory)
+
+        self.scheduler.submit(HOUSEKEEPING, forget, operation='forget_sampler_weights')
+
+    def queued(self, tenant_id: str) -> int:
+        """The tenant's requests waiting for this model's worker (its sampler's not counted)."""
+        return self.scheduler.queued(tenant_id)
 
     def release_free_memory(self) -> bool:
         """Give the model process's free heap pages back to the OS (worker thread, when idle)."""

@@ -12,11 +12,12 @@ run samples its adapter as it is after its last step, with nothing to sync.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import cast
+from typing import TypedDict, cast
 
 import torch
 from peft import LoraConfig
@@ -39,6 +40,7 @@ from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.checks import (
     RequestChecks,
     SavedAdapters,
+    SavedWeights,
     check_name,
     encoded_prompt,
     sample_prompt,
@@ -58,6 +60,16 @@ Operation = Callable[..., Json]
 SAMPLER_PREFIX = 'sampler--'
 #: Held while an adapter is drawn from the process's random generator (``add_adapter``).
 _SEEDED_INIT = threading.Lock()
+
+
+class Described(TypedDict):
+    """What a host's far side tells once: the model's shape and its process."""
+
+    model_id: str
+    vocab_size: int
+    context: int | None
+    architecture: str | None
+    pid: int
 
 
 class ModelHost(RequestChecks):
@@ -155,6 +167,16 @@ class ModelHost(RequestChecks):
     def restart_if_dead(self) -> str | None:
         """Nothing to restart: the model is this process's."""
         return None
+
+    def describe(self) -> Described:
+        """What a host on the far side (``RemoteHost``, ``MultiRankHost``) learns once: the model's shape."""
+        return {
+            'model_id': self.model_id,
+            'vocab_size': self.vocab_size,
+            'context': self.context,
+            'architecture': self.architecture,
+            'pid': os.getpid(),
+        }
 
     def hosts_sampler_engine(self) -> bool:
         """Whether this process starts the vLLM engine of ``sampler: vllm`` (a group's rank 0)."""
@@ -364,25 +386,16 @@ class ModelHost(RequestChecks):
         return self.vllm.run_adapter(adapter, key, group.config, lambda: peft_state_dict(self.model.model, adapter))
 
     def sample_weights(
-        self,
-        inputs: list[JsonObject],
-        sampling_params: JsonObject | None,
-        directory: Path | None,
-        shown_as: str | None = None,
-        weight_version: int = 0,
+        self, inputs: list[JsonObject], sampling_params: JsonObject | None, weights: SavedWeights | None = None
     ) -> list[JsonObject]:
-        """Sample the base model (``directory`` None) or the weights saved in ``directory`` (a
-        checkpoint the tenant calls ``shown_as``, its sequences marked ``weight_version``),
-        without a training run; ``messages`` prompts are encoded with the base model's template.
-        One ``SampleResponse`` per prompt, as a dict."""
-        template = self.sampler().template
-        return sample_saved(self, template, inputs, sampling_params, directory, shown_as, weight_version)
+        """Sample the base model (``weights`` None) or saved weights, without a training run;
+        ``messages`` prompts are encoded with the base model's template. One ``SampleResponse`` per
+        prompt, as a dict."""
+        return sample_saved(self, self.sampler().template, inputs, sampling_params, weights)
 
-    def sample_ids(
-        self, prompt: list[int], params: SamplingParams, directory: Path | None, shown_as: str | None
-    ) -> SampleResponse:
-        """Sample a prompt of token ids from the base model (``directory`` None) or saved weights."""
-        return sample_prompt(self, prompt, params, directory, shown_as)
+    def sample_ids(self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None) -> SampleResponse:
+        """Sample a prompt of token ids from the base model (``weights`` None) or saved weights."""
+        return sample_prompt(self, prompt, params, weights)
 
     def generate(
         self, prompts: list[JsonObject], params: SamplingParams, adapter: str | None, weight_version: int = 0
@@ -424,7 +437,8 @@ def base_dtype(config: ServerConfig) -> torch.dtype:
     """The dtype of the base weights: the config's, or for 'auto' bfloat16 on a GPU that has it
     (a device of ``cuda``, or none given where CUDA is there), float32 elsewhere."""
     if config.dtype != 'auto':
-        return getattr(torch, config.dtype)
+        dtype: torch.dtype = getattr(torch, config.dtype)  # a name the config's Dtype allows
+        return dtype
     device = config.device or ('cuda' if torch.cuda.is_available() else 'cpu')
     on_gpu = device.startswith('cuda') and torch.cuda.is_available()
     return torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32

@@ -55,8 +55,7 @@ from twinkle.server.execution.host import (
     JsonObject,
     Outcome,
 )
-from twinkle.server.execution.model_host import ModelHost, weights_footprint
-from twinkle.server.execution.remote_host import Described
+from twinkle.server.execution.model_host import Described, ModelHost, weights_footprint
 from twinkle.server.execution.vllm_sampling import samples_on_vllm
 
 #: Seconds a worker may take to load the model and join the others.
@@ -84,7 +83,7 @@ class RankHost(ModelHost):
     def __init__(self, config: ServerConfig):
         super().__init__(config)
         self.model.shard_base()  # FSDP2: the base is sharded now, adapters come and go beside it
-        mesh = self.model.mesh
+        mesh = self.model.device_mesh
         self.data_rank = distributed.data_rank(mesh) if mesh is not None else 0
         self.data_ranks = mesh.dp_world_size if mesh is not None else 1
 
@@ -98,11 +97,7 @@ class RankHost(ModelHost):
             (attn, mlp, unembed) for attn in (False, True) for mlp in (False, True) for unembed in (False, True)
         ]
         return {
-            'model_id': self.model_id,
-            'vocab_size': self.vocab_size,
-            'context': self.context,
-            'architecture': self.architecture,
-            'pid': os.getpid(),
+            **super().describe(),
             'lora_targets': {choice: self.lora_targets(*choice) for choice in switches},
             'expert_targets': self.expert_targets(),
         }
@@ -150,7 +145,7 @@ class RankHost(ModelHost):
         """Data parallel, or through vLLM (``sampler: vllm``, whose engine rank 0 holds): rank 0
         samples, the others wait. FSDP2: every rank samples the same sequences in step (its
         forwards all-gather the weights), from one seed rank 0 draws."""
-        if not self.model.fsdp or samples_on_vllm(self.config):
+        if not self.model.uses_fsdp or samples_on_vllm(self.config):
             return super().generate(prompts, params, adapter, weight_version) if distributed.is_main() else []
         seed = distributed.all_gather_object(int(torch.randint(0, 2**62, ()).item()))[0]
         with torch.random.fork_rng(devices=[]):
@@ -514,7 +509,8 @@ def _how(code: int | None) -> str:
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 __all__ = ['MultiRankHost', 'ProcessRanks', 'RankDied', 'RankHost', 'Ranks', 'serve_rank']

@@ -17,13 +17,13 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from twinkle.errors import ConfigurationError
 from twinkle.infra.mesh import DeviceGroup, DeviceMesh
 from twinkle.infra.ray.cluster import RayCluster, torchrun_env
 from twinkle.infra.ray.worker import ComponentWorker
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import Forwarded
 from twinkle.server.execution.multi_rank import START_TIMEOUT_S, RankDescribed, RankDied, RankHost
+from twinkle.server.execution.remote_host import join_ray, ray_error_cause
 
 _Worker: Any = ray.remote(ComponentWorker)  # Ray's types cannot follow a class made an actor
 
@@ -32,11 +32,7 @@ class RayRanks:
     """The workers of a ``MultiRankHost`` as Ray actors, one per rank, placed by Ray."""
 
     def __init__(self, config: ServerConfig):
-        settings = config.ray
-        if settings is None:
-            raise ConfigurationError('RayRanks needs the ray section of the config')
-        if not ray.is_initialized():
-            ray.init(address=settings.address, include_dashboard=False, log_to_driver=False)
+        join_ray(config)
         device_type = 'cuda' if (config.device or '').startswith('cuda') else 'cpu'
         self.ranks = config.ranks
         self._group = DeviceGroup(name=f'model:{config.base_model}', ranks=config.ranks, device_type=device_type)
@@ -91,17 +87,10 @@ class RayRanks:
             except RayActorError:
                 raise RankDied(f'model worker rank {rank} of {self.ranks} died (its Ray actor) during {what}') from None
             except RayTaskError as error:
-                errors[rank] = _cause(error)
+                errors[rank] = ray_error_cause(error)
         if errors:
             raise errors[min(errors)]
         return ray.get(refs)
-
-
-def _cause(error: RayTaskError) -> BaseException:
-    """The exception the rank raised, with its own message only: Ray's wrapper adds the remote
-    traceback (the workers' file paths) to its text."""
-    cause = error.cause
-    return cause if isinstance(cause, BaseException) else error.as_instanceof_cause()
 
 
 __all__ = ['RayRanks']

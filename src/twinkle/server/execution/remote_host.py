@@ -15,41 +15,20 @@ Config::
 
 from __future__ import annotations
 
-import os
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from twinkle.errors import ConfigurationError, StateError
-from twinkle.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from ray.exceptions import RayTaskError
+from twinkle.server.config import RaySettings, ServerConfig
 from twinkle.server.execution.host import Forwarded, ForwardingHost
-from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.model_host import Described, ModelHost
 
 #: Calls the actor runs at once: the compute of the worker thread and the chores beside it.
 ACTOR_CONCURRENCY = 4
-
-
-class Described(TypedDict):
-    """What a host's far side tells once: the model's shape and its process."""
-
-    model_id: str
-    vocab_size: int
-    context: int | None
-    architecture: str | None
-    pid: int
-
-
-class _HostActor(ModelHost):
-    """``ModelHost`` with what a proxy needs to learn once: its fixed attributes."""
-
-    def describe(self) -> Described:
-        return {
-            'model_id': self.model_id,
-            'vocab_size': self.vocab_size,
-            'context': self.context,
-            'architecture': self.architecture,
-            'pid': os.getpid(),
-        }
 
 
 class RemoteHost(ForwardingHost):
@@ -59,16 +38,12 @@ class RemoteHost(ForwardingHost):
     def __init__(self, config: ServerConfig):
         import ray
 
-        settings = config.ray
-        if settings is None:
-            raise ConfigurationError('a RemoteHost needs the ray section of the config (ray: {address: auto})')
-        if not ray.is_initialized():
-            ray.init(address=settings.address, include_dashboard=False, log_to_driver=False)
+        settings = join_ray(config)
         num_gpus = settings.num_gpus
         if num_gpus is None:
             num_gpus = 1 if (config.device or '').startswith('cuda') else 0
         # Any: a Ray actor handle, whose methods are ActorMethods (``.remote``) that ray types as the plain methods.
-        actor: Any = ray.remote(_HostActor).options(
+        actor: Any = ray.remote(ModelHost).options(
             num_cpus=settings.num_cpus, num_gpus=num_gpus, max_concurrency=ACTOR_CONCURRENCY
         )
         self.config = config
@@ -114,9 +89,33 @@ class RemoteHost(ForwardingHost):
         try:
             return ray.get(ref)
         except RayTaskError as e:  # the host raised: raise what it raised, so a user error stays one
-            raise e.as_instanceof_cause() from None
+            raise ray_error_cause(e) from None
         except RayActorError as e:
             raise StateError(f'the model worker (Ray actor) died during {what}: {e}') from None
 
 
-__all__ = ['ACTOR_CONCURRENCY', 'Described', 'RemoteHost']
+def join_ray(config: ServerConfig) -> RaySettings:
+    """The config's ``ray`` section, this process joined to its cluster (``address: null`` starts a local Ray)."""
+    import ray
+
+    settings = config.ray
+    if settings is None:
+        raise ConfigurationError(
+            f'{config.base_model!r} runs on Ray only with the ray section of the config (ray: {{address: auto}})'
+        )
+    if not ray.is_initialized():
+        ray.init(address=settings.address, include_dashboard=False, log_to_driver=False)
+    return settings
+
+
+def ray_error_cause(error: RayTaskError) -> BaseException:
+    """The exception a Ray actor's method raised, with its own message only: Ray's wrapper adds
+    the remote traceback (the workers' file paths) to its text."""
+    cause = error.cause
+    if isinstance(cause, BaseException):
+        return cause
+    rebuilt: BaseException = error.as_instanceof_cause()  # type: ignore[no-untyped-call]  # ray leaves it unannotated
+    return rebuilt
+
+
+__all__ = ['ACTOR_CONCURRENCY', 'RemoteHost', 'join_ray', 'ray_error_cause']

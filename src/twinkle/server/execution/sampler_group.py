@@ -21,6 +21,7 @@ from typing import Any
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.model.checkpoint import WEIGHTS_STEP
 from twinkle.server.config import ServerConfig
+from twinkle.server.execution.checks import JsonObject, SavedWeights
 from twinkle.server.execution.multi_rank import MultiRankHost
 from twinkle.server.execution.scheduler import Job, JobCallback, Scheduler
 from twinkle.server.execution.vllm_sampling import VllmSamplerHost
@@ -58,8 +59,8 @@ class SamplerGroup:
             self.store.history.record_restart(self.name, reason)
         self._on_start(job)
 
-    def weights_of(self, run: Run) -> tuple[Path, int]:
-        """The run's sampler weights: its newest sampler checkpoint and the step it was saved at."""
+    def weights_of(self, run: Run) -> Path:
+        """The folder of the run's sampler weights: its newest sampler checkpoint."""
         saved = [c for c in self.store.checkpoints.of_run(run.tenant_id, run.id) if c.kind == 'sampler']
         if not saved:
             raise StateError(
@@ -67,16 +68,15 @@ class SamplerGroup:
                 'own, which sees a run as of its last sync (CheckpointEngineManager(model, sampler).sync_weights(), '
                 'or save_weights_for_sampler)'
             )
-        directory = Path(saved[-1].path)
-        return directory, version_of(directory)
+        return Path(saved[-1].path)
 
-    def sample_run(self, run: Run, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    def sample_run(self, run: Run, kwargs: JsonObject) -> list[JsonObject]:
         """A run's ``sample`` request on the sampler: its last synced weights (``base_model``: the
         base model), each sequence marked with their version."""
-        base = bool(kwargs.get('base_model', False))
-        directory, version = (None, 0) if base else self.weights_of(run)
-        shown_as = f'the sampler weights of training run {run.id!r}'  # what a load error names, not the path
-        return self.host.sample_weights(kwargs['inputs'], kwargs.get('sampling_params'), directory, shown_as, version)
+        weights = None
+        if not kwargs.get('base_model', False):  # a load error names the run's weights, not their folder
+            weights = saved_weights(self.weights_of(run), f'the sampler weights of training run {run.id!r}')
+        return self.host.sample_weights(kwargs['inputs'], kwargs.get('sampling_params'), weights)
 
     def start(self) -> None:
         self.scheduler.start()
@@ -87,6 +87,11 @@ class SamplerGroup:
         return jobs
 
 
+def saved_weights(directory: Path | None, shown_as: str | None) -> SavedWeights | None:
+    """The saved weights in ``directory`` to sample (None: the base model), at the step they were saved at."""
+    return None if directory is None else SavedWeights(directory, shown_as, version_of(directory))
+
+
 def version_of(directory: Path) -> int:
     """The optimizer step a checkpoint's weights were saved at (0 for one saved before this was
     recorded)."""
@@ -94,4 +99,4 @@ def version_of(directory: Path) -> int:
     return int(json.loads(state.read_text()).get('optim_step', 0)) if state.is_file() else 0
 
 
-__all__ = ['SYNC_NAME', 'SamplerGroup', 'version_of']
+__all__ = ['SYNC_NAME', 'SamplerGroup', 'saved_weights', 'version_of']

@@ -28,7 +28,14 @@ from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import ConfigurationError
 from twinkle.sampler.vllm_sampler import vLLMSampler
 from twinkle.server.config import SamplerSettings, ServerConfig, gpu_indices
-from twinkle.server.execution.checks import RequestChecks, SavedAdapters, sample_prompt, sample_saved
+from twinkle.server.execution.checks import (
+    JsonObject,
+    RequestChecks,
+    SavedAdapters,
+    SavedWeights,
+    sample_prompt,
+    sample_saved,
+)
 from twinkle.template import Template
 
 #: The LoRA ranks vLLM can be started with; the engine takes the smallest that holds the server's limit.
@@ -86,7 +93,7 @@ class VllmSampling:
         self._saved.forget(directory)
 
     def generate(
-        self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
+        self, prompts: list[JsonObject], params: SamplingParams, adapter: str | None, weight_version: int = 0
     ) -> list[SampleResponse]:
         self.sampler.weight_version = weight_version
         return self.sampler.sample(prompts, params, adapter_name=adapter)
@@ -129,27 +136,19 @@ class VllmSamplerHost(RequestChecks):
         self.sampling.forget(directory)
 
     def generate(
-        self, prompts: list[dict[str, Any]], params: SamplingParams, adapter: str | None, weight_version: int = 0
+        self, prompts: list[JsonObject], params: SamplingParams, adapter: str | None, weight_version: int = 0
     ) -> list[SampleResponse]:
         self.check_prompt_lengths(list(enumerate(p['input_ids'] for p in prompts)), params)
         return self.sampling.generate(prompts, params, adapter, weight_version)
 
     def sample_weights(
-        self,
-        inputs: list[dict[str, Any]],
-        sampling_params: dict[str, Any] | None,
-        directory: Path | None,
-        shown_as: str | None = None,
-        weight_version: int = 0,
-    ) -> list[dict[str, Any]]:
-        """``ModelHost.sample_weights`` on the engine: the base model, or the weights in ``directory``."""
-        template = self.sampling.template
-        return sample_saved(self, template, inputs, sampling_params, directory, shown_as, weight_version)
+        self, inputs: list[JsonObject], sampling_params: JsonObject | None, weights: SavedWeights | None = None
+    ) -> list[JsonObject]:
+        """``ModelHost.sample_weights`` on the engine: the base model, or saved weights."""
+        return sample_saved(self, self.sampling.template, inputs, sampling_params, weights)
 
-    def sample_ids(
-        self, prompt: list[int], params: SamplingParams, directory: Path | None, shown_as: str | None
-    ) -> SampleResponse:
-        return sample_prompt(self, prompt, params, directory, shown_as)
+    def sample_ids(self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None) -> SampleResponse:
+        return sample_prompt(self, prompt, params, weights)
 
     def restart_if_dead(self) -> str | None:
         """Start the engine again if its process died; then what happened, else None."""

@@ -29,8 +29,7 @@ _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]{0,63}')
 class Database:
     """The SQLite file at ``path`` behind one connection that serves every thread, one statement at a time.
 
-    SQLite writes one transaction at a time anyway, and the service's rows are few and small, so one lock
-    in front of one connection costs nothing and rules out "database is locked" between threads. ``clock``
+    SQLite writes one transaction at a time anyway, and the service's rows are few and small. ``clock``
     gives the time stamps (unix seconds); tests pass a fake one.
     """
 
@@ -116,7 +115,8 @@ class Aggregate:
 
 
 def insert(conn: sqlite3.Connection, table: str, row: Mapping[str, SqlValue]) -> None:
-    """Insert ``row`` (column -> value) into ``table``, inside a transaction of ``Database.write``."""
+    """Insert ``row`` (column -> value) into ``table``, inside a transaction of ``Database.write``. The table
+    and the columns are the store's own names (a record's fields), never a request's."""
     sql = f'INSERT INTO {table} ({", ".join(row)}) VALUES ({", ".join("?" * len(row))})'
     conn.execute(sql, tuple(row.values()))
 

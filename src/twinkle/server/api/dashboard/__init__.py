@@ -34,7 +34,7 @@ from twinkle.server.api.tinker.rest import delete_checkpoint
 from twinkle.server.auth import hash_key, key_from_headers
 from twinkle.server.execution.model_group import bare
 from twinkle.server.service import Service
-from twinkle.server.store import TINKER_FOLDERS, Checkpoint, check_name
+from twinkle.server.store import TINKER_FOLDERS, Checkpoint
 
 STATIC = Path(__file__).parent / 'static'
 PREFIX = '/dashboard'
@@ -80,8 +80,8 @@ def dashboard_router(service: Service) -> APIRouter:
 
 
 def owned_checkpoint(request: Request, who: Who, run_id: str, kind: Kind, name: str) -> Checkpoint:
-    """The tenant's checkpoint of the route's path; 404 for anything else, another tenant's included."""
-    check_name('checkpoint', name)
+    """The tenant's checkpoint of the route's path; 404 for anything else, another tenant's included
+    (and a name no checkpoint can have: the lookup is by the exact name a save checked)."""
     service: Service = request.app.state.service
     checkpoint = service.store.checkpoints.get(who.id, run_id, name, kind)
     if checkpoint is None:

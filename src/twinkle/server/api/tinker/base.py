@@ -105,15 +105,19 @@ def skip_refused_turn(request: Request, body: JsonValue) -> None:
         api.state.sequencer.skip(model_id, seq_id)
 
 
-def router() -> APIRouter:
-    """An empty router of the Tinker API: its prefix, route class and error responses."""
-    return APIRouter(prefix=PREFIX, route_class=TinkerRoute, strict_content_type=False, responses=ERROR_RESPONSES)
+def router(api: TinkerAPI, *groups: Callable[[APIRouter, TinkerAPI], None]) -> APIRouter:
+    """A router of the Tinker API (its prefix, route class and error responses) with the routes
+    each of ``groups`` adds."""
+    routes = APIRouter(prefix=PREFIX, route_class=TinkerRoute, strict_content_type=False, responses=ERROR_RESPONSES)
+    for add in groups:
+        add(routes, api)
+    return routes
 
 
 async def read_json(request: Request, name: str) -> JsonValue:
     """The body as JSON; ``DataError`` (a 400) if it cannot be parsed or nests too deep."""
     try:
-        data = await request.json()
+        data: JsonValue = await request.json()
     except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested deeper than the parser goes
         raise DataError(f'the body must be JSON for {name}') from None
     if _nesting_over(data, MAX_JSON_DEPTH):
@@ -168,7 +172,7 @@ class TinkerAPI:
         if key is not None and key in requests:
             return requests[key]  # a retry of a request already accepted
         limit = service.config.limits.max_queued_per_tenant
-        if group.scheduler.queued(who.id) >= limit:  # per model, as the native API's queue limit
+        if group.queued(who.id) >= limit:  # per model, as the native API's queue limit
             raise QueueFullError(who.name, limit, retry_after_s=2.0)
         if run_id is not None:
             await asyncio.to_thread(service.touch, run_id)  # an active run is not idle
@@ -180,7 +184,7 @@ class TinkerAPI:
 
         def start() -> None:
             with contextlib.suppress(QueueFullError):  # enqueue failed the future with the reason
-                service.enqueue(who, group, record.id, operation, fn, batch)
+                service.submit(who, group, run_id, operation, fn, batch, future_id=record.id)
 
         def fail(message: str) -> None:
             service.store.futures.fail(record.id, message, 'user')
@@ -225,8 +229,12 @@ class TinkerAPI:
         return self.service.group_named(name)
 
     def checkpoint(self, who: Tenant, path: str, kinds: tuple[str, ...]) -> Checkpoint:
-        """The checkpoint a ``tinker://`` path names, if this tenant may read it; else 404."""
-        run_id, kind, name = parse_checkpoint_path(path)  # a malformed path is a DataError (400)
+        """The checkpoint a ``tinker://`` path names, if this tenant may read it; else 404 (a path
+        no checkpoint can have too, saying what one looks like)."""
+        try:
+            run_id, kind, name = parse_checkpoint_path(path)
+        except DataError as malformed:
+            raise NotFoundError(f'checkpoint not found: {malformed}') from None
         found = self.service.store.checkpoints.readable(who.id, run_id, name, kind)
         if found is None or kind not in kinds:
             raise NotFoundError(f'checkpoint {path!r} not found')

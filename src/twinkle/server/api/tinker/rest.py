@@ -53,7 +53,6 @@ KINDS = {folder: kind for kind, folder in TINKER_FOLDERS.items()}
 #: Tinker's LoRA switches, as ``weights_info`` reports them.
 SWITCHES = ('train_attn', 'train_mlp', 'train_unembed')
 #: The scheduler queue of the server's own chores (unloading deleted sampler weights).
-HOUSEKEEPING = 'server-housekeeping'
 
 
 class TTLRequest(BaseModel):
@@ -72,8 +71,7 @@ class WeightsInfoRequest(BaseModel):
 
 def rest_router(api: TinkerAPI) -> APIRouter:
     """The REST routes of the Tinker API (what the SDK's ``RestClient`` calls)."""
-    service, routes = api.service, router()
-    _run_routes(routes, api)
+    service, routes = api.service, router(api, _run_routes)
     _checkpoint_routes(routes, service)  # before the catch-all of a checkpoint id that holds a '/'
     links.files_route(routes, service)
     _delete_route(routes, service)
@@ -151,7 +149,7 @@ def _run_json(store: Store, run: Run, owner: str) -> JsonObject:
 
 def _lora_rank(run: Run) -> int:
     tinker = run.config.get('tinker_lora') or {}
-    return tinker.get('rank') or (run.config.get('lora') or {}).get('r', 8)  # peft's default rank is 8
+    return int(tinker.get('rank') or (run.config.get('lora') or {}).get('r', 8))  # peft's default rank is 8
 
 
 def _module_targets(group: ModelGroup) -> dict[str, set[str]]:
@@ -279,13 +277,8 @@ def discard_files(service: Service, checkpoints: list[Checkpoint]) -> None:
         return
 
     for group in service.groups.values():  # any model may have loaded them for sampling
-
-        def forget(group: ModelGroup = group) -> None:
-            for path in paths:
-                group.forget_sampler_weights(path)
-
         try:
-            group.scheduler.submit(HOUSEKEEPING, forget, operation='forget_sampler_weights')
+            group.unload_saved_weights(paths)
         except (QueueFullError, StateError) as e:  # stopping, or flooded: saving there again unloads them
             logger.warning(f'deleted checkpoints stay loaded for sampling until evicted: {e}')
 
@@ -348,25 +341,27 @@ def _own_run_or_none(store: Store, who: Tenant, run_id: str) -> Run | None:
 
 
 # ---- what this server has no notion of ------------------------------------------------------------
+# These routes answer the SDK's calls with a 400 that says what to do instead; the schema leaves them
+# out, as it declares what the server serves.
 def _refused_routes(router: APIRouter, store: Store) -> None:
-    @router.post('/copy_weights')
+    @router.post('/copy_weights', include_in_schema=False)
     async def copy_weights(who: Who) -> None:
         raise ConfigurationError(
             'copy_weights is not supported: this server has no projects. Load the checkpoint into a new '
             'training run with create_training_client_from_state (another tenant can once it is published)',
         )
 
-    @router.put('/sessions/{session_id}/project')
+    @router.put('/sessions/{session_id}/project', include_in_schema=False)
     async def assign_project(session_id: str, who: Who) -> None:
         _own_session(store, who, session_id)
         raise ConfigurationError('assign_session_project is not supported: this server has no projects')
 
-    @router.get('/sessions/{session_id}/trace_export')
+    @router.get('/sessions/{session_id}/trace_export', include_in_schema=False)
     async def trace_export(session_id: str, who: Who) -> None:
         _own_session(store, who, session_id)
         raise ConfigurationError('export_session_trace is not supported by this server; see its /metrics')
 
-    @router.post('/sessions/search')
+    @router.post('/sessions/search', include_in_schema=False)
     async def search_sessions(who: Who) -> None:
         raise ConfigurationError('search_sessions is not supported by this server: use list_sessions and get_session')
 

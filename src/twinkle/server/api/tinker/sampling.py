@@ -25,10 +25,7 @@ from twinkle.server.store import Tenant
 
 def sampling_router(api: TinkerAPI) -> APIRouter:
     """The routes of a Tinker sampling client."""
-    routes = router()
-    _session_routes(routes, api)
-    _sample_route(routes, api)
-    return routes
+    return router(api, _session_routes, _sample_route)
 
 
 def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
@@ -93,8 +90,8 @@ def _sampling_target(
         if source is None:  # deleted between the two reads
             raise NotFoundError(f'checkpoint {model_path!r} not found')
         return api.service.hosting(source.base_model, f'checkpoint {model_path!r}'), model_path
-    if base_model is None:
-        raise DataError('sampling needs a base_model or a model_path')
+    if base_model is None:  # neither named: the server's base model, as the native API samples it
+        return api.service.group_named(None), None
     return api.model_group(base_model), None
 
 

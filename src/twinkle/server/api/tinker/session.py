@@ -31,11 +31,7 @@ FUTURE_RESULTS: dict[int | str, dict[str, object]] = {
 
 def session_router(api: TinkerAPI) -> APIRouter:
     """Configuration, sessions and futures of the Tinker API."""
-    routes = router()
-    _client_routes(routes, api)
-    _session_routes(routes, api)
-    _future_routes(routes, api)
-    return routes
+    return router(api, _client_routes, _session_routes, _future_routes)
 
 
 def _client_routes(routes: APIRouter, api: TinkerAPI) -> None:
@@ -56,7 +52,7 @@ def _client_routes(routes: APIRouter, api: TinkerAPI) -> None:
     @routes.get('/get_server_capabilities')
     async def capabilities(who: Who) -> JsonObject:
         models: list[JsonValue] = [
-            {'model_name': bare(g.name), 'trainable': True, 'sampleable': True, 'max_context_length': g.host.context}
+            {'model_name': bare(g.name), 'trainable': True, 'sampleable': True, 'max_context_length': g.context}
             for g in api.service.groups.values()
         ]
         return {'supported_models': models}
@@ -115,7 +111,8 @@ def _future_routes(routes: APIRouter, api: TinkerAPI) -> None:
             return {'error': record.error, 'category': record.category}
         if isinstance(record.result, dict) and PROTO_KEY in record.result:
             return Response(base64.b64decode(record.result[PROTO_KEY]), media_type=PROTO)
-        return record.result
+        result: JsonValue = record.result
+        return result
 
 
 __all__ = ['session_router']

@@ -42,11 +42,7 @@ ADAMW: JsonObject = {'optimizer_cls': 'AdamW', 'lr': 1e-4, 'betas': [0.9, 0.95]}
 
 def training_router(api: TinkerAPI) -> APIRouter:
     """The routes of a Tinker training client."""
-    routes = router()
-    _model_routes(routes, api)
-    _step_routes(routes, api)
-    _checkpoint_routes(routes, api)
-    return routes
+    return router(api, _model_routes, _step_routes, _checkpoint_routes)
 
 
 # ---- models ---------------------------------------------------------------------------------------
