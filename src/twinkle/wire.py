@@ -125,6 +125,8 @@ MESSAGE: dict[str, JsonValue] = {
     'required': ['role', 'content'],
     'properties': {'role': {'type': 'string'}, 'content': {'anyOf': [{'type': 'string'}, {'type': 'null'}]}},
 }
+#: The fields of a run's ``lora``.
+LORA_NAMES: dict[str, JsonValue] = {'enum': [name for name in sorted(LORA_FIELDS)]}
 #: A prompt has its token ids or its messages.
 PROMPT: dict[str, JsonValue] = {
     'anyOf': [{'required': [name], 'properties': {name: {'type': 'array'}}} for name in ('input_ids', 'messages')]
@@ -145,7 +147,7 @@ class CreateRun(Wire):
 
     adapter_name: str = Field('default', json_schema_extra={'pattern': NAME_PATTERN})
     #: peft ``LoraConfig`` fields (``LORA_FIELDS``); the server checks the values it allows.
-    lora: FiniteObject = Field(default_factory=dict, json_schema_extra={'propertyNames': {'enum': sorted(LORA_FIELDS)}})
+    lora: FiniteObject = Field(default_factory=dict, json_schema_extra={'propertyNames': LORA_NAMES})
     gradient_accumulation_steps: Int = Field(1, gt=0)
     #: One of the server's base models (``GET /server``); None: its default.
     base_model: str | None = None

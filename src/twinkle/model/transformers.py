@@ -1,10 +1,11 @@
 """``TransformersModel``: a Hugging Face causal LM with named LoRA adapters, each trained on its
 own optimizer, schedule, loss and accumulation count, behind the methods the user's loop calls.
 
-The model is the front; its parts work behind it: ``ModelRunner`` (``runner.py``) runs rows
-through the model to losses and gradients, ``Stepper`` (``stepping.py``) builds and steps the
-optimizers, ``ModelParallel`` (``parallel.py``) spreads the work over a device mesh, and
-``mixed_pass.py`` runs several adapters' calls as one pass.
+The model is the front; its parts work behind it, each handed what it needs (none imports this
+module): ``ModelRunner`` (``runner.py``) runs rows through the model to losses and gradients,
+``mixed_pass.py`` runs several adapters' calls as one pass through it, ``Stepper``
+(``stepping.py``) builds and steps the optimizers, ``Checkpointer`` (``checkpointer.py``) saves
+and loads, and ``ModelParallel`` (``parallel.py``) spreads all of it over a device mesh.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class TransformersModel(TwinkleModel):
         #: Each adapter's training state by name (only ``FULL``, every weight, before any adapter).
         self.groups: dict[str, TrainGroup] = {}
         moe_router = model_router(self.model.config, router_aux_loss_coef)
-        self.runner = ModelRunner(
+        self._runner = ModelRunner(
             self.model,
             model_id,
             self.groups,
@@ -115,9 +116,9 @@ class TransformersModel(TwinkleModel):
             mixed_precision=mixed_precision,
             model_router=moe_router,
         )
-        self.groups[FULL] = self.runner.with_router_metric(TrainGroup(name=FULL, params=params))
-        self.stepper = Stepper(self._parallel)
-        self.checkpointer = Checkpointer(self.model, model_id, self._parallel, self.stepper.optimizer_ready)
+        self.groups[FULL] = self._runner.with_router_metric(TrainGroup(name=FULL, params=params))
+        self._stepper = Stepper(self._parallel)
+        self._checkpointer = Checkpointer(self.model, model_id, self._parallel, self._stepper.optimizer_ready)
         #: Most padded tokens one forward of a mixed pass holds: calls past it get forwards of
         #: their own (``mixed_pass.length_buckets``). None: no cap. See ``forward_token_cap``.
         self.mixed_forward_tokens: int | None = mixed_pass.forward_token_cap(device)
@@ -126,29 +127,29 @@ class TransformersModel(TwinkleModel):
     @property
     def device(self) -> torch.device:
         """The device this process runs the model on."""
-        return self.runner.device
+        return self._runner.device
 
     @property
     def mixed_precision(self) -> Precision:
         """``'bf16'``: forwards run under bfloat16 autocast; ``'no'``: in the weights' dtype."""
-        return self.runner.mixed_precision
+        return self._runner.mixed_precision
 
     @property
     def router(self) -> Router | None:
         """A mixture of experts' router (None for a dense model): its load-balancing loss joins the
         training loss with ``router.aux_loss_coef`` (the config's ``router_aux_loss_coef`` unless
         given), and the experts' load is a metric (``ExpertLoad``)."""
-        return self.runner.router
+        return self._runner.router
 
     @property
     def offloader(self) -> OptimizerOffloader | None:
         """Moves idle adapters' optimizer state off the device (to CPU memory, then disk); a server
         sets one. None: every optimizer state stays where its parameters are."""
-        return self.stepper.offloader
+        return self._stepper.offloader
 
     @offloader.setter
     def offloader(self, offloader: OptimizerOffloader | None) -> None:
-        self.stepper.offloader = offloader
+        self._stepper.offloader = offloader
 
     @property
     def device_mesh(self) -> DeviceMesh | None:
@@ -202,7 +203,7 @@ class TransformersModel(TwinkleModel):
             gradient_accumulation_steps=gradient_accumulation_steps,
             config=config_or_dir,
         )
-        self.groups[adapter_name] = self.runner.with_router_metric(group)
+        self.groups[adapter_name] = self._runner.with_router_metric(group)
         if weights_dir is not None:
             try:
                 ckpt.load_adapter(self.model, adapter_name, weights_dir)
@@ -210,7 +211,7 @@ class TransformersModel(TwinkleModel):
                 self.remove_adapter(adapter_name)
                 raise
         self._parallel.adapter_added(group)
-        self.runner.forget_mode()  # the new LoRA modules start in train mode whatever the rest is in
+        self._runner.forget_mode()  # the new LoRA modules start in train mode whatever the rest is in
 
     def shard_base(self) -> None:
         """Under an FSDP2 mesh, shard the base model now, before any adapter is added: adapters
@@ -226,7 +227,7 @@ class TransformersModel(TwinkleModel):
         self.train_group(adapter_name)
         multi_lora.remove_adapter(self.model, adapter_name)
         del self.groups[adapter_name]
-        self.stepper.forget(adapter_name)
+        self._stepper.forget(adapter_name)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -238,14 +239,14 @@ class TransformersModel(TwinkleModel):
         """Any ``torch.optim`` optimizer by name or class; ``kwargs`` go to its constructor
         (``lr`` defaults to 1e-5). Parameters of fewer than 2 dimensions (biases, norms) get no
         weight decay."""
-        self.stepper.set_optimizer(self.train_group(adapter_name), optimizer_cls, kwargs)
+        self._stepper.set_optimizer(self.train_group(adapter_name), optimizer_cls, kwargs)
 
     def set_lr_scheduler(
         self, scheduler_cls: str | type[LRScheduler], *, adapter_name: str | None = None, **kwargs: Any
     ) -> None:
         """A ``torch.optim.lr_scheduler`` scheduler, ``CosineWarmupScheduler`` or
         ``LinearWarmupScheduler``; stepped once per optimizer step."""
-        self.stepper.set_lr_scheduler(self.train_group(adapter_name), scheduler_cls, kwargs)
+        self._stepper.set_lr_scheduler(self.train_group(adapter_name), scheduler_cls, kwargs)
 
     def set_optimizer_hyperparams(
         self,
@@ -259,7 +260,7 @@ class TransformersModel(TwinkleModel):
         """Change the optimizer's hyperparameters for its next steps, keeping its state (moments,
         step counts); those left None stay. A scheduler sets ``lr`` again at its next step."""
         values = {'lr': lr, 'betas': betas, 'eps': eps, 'weight_decay': weight_decay}
-        self.stepper.set_hyperparams(self.train_group(adapter_name), values)
+        self._stepper.set_hyperparams(self.train_group(adapter_name), values)
 
     def set_loss(self, loss_cls: str | type[Loss] | Loss, *, adapter_name: str | None = None, **kwargs: Any) -> None:
         self.train_group(adapter_name).loss = LOSSES.build(loss_cls, Loss, **kwargs)
@@ -301,7 +302,7 @@ class TransformersModel(TwinkleModel):
     def forward(self, *, inputs: Inputs, adapter_name: str | None = None) -> ModelOutput:
         """A training-mode forward pass; ``calculate_loss`` and ``backward`` continue it."""
         group = self.train_group(adapter_name)
-        return self.runner.forward(group, self.runner.features(group, inputs), training=True)
+        return self._runner.forward(group, self._runner.features(group, inputs), training=True)
 
     def forward_only(
         self, *, inputs: Inputs, adapter_name: str | None = None, disable_lora: bool = False
@@ -309,16 +310,16 @@ class TransformersModel(TwinkleModel):
         """An evaluation-mode forward pass without gradients (``disable_lora=True``: the base
         model alone). ``calculate_loss`` afterwards feeds the evaluation metrics."""
         group = self.train_group(adapter_name)
-        features = self.runner.features(group, inputs)
+        features = self._runner.features(group, inputs)
         with torch.no_grad():
-            return self.runner.forward(group, features, training=False, lora=not disable_lora)
+            return self._runner.forward(group, features, training=False, lora=not disable_lora)
 
     def calculate_loss(self, *, adapter_name: str | None = None, **loss_inputs: Any) -> float:
         """The loss of the last forward pass (its mean over the items the loss counts)."""
-        return self.runner.calculate_loss(self.train_group(adapter_name), loss_inputs)
+        return self._runner.calculate_loss(self.train_group(adapter_name), loss_inputs)
 
     def backward(self, *, adapter_name: str | None = None) -> None:
-        self.runner.backward_pending(self.train_group(adapter_name))
+        self._runner.backward_pending(self.train_group(adapter_name))
 
     def forward_backward(
         self,
@@ -334,7 +335,7 @@ class TransformersModel(TwinkleModel):
         raises ``DataError`` before its backward, leaving the gradients and metrics as they were
         (with ``micro_batch_size``: the chunks before it have been accumulated)."""
         group = self.train_group(adapter_name)
-        return self.runner.forward_backward(group, self.runner.features(group, inputs), micro_batch_size, loss_inputs)
+        return self._runner.forward_backward(group, self._runner.features(group, inputs), micro_batch_size, loss_inputs)
 
     def forward_backward_mixed(
         self, calls: Sequence[AdapterCall], *, forward_only: bool = False
@@ -348,12 +349,12 @@ class TransformersModel(TwinkleModel):
         whose loss is NaN or infinite gets its ``DataError`` in place of its output, and nothing
         of it is accumulated (gradients, metrics, counters); the others train as they would alone."""
         groups = [self.train_group(call.adapter_name) for call in calls]
-        return mixed_pass.forward_backward_mixed(self.runner, groups, calls, forward_only, self.mixed_forward_tokens)
+        return mixed_pass.forward_backward_mixed(self._runner, groups, calls, forward_only, self.mixed_forward_tokens)
 
     def batch_key(self, adapter_name: str | None = None) -> mixed_pass.BatchKey | None:
         """Adapters whose keys are equal can share a ``forward_backward_mixed`` pass (the same
         collation); None: this adapter's rows cannot be mixed with others (packed rows)."""
-        return mixed_pass.batch_key(self.runner, self.train_group(adapter_name))
+        return mixed_pass.batch_key(self._runner, self.train_group(adapter_name))
 
     # ---- optimizer ------------------------------------------------------------------------------
     def clip_grad_norm(
@@ -361,12 +362,12 @@ class TransformersModel(TwinkleModel):
     ) -> float | None:
         """At an accumulation boundary: normalise the summed gradient, clip it to
         ``max_grad_norm`` and return its norm before clipping; ``None`` elsewhere."""
-        return self.stepper.clip_grad_norm(self.train_group(adapter_name), max_grad_norm, norm_type)
+        return self._stepper.clip_grad_norm(self.train_group(adapter_name), max_grad_norm, norm_type)
 
     def step(self, *, adapter_name: str | None = None) -> bool:
         """At an accumulation boundary, take an optimizer step; returns whether it did. A step
         whose gradient norm (from ``clip_grad_norm``) is NaN or infinite is skipped."""
-        return self.stepper.step(self.train_group(adapter_name))
+        return self._stepper.step(self.train_group(adapter_name))
 
     def clip_grad_and_step_many(self, calls: Sequence[StepCall]) -> list[StepResult]:
         """``clip_grad_and_step`` of several adapters, one result per call, in order. The adapters
@@ -376,17 +377,17 @@ class TransformersModel(TwinkleModel):
         groups = [self.train_group(call.adapter_name) for call in calls]
         if len({group.name for group in groups}) < len(groups):
             raise ConfigurationError(f'each adapter may step once per call; got {[g.name for g in groups]}')
-        results = self.stepper.step_fused(groups, calls)
+        results = self._stepper.step_fused(groups, calls)
         for i, call in enumerate(calls):
             if i not in results:
                 results[i] = super().clip_grad_and_step_many([call])[0]
         return [results[i] for i in range(len(calls))]
 
     def zero_grad(self, *, adapter_name: str | None = None) -> None:
-        self.stepper.zero_grad(self.train_group(adapter_name))
+        self._stepper.zero_grad(self.train_group(adapter_name))
 
     def lr_step(self, *, adapter_name: str | None = None) -> None:
-        self.stepper.lr_step(self.train_group(adapter_name))
+        self._stepper.lr_step(self.train_group(adapter_name))
 
     # ---- metrics and configuration -------------------------------------------------------------
     def calculate_metric(self, is_training: bool = True, *, adapter_name: str | None = None) -> dict[str, float]:
@@ -448,8 +449,8 @@ class TransformersModel(TwinkleModel):
         Under a mesh every rank calls it: FSDP2 shards are gathered into whole tensors, rank 0
         writes, and the others wait until it is done."""
         group = self.train_group(adapter_name)
-        tokenizer = self.runner.template_for(group).tokenizer
-        self.checkpointer.save(
+        tokenizer = self._runner.template_for(group).tokenizer
+        self._checkpointer.save(
             group, destination, tokenizer, save_optimizer=save_optimizer, consumed=consumed_train_samples
         )
 
@@ -464,7 +465,7 @@ class TransformersModel(TwinkleModel):
         """Load adapter weights (and with ``load_optimizer=True`` the optimizer and scheduler)
         from a checkpoint ``save`` wrote; ``name`` is a path, or a name under ``output_dir``."""
         path = existing_checkpoint(Path(output_dir) / name if output_dir else Path(name))
-        self.checkpointer.load(self.train_group(adapter_name), path, load_optimizer=load_optimizer)
+        self._checkpointer.load(self.train_group(adapter_name), path, load_optimizer=load_optimizer)
         return str(path)
 
     def resume_from_checkpoint(
@@ -475,7 +476,7 @@ class TransformersModel(TwinkleModel):
         'gradient_accumulation_steps'}``: give ``consumed_train_samples`` to the DataLoader's
         ``resume_from_checkpoint``."""
         group = self.train_group(adapter_name)
-        return self.checkpointer.resume(group, Path(checkpoint_dir), resume_only_model=resume_only_model)
+        return self._checkpointer.resume(group, Path(checkpoint_dir), resume_only_model=resume_only_model)
 
     def restore_counters(self, state: Mapping[str, int], *, adapter_name: str | None = None) -> None:
         """Set the adapter's step counters from a trainer state ``save`` wrote (``cur_step``,

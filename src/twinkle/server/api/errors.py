@@ -20,13 +20,13 @@ its size limit) are answered in the same shape, under the tree's class of the sa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
@@ -139,7 +139,7 @@ def validation_problems(error: RequestValidationError) -> list[ValidationProblem
     return [_problem(problem) for problem in error.errors()[:MAX_PROBLEMS]]
 
 
-def problems_sentence(problems: Sequence[Mapping[str, Any]]) -> str:
+def problems_sentence(problems: Sequence[ErrorDetails]) -> str:
     """The first ``SENTENCE_PROBLEMS`` problems (pydantic's error dicts) as one sentence,
     ``where: what; ...``, and how many more there are."""
     shown = [_problem(problem) for problem in problems[:SENTENCE_PROBLEMS]]
@@ -154,7 +154,7 @@ def location_name(loc: Sequence[int | str]) -> str:
     return '.'.join(str(_location_part(part)) for part in parts)
 
 
-def _problem(problem: Mapping[str, Any]) -> ValidationProblem:
+def _problem(problem: ErrorDetails) -> ValidationProblem:
     return {
         'loc': [_location_part(part) for part in problem['loc'][:MAX_LOCATION_PARTS]],
         'msg': _encodable(str(problem['msg'])[:MAX_MESSAGE_CHARS]),
