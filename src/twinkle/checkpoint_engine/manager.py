@@ -17,7 +17,7 @@ import torch
 from twinkle.errors import ConfigurationError
 from twinkle.infra.ray.handle import RemoteHandle
 from twinkle.model import multi_lora
-from twinkle.model.group import FULL
+from twinkle.model.train_group import FULL
 from twinkle.model.transformers import TransformersModel
 from twinkle.sampler.torch_sampler import TorchSampler
 from twinkle.sampler.vllm_sampler import vLLMSampler

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from twinkle.errors import CheckpointError, ConfigurationError, StateError
 from twinkle.model import multi_lora
-from twinkle.model.group import TrainGroup
+from twinkle.model.train_group import TrainGroup
 
 ADAPTER_WEIGHTS = 'adapter_model.safetensors'
 TRAINER_STATE = 'trainer_state.json'

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from twinkle.errors import CheckpointError, ConfigurationError
 from twinkle.model import checkpoint as ckpt
-from twinkle.model.group import FULL, TrainGroup
+from twinkle.model.train_group import FULL, TrainGroup
 from twinkle.model.parallel import ModelParallel
 
 #: The trainer state ``resume_from_checkpoint`` returns.

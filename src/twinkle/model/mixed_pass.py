@@ -27,7 +27,7 @@ from twinkle.errors import ConfigurationError, DataError
 from twinkle.loss import LossOutput
 from twinkle.model import multi_lora
 from twinkle.model.base import AdapterCall
-from twinkle.model.group import FULL, Batch, Outputs, Pending, TrainGroup
+from twinkle.model.train_group import FULL, Batch, Outputs, Pending, TrainGroup
 from twinkle.model.passes import (
     accumulate,
     carried,

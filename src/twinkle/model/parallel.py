@@ -53,7 +53,7 @@ from twinkle.metric import Metric
 from twinkle.model import multi_lora
 from twinkle.model.expert_lora import EXPERT_PARAMETERS, MultiLoraExperts
 from twinkle.model.expert_parallel import expert_groups
-from twinkle.model.group import TrainGroup
+from twinkle.model.train_group import TrainGroup
 
 # Mesh dimensions a TransformersModel can use; the others need tensor/pipeline/sequence parallel code.
 SUPPORTED_DIMS = ('fsdp', 'dp', 'ep')

@@ -13,7 +13,7 @@ import torch
 from twinkle.data_format import IGNORE_INDEX, RL_ROW_FIELDS, InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.loss import LossOutput
-from twinkle.model.group import Batch, Outputs, TrainGroup
+from twinkle.model.train_group import Batch, Outputs, TrainGroup
 
 
 def check_positive(name: str, value: int) -> None:

@@ -23,7 +23,7 @@ from twinkle.loss import LossOutput
 from twinkle.metric import ExpertLoad
 from twinkle.model import multi_lora, router
 from twinkle.model.base import Inputs
-from twinkle.model.group import FULL, Batch, Outputs, Pending, TrainGroup
+from twinkle.model.train_group import FULL, Batch, Outputs, Pending, TrainGroup
 from twinkle.model.loading import Precision
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.passes import (

@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from twinkle.errors import StateError
 from twinkle.model import multi_step
 from twinkle.model.base import StepCall, StepResult
-from twinkle.model.group import TrainGroup
+from twinkle.model.train_group import TrainGroup
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import build_optimizer, build_scheduler, set_hyperparams
 from twinkle.model.parallel import ModelParallel

@@ -31,7 +31,7 @@ from twinkle.model import checkpoint as ckpt
 from twinkle.model import mixed_pass, multi_lora
 from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, TwinkleModel
 from twinkle.model.checkpointer import Checkpointer, existing_checkpoint
-from twinkle.model.group import FULL, TrainGroup
+from twinkle.model.train_group import FULL, TrainGroup
 from twinkle.model.loading import (
     Precision,
     default_precision,
