@@ -23,6 +23,11 @@ from twinkle.model.expert_parallel import ExpertShard
 
 SCRIPT = Path(__file__).with_name('dist_experts.py')
 TOLERANCE = 1e-5
+#: Saved weights after the Adam steps, absolutely: Adam divides each gradient by its running RMS, so
+#: an element whose gradient is a near-cancelling sum (rounded differently over two ranks than in
+#: one process, and with other thread counts) can move by a few percent of lr=1e-3 differently per
+#: step (1.9e-5 seen); a wrong gather or a swapped expert differs by the weights themselves (~1e-3).
+WEIGHT_TOLERANCE = 5e-5
 EXPERT_PARALLEL = ('ep', 'ep-fsdp')
 
 
@@ -46,11 +51,13 @@ def assert_close(actual: list, expected: list) -> None:
         assert abs(got - want) <= TOLERANCE * max(1.0, abs(want)), (actual, expected)
 
 
-def assert_tensors_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+def assert_tensors_close(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float = TOLERANCE
+) -> None:
     assert actual.keys() == expected.keys()
     for key, want in expected.items():
         scale = max(1.0, float(want.abs().max()))
-        assert float((actual[key] - want).abs().max()) <= TOLERANCE * scale, key
+        assert float((actual[key] - want).abs().max()) <= tolerance * scale, key
 
 
 @pytest.mark.parametrize('scenario', EXPERT_PARALLEL)
@@ -73,7 +80,9 @@ def test_the_adapters_saved_under_expert_parallel_are_one_process_s(runs, scenar
         saved = load_file(str(Path(two[scenario]['checkpoints'][name]) / 'adapter_model.safetensors'))
         assert any('experts' in key for key in saved)
         expected = load_file(str(Path(one[scenario]['checkpoints'][name]) / 'adapter_model.safetensors'))
-        assert_tensors_close(saved, expected)
+        assert_tensors_close(saved, expected, WEIGHT_TOLERANCE)
+        trained = [float(w.abs().max()) for key, w in expected.items() if 'lora_B' in key]  # zero before training
+        assert trained and max(trained) > 10 * WEIGHT_TOLERANCE
 
 
 def test_the_router_loss_under_expert_parallel_is_data_parallel_s(runs):
