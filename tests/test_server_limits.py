@@ -8,7 +8,7 @@ import doctest
 import httpx
 import pytest
 
-from twinkle.server import auth, limits
+from twinkle.server import auth, rate_limit
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig
 from twinkle.server.rate_limit import RateLimitedError, RateLimiter

@@ -119,6 +119,15 @@ def test_an_openai_body_of_a_million_bad_parts_is_a_small_422(server, tiny_model
     assert answer.json()['error']['param'] == 'messages.0.content.str'
 
 
+def test_every_model_id_is_answered_in_openais_shape(server):
+    # A line break in the id: Starlette's path parameter stops at one, so the framework answered a 404
+    # in the native API's shape, which GET /v1/models/{model} does not declare.
+    url, headers = server
+    answer = httpx.get(f'{url}/v1/models/a%0Ab', headers=headers)
+    assert answer.status_code == 404
+    assert answer.json()['error']['code'] == 'model_not_found', answer.text
+
+
 # ---- methods ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ('path', 'allowed'),

@@ -334,7 +334,8 @@ def test_weights_info_tells_the_lora_config_of_tinker_and_native_runs(server, te
         model.save('native-info')
         info = rest.get_weights_info_by_tinker_path(f'tinker://{run_id}/weights/native-info').result()
         assert (info.lora_rank, info.train_attn, info.train_mlp, info.train_unembed) == expected, lora
-    with pytest.raises(tinker.BadRequestError, match='tinker://<run_id>/weights/<name>'):
+    # a path no checkpoint can have is not found, and the answer says what a path looks like
+    with pytest.raises(tinker.NotFoundError, match='tinker://<run_id>/weights/<name>'):
         rest.get_weights_info_by_tinker_path('tinker://run-x/weights/..').result()
     with pytest.raises(tinker.NotFoundError):
         rest.get_weights_info_by_tinker_path(f'tinker://{client.model_id}/weights/never-saved').result()

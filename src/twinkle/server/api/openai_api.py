@@ -2,17 +2,20 @@
 saved weights (``save_weights_for_sampler``, or a training checkpoint) through any OpenAI client.
 
 - ``GET /v1/models``: the base model, then the tenant's checkpoints, newest first; a
-  checkpoint's model id is its ``tinker://`` path. ``GET /v1/models/{id}`` shows one.
+  checkpoint's model id is its ``tinker://`` path (or, as Tinker names it,
+  ``<base model>;<checkpoint path>``). ``GET /v1/models/{id}`` shows one.
 - ``POST /v1/chat/completions``: the messages are encoded with the base model's chat template
   and sampled on the worker thread, like every compute request. ``stream: true`` answers with
   ``chat.completion.chunk`` events (sent once sampling has finished, one per token) and
   ``data: [DONE]``.
 
-Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (with the
+Text completions (``POST /v1/completions``) are in :mod:`.openai_completions`. Errors come in
+OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (with the
 message also as ``detail``, as the server's other routes give it). Unknown
 request fields are ignored, as OpenAI does; options that would change the answer but are not
 implemented here (``tools``, ``response_format`` other than text, ``logit_bias``, penalties...)
-are refused with a 400 naming them, never silently dropped. Another tenant's checkpoint is a
+are refused with a 400 naming them, never silently dropped (the schema declares only their values
+that change nothing, so a request that fits it is served). Another tenant's checkpoint is a
 404, as if it did not exist (unless it was published).
 
 Example::
