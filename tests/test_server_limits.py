@@ -65,5 +65,5 @@ def test_the_bucket_refills_at_the_configured_rate():
 
 
 def test_doctests():
-    assert doctest.testmod(limits).failed == 0
+    assert doctest.testmod(rate_limit).failed == 0
     assert doctest.testmod(auth).failed == 0
