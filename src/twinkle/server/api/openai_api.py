@@ -46,11 +46,12 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from twinkle.data_format import SamplingParams
 from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
 from twinkle.server.api.deps import Who
 from twinkle.server.api.errors import location_name, problems_sentence, retry_after_header, status_of, unparsable
 from twinkle.server.execution.chat import ChatReply, ChatRequest, ChatTurn, ReplyToken
-from twinkle.server.execution.checks import MAX_TOP_LOGPROBS
+from twinkle.server.execution.checks import MAX_TOP_LOGPROBS, SavedWeights
 from twinkle.server.execution.model_group import ModelGroup, bare
 from twinkle.server.execution.scheduler import wait_job
 from twinkle.server.service import Service
@@ -111,32 +112,61 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completion request. Unknown fields are ignored, as OpenAI does; the fields
-    below the line are accepted only to be refused when used (see ``UNSUPPORTED``)."""
+class SamplingOptions(BaseModel):
+    """What OpenAI's chat and text completion requests share: the model and how to sample it.
+    Unknown fields are ignored, as OpenAI does."""
 
     model_config = ConfigDict(extra='ignore', allow_inf_nan=False)
 
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
-    # Tokens to sample per choice; max_completion_tokens (OpenAI's newer name) wins over max_tokens.
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    model: str = Field(description='A base model, a checkpoint path, or "<base model>;<checkpoint path>"')
     # 0 is greedy; OpenAI's default is 1.
     temperature: float | None = Field(None, ge=0, le=2)
     # 0 keeps only the most likely token (greedy).
     top_p: float | None = Field(None, ge=0, le=1)
     n: int | None = Field(None, ge=1, json_schema_extra={'maximum': MAX_CHOICES})
     stop: str | Texts | None = None
-    # The same seed, messages and weights give the same reply.
+    # The same seed, prompt and weights give the same reply.
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extensions: keep the k most likely tokens (0 or -1: all), and CTRL's repetition penalty.
     top_k: int | None = Field(None, ge=-1)
     repetition_penalty: float | None = Field(None, gt=0)
+
+    def sampling_params(self, max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
+        """OpenAI's options as the sampler's (``max_tokens`` None: the sampler's default, for the
+        host to replace once the prompt's length is known)."""
+        top_p = 1.0 if self.top_p is None else self.top_p
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if top_p == 0:  # the smallest set of tokens reaching probability 0: the most likely one
+            temperature, top_p = 0.0, 1.0
+        return SamplingParams(
+            max_tokens=max_tokens or SamplingParams.max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,
+            stop=self.stop or None,
+            seed=self.seed,
+            num_samples=self.n or 1,
+            logprobs=top_logprobs,
+            repetition_penalty=self.repetition_penalty or 1.0,
+        )
+
+    def weights(self, checkpoint: Checkpoint | None) -> SavedWeights | None:
+        """The saved weights the request names (None: the base model); errors name them as the request does."""
+        return None if checkpoint is None else SavedWeights(Path(checkpoint.path), self.model)
+
+
+class ChatCompletionRequest(SamplingOptions):
+    """OpenAI's chat completion request; the fields below the line are accepted only to be
+    refused when used (see ``UNSUPPORTED``)."""
+
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
+    # Tokens to sample per choice; max_completion_tokens (OpenAI's newer name) wins over max_tokens.
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # ---- accepted only to be refused when used; the schema declares the values that change nothing
     tools: list[JsonValue] | None = Field(None, json_schema_extra={'maxItems': 0})
     tool_choice: str | dict[str, JsonValue] | None = Field(None, json_schema_extra=served_only('none', 'auto'))
@@ -295,18 +325,16 @@ def _chat_routes(router: APIRouter, service: Service) -> None:
     async def chat_completions(body: ChatCompletionRequest, who: Who) -> JsonObject | StreamingResponse:
         group, checkpoint = _resolve_model(service, who, body.model)
         _check_options(body)
-        messages = [_message(index, message) for index, message in enumerate(body.messages)]
-        request = _chat_request(body, service.config.limits.max_tokens_per_request, checkpoint, messages=messages)
-
-        def compute() -> ChatReply:
-            return group.sample_chat(request)
-
-        job = await service.submit_async(who, group, None, 'chat_completion', compute)
-        await wait_job(job, None)
-        if job.error is not None:
-            raise job.error
-        reply: ChatReply = job.result
-        head: JsonObject = {'id': f'chatcmpl-{job.id}', 'created': int(time.time()), 'model': body.model}
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        request = ChatRequest(
+            params=body.sampling_params(max_tokens, body.top_logprobs if body.logprobs else None),
+            token_limit=service.config.limits.max_tokens_per_request,
+            messages=[_message(index, message) for index, message in enumerate(body.messages)],
+            weights=body.weights(checkpoint),
+            fit=max_tokens is None,
+        )
+        reply, head = await sampled(service, who, group, request, body)
+        head['id'] = f'chatcmpl-{head["id"]}'
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = _events(head, reply, bool(body.logprobs), include_usage)
@@ -418,35 +446,19 @@ def _message(index: int, message: ChatMessage) -> ChatTurn:
     return {'role': ROLE_ALIASES.get(message.role, message.role), 'content': content or ''}
 
 
-# ---- what the host samples ---------------------------------------------------------------------------
-def _chat_request(
-    body: ChatCompletionRequest,
-    token_limit: int,
-    checkpoint: Checkpoint | None,
-    messages: list[ChatTurn] | None = None,
-    prompt_ids: list[int] | None = None,
-) -> ChatRequest:
-    """What the host samples for ``body``: the prompt, the saved weights, OpenAI's options as the sampler's."""
-    top_p = 1.0 if body.top_p is None else body.top_p
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if top_p == 0:  # the smallest set of tokens reaching probability 0: the most likely one
-        temperature, top_p = 0.0, 1.0
-    return ChatRequest(
-        token_limit=token_limit,
-        messages=messages,
-        prompt_ids=prompt_ids,
-        directory=Path(checkpoint.path) if checkpoint is not None else None,
-        shown_as=body.model,
-        n=body.n or 1,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=-1 if body.top_k in (None, 0) else body.top_k,
-        stop=body.stop or None,
-        seed=body.seed,
-        top_logprobs=body.top_logprobs if body.logprobs and body.top_logprobs else None,
-        repetition_penalty=body.repetition_penalty or 1.0,
-    )
+# ---- sampling ---------------------------------------------------------------------------------------
+async def sampled(
+    service: Service, who: Tenant, group: ModelGroup, request: ChatRequest, body: SamplingOptions
+) -> tuple[ChatReply, JsonObject]:
+    """Sample ``request`` as a job on ``group``'s worker; its reply, and the head of the answer
+    (the job's id, its time and the model as the request named it)."""
+    operation = 'chat_completion' if isinstance(body, ChatCompletionRequest) else 'completion'
+    job = await service.submit_async(who, group, None, operation, lambda: group.sample_chat(request))
+    await wait_job(job, None)
+    if job.error is not None:
+        raise job.error
+    reply: ChatReply = job.result
+    return reply, {'id': job.id, 'created': int(time.time()), 'model': body.model}
 
 
 # ---- the reply --------------------------------------------------------------------------------------

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import Field, JsonValue
 
 from twinkle.errors import FieldError
 from twinkle.server.api.deps import Who
@@ -43,18 +41,17 @@ from twinkle.server.api.openai_api import (
     PREFIX,
     JsonObject,
     OpenAIRoute,
-    StreamOptions,
+    SamplingOptions,
     Texts,
     _resolve_model,
     _usage,
+    sampled,
     served_only,
 )
 from twinkle.server.execution.chat import ChatReply, ChatRequest, ReplyToken
 from twinkle.server.execution.checks import MAX_TOP_LOGPROBS
 from twinkle.server.execution.model_group import ModelGroup
-from twinkle.server.execution.scheduler import wait_job
 from twinkle.server.service import Service
-from twinkle.server.store import Checkpoint
 from twinkle.template.base import load_tokenizer
 
 #: Tokens to sample when a request gives no ``max_tokens``: OpenAI's default for completions.
@@ -73,31 +70,15 @@ PROMPT_SCHEMA: dict[str, JsonValue] = {
 Ids = Annotated[list[int], Field(fail_fast=True)]
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's completion request. Unknown fields are ignored, as OpenAI does; the fields below
-    the line are accepted only to be refused when used (see ``UNSUPPORTED``)."""
+class CompletionRequest(SamplingOptions):
+    """OpenAI's completion request; the fields below the line are accepted only to be refused
+    when used (see ``UNSUPPORTED``)."""
 
-    model_config = ConfigDict(extra='ignore', allow_inf_nan=False)
-
-    model: str = Field(description='A base model, a checkpoint path, or "<base model>;<checkpoint path>"')
     # One text or one prompt's ids; a batch (texts, or lists of ids) parses so that it can be refused by name.
     prompt: str | Ids | Texts | list[Ids] = Field(json_schema_extra=PROMPT_SCHEMA)
     max_tokens: int | None = Field(None, ge=1)
-    # 0 is greedy; OpenAI's default is 1.
-    temperature: float | None = Field(None, ge=0, le=2)
-    # 0 keeps only the most likely token (greedy).
-    top_p: float | None = Field(None, ge=0, le=1)
-    n: int | None = Field(None, ge=1, json_schema_extra={'maximum': MAX_CHOICES})
-    stop: str | Texts | None = None
-    # The same seed, prompt and weights give the same completion.
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     # The sampled token's logprob and those of the k most likely tokens, for each token.
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # vLLM's extensions: keep the k most likely tokens (0 or -1: all), and CTRL's repetition penalty.
-    top_k: int | None = Field(None, ge=-1)
-    repetition_penalty: float | None = Field(None, gt=0)
     # ---- accepted only to be refused when used
     echo: bool | None = Field(None, json_schema_extra=served_only(False))
     best_of: int | None = Field(None, ge=1, json_schema_extra={'maximum': 1, 'description': 'Only 1 (or n)'})
@@ -131,17 +112,14 @@ def completions_router(service: Service) -> APIRouter:
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
         # token ids in the vocabulary, the prompt and max_tokens within the context and the request's token limit
         group.check_sample_request([{'input_ids': prompt_ids}], {'max_tokens': max_tokens, 'num_samples': body.n or 1})
-        request = _sampled(body, prompt_ids, max_tokens, service.config.limits.max_tokens_per_request, checkpoint)
-
-        def compute() -> ChatReply:
-            return group.sample_chat(request)
-
-        job = await service.submit_async(who, group, None, 'completion', compute)
-        await wait_job(job, None)
-        if job.error is not None:
-            raise job.error
-        reply: ChatReply = job.result
-        head: JsonObject = {'id': f'cmpl-{job.id}', 'created': int(time.time()), 'model': body.model}
+        request = ChatRequest(
+            params=body.sampling_params(max_tokens, body.logprobs or None),
+            token_limit=service.config.limits.max_tokens_per_request,
+            prompt_ids=prompt_ids,
+            weights=body.weights(checkpoint),
+        )
+        reply, head = await sampled(service, who, group, request, body)
+        head['id'] = f'cmpl-{head["id"]}'
         logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -179,31 +157,6 @@ def _prompt_ids(group: ModelGroup, prompt: str | list[int] | list[str] | list[li
 def _tokenizer(model_id: str) -> Any:
     """The tokenizer of a hosted base model, loaded once (a route tokenizes a text prompt)."""
     return load_tokenizer(model_id)
-
-
-def _sampled(
-    body: CompletionRequest, prompt_ids: list[int], max_tokens: int, token_limit: int, checkpoint: Checkpoint | None
-) -> ChatRequest:
-    """What the host samples: the prompt's ids, the saved weights, OpenAI's options as the sampler's."""
-    top_p = 1.0 if body.top_p is None else body.top_p
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if top_p == 0:  # the smallest set of tokens reaching probability 0: the most likely one
-        temperature, top_p = 0.0, 1.0
-    return ChatRequest(
-        token_limit=token_limit,
-        prompt_ids=prompt_ids,
-        directory=Path(checkpoint.path) if checkpoint is not None else None,
-        shown_as=body.model,
-        n=body.n or 1,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=-1 if body.top_k in (None, 0) else body.top_k,
-        stop=body.stop or None,
-        seed=body.seed,
-        top_logprobs=body.logprobs or None,
-        repetition_penalty=body.repetition_penalty or 1.0,
-    )
 
 
 # ---- the reply --------------------------------------------------------------------------------------

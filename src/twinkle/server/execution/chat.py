@@ -9,14 +9,13 @@ The route checks the request's fields and builds a :class:`ChatRequest`; the hos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 from typing_extensions import TypedDict
 
 from twinkle.data_format import SampledSequence, SamplingParams, StopReason
 from twinkle.errors import DataError, SequenceTooLongError, TwinkleError
-from twinkle.server.execution.checks import SavedWeightsSampler
+from twinkle.server.execution.checks import SavedWeights, SavedWeightsSampler
 from twinkle.template import Template
 
 #: Tokens to sample when a request gives no ``max_tokens``, fewer if the context has less room.
@@ -60,26 +59,19 @@ class ChatReply(TypedDict):
 class ChatRequest:
     """A completion request as a host takes it, its fields checked by the route."""
 
+    #: The sampler's parameters; ``max_tokens`` is replaced where ``fit`` is set.
+    params: SamplingParams
     #: The request's token limit: the prompt and every choice's reply (``max_tokens_per_request``).
     token_limit: int
     #: The conversation to encode with the base model's chat template (a chat completion) ...
     messages: list[ChatTurn] | None = None
     #: ... or the prompt's token ids (a text completion whose prompt the route encoded or was given).
     prompt_ids: list[int] | None = None
-    #: The saved weights to sample (None: the base model), and what the tenant calls them (errors name it).
-    directory: Path | None = None
-    shown_as: str | None = None
-    n: int = 1
-    #: Tokens per choice; None: as many as fit the context and the token limit, up to ``DEFAULT_MAX_TOKENS``.
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    #: How many most likely tokens to report with each sampled token's logprob (None: none).
-    top_logprobs: int | None = None
-    repetition_penalty: float = 1.0
+    #: The saved weights to sample (None: the base model).
+    weights: SavedWeights | None = None
+    #: Sample as many tokens as fit the context and the token limit, up to ``DEFAULT_MAX_TOKENS``
+    #: (a chat request that names no ``max_tokens``: its prompt's length is known once encoded).
+    fit: bool = False
 
 
 def sample_chat(
@@ -88,7 +80,8 @@ def sample_chat(
     """Encode (or take) the prompt, sample the choices, and split each reply at its tokens."""
     prompt = request.prompt_ids if request.prompt_ids is not None else encode_messages(template, request.messages or [])
     params = sampling_params(request, len(prompt), context)
-    adapter = sampler.sampler_adapter(request.directory, request.shown_as) if request.directory is not None else None
+    weights = request.weights
+    adapter = sampler.sampler_adapter(weights.directory, weights.shown_as) if weights is not None else None
     response = sampler.generate([{'input_ids': prompt}], params, adapter)[0]
     return {'prompt_tokens': len(prompt), 'choices': [_choice(template, seq) for seq in response.sequences]}
 
@@ -108,24 +101,13 @@ def encode_messages(template: Template, messages: list[ChatTurn]) -> list[int]:
 
 def sampling_params(request: ChatRequest, prompt_tokens: int, context: int | None) -> SamplingParams:
     """The sampler's parameters for ``request`` once its prompt is ``prompt_tokens`` long."""
-    max_tokens = request.max_tokens
-    if max_tokens is None:  # as much as fits, up to the default
-        limit = request.token_limit
-        room = min(limit // request.n, context if context is not None else limit) - prompt_tokens
-        if room < 1:
-            raise SequenceTooLongError(f'the prompt takes {prompt_tokens} tokens, leaving no room to reply')
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        stop=request.stop,
-        seed=request.seed,
-        num_samples=request.n,
-        logprobs=request.top_logprobs,
-        repetition_penalty=request.repetition_penalty,
-    )
+    if not request.fit:
+        return request.params
+    limit, n = request.token_limit, request.params.num_samples
+    room = min(limit // n, context if context is not None else limit) - prompt_tokens
+    if room < 1:
+        raise SequenceTooLongError(f'the prompt takes {prompt_tokens} tokens, leaving no room to reply')
+    return replace(request.params, max_tokens=min(DEFAULT_MAX_TOKENS, room))
 
 
 def _choice(template: Template, sequence: SampledSequence) -> ReplyChoice:
