@@ -172,7 +172,7 @@ def _check_component(spec: type[Configure], kwargs: Mapping[str, Json]) -> None:
     _bind(f'{registry.kind} {component.__name__}', component, options, slots)
 
 
-def _bind(what: str, target: Callable[..., Any], kwargs: Mapping[str, Json], filled: Mapping[str, Json]) -> None:
+def _bind(what: str, target: Callable[..., object], kwargs: Mapping[str, Json], filled: Mapping[str, Json]) -> None:
     """``DataError`` unless ``target`` accepts ``kwargs`` (besides what the server fills in)."""
     signature = inspect.signature(target)
     try:

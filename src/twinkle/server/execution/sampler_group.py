@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.model.checkpoint import WEIGHTS_STEP
@@ -81,7 +80,7 @@ class SamplerGroup:
     def start(self) -> None:
         self.scheduler.start()
 
-    def stop(self) -> list[Any]:
+    def stop(self) -> list[Job]:
         jobs = self.scheduler.stop(wait=True)
         self.host.shutdown()
         return jobs

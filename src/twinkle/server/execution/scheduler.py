@@ -65,7 +65,8 @@ class Batchable:
     key: Hashable
     # The job's share of the pass's token budget.
     tokens: int
-    # What ``run_many`` receives for this job.
+    # What ``run_many`` receives for this job (Any: each kind of pass has its own: a run and its
+    # arguments, a run and a Tinker call, a run and Adam's parameters; only ``run_many`` reads it).
     payload: Any = field(repr=False)
     # Runs several jobs' payloads as one pass; one result per payload, in order. An exception
     # in place of a result fails that job alone. ``run_many`` may raise only before it changes
@@ -85,6 +86,7 @@ class Job:
     submitted_at: float = field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
+    # Any: what ``fn`` returned, which the route that queued the job reads as its own type.
     result: Any = field(default=None, repr=False)
     error: BaseException | None = None
     status: JobStatus = 'pending'
@@ -282,6 +284,11 @@ class Scheduler:
         """The job with this id: queued, running, or among the last ``keep_finished`` finished."""
         with self._cond:
             return self._jobs.get(job_id)
+
+    def unsettled(self) -> list[Job]:
+        """The jobs running or queued now (what must settle before a folder they may read goes)."""
+        with self._cond:
+            return [*self._running, *(job for queue in self._queues.values() for job in queue)]
 
     def queued(self, tenant: str | None = None) -> int:
         """Jobs waiting (not running) for ``tenant``, or for all tenants."""

@@ -19,7 +19,6 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft import PeftConfig
@@ -46,7 +45,7 @@ class VllmSampling:
     """One vLLM engine for a hosted model, and the adapters it holds for runs and checkpoints."""
 
     def __init__(self, model_id: str, settings: SamplerSettings, max_lora_rank: int, ranks: int = 1):
-        args: dict[str, Any] = {'enable_lora': True, 'max_lora_rank': engine_lora_rank(max_lora_rank)}
+        args: dict[str, object] = {'enable_lora': True, 'max_lora_rank': engine_lora_rank(max_lora_rank)}
         if ranks > 1:
             args['tensor_parallel_size'] = ranks
         args.update(settings.engine_args)
@@ -58,7 +57,7 @@ class VllmSampling:
             lambda adapter, directory: self.sampler.add_adapter(adapter, str(directory)),
             self.sampler.remove_adapter,
         )
-        self._runs: dict[str, tuple[Any, str]] = {}  # run adapter -> (weights key, adapter)
+        self._runs: dict[str, tuple[tuple[int, int], str]] = {}  # run adapter -> (weights key, adapter)
 
     @property
     def template(self) -> Template:
@@ -69,7 +68,7 @@ class VllmSampling:
         return self._saved.adapter(directory, shown_as)
 
     def run_adapter(
-        self, adapter: str, key: Any, config: PeftConfig, weights: Callable[[], Mapping[str, torch.Tensor]]
+        self, adapter: str, key: tuple[int, int], config: PeftConfig, weights: Callable[[], Mapping[str, torch.Tensor]]
     ) -> str:
         """A run's adapter as it is now: ``weights()`` is exported to the engine when ``key`` (the
         run's weights version) changed since the last export."""
