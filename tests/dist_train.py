@@ -122,7 +122,32 @@ def resume_losses(model: TransformersModel, data: Dataset, out_dir: Path, mesh: 
     reloaded = two_steps(model)
     fresh = build('lora', mesh)
     fresh.resume_from_checkpoint(saved, adapter_name='alice')
-    return {'continued': continued, 'reloaded': reloaded, 'resumed': two_steps(fresh)}
+    resumed = two_steps(fresh)
+    return {'continued': continued, 'reloaded': reloaded, 'resumed': resumed, **pending(model, data, out_dir, mesh)}
+
+
+def pending(model: TransformersModel, data: Dataset, out_dir: Path, mesh: DeviceMesh | None) -> dict:
+    """Alice's window half full (the first of her 2 accumulation steps), saved with her optimizer:
+    the gradients each rank holds are saved as one process holding every row would hold them, so
+    after ``resume_from_checkpoint`` into a fresh model her next calls give the losses they give
+    uninterrupted (under FSDP2 her adapter is sharded: its gradients are gathered, then cut again)."""
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH, device_mesh=mesh)
+    batches = [batch for _, batch in zip(range(3), loader, strict=False)]
+    model.forward_backward(inputs=batches[0], adapter_name='alice')
+    assert model.clip_grad_and_step(adapter_name='alice') is None  # between boundaries: waits
+    saved = model.save('pending', output_dir=str(out_dir), adapter_name='alice', save_optimizer=True)
+
+    def rest(trained: TransformersModel) -> list[float]:
+        losses = []
+        for batch in batches[1:]:
+            losses.append(trained.forward_backward(inputs=batch, adapter_name='alice').loss)
+            trained.clip_grad_and_step(adapter_name='alice')
+        return losses
+
+    uninterrupted = rest(model)
+    fresh = build('lora', mesh)
+    fresh.resume_from_checkpoint(saved, adapter_name='alice')
+    return {'pending_continued': uninterrupted, 'pending_resumed': rest(fresh)}
 
 
 def main(out_dir: Path) -> None:

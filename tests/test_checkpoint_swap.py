@@ -3,7 +3,7 @@
 A child process saves ``ck``, changes its weights, and saves ``ck`` again; a hook in the child
 (the test's, not the library's) stops it at the swap and tells the test, which kills it with
 SIGKILL. The name must then hold one whole checkpoint, the old or the new, and the next load (or
-a server's restart) clears what the swap left beside it.
+a server's restart, for the state it keeps of each run) clears what the swap left beside it.
 
 Two ways to swap are tried: Linux's ``renameat2(RENAME_EXCHANGE)``, stopped just after the
 exchange, and the portable one (park the old, move the new in), stopped between its two renames,
@@ -25,7 +25,6 @@ from peft import LoraConfig
 from server_helpers import add_key, free_port, server_command, start_server, wait_until_healthy
 
 from twinkle.model import TransformersModel
-from twinkle.server.store import Store
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
@@ -150,42 +149,51 @@ def test_a_save_killed_in_the_swap_leaves_one_whole_checkpoint(tmp_path, tiny_mo
     assert [p.name for p in (tmp_path / 'ckpts').iterdir()] == ['ck']
 
 
-def test_a_server_killed_in_the_swap_restarts_with_rows_matching_whole_folders(tmp_path, tiny_model_dir):
+def test_a_server_killed_in_the_swap_of_a_runs_state_brings_the_run_back_whole(tmp_path, tiny_model_dir):
+    """A server keeps each run's state (``released-state``) by the same swap, and writes a
+    checkpoint into a folder of its own (``tests/test_run_lifecycle.py`` kills that at its
+    commit). Killed with the state parked, after the step that writes it and before that step
+    was answered: the restart moves the parked state back, and the run continues from it whole
+    (here the state of its creation: the 3 steps it was answered for are the most a death may
+    cost, ``save_state_every_steps - 1``)."""
     data_dir, port, signals = tmp_path / 'data', free_port(), tmp_path / 'signals'
     signals.mkdir()
     key = add_key(tiny_model_dir, data_dir, 'alice')
     command = [sys.executable, '-c', SERVER_CHILD, str(signals), *server_command(tiny_model_dir, data_dir, port)[3:]]
     server = subprocess.Popen([*command, 'serve'], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rows = [{'input_ids': [11, 23, 5, 42, 17, 8], 'labels': [-100, 23, 5, 42, 17, 8]}]
     try:
         wait_until_healthy(server, port)
         client = TwinkleClient(f'http://127.0.0.1:{port}', key)
         model = MultiLoraTransformersModel(client=client)
         run_id = model.add_adapter_to_model('default', lora(), seed=3)
-        saved = model.save('ck')  # acknowledged
-        folder = next((data_dir / 'checkpoints').glob(f'*/{run_id}/ck'))
-        old = digest(folder)
-        other = MultiLoraTransformersModel(client=client)
-        other.add_adapter_to_model('default', lora(), seed=4)
-        model.load(other.save('other'))  # new weights for the next save of 'ck'
-        client.submit(f'/twinkle/v1/runs/{run_id}/save', {'name': 'ck'})  # stops in the window
+        model.set_optimizer('AdamW', lr=1e-2)
+        for _ in range(3):
+            model.forward_backward(inputs=rows)
+            model.clip_grad_and_step()
+        model.forward_backward(inputs=rows)
+        step = client.submit(f'/twinkle/v1/runs/{run_id}/ops/clip_grad_and_step', {})  # the 4th: its state is kept
         wait_for_window(server, signals)
-        assert not folder.exists()  # the window: the acknowledged checkpoint is parked
+        state = next((data_dir / 'checkpoints').glob(f'*/{run_id}/released-state'), None)
+        assert state is None  # the window: the state of its creation is parked, the new one not yet in
     finally:
         kill_9(server)
 
     server = start_server(tiny_model_dir, data_dir, port)
     try:
         client = TwinkleClient(f'http://127.0.0.1:{port}', key)
-        assert [c.twinkle_path for c in client.list_checkpoints(run_id)] == [saved]  # the row of the old
-        assert digest(folder) == old  # the swap undone: the new one was never acknowledged
-        assert [p.name for p in folder.parent.iterdir() if p.name.startswith('.')] == []
-        resumed = MultiLoraTransformersModel(client=client)
-        resumed.add_adapter_to_model('default', lora())
-        assert resumed.load(saved) == saved
+        assert client.request('GET', f'/twinkle/v1/futures/{step}')['status'] == 'failed'
+        fresh = MultiLoraTransformersModel(client=client)
+        fresh.add_adapter_to_model('default', lora(), seed=3)
+        (expected,) = fresh.forward_only(inputs=rows).logps
+        model = MultiLoraTransformersModel(client=client)
+        model.attach(run_id)
+        (continued,) = model.forward_only(inputs=rows).logps
+        assert continued == pytest.approx(expected, abs=1e-6)
+        run_dir = next((data_dir / 'checkpoints').glob(f'*/{run_id}'))
+        assert [p.name for p in run_dir.iterdir()] == ['released-state']  # nothing left beside it
+        restored = client.get_training_run(run_id).restored_from
+        assert restored is not None and (restored.step, restored.lost_steps) == (0, 3), restored
     finally:
         server.terminate()
         server.wait()
-    with Store(data_dir / 'twinkle.db') as store:  # every row names a whole checkpoint
-        for tenant in store.tenants.all():
-            rows, _ = store.checkpoints.page(tenant.id)
-            assert rows and all((Path(row.path) / 'adapter_model.safetensors').is_file() for row in rows)

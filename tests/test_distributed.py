@@ -65,6 +65,10 @@ def test_two_ranks_give_the_losses_and_metrics_of_one_process(runs, scenario):
         # resume_from_checkpoint() into a fresh one: all the same, and the same as one process.
         for key in ('continued', 'reloaded', 'resumed'):
             assert_floats_close(two[key], one['continued'])
+        # Saved with gradients waiting for a step, resumed: the same, here and under torchrun.
+        for results in (one, two):
+            assert_floats_close(results['pending_resumed'], one['pending_continued'])
+        assert_floats_close(two['pending_continued'], one['pending_continued'])
 
 
 @pytest.mark.parametrize('scenario', SCENARIOS)

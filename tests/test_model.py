@@ -335,3 +335,78 @@ def test_a_failed_adapter_leaves_no_layers_behind(tiny_model_dir, rows):
     assert model.adapter_names == ['first'] and multi_lora.adapter_names(model.model) == ['first']
     model.add_adapter_to_model('second', lora())  # the name is free again, and trains
     assert len(train(model, [rows[:2]], adapter='second')) == 1
+
+
+def test_a_step_closes_its_accumulation_window(tiny_model_dir, rows):
+    """Seed 003's loop (``step()`` after each ``forward_backward``, no ``zero_grad()``) trains as
+    the loop with ``zero_grad()``: each step uses its own window's gradient, divided by its own
+    item count. Before, the first step's gradient stayed, and later steps skipped the division."""
+    batches = [rows[2 * i : 2 * i + 2] for i in range(4)]
+    for accumulation in (1, 2):
+        with_zero_grad = new_model(tiny_model_dir, 'default', gradient_accumulation_steps=accumulation)
+        step_only = new_model(tiny_model_dir, 'default', gradient_accumulation_steps=accumulation)
+        losses: dict[str, list[float]] = {'with': [], 'without': []}
+        for batch in batches:
+            losses['with'].append(with_zero_grad.forward_backward(inputs=batch).loss)
+            with_zero_grad.step()
+            with_zero_grad.zero_grad()
+            losses['without'].append(step_only.forward_backward(inputs=batch).loss)
+            stepped = step_only.step()
+            params = step_only.train_group().params
+            assert stepped == all(p.grad is None for p in params)  # a step leaves no gradient behind
+        assert step_only.optimizer_steps() == 4 // accumulation
+        assert losses['without'] == pytest.approx(losses['with'], abs=1e-6)
+        for key, value in adapter_state(with_zero_grad, 'default').items():
+            torch.testing.assert_close(adapter_state(step_only, 'default')[key], value, rtol=0, atol=1e-7)
+
+
+def test_a_save_keeps_the_gradients_waiting_for_a_step(tiny_model_dir, rows, tmp_path):
+    """``save(save_optimizer=True)`` between ``forward_backward`` and the step keeps the window
+    (gradients, item count, and whether ``clip_grad_norm`` ran); resumed, the step is the one the
+    uninterrupted run takes, and ``clip_grad_norm`` does not run twice at one boundary."""
+    batches = [rows[3 * i : 3 * i + 3] for i in range(4)]
+    uninterrupted = new_model(tiny_model_dir, 'default')
+    expected = train(uninterrupted, batches)
+
+    for clipped_before_save in (False, True):
+        model = new_model(tiny_model_dir, 'default')
+        losses = train(model, batches[:2])
+        losses.append(model.forward_backward(inputs=batches[2]).loss)
+        norm = model.clip_grad_norm() if clipped_before_save else None
+        path = model.save(f'pending-{clipped_before_save}', output_dir=str(tmp_path), save_optimizer=True)
+
+        resumed = new_model(tiny_model_dir, 'default', seed=7)  # other weights: all of it comes from the save
+        resumed.resume_from_checkpoint(path)
+        if clipped_before_save:
+            assert resumed.clip_grad_norm() is None  # done at this boundary already
+            assert norm is not None
+            resumed.step()
+            resumed.zero_grad()
+            resumed.lr_step()
+        else:
+            resumed.clip_grad_and_step()
+        losses += train(resumed, batches[3:])
+        assert losses == pytest.approx(expected, abs=1e-6)
+        for key, value in adapter_state(uninterrupted, 'default').items():
+            torch.testing.assert_close(adapter_state(resumed, 'default')[key], value, rtol=0, atol=1e-6)
+
+
+def test_restore_state_continues_from_weights_alone_with_a_fresh_optimizer(tiny_model_dir, rows, tmp_path):
+    model = new_model(tiny_model_dir, 'default')
+    train(model, [rows[:2]] * 3)
+    weights_only = model.save('weights', output_dir=str(tmp_path))
+    full = model.save('full', output_dir=str(tmp_path), save_optimizer=True)
+    probe = model.forward_only(inputs=rows[4:6]).logps
+
+    for path, fresh in ((weights_only, True), (full, False)):
+        restored = new_model(tiny_model_dir, 'default', seed=9)
+        assert restored.restore_state(path) == {'optim_step': 3, 'fresh_optimizer': fresh}
+        assert restored.optimizer_steps() == 3
+        torch.testing.assert_close(restored.forward_only(inputs=rows[4:6]).logps, probe, rtol=0, atol=1e-6)
+        assert restored.step() is False  # the boundary of step 3 is done: nothing to step on
+        restored.forward_backward(inputs=rows[:2])
+        restored.clip_grad_and_step()
+        assert restored.optimizer_steps() == 4
+        # A fresh optimizer: AdamW's state counts one step; restored, four.
+        state = restored.train_group().optimizer.state_dict()['state']
+        assert {int(s['step']) for s in state.values()} == ({1} if fresh else {4})

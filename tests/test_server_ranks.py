@@ -177,6 +177,14 @@ def served(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Any]]:
         yield running
 
 
+#: The native client's learning rate, as the five tenants' above. At 5e-2 the third step overshoots
+#: (loss 4.07 -> 5.26, gradient norm 50), and Adam's first step (lr * g / (|g| + eps)) turns a float32
+#: rounding difference of 5e-9 in a gradient element of 2e-7 (layer 0's o_proj B) into 6e-5 in its
+#: weight: the third loss then differs by 5e-5 between one process on 1 and on 2 threads, and by
+#: 9e-5 between two ranks and one (their summation orders differ). At 1e-2 it is 4e-6.
+NATIVE_LR = 1e-2
+
+
 def native_losses(model: MultiLoraTransformersModel, steps: int) -> list[float]:
     losses = []
     for _ in range(steps):
@@ -189,7 +197,7 @@ def test_the_native_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
     url, keys, _ = served
     model = MultiLoraTransformersModel('tiny-qwen3', client=TwinkleClient(url, keys['alice']))
     model.add_adapter_to_model('default', LORA, seed=5)
-    model.set_optimizer('AdamW', lr=5e-2)
+    model.set_optimizer('AdamW', lr=NATIVE_LR)
     on_group = native_losses(model, 3)
     # The run's history is recorded from the group too; evaluation by calculate_loss is refused
     # before it is queued (each rank holds a share of a forward_only's rows), and the group goes on.
@@ -200,7 +208,7 @@ def test_the_native_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
     with background_server(tmp_path, 'tiny-qwen3') as (one_url, one_keys, _):
         one = MultiLoraTransformersModel('tiny-qwen3', client=TwinkleClient(one_url, one_keys['alice']))
         one.add_adapter_to_model('default', LORA, seed=5)
-        one.set_optimizer('AdamW', lr=5e-2)
+        one.set_optimizer('AdamW', lr=NATIVE_LR)
         on_one = native_losses(one, 3)
     assert on_group == pytest.approx(on_one, rel=TOL, abs=TOL)
     assert on_group[-1] < on_group[0]

@@ -1,6 +1,7 @@
 """A server process killed with SIGKILL mid-request: after a restart the runs and every
 acknowledged checkpoint are there, nothing half-written is, a resumed run continues with the
-losses the uninterrupted run had, and the killed run itself continues from its newest checkpoint."""
+losses the uninterrupted run had, and the killed run itself continues from its newest saved state
+(the server keeps it every ``save_state_every_steps`` = 4 steps: here it lost none of its 4)."""
 
 from __future__ import annotations
 
@@ -74,12 +75,9 @@ def test_kill_9_mid_step_then_restart_keeps_runs_and_checkpoints_and_resumes_exa
             again.append(resumed.forward_backward(inputs=batch).loss)
             resumed.clip_grad_and_step()
         assert again == pytest.approx(losses[2:4], abs=1e-6)
-        # The old run's adapter died with the process: it continues from its newest checkpoint.
-        newest = list(checkpoints.values())[-1]
-        probe = MultiLoraTransformersModel(client=client)
-        probe.add_adapter_to_model('default', lora())
-        probe.load(newest.twinkle_path)
-        expected = probe.forward_only(inputs=batches[0]).logps
+        # The old run's adapter died with the process: it continues from the state the server kept
+        # after its 4th step, the weights the resumed run has after the same 4 steps.
+        expected = resumed.forward_only(inputs=batches[0]).logps
         continued = client.call(f'/twinkle/v1/runs/{run_id}/ops/forward_only', {'inputs': batches[0]})
         for row, local in zip(continued['logps'], expected, strict=True):
             assert torch.allclose(torch.tensor(row), torch.tensor(local[: len(row)]), atol=1e-5)

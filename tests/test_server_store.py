@@ -272,6 +272,43 @@ def test_checkpoint_replace_and_delete(tmp_path):
             store.checkpoints.add(tenant.id, run.id, 'x', '/disk/x', 'weights', 1)
 
 
+def test_a_checkpoint_row_and_its_saves_future_commit_together_or_not_at_all(store):
+    tenant, _ = store.tenants.add('alice')
+    run = store.runs.create(tenant.id, 'base', 'default', {})
+    first = store.checkpoints.add(tenant.id, run.id, 'ck', '/disk/v1', 'training', 1)
+    future = store.futures.create(tenant.id, run.id, 'save')
+    with pytest.raises(RuntimeError, match='crash'), store.transaction():  # a failure before the commit
+        store.checkpoints.replace(tenant.id, run.id, 'ck', '/disk/v2', 'training', 2)
+        store.futures.finish(future.id, 'twinkle://v2')
+        raise RuntimeError('crash')
+    assert store.checkpoints.get(tenant.id, run.id, 'ck') == first  # neither the row...
+    assert store.futures.get(tenant.id, future.id).status == 'pending'  # ...nor the future changed
+    with store.transaction():
+        second, replaced = store.checkpoints.replace(tenant.id, run.id, 'ck', '/disk/v2', 'training', 2)
+        assert store.futures.finish(future.id, second.twinkle_path)
+    assert replaced == first and store.checkpoints.get(tenant.id, run.id, 'ck') == second
+    assert store.futures.get(tenant.id, future.id).result == second.twinkle_path
+    assert store.checkpoints.paths() == {'/disk/v2'}
+
+
+def test_a_run_brought_back_with_less_than_it_had_says_so_and_forgets_the_steps_it_lost(tmp_path):
+    clock = FakeClock()
+    with Store(tmp_path / 'db', clock=clock) as store:
+        tenant, _ = store.tenants.add('alice')
+        run = store.runs.create(tenant.id, 'base', 'default', {})
+        store.history.add_steps(run.id, [{'step': float(step), 'loss': 1.0 / step} for step in range(1, 7)])
+        assert store.history.record_restore(run.id, 6, None, fresh_optimizer=False) is None  # as it was
+        assert store.history.restores(run.id) == [] and store.history.last_restore(run.id) is None
+        clock.now += 5
+        lost = store.history.record_restore(run.id, 4, None, fresh_optimizer=False)
+        expected = {'time': 1005.0, 'step': 4, 'checkpoint': None, 'fresh_optimizer': False, 'lost_steps': 2}
+        assert lost == expected
+        assert [entry['step'] for entry in store.history.steps(run.id)] == [1, 2, 3, 4]
+        fresh = store.history.record_restore(run.id, 4, 'twinkle://run/checkpoints/four', fresh_optimizer=True)
+        assert fresh is not None and (fresh['lost_steps'], fresh['fresh_optimizer']) == (0, True)
+        assert store.history.restores(run.id) == [lost, fresh] and store.history.last_restore(run.id) == fresh
+
+
 # -- futures ------------------------------------------------------------------------------------------
 
 

@@ -193,8 +193,24 @@ class RunFields(BaseModel):
     session_id: str | None = None
 
 
+class RunRestore(Answer):
+    """A time the server brought the run back with less than it had: a model worker died and the
+    run continued from its last saved state (at most ``save_state_every_steps - 1`` acknowledged
+    optimizer steps behind), or it had only a checkpoint of weights alone (a fresh optimizer)."""
+
+    time: float = Field(description='Unix time the run came back')
+    step: int = Field(description='The optimizer step it continued from')
+    checkpoint: str | None = Field(
+        description="The twinkle:// path of the checkpoint it came from; null: the server's own saved state"
+    )
+    fresh_optimizer: bool = Field(description='Its optimizer started afresh (the checkpoint held weights alone)')
+    lost_steps: int = Field(description='Recorded optimizer steps after `step` it lost (its history forgets them)')
+
+
 class RunInfo(RunFields, Answer):
     training_run_id: str
+    #: The last time the run came back with less than it had (None: never).
+    restored_from: RunRestore | None = None
 
 
 class RunList(Answer):
@@ -244,6 +260,8 @@ class RunHistory(Answer):
 
     run_id: str
     steps: list[RunStep]
+    #: The times the run came back with less than it had, oldest first (its steps after each were forgotten).
+    restores: list[RunRestore] = Field(default_factory=list)
 
 
 class FileLinks(Answer):
@@ -610,6 +628,7 @@ __all__ = [
     'RunHistory',
     'RunInfo',
     'RunList',
+    'RunRestore',
     'RunStep',
     'SampleWeights',
     'SaveRequest',

@@ -26,6 +26,7 @@ from twinkle.wire import (
     RunHistory,
     RunInfo,
     RunList,
+    RunRestore,
     RunStep,
     parse_twinkle_path,
 )
@@ -155,6 +156,14 @@ class TwinkleClient:
                 return steps
             steps += page
             after = page[-1].step
+
+    def run_restores(self, run_id: str) -> list[RunRestore]:
+        """The times the server brought the run back with less than it had, oldest first: a model
+        worker died and it continued from its last saved state (``restored_from.step``, with the
+        ``lost_steps`` after it forgotten in its history), or it had only a checkpoint of weights
+        alone (``fresh_optimizer``). ``get_training_run(...).restored_from`` is the last one."""
+        answer = self.request('GET', f'{PREFIX}/runs/{run_id}/history', params={'limit': 1})
+        return RunHistory.model_validate(answer).restores
 
     def download_checkpoint(self, path: str, out_dir: str | Path) -> Path:
         """The weight files of ``twinkle://<run>/checkpoints/<name>`` (not its optimizer state)

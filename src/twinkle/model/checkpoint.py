@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from twinkle.errors import CheckpointError, ConfigurationError, StateError
 from twinkle.model import multi_lora
-from twinkle.model.train_group import TrainGroup
+from twinkle.model.train_group import TrainGroup, Window
 
 ADAPTER_WEIGHTS = 'adapter_model.safetensors'
 TRAINER_STATE = 'trainer_state.json'
@@ -48,6 +48,9 @@ WEIGHTS_STEP = 'weights_step.json'
 OPTIMIZER = 'optimizer.pt'
 SCHEDULER = 'scheduler.pt'
 RNG_STATE = 'rng_state.pt'
+#: The accumulation window a checkpoint saved with its optimizer keeps (``train_group.Window``):
+#: gradients waiting for a step, their item count, the boundary's done operations.
+ACCUMULATION = 'accumulation.pt'
 CHECKPOINT_VERSION = 1
 
 
@@ -173,6 +176,12 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
+def read_weights_step(checkpoint: Path) -> int:
+    """The optimizer step a checkpoint's weights were saved at (0 for one saved before it was recorded)."""
+    path = checkpoint / WEIGHTS_STEP
+    return int(json.loads(path.read_text()).get('optim_step', 0)) if path.is_file() else 0
+
+
 def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
     path = checkpoint / TRAINER_STATE
     if not path.is_file():
@@ -258,15 +267,28 @@ def _check_missing(directory: Path, adapter_name: str, missing: list[str]) -> No
 
 
 def save_training_state(
-    group: TrainGroup, directory: Path, consumed: int | None, optimizer_state: dict[str, Any] | None = None
+    group: TrainGroup,
+    directory: Path,
+    consumed: int | None,
+    optimizer_state: dict[str, Any] | None = None,
+    window: Window | None = None,
 ) -> None:
-    """Optimizer, scheduler, RNG and counters: what ``resume_from_checkpoint`` restores.
-    ``optimizer_state``: the optimizer's state dict with whole tensors, when its own holds shards."""
+    """Optimizer, scheduler, RNG, counters and accumulation window: what ``resume_from_checkpoint``
+    restores. ``optimizer_state``: the optimizer's state dict with whole tensors, when its own
+    holds shards; ``window``: the group's (``ModelParallel.gather_window``)."""
     if group.optimizer is not None:
         torch.save(optimizer_state or group.optimizer.state_dict(), directory / OPTIMIZER)
     if group.scheduler is not None:
         torch.save(group.scheduler.state_dict(), directory / SCHEDULER)
     torch.save(rng_state(), directory / RNG_STATE)
+    if window is not None:
+        torch.save(
+            {
+                'grads': window.grads, 'items': window.items, 'normalized': window.normalized,
+                'grad_norm': window.grad_norm, 'done': window.done, 'figures': window.figures,
+            },
+            directory / ACCUMULATION,
+        )  # fmt: skip
     state = {
         'checkpoint_version': CHECKPOINT_VERSION,
         'cur_step': group.micro_step,
@@ -275,6 +297,25 @@ def save_training_state(
         'consumed_train_samples': group.consumed_train_samples if consumed is None else consumed,
     }
     write_json(directory / TRAINER_STATE, state)
+
+
+def read_window(checkpoint: Path) -> Window | None:
+    """The accumulation window a checkpoint keeps; None for one saved before windows were kept."""
+    path = checkpoint / ACCUMULATION
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=True)
+    try:
+        return Window(
+            grads={int(i): grad for i, grad in saved['grads'].items()},
+            items=torch.as_tensor(saved['items']),
+            normalized=bool(saved['normalized']),
+            grad_norm=None if saved['grad_norm'] is None else float(saved['grad_norm']),
+            done=[str(operation) for operation in saved['done']],
+            figures=dict(saved['figures']),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f'{path} is not an accumulation window this twinkle wrote: {error!r}') from None
 
 
 def load_optimizer_state(

@@ -11,18 +11,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import torch
 from transformers import PreTrainedModel
 
 from twinkle.errors import CheckpointError, ConfigurationError
 from twinkle.model import checkpoint as ckpt
-from twinkle.model.train_group import FULL, TrainGroup
 from twinkle.model.parallel import ModelParallel
+from twinkle.model.train_group import BOUNDARY_OPERATIONS, FULL, TrainGroup, Window
 
 #: The trainer state ``resume_from_checkpoint`` returns.
 RESUMED_COUNTERS = ('cur_step', 'optim_step', 'consumed_train_samples', 'gradient_accumulation_steps')
+
+
+class Restored(TypedDict):
+    """What ``Checkpointer.restore`` brought back: the optimizer steps the adapter stands at, and
+    whether its optimizer starts afresh (the checkpoint held weights alone, ``save_optimizer=False``)."""
+
+    optim_step: int
+    fresh_optimizer: bool
 
 
 class Tokenizer(Protocol):
@@ -40,6 +48,7 @@ class _Save:
     save_optimizer: bool
     consumed_train_samples: int | None
     optimizer_state: dict[str, Any] | None
+    window: Window | None
 
 
 def existing_checkpoint(path: Path) -> Path:
@@ -78,7 +87,8 @@ class Checkpointer:
         if save_optimizer and group.optimizer is not None:
             self.optimizer_ready(group)
             optimizer_state = self.parallel.gather_optimizer_state(group.optimizer)
-        save = _Save(weights, save_optimizer, consumed, optimizer_state)
+        window = self.parallel.gather_window(group) if save_optimizer else None
+        save = _Save(weights, save_optimizer, consumed, optimizer_state, window)
         self.parallel.on_main(lambda: self._write(group, destination, tokenizer, save))
 
     def _write(self, group: TrainGroup, destination: Path, tokenizer: Tokenizer, save: _Save) -> None:
@@ -90,7 +100,7 @@ class Checkpointer:
             tokenizer.save_pretrained(str(staging))
             ckpt.write_json(staging / ckpt.WEIGHTS_STEP, {'optim_step': group.optim_step})
             if save.save_optimizer:
-                ckpt.save_training_state(group, staging, save.consumed_train_samples, save.optimizer_state)
+                ckpt.save_training_state(group, staging, save.consumed_train_samples, save.optimizer_state, save.window)
 
     def load(self, group: TrainGroup, directory: Path, *, load_optimizer: bool) -> None:
         """The adapter's weights and, with ``load_optimizer``, its optimizer and scheduler state
@@ -102,7 +112,7 @@ class Checkpointer:
 
     def resume(self, group: TrainGroup, directory: Path, *, resume_only_model: bool) -> dict[str, int]:
         """``load`` of the weights, then unless ``resume_only_model`` the optimizer, scheduler,
-        random state and counters; returns the checkpoint's ``RESUMED_COUNTERS``."""
+        random state, counters and accumulation window; returns the checkpoint's ``RESUMED_COUNTERS``."""
         self._load_weights(group, existing_checkpoint(directory))
         state = ckpt.read_trainer_state(directory)
         if not resume_only_model:
@@ -111,7 +121,39 @@ class Checkpointer:
             ckpt.set_rng_state(torch.load(directory / ckpt.RNG_STATE, weights_only=False))
             group.gradient_accumulation_steps = state['gradient_accumulation_steps']
             group.restore_counters(state)
+            self._restore_window(group, directory)
         return {key: int(state[key]) for key in RESUMED_COUNTERS}
+
+    def restore(self, group: TrainGroup, directory: Path) -> Restored:
+        """Bring the group back to a checkpoint, leaving the process's random state alone (a
+        server's run, whose process serves others): the weights and, where ``save`` kept them
+        (``save_optimizer=True``), the optimizer and scheduler state (into the group's own, if it
+        has one), the step counters and the accumulation window. From weights alone the
+        optimizer starts afresh at the step the weights were saved at, with an empty window."""
+        directory = existing_checkpoint(directory)
+        self._load_weights(group, directory)
+        if not (directory / ckpt.TRAINER_STATE).is_file():
+            step = ckpt.read_weights_step(directory)
+            cur_step = step * group.gradient_accumulation_steps  # a boundary, every operation of it done
+            group.restore_counters(
+                {'cur_step': cur_step, 'optim_step': step, 'consumed_train_samples': group.consumed_train_samples}
+            )
+            group.close_window()
+            group.mark_done(list(BOUNDARY_OPERATIONS))
+            return {'optim_step': step, 'fresh_optimizer': True}
+        if group.optimizer is not None:
+            self.optimizer_ready(group)
+            ckpt.load_optimizer_state(group, directory, self.parallel.shard_optimizer_state)
+        group.restore_counters(ckpt.read_trainer_state(directory))
+        self._restore_window(group, directory)
+        return {'optim_step': group.optim_step, 'fresh_optimizer': False}
+
+    def _restore_window(self, group: TrainGroup, directory: Path) -> None:
+        """The checkpoint's accumulation window on this rank (none kept: an empty one)."""
+        window = ckpt.read_window(directory)
+        group.close_window()
+        if window is not None:
+            self.parallel.place_window(group, window)
 
     def _load_weights(self, group: TrainGroup, directory: Path) -> None:
         if group.name == FULL:
@@ -126,4 +168,4 @@ class Checkpointer:
         self.parallel.load_weights(named, ckpt.read_adapter(self.model, group.name, directory, list(named)))
 
 
-__all__ = ['RESUMED_COUNTERS', 'Checkpointer', 'Tokenizer', 'existing_checkpoint']
+__all__ = ['RESUMED_COUNTERS', 'Checkpointer', 'Restored', 'Tokenizer', 'existing_checkpoint']

@@ -38,7 +38,14 @@ from twinkle.model.expert_lora import EXPERT_PARAMETERS, peft_stack_prefix
 
 ADAPTER_CONFIG = 'adapter_config.json'
 #: twinkle's own files in a checkpoint: resume state, not weights another tool reads.
-TRAINING_FILES = (ckpt.TRAINER_STATE, ckpt.WEIGHTS_STEP, ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)
+TRAINING_FILES = (
+    ckpt.TRAINER_STATE,
+    ckpt.WEIGHTS_STEP,
+    ckpt.OPTIMIZER,
+    ckpt.SCHEDULER,
+    ckpt.RNG_STATE,
+    ckpt.ACCUMULATION,
+)
 DTYPES: dict[str, torch.dtype | str] = {
     'auto': 'auto',
     'float32': torch.float32,

@@ -27,7 +27,6 @@ from twinkle.errors import ConfigurationError, DataError
 from twinkle.loss import LossOutput
 from twinkle.model import multi_lora
 from twinkle.model.base import AdapterCall
-from twinkle.model.train_group import FULL, Batch, Outputs, Pending, TrainGroup
 from twinkle.model.passes import (
     accumulate,
     carried,
@@ -39,6 +38,7 @@ from twinkle.model.passes import (
     with_logps,
 )
 from twinkle.model.runner import ModelRunner
+from twinkle.model.train_group import FULL, Batch, Outputs, Pending, TrainGroup
 
 
 def forward_backward_mixed(

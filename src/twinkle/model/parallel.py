@@ -53,7 +53,7 @@ from twinkle.metric import Metric
 from twinkle.model import multi_lora
 from twinkle.model.expert_lora import EXPERT_PARAMETERS, MultiLoraExperts
 from twinkle.model.expert_parallel import expert_groups
-from twinkle.model.train_group import TrainGroup
+from twinkle.model.train_group import TrainGroup, Window
 
 # Mesh dimensions a TransformersModel can use; the others need tensor/pipeline/sequence parallel code.
 SUPPORTED_DIMS = ('fsdp', 'dp', 'ep')
@@ -273,6 +273,66 @@ class ModelParallel:
         """A whole-tensor optimizer state dict made to fit sharded parameters (unchanged when unsharded)."""
         return _place_optimizer_state(optimizer, state) if self.sharded else state
 
+    def gather_window(self, group: TrainGroup) -> Window:
+        """The group's accumulation window as one process holding every rank's rows would have it
+        (every rank takes part; rank 0's is the one to write): the gradients summed over the
+        ranks with their item count, unless they were normalised already (then every rank holds
+        the reduced gradient); an FSDP2 shard's gradient, summed in its backward, gathered whole."""
+        params, normalized = group.params, group.grads_normalized
+        items = torch.as_tensor(group.pending_items).detach().clone()
+        grads: dict[int, torch.Tensor] = {}
+        if not self.enabled:
+            grads = {i: p.grad.detach().cpu().clone() for i, p in enumerate(params) if p.grad is not None}
+        else:
+            device = params[0].device if params else torch.device('cpu')
+            head = torch.tensor([0.0, *(float(p.grad is not None) for p in params)], dtype=torch.float64, device=device)
+            if not normalized:
+                head[0] += items.to(device=device, dtype=torch.float64)
+            self.sum_(head)
+            held = [i for i, has in enumerate((head[1:] > 0).tolist()) if has]
+            local = {i: _grad_or_zeros(params[i]) for i in held}
+            summed = [local[i] for i in held if not normalized and not isinstance(params[i], DTensor)]
+            _all_reduce_(summed)  # copies: the live gradients stay this rank's share
+            for i in held:  # every rank in the same order: full_tensor is a collective
+                grad = local[i]
+                grads[i] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().cpu()
+            if not normalized:
+                items = head[0].detach().cpu()
+        figures = group.step_log.open_figures()
+        return Window(grads, items.cpu(), normalized, group.last_grad_norm, group.boundary_done(), figures)
+
+    def place_window(self, group: TrainGroup, window: Window) -> None:
+        """Open ``window`` (``gather_window``'s) on this rank: its gradients and item count go to
+        rank 0 and the other ranks start empty, so the step's reduction sums them to the window's
+        again; a normalised window's gradients and FSDP2 shards' (summed in backward) go to every
+        rank, each keeping its own shard. The counters must be restored first (``done`` marks the
+        current micro step)."""
+        params = group.params
+        unknown = sorted(i for i in window.grads if not 0 <= i < len(params))
+        if unknown:
+            raise StateError(
+                f'the saved window holds gradients of parameters {unknown}; adapter {group.name!r} has {len(params)}'
+            )
+        holds = not self.enabled or distributed.is_main() or window.normalized
+        for i, param in enumerate(params):
+            grad = window.grads.get(i)
+            if grad is not None and tuple(grad.shape) != tuple(param.shape):
+                raise StateError(
+                    f'the saved gradient {i} of adapter {group.name!r} has shape {tuple(grad.shape)}; its parameter '
+                    f'has {tuple(param.shape)}'
+                )
+            if grad is None or not (holds or isinstance(param, DTensor)):
+                param.grad = None
+            elif isinstance(param, DTensor):
+                param.grad = _shard_like(param, grad)
+            else:
+                param.grad = grad.to(device=param.device, dtype=param.dtype).clone()
+        group.pending_items = window.items.clone() if holds else torch.zeros_like(window.items)
+        group.grads_normalized, group.last_grad_norm = window.normalized, window.grad_norm
+        group.mark_done(window.done)
+        if window.figures:
+            group.step_log.reopen(window.figures)
+
 
 # ---- helpers ------------------------------------------------------------------------------------
 def _check_mesh(mesh: DeviceMesh) -> None:
@@ -324,9 +384,31 @@ def _shard(model: torch.nn.Module, groups: list[TrainGroup], mesh: Any) -> None:
     sharded = dict(model.named_parameters())
     for group in groups:
         mapping = {id(p): sharded[names[id(p)]] for p in group.params}
+        _move_grads(group, mapping)
         group.params = [mapping[id(p)] for p in group.params]
         if group.optimizer is not None:
             _move_optimizer(group.optimizer, mapping)
+
+
+def _move_grads(group: TrainGroup, mapping: dict[int, torch.nn.Parameter]) -> None:
+    """Give the shards the gradients their whole parameters held (a window ``resume_from_checkpoint``
+    opened before the first forward: rank 0 holds the sum of every rank's, the others none), as
+    FSDP2 holds them: each rank its shard of the sum over the ranks (of the one gradient every
+    rank holds, if normalised already)."""
+    params = group.params
+    if not params:
+        return
+    flags = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64, device=params[0].device)
+    distributed.all_reduce_sum(flags)
+    for param, has in zip(params, (flags > 0).tolist(), strict=True):
+        shard = mapping[id(param)]
+        if not has or not isinstance(shard, DTensor):  # left whole (an expert-parallel stack): its own
+            continue
+        grad = _grad_or_zeros(param)
+        if not group.grads_normalized:
+            grad = distributed.all_reduce_sum(grad)
+        shard.grad = _shard_like(shard, grad)
+        param.grad = None
 
 
 def _move_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[int, torch.nn.Parameter]) -> None:
@@ -369,6 +451,16 @@ def _all_reduce_grads(params: list[torch.nn.Parameter], has_grad: list[bool]) ->
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grads.append(param.grad)
+    _all_reduce_(grads)
+
+
+def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
+    """A copy of the parameter's gradient (zeros where this rank has none but another has)."""
+    return torch.zeros_like(param) if param.grad is None else param.grad.detach().clone()
+
+
+def _all_reduce_(grads: list[torch.Tensor]) -> None:
+    """Sum ``grads`` over the ranks in place, in flat buckets."""
     for bucket in _buckets(grads):
         flat = distributed.all_reduce_sum(torch.cat([g.reshape(-1) for g in bucket]))
         offset = 0

@@ -23,7 +23,6 @@ from twinkle.loss import LossOutput
 from twinkle.metric import ExpertLoad
 from twinkle.model import multi_lora, router
 from twinkle.model.base import Inputs
-from twinkle.model.train_group import FULL, Batch, Outputs, Pending, TrainGroup
 from twinkle.model.loading import Precision
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.passes import (
@@ -37,6 +36,7 @@ from twinkle.model.passes import (
     record_call,
     with_logps,
 )
+from twinkle.model.train_group import FULL, Batch, Outputs, Pending, TrainGroup
 from twinkle.template import Template
 from twinkle.wire import FEATURE_FIELDS
 

@@ -20,10 +20,10 @@ from torch.optim.lr_scheduler import LRScheduler
 from twinkle.errors import StateError
 from twinkle.model import multi_step
 from twinkle.model.base import StepCall, StepResult
-from twinkle.model.train_group import TrainGroup
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import build_optimizer, build_scheduler, set_hyperparams
 from twinkle.model.parallel import ModelParallel
+from twinkle.model.train_group import TrainGroup
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -85,21 +85,23 @@ class Stepper:
         return self._clipped(group, norm, time.perf_counter() - started)
 
     def step(self, group: TrainGroup) -> bool:
-        """At an accumulation boundary, take an optimizer step; returns whether it did."""
+        """At an accumulation boundary, take an optimizer step and close the window (its
+        gradients are spent, ``TrainGroup.close_window``); returns whether it stepped (a gradient
+        norm that is not finite skips the step, and its gradient is dropped all the same)."""
         if not group.at_boundary('step'):
             return False
         started = time.perf_counter()
-        if not self._ready_to_step(group):
-            return False
-        cast(Optimizer, group.optimizer).step()  # _ready_to_step made one
-        self._stepped(group, time.perf_counter() - started)
-        return True
+        stepped = self._ready_to_step(group)
+        if stepped:
+            cast(Optimizer, group.optimizer).step()  # _ready_to_step made one
+            self._stepped(group, time.perf_counter() - started)
+        group.close_window()
+        return stepped
 
     def zero_grad(self, group: TrainGroup) -> None:
+        """At an accumulation boundary, drop the window's gradients (nothing left after a step)."""
         if group.at_boundary('zero_grad'):
-            for param in group.params:
-                param.grad = None
-            group.reset_accumulation()
+            group.close_window()
 
     def lr_step(self, group: TrainGroup) -> None:
         if group.at_boundary('lr_step') and group.scheduler is not None:

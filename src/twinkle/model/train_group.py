@@ -12,7 +12,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from twinkle.errors import DataError
+from twinkle.errors import CheckpointError, DataError
 from twinkle.loss import CrossEntropyLoss, Loss, LossOutput
 from twinkle.metric import Accuracy, LossMetric, Metric, TrainMetric
 from twinkle.processor import InputProcessor
@@ -28,6 +28,8 @@ Batch = dict[str, torch.Tensor]
 Outputs = dict[str, torch.Tensor]
 #: Sums a step's gradients over data-parallel ranks; returns the step's item count over all ranks.
 GradientReducer = Callable[[list[torch.nn.Parameter], torch.Tensor | int], torch.Tensor | int]
+#: The operations ``TrainGroup.at_boundary`` lets run once per accumulation boundary.
+BOUNDARY_OPERATIONS = ('clip', 'step', 'zero_grad', 'lr_step')
 
 
 @dataclass
@@ -87,6 +89,22 @@ class StepLog:
         self.steps.clear()
         return taken
 
+    def open_figures(self) -> dict[str, Any]:
+        """The figures of the calls since the last step, which the coming step records (a saved
+        ``Window`` keeps them)."""
+        return {
+            'loss_sum': self.loss_sum, 'calls': self.calls, 'tokens': self.tokens, 'seconds': self.seconds,
+            'grad_norm': self.grad_norm, 'logged': dict(self.logged),
+        }  # fmt: skip
+
+    def reopen(self, figures: Mapping[str, Any]) -> None:
+        """Take up ``open_figures`` again (a restored ``Window``); the steps already taken stay as they are."""
+        self.loss_sum, self.calls = float(figures['loss_sum']), int(figures['calls'])
+        self.tokens, self.seconds = int(figures['tokens']), float(figures['seconds'])
+        norm = figures['grad_norm']
+        self.grad_norm = None if norm is None else float(norm)
+        self.logged = {str(name): float(value) for name, value in dict(figures['logged']).items()}
+
 
 @dataclass
 class Pending:
@@ -99,6 +117,28 @@ class Pending:
     loss: LossOutput | None = None
     # Loss inputs the rows carried (``passes.carried``): calculate_loss uses them unless given.
     carried: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Window:
+    """A group's accumulation window as a checkpoint keeps it: what its next optimizer step would
+    use, so that a run brought back continues exactly whatever its loop left pending.
+
+    ``grads``: the gradients accumulated since the last step, whole tensors on the CPU by their
+    index in ``TrainGroup.params`` (a parameter without one is absent); under a mesh, what one
+    process holding every rank's rows would hold (``ModelParallel.gather_window``). ``items``: the
+    loss items they are divided by at the step; ``normalized``: whether they were divided
+    already (``clip_grad_norm`` ran, the step did not), and ``grad_norm`` the norm it found (a
+    step skips a norm that is not finite). ``done``: the ``BOUNDARY_OPERATIONS`` done at the
+    group's micro step, so none runs twice. ``figures``: the step log's figures of the calls
+    since the last step (``StepLog.open_figures``)."""
+
+    grads: dict[int, torch.Tensor]
+    items: torch.Tensor
+    normalized: bool = False
+    grad_norm: float | None = None
+    done: list[str] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,8 +163,8 @@ class TrainGroup:
     optim_step: int = 0  # optimizer steps taken
     consumed_train_samples: int = 0
     pending: Pending | None = None
-    # Loss items (tokens for a token-mean loss) accumulated since the last zero_grad: the
-    # gradient is divided by this once, before clipping or stepping.
+    # Loss items (tokens for a token-mean loss) accumulated since the window opened (the last
+    # step or zero_grad): the gradient is divided by this once, before clipping or stepping.
     pending_items: torch.Tensor | int = 0
     grads_normalized: bool = False
     last_grad_norm: float | None = None  # from clip_grad_norm, before clipping
@@ -166,9 +206,27 @@ class TrainGroup:
                 # A sharded (DTensor) gradient divides by a number, not by a plain tensor.
                 torch._foreach_div_(grads, divisor if type(grads[0]) is torch.Tensor else float(divisor))
 
-    def reset_accumulation(self) -> None:
+    def close_window(self) -> None:
+        """End the accumulation window: its gradients are dropped and its item count and
+        normalisation reset, so the next ``forward_backward`` starts the next window afresh. A
+        step closes it (``Stepper.step``), whether it stepped or skipped a gradient that was not
+        finite, and so does ``zero_grad``: a loop that never calls ``zero_grad`` (``step()``
+        alone) steps each window on its own gradient, divided by its own item count."""
+        for param in self.params:
+            param.grad = None
         self.pending_items = 0
         self.grads_normalized = False
+
+    def boundary_done(self) -> list[str]:
+        """The ``BOUNDARY_OPERATIONS`` done at the current micro step (none between boundaries)."""
+        return sorted(self._done) if self._done_at == self.micro_step else []
+
+    def mark_done(self, operations: list[str]) -> None:
+        """Mark ``operations`` done at the current micro step (a restored window's ``done``)."""
+        unknown = sorted(set(operations) - set(BOUNDARY_OPERATIONS))
+        if unknown:
+            raise CheckpointError(f'unknown boundary operations {unknown}; they are {list(BOUNDARY_OPERATIONS)}')
+        self._done_at, self._done = (self.micro_step, set(operations)) if operations else (-1, set())
 
     def restore_counters(self, state: Mapping[str, int]) -> None:
         """The step counters of a trainer state a checkpoint holds (``cur_step``, ``optim_step``,

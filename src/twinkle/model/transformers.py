@@ -10,7 +10,7 @@ and loads, and ``ModelParallel`` (``parallel.py``) spreads all of it over a devi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,7 @@ from twinkle.metric import METRICS, Metric, TrainMetric
 from twinkle.model import checkpoint as ckpt
 from twinkle.model import mixed_pass, multi_lora
 from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, TwinkleModel
-from twinkle.model.checkpointer import Checkpointer, existing_checkpoint
-from twinkle.model.train_group import FULL, TrainGroup
+from twinkle.model.checkpointer import Checkpointer, Restored, existing_checkpoint
 from twinkle.model.loading import (
     Precision,
     default_precision,
@@ -46,6 +45,7 @@ from twinkle.model.passes import check_positive
 from twinkle.model.router import Router, model_router
 from twinkle.model.runner import ModelRunner
 from twinkle.model.stepping import Stepper, describe_optimizer
+from twinkle.model.train_group import FULL, TrainGroup
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 
@@ -366,7 +366,9 @@ class TransformersModel(TwinkleModel):
 
     def step(self, *, adapter_name: str | None = None) -> bool:
         """At an accumulation boundary, take an optimizer step; returns whether it did. A step
-        whose gradient norm (from ``clip_grad_norm``) is NaN or infinite is skipped."""
+        whose gradient norm (from ``clip_grad_norm``) is NaN or infinite is skipped. Either way
+        the step closes the accumulation window: its gradients are spent, and the next
+        ``forward_backward`` starts the next window (``zero_grad`` after it changes nothing)."""
         return self._stepper.step(self.train_group(adapter_name))
 
     def clip_grad_and_step_many(self, calls: Sequence[StepCall]) -> list[StepResult]:
@@ -471,18 +473,21 @@ class TransformersModel(TwinkleModel):
     def resume_from_checkpoint(
         self, checkpoint_dir: str, *, adapter_name: str | None = None, resume_only_model: bool = False
     ) -> dict[str, int]:
-        """Restore weights and, unless ``resume_only_model``, optimizer, scheduler, RNG and step
-        counters. Returns ``{'cur_step', 'optim_step', 'consumed_train_samples',
-        'gradient_accumulation_steps'}``: give ``consumed_train_samples`` to the DataLoader's
-        ``resume_from_checkpoint``."""
+        """Restore weights and, unless ``resume_only_model``, optimizer, scheduler, RNG, step
+        counters and the accumulation window (gradients a save found waiting for a step).
+        Returns ``{'cur_step', 'optim_step', 'consumed_train_samples', 'gradient_accumulation_steps'}``:
+        give ``consumed_train_samples`` to the DataLoader's ``resume_from_checkpoint``."""
         group = self.train_group(adapter_name)
         return self._checkpointer.resume(group, Path(checkpoint_dir), resume_only_model=resume_only_model)
 
-    def restore_counters(self, state: Mapping[str, int], *, adapter_name: str | None = None) -> None:
-        """Set the adapter's step counters from a trainer state ``save`` wrote (``cur_step``,
-        ``optim_step``, ``consumed_train_samples``; ``checkpoint.read_trainer_state`` reads it),
-        leaving the process's random state alone: how a server brings a released adapter back."""
-        self.train_group(adapter_name).restore_counters(state)
+    def restore_state(self, checkpoint_dir: str, *, adapter_name: str | None = None) -> Restored:
+        """Bring the adapter back to a checkpoint ``save`` wrote, leaving the process's random
+        state alone: how a server brings a released run back. With ``save_optimizer=True`` it
+        holds the optimizer and scheduler state (loaded into the adapter's own, if set), the
+        step counters and the accumulation window (gradients waiting for a step included), and
+        training continues exactly; from weights alone the optimizer starts afresh at the step
+        they were saved at. Returns that step and whether the optimizer is fresh."""
+        return self._checkpointer.restore(self.train_group(adapter_name), Path(checkpoint_dir))
 
 
 __all__ = ['LoraConfig', 'TransformersModel']

@@ -18,13 +18,15 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra='forbid')
 
     #: Adapters (training runs) held on the base model at once, over all tenants. When it is
-    #: full, the least recently used adapter that waits for no optimizer step is released to
-    #: make room (it comes back on its next request).
+    #: full, an adapter is released to make room, fairly: the least recently used one of the
+    #: tenants holding more than an equal share of the pool, else the least recently used of all
+    #: (gradients waiting for a step are saved with it; it comes back on its next request). A
+    #: 429 only when every adapter is in use by the requests running now, with a Retry-After of
+    #: when they are expected to end.
     max_adapters: int = Field(32, gt=0)
     #: Adapters one tenant may hold on the model at once (its runs that are not released);
     #: a new run, or a released one used again, takes the place of the tenant's least recently
-    #: used adapter (released: it comes back on its next request). A 429 only while each of them
-    #: holds gradients waiting for an optimizer step.
+    #: used adapter (released with whatever it holds: it comes back on its next request).
     max_adapters_per_tenant: int = Field(8, gt=0)
     #: Largest LoRA rank an adapter may have.
     max_lora_rank: int = Field(64, gt=0)
@@ -196,6 +198,17 @@ class ServerConfig(BaseModel):
     #: Adapters idle this long are saved and released from the model, so a full pool frees
     #: itself; the next request brings one back unchanged (None: never).
     idle_release_s: float | None = Field(300.0, gt=0)
+    #: The server saves each run's state (weights, optimizer, scheduler, counters, gradients
+    #: waiting for a step) when the run is made, when it loads a checkpoint, and after every this
+    #: many of its optimizer steps, before the step's request is answered. So the death of a
+    #: model worker (or of the server) costs a run at most this many minus one acknowledged
+    #: optimizer steps, and the ``forward_backward`` calls acknowledged since its last step: it
+    #: comes back from whichever of that state, its release and its training checkpoints stands
+    #: at its latest step (one with the optimizer on a tie; from weights alone, ``save``'s
+    #: default, the optimizer starts afresh), said in its ``restored_from`` and its history. 4 by
+    #: default: a LoRA state is a few megabytes, and ``tests/test_run_lifecycle.py`` holds the
+    #: bound of 3 steps. None: only releases and the tenant's own saves keep a run's state.
+    save_state_every_steps: int | None = Field(4, gt=0)
     api_keys_file: str | None = None
     #: The key of the dashboard's admin view (tenants, queues, passes, adapters, restarts; never a
     #: tenant's runs): the key itself or ``sha256:<hex>`` of it. None: no admin view.

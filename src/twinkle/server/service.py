@@ -23,7 +23,7 @@ from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import Host
-from twinkle.server.execution.model_group import RELEASE_STATE, ModelGroup, bare
+from twinkle.server.execution.model_group import RELEASE_STATE, ModelGroup, bare, discard_unrecorded
 from twinkle.server.execution.model_host import ModelHost
 from twinkle.server.execution.placement import build_host
 from twinkle.server.execution.sampler_group import SamplerGroup
@@ -65,7 +65,11 @@ class Service:
         failed = self.store.futures.fail_unfinished('the server restarted before this request finished')
         if failed:
             logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
-        recover_all(config.checkpoint_dir)  # checkpoint saves that a crash cut short in their swap
+        recover_all(config.checkpoint_dir)  # saves of a run's state that a crash cut short in their swap
+        # Checkpoint folders no row names: saves a crash cut short before their row, or replaced just before one.
+        discarded = discard_unrecorded(config.checkpoint_dir, self.store.checkpoints.paths())
+        if discarded:
+            logger.warning(f'{discarded} checkpoint folders were never recorded (a save cut short); deleted')
         for run in self.store.runs.idle(older_than_s=0.0):  # their adapters died with the last process
             self.store.runs.set_status(run.id, 'released')
         self._touched: dict[str, float] = {}  # run id -> monotonic time of the last recorded request
@@ -242,7 +246,7 @@ class Service:
         if run is None or run.status == 'deleted':
             raise NotFoundError(f'training run {run_id!r} not found')
         group = self.group_of(run)
-        if run_id not in group.adapters and group.saved_state(run) is None:
+        if run_id not in group.adapters and await asyncio.to_thread(group.saved_state, run) is None:
             raise StateError(
                 f'training run {run_id!r} is not loaded on the model (status {run.status!r}) and left no state '
                 'to restore: create a run and load one of its checkpoints with load(path, load_optimizer=True)'
@@ -291,9 +295,6 @@ class Service:
     def _release_later(self, group: ModelGroup, run: Run) -> Job:
         tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
         return self.submit(tenant, group, run.id, 'release', partial(group.release, run), internal=True)
-
-    def checkpoint_dir(self, tenant: Tenant, run_id: str) -> Path:
-        return self.config.checkpoint_dir / tenant.id / run_id
 
 
 __all__ = ['RELEASE_STATE', 'Service']

@@ -16,13 +16,12 @@ import inspect
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 from fastapi import APIRouter, Query, Request
 from pydantic import JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, UnknownNameError
-from twinkle.model.checkpoint import folder_size
 from twinkle.server.api.deps import Who
 from twinkle.server.api.errors import error_responses
 from twinkle.server.api.links import signed_links, weight_files
@@ -44,6 +43,7 @@ from twinkle.wire import (
     RunHistory,
     RunInfo,
     RunList,
+    RunRestore,
     RunStep,
     SampleWeights,
     SaveRequest,
@@ -111,16 +111,16 @@ def _run_routes(router: APIRouter, service: Service) -> None:
         if job.error is not None:
             service.store.runs.set_status(run.id, 'deleted')
             raise job.error
-        return _run_json(_own_run(service, who.id, run.id))
+        return _run_json(service, _own_run(service, who.id, run.id))
 
     @router.get('/runs', response_model=RunList)
     async def list_runs(who: Who, limit: Page = 100, offset: Page = 0) -> dict[str, JsonValue]:
         runs, total = service.store.runs.page(who.id, limit=limit, offset=offset)
-        return {'runs': [_run_json(r) for r in runs], 'total': total}
+        return {'runs': [_run_json(service, r) for r in runs], 'total': total}
 
     @router.get('/runs/{run_id}', response_model=RunInfo)
     async def get_run(run_id: str, who: Who) -> dict[str, JsonValue]:
-        return _run_json(_own_run(service, who.id, run_id))
+        return _run_json(service, _own_run(service, who.id, run_id))
 
     @router.get('/runs/{run_id}/history', response_model=RunHistory)
     async def run_history(
@@ -129,7 +129,8 @@ def _run_routes(router: APIRouter, service: Service) -> None:
         """The run's figures at each optimizer step (of either API), after step ``after``."""
         _own_run(service, who.id, run_id)
         steps = await asyncio.to_thread(service.store.history.steps, run_id, after, limit)
-        return RunHistory(run_id=run_id, steps=[RunStep.model_validate(step) for step in steps])
+        restores = [RunRestore.model_validate(restore) for restore in service.store.history.restores(run_id)]
+        return RunHistory(run_id=run_id, steps=[RunStep.model_validate(step) for step in steps], restores=restores)
 
 
 # ---- operations ---------------------------------------------------------------------------------------
@@ -190,12 +191,13 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     async def save(run_id: str, body: SaveRequest, who: Who) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         check_checkpoint_name(body.name)
-        directory, group = service.checkpoint_dir(who, run_id), service.group_of(run)
+        group = service.group_of(run)
 
-        def write() -> str:
-            path = group.save(run, directory, body.name, body.save_optimizer)
-            size = folder_size(path)
-            return store.checkpoints.add(who.id, run_id, body.name, str(path), 'training', size).twinkle_path
+        def write() -> JsonValue:
+            def answer(checkpoint: Checkpoint) -> str:
+                return checkpoint.twinkle_path
+
+            return group.save_checkpoint(run, 'training', body.name, answer, save_optimizer=body.save_optimizer)
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'save', write)).id)
 
@@ -203,16 +205,14 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     async def load(run_id: str, body: LoadRequest, who: Who) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         source_run, name = parse_twinkle_path(body.path)
-        checkpoint = store.checkpoints.get(who.id, source_run, name)
-        if checkpoint is None:
-            raise NotFoundError(f'checkpoint {body.path!r} not found')
-
+        checkpoint = _own_checkpoint(service, who, source_run, name, body.path)
         group = service.group_of(run)
         service.check_trained_on(checkpoint, group, body.path)
 
         def read() -> str:
-            group.load(run, Path(checkpoint.path), body.load_optimizer, body.path)
-            return checkpoint.twinkle_path
+            now = _own_checkpoint(service, who, source_run, name, body.path)  # a save may have replaced it since
+            group.load(run, Path(now.path), body.load_optimizer, body.path)
+            return now.twinkle_path
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'load', read)).id)
 
@@ -221,13 +221,13 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         """Save the run's adapter weights for sampling (no optimizer): what its samples come from
         on a server with a sampler group. The future's result: ``{path, weight_version}``."""
         run = await service.adapter_of(who, run_id)
-        directory, group = service.checkpoint_dir(who, run_id) / 'sampler_weights', service.group_of(run)
+        group = service.group_of(run)
 
-        def write() -> dict[str, JsonValue]:
-            path = group.save(run, directory, SYNC_NAME, False)
-            size = folder_size(path)
-            checkpoint = store.checkpoints.add(who.id, run_id, SYNC_NAME, str(path), 'sampler', size)
-            return {'path': checkpoint.twinkle_path, 'weight_version': version_of(path)}
+        def write() -> JsonValue:
+            def answer(checkpoint: Checkpoint) -> dict[str, JsonValue]:
+                return {'path': checkpoint.twinkle_path, 'weight_version': version_of(Path(checkpoint.path))}
+
+            return group.save_checkpoint(run, 'sampler', SYNC_NAME, answer, save_optimizer=False)
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'sync_sampler', write)).id)
 
@@ -261,25 +261,26 @@ def _sample_route(router: APIRouter, service: Service) -> None:
     @router.post('/sample', status_code=202, response_model=FutureAccepted)
     async def sample(body: SampleWeights, who: Who) -> FutureAccepted:
         """Sample the base model, or a saved checkpoint's weights, without a training run."""
-        directory, group = None, service.group_named(body.base_model)
-        if body.model_path is not None:
+        group, path = service.group_named(body.base_model), body.model_path
+        source_path: tuple[str, str, str] | None = None  # (run id, kind, name)
+        if path is not None:
             try:
-                run_id, kind, name = parse_checkpoint_path(body.model_path)
+                source_path = parse_checkpoint_path(path)
             except DataError as malformed:  # a path no checkpoint can have, saying what one looks like
                 raise NotFoundError(f'checkpoint not found: {malformed}') from None
-            checkpoint = service.store.checkpoints.readable(who.id, run_id, name, kind)
-            if checkpoint is None or kind == 'external':  # exports are for download, not sampling
-                raise NotFoundError(f'checkpoint {body.model_path!r} not found')
+            checkpoint = _sampling_source(service, who, source_path, path)
             source = service.store.runs.by_id(checkpoint.run_id)
             if body.base_model is None and source is not None:
-                group = service.hosting(source.base_model, f'checkpoint {body.model_path!r}')
-            service.check_trained_on(checkpoint, group, body.model_path)
-            directory = Path(checkpoint.path)
+                group = service.hosting(source.base_model, f'checkpoint {path!r}')
+            service.check_trained_on(checkpoint, group, path)
         inputs = [prompt.model_dump(exclude_none=True) for prompt in body.inputs]
         group.check_sample_request(inputs, body.sampling_params)  # a 4xx now, not a failed future
 
         def run() -> object:
-            return group.sample_weights(inputs, body.sampling_params, directory, body.model_path)
+            weights = None  # the base model; else the checkpoint's folder now (a save may have replaced it)
+            if path is not None and source_path is not None:
+                weights = Path(_sampling_source(service, who, source_path, path).path)
+            return group.sample_weights(inputs, body.sampling_params, weights, path)
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, None, 'sample', run)).id)
 
@@ -305,8 +306,27 @@ def _own_run(service: Service, tenant_id: str, run_id: str) -> Run:
     return run
 
 
-def _run_json(run: Run) -> dict[str, JsonValue]:
-    return {**run.model_dump(), 'training_run_id': run.id}
+def _own_checkpoint(service: Service, who: Tenant, run_id: str, name: str, shown_as: str) -> Checkpoint:
+    checkpoint = service.store.checkpoints.get(who.id, run_id, name)
+    if checkpoint is None:
+        raise NotFoundError(f'checkpoint {shown_as!r} not found')
+    return checkpoint
+
+
+def _sampling_source(service: Service, who: Tenant, source: tuple[str, str, str], shown_as: str) -> Checkpoint:
+    """The checkpoint ``(run id, kind, name)`` if the tenant may sample it (its own, or a published
+    one); exports are for download."""
+    run_id, kind, name = source
+    checkpoint = service.store.checkpoints.readable(who.id, run_id, name, kind)
+    if checkpoint is None or kind == 'external':
+        raise NotFoundError(f'checkpoint {shown_as!r} not found')
+    return checkpoint
+
+
+def _run_json(service: Service, run: Run) -> dict[str, JsonValue]:
+    """A run as ``RunInfo``: its record, and the last time it came back with less than it had."""
+    restored = service.store.history.last_restore(run.id)
+    return {**run.model_dump(), 'training_run_id': run.id, 'restored_from': cast(JsonValue, restored)}
 
 
 def _checkpoint_json(checkpoint: Checkpoint) -> dict[str, JsonValue]:

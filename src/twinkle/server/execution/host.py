@@ -22,6 +22,7 @@ from typing_extensions import TypedDict
 
 from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import TwinkleError
+from twinkle.model.checkpointer import Restored
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.checks import Json, JsonObject, RequestChecks, SavedWeights
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
@@ -105,13 +106,14 @@ class Host(SamplingHost, Protocol):
 
     def remove_adapter(self, adapter: str) -> None: ...
 
-    def has_pending_gradients(self, adapter: str) -> bool: ...
-
     def save(self, adapter: str, directory: Path, name: str, save_optimizer: bool) -> str: ...
 
     def load(self, adapter: str, path: Path, load_optimizer: bool, shown_as: str | None = None) -> None: ...
 
-    def restore_state(self, adapter: str, path: Path, shown_as: str | None = None) -> None: ...
+    def restore_state(self, adapter: str, path: Path, shown_as: str | None = None) -> Restored:
+        """Bring the adapter back to a saved state: weights and, where kept, optimizer, counters and
+        accumulation window (``TransformersModel.restore_state``)."""
+        ...
 
     # ---- operations ----------------------------------------------------------------------------------
     def run(self, adapter: str, operation: str, kwargs: JsonObject) -> Json: ...
@@ -150,7 +152,7 @@ class Host(SamplingHost, Protocol):
 
 #: The methods a ``ForwardingHost`` sends to the ``ModelHost`` on the far side, by name.
 Forwarded = Literal[
-    'add_adapter', 'remove_adapter', 'has_pending_gradients', 'save', 'load', 'restore_state', 'run', 'run_mixed',
+    'add_adapter', 'remove_adapter', 'save', 'load', 'restore_state', 'run', 'run_mixed',
     'run_steps', 'tinker_forward_backward', 'tinker_optim_step', 'sample_chat', 'sample_ids', 'sample_weights',
     'forget_sampler_weights', 'take_step_logs', 'release_free_memory', 'footprint', 'ping',
 ]  # fmt: skip
@@ -176,17 +178,14 @@ class ForwardingHost(RequestChecks):
     def remove_adapter(self, adapter: str) -> None:
         self.forward('remove_adapter', adapter)
 
-    def has_pending_gradients(self, adapter: str) -> bool:
-        return bool(self.forward('has_pending_gradients', adapter))
-
     def save(self, adapter: str, directory: Path, name: str, save_optimizer: bool) -> str:
         return str(self.forward('save', adapter, directory, name, save_optimizer))
 
     def load(self, adapter: str, path: Path, load_optimizer: bool, shown_as: str | None = None) -> None:
         self.forward('load', adapter, path, load_optimizer, shown_as)
 
-    def restore_state(self, adapter: str, path: Path, shown_as: str | None = None) -> None:
-        self.forward('restore_state', adapter, path, shown_as)
+    def restore_state(self, adapter: str, path: Path, shown_as: str | None = None) -> Restored:
+        return cast(Restored, self.forward('restore_state', adapter, path, shown_as))
 
     def run(self, adapter: str, operation: str, kwargs: JsonObject) -> Json:
         return self.forward('run', adapter, operation, kwargs)

@@ -24,11 +24,11 @@ from peft import LoraConfig
 from tinker import types as tinker_types
 
 from twinkle.data_format import InputFeature, ModelOutput, SampleResponse, SamplingParams
-from twinkle.errors import CapacityError, ConfigurationError, DataError, TwinkleError
+from twinkle.errors import CapacityError, ConfigurationError, DataError, StateError, TwinkleError
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model import AdapterCall, StepCall, TransformersModel
-from twinkle.model import checkpoint as ckpt
+from twinkle.model.checkpointer import Restored
 from twinkle.model.multi_lora import expert_target_parameters, lora_targets, peft_state_dict
 from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
@@ -211,19 +211,14 @@ class ModelHost(RequestChecks):
         what Tinker's ``train_mlp`` trains besides the MLP's linear layers."""
         return expert_target_parameters(self.model.model)
 
-    def has_pending_gradients(self, adapter: str) -> bool:
-        """Whether the adapter holds gradients (or a forward) waiting for an optimizer step."""
-        group = self.model.groups[adapter]
-        return group.pending is not None or any(param.grad is not None for param in group.params)
-
-    def restore_state(self, adapter: str, path: Path, shown_as: str | None = None) -> None:
-        """Load a state ``save`` wrote (with the optimizer when the adapter has one) and its step
-        counters; errors name ``shown_as`` for ``path`` (see ``load``)."""
-        group = self.model.groups[adapter]
-        self.load(adapter, path, load_optimizer=group.optimizer is not None, shown_as=shown_as)
+    def restore_state(self, adapter: str, path: Path, shown_as: str | None = None) -> Restored:
+        """Bring the adapter back to a state ``save`` wrote (``TransformersModel.restore_state``:
+        weights and, where kept, the optimizer, counters and accumulation window; from weights
+        alone a fresh optimizer); errors name ``shown_as`` for ``path`` (see ``load``)."""
         with shown_to_tenant(path, shown_as):
-            state = ckpt.read_trainer_state(path)
-        self.model.restore_counters(state, adapter_name=adapter)
+            restored = self.model.restore_state(str(path), adapter_name=adapter)
+        self._weights_epoch[adapter] = self._weights_epoch.get(adapter, 0) + 1
+        return restored
 
     def remove_adapter(self, adapter: str) -> None:
         if adapter in self.model.adapter_names:
@@ -347,6 +342,12 @@ class ModelHost(RequestChecks):
         self.model.log_step_figures(figures, adapter_name=adapter)
 
     def _calculate_loss(self, adapter: str, **loss_inputs: Json) -> float:
+        if self.model.groups[adapter].pending is None:
+            raise StateError(
+                'calculate_loss() needs a forward_only() first, and none is pending: either none ran, or the '
+                "server released the run's adapter since (it saves an idle run, or one that makes room for another, "
+                "and takes it off the model; a forward's outputs are not kept): run forward_only() again"
+            )
         return self.model.calculate_loss(adapter_name=adapter, **loss_inputs)
 
     def _forward_only(self, adapter: str, inputs: Json, disable_lora: bool = False) -> JsonObject:

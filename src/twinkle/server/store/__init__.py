@@ -24,6 +24,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -65,6 +66,12 @@ class Store:
         self.sessions = Sessions(self.db)
         self.futures = Futures(self.db)
         self.history = History(self.db)
+
+    def transaction(self) -> contextlib.AbstractContextManager[object]:
+        """One transaction over every aggregate: the writes made inside it on this thread commit
+        together when the block ends, or none does (``Database.write``). A checkpoint's row and the
+        future of the save that wrote it are one commit (``ModelGroup.record_checkpoint``)."""
+        return self.db.write()
 
     def close(self) -> None:
         """Close the connection (checkpointing the WAL into the main file); later calls raise StateError."""

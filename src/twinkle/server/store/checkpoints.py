@@ -61,11 +61,28 @@ class Checkpoints(Aggregate):
         expires_at: float | None = None,
     ) -> Checkpoint:
         """Record a saved checkpoint, replacing the run's earlier one of the same kind and name."""
+        return self.replace(tenant_id, run_id, name, path, kind, size_bytes, expires_at=expires_at)[0]
+
+    def replace(
+        self,
+        tenant_id: str,
+        run_id: str,
+        name: str,
+        path: str,
+        kind: str,
+        size_bytes: int,
+        *,
+        expires_at: float | None = None,
+        checkpoint_id: str | None = None,
+    ) -> tuple[Checkpoint, Checkpoint | None]:
+        """Record a saved checkpoint (``checkpoint_id``: a fresh one unless given) in one
+        transaction with the removal of the run's earlier one of the same kind and name; the new
+        row and the one it replaced (None: the name was free). The caller deletes the old files."""
         check_name('checkpoint', name)
         if kind not in CHECKPOINT_KINDS:
             raise one_of('checkpoint kind', kind, CHECKPOINT_KINDS)
         checkpoint = Checkpoint(
-            id=new_id('ckpt'),
+            id=checkpoint_id or new_id('ckpt'),
             run_id=run_id,
             tenant_id=tenant_id,
             name=name,
@@ -76,13 +93,19 @@ class Checkpoints(Aggregate):
             expires_at=expires_at,
             path=str(path),
         )
+        where = 'WHERE run_id = ? AND kind = ? AND name = ?'
         try:
             with self._db.write() as conn:
-                conn.execute('DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?', (run_id, kind, name))
+                old = conn.execute(f'SELECT * FROM checkpoints {where}', (run_id, kind, name)).fetchall()
+                conn.execute(f'DELETE FROM checkpoints {where}', (run_id, kind, name))
                 insert(conn, 'checkpoints', checkpoint.model_dump())
         except sqlite3.IntegrityError as exc:
             raise StateError(f'Tenant {tenant_id!r} has no run {run_id!r} to add checkpoint {name!r} to') from exc
-        return checkpoint
+        return checkpoint, (_checkpoint(old[0]) if old else None)
+
+    def paths(self) -> set[str]:
+        """Where every recorded checkpoint's files are (what a server keeps at start)."""
+        return {str(row['path']) for row in self._db.query('SELECT path FROM checkpoints')}
 
     def of_run(self, tenant_id: str, run_id: str) -> list[Checkpoint]:
         """The run's checkpoints, oldest first."""

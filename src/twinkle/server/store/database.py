@@ -37,7 +37,9 @@ class Database:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.clock = clock
-        self._lock = threading.Lock()
+        # Reentrant: a write inside another write of the same thread joins its transaction (``write``).
+        self._lock = threading.RLock()
+        self._depth = 0  # writes open on the thread holding the lock: 1 for the transaction, more when joined
         # Autocommit mode: transactions are opened explicitly in write(), never implicitly by the driver.
         self._conn: sqlite3.Connection | None = sqlite3.connect(
             self.path, timeout=30.0, isolation_level=None, check_same_thread=False
@@ -61,19 +63,31 @@ class Database:
     def write(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction, holding the lock; committed (and fsynced) when the block ends.
 
-        ``durable=False`` commits without the fsync (``synchronous=NORMAL``): for a row a crash may
-        lose because the restart undoes it anyway. The next durable commit syncs it with its own."""
+        A write the same thread opens inside it joins it: the aggregates' writes in a ``Store.transaction``
+        commit together, or (one raising) none does. ``durable=False`` commits without the fsync
+        (``synchronous=NORMAL``): for a row a crash may lose because the restart undoes it anyway. The
+        next durable commit syncs it with its own."""
         with self._lock:
             conn = self._connection()
+            if self._depth:  # inside this thread's open transaction: it commits with it
+                self._depth += 1
+                try:
+                    yield conn
+                finally:
+                    self._depth -= 1
+                return
             if not durable:
                 conn.execute('PRAGMA synchronous=NORMAL')
             try:
                 conn.execute('BEGIN IMMEDIATE')
+                self._depth = 1
                 try:
                     yield conn
                 except BaseException:
                     conn.execute('ROLLBACK')
                     raise
+                finally:
+                    self._depth = 0
                 conn.execute('COMMIT')
             finally:
                 if not durable:

@@ -12,7 +12,7 @@ import re
 from twinkle.errors import StateError
 from twinkle.server.store.database import Database
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -104,6 +104,19 @@ CREATE TABLE IF NOT EXISTS run_steps (
     figures_json TEXT NOT NULL,
     PRIMARY KEY (run_id, step)
 );
+-- A run brought back with less than it had (a model worker died, or only weights were saved): the
+-- step it continued from, the checkpoint it came from (NULL: the server's own saved state), whether its
+-- optimizer started afresh, and how many recorded steps after that step it lost.
+CREATE TABLE IF NOT EXISTS run_restores (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    at REAL NOT NULL,
+    step INTEGER NOT NULL,
+    checkpoint TEXT,
+    fresh_optimizer INTEGER NOT NULL,
+    lost_steps INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS run_restores_by_run ON run_restores (run_id, id);
 """
 
 
@@ -136,6 +149,7 @@ _MIGRATIONS = {
         'DROP TABLE checkpoints_v4',
         *_creating('run_steps'),
     ],
+    6: _creating('run_restores'),
 }
 
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,9 @@ from twinkle.model import checkpoint as ckpt
 from twinkle.model.export import write_tinker_adapter
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.api.tinker.base import JsonObject
+from twinkle.server.execution.model_group import EXPORT_SCRATCH
 from twinkle.server.service import Service
-from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Tenant
+from twinkle.server.store import Checkpoint, Run
 
 #: The most age recipients one export takes (the SDK's limit too).
 MAX_RECIPIENTS = 10
@@ -53,25 +55,30 @@ def age_recipients(keys: list[str]) -> list[Any]:
 
 
 def export_weights(
-    service: Service, who: Tenant, run: Run, name: str, expires_at: float | None, recipients: list[Any]
-) -> Checkpoint:
+    service: Service,
+    run: Run,
+    name: str,
+    expires_at: float | None,
+    recipients: list[Any],
+    answer: Callable[[Checkpoint], JsonObject],
+) -> JsonObject:
     """Save the run's adapter, write it in Tinker's layout (encrypted to ``recipients`` when
-    given) as ``external_weights/<name>`` atomically, and record it."""
-    folder = service.checkpoint_dir(who, run.id) / TINKER_FOLDERS['external']
-    folder.mkdir(parents=True, exist_ok=True)
+    given) as ``external_weights/<name>``, and record it: its row and the request's answer are
+    one commit, as for any checkpoint (``ModelGroup.record_checkpoint``)."""
     group = service.group_of(run)
-    with tempfile.TemporaryDirectory(dir=folder, prefix='.saving-') as scratch:
-        saved = group.save(run, Path(scratch), 'adapter', save_optimizer=False)
-        with ckpt.atomic_directory(folder / name) as staging:
-            write_tinker_adapter(saved, staging)
-            if recipients:
-                for path in list(staging.iterdir()):
-                    pyrage.encrypt_file(str(path), f'{path}.age', recipients)
-                    path.unlink()
-    size = ckpt.folder_size(folder / name)
-    return service.store.checkpoints.add(
-        who.id, run.id, name, str(folder / name), 'external', size, expires_at=expires_at
-    )
+
+    def write(folder: Path) -> None:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=EXPORT_SCRATCH) as scratch:
+            saved = group.save(run, Path(scratch), 'adapter', save_optimizer=False)
+            with ckpt.atomic_directory(folder) as staging:
+                write_tinker_adapter(saved, staging)
+                if recipients:
+                    for path in list(staging.iterdir()):
+                        pyrage.encrypt_file(str(path), f'{path}.age', recipients)
+                        path.unlink()
+
+    return group.record_checkpoint(run, 'external', name, write, answer, expires_at=expires_at)
 
 
 def links_json(service: Service, checkpoint: Checkpoint, request: Request) -> JsonObject:

@@ -18,7 +18,6 @@ from pydantic import JsonValue
 from tinker import types
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, TwinkleError
-from twinkle.model.checkpoint import folder_size
 from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker import external
 from twinkle.server.api.tinker.base import PROTO, JsonObject, TinkerAPI, proto_result, router
@@ -179,8 +178,11 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
         def save() -> JsonObject:
             if not body.overwrite and service.store.checkpoints.get(who.id, run.id, name) is not None:
                 raise ConfigurationError(f'checkpoint weights/{name} exists; save with overwrite=True to replace it')
-            checkpoint = _save(service, who, run, name, 'training', expires)
-            return {'path': checkpoint.tinker_path, 'type': 'save_weights'}
+
+            def answer(checkpoint: Checkpoint) -> JsonObject:
+                return {'path': checkpoint.tinker_path, 'type': 'save_weights'}
+
+            return _save(service, run, name, 'training', expires, answer)
 
         request_id = await api.accept(who, service.group_of(run), run.id, body.seq_id, 'save_weights', save)
         return {'request_id': request_id, 'model_id': run.id}
@@ -193,12 +195,11 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
         recipients = external.age_recipients(body.age_encryption_recipients or [])
 
         def save() -> JsonObject:
-            checkpoint = external.export_weights(service, who, run, name, expires, recipients)
-            return {
-                'path': checkpoint.tinker_path,
-                'size_bytes': checkpoint.size_bytes,
-                'type': 'save_weights_external',
-            }
+            def answer(checkpoint: Checkpoint) -> JsonObject:
+                size = checkpoint.size_bytes
+                return {'path': checkpoint.tinker_path, 'size_bytes': size, 'type': 'save_weights_external'}
+
+            return external.export_weights(service, run, name, expires, recipients, answer)
 
         group = service.group_of(run)
         request_id = await api.accept(who, group, run.id, body.seq_id, 'save_weights_external', save)
@@ -212,17 +213,20 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
         expires = _expiry(body.ttl_seconds)
 
         def save() -> JsonObject:
-            checkpoint = _save(service, who, run, name, 'sampler', expires)
-            result: JsonObject = {'path': checkpoint.tinker_path, 'type': 'save_weights_for_sampler'}
-            if not named:
-                if run.session_id is None:
-                    raise DataError(f'run {run.id!r} was made by the native API: save its sampler weights by name')
-                sampling_id = f'{run.session_id}:sample:{body.sampling_session_seq_id}'
-                service.store.sessions.create_sampler(
-                    who.id, sampling_id, run.session_id, run.base_model, checkpoint.tinker_path
-                )
-                result['sampling_session_id'] = sampling_id
-            return result
+            if not named and run.session_id is None:
+                raise DataError(f'run {run.id!r} was made by the native API: save its sampler weights by name')
+
+            def answer(checkpoint: Checkpoint) -> JsonObject:  # one commit with the checkpoint's row
+                result: JsonObject = {'path': checkpoint.tinker_path, 'type': 'save_weights_for_sampler'}
+                if not named and run.session_id is not None:
+                    sampling_id = f'{run.session_id}:sample:{body.sampling_session_seq_id}'
+                    service.store.sessions.create_sampler(
+                        who.id, sampling_id, run.session_id, run.base_model, checkpoint.tinker_path
+                    )
+                    result['sampling_session_id'] = sampling_id
+                return result
+
+            return _save(service, run, name, 'sampler', expires, answer)
 
         group = service.group_of(run)
         request_id = await api.accept(who, group, run.id, body.seq_id, 'save_weights_for_sampler', save)
@@ -238,7 +242,8 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
         service.check_trained_on(checkpoint, group, body.path)
 
         def load() -> JsonObject:
-            group.load(run, Path(checkpoint.path), body.optimizer, body.path)
+            now = api.checkpoint(who, body.path, kinds=('training',))  # a save may have replaced it since
+            group.load(run, Path(now.path), body.optimizer, body.path)
             return {'path': body.path, 'model_id': run.id, 'type': 'load_weights'}
 
         request_id = await api.accept(who, group, run.id, body.seq_id, 'load_weights', load)
@@ -264,7 +269,8 @@ async def _create_from_checkpoint(
     tinker_lora = source.config.get('tinker_lora') or {'rank': lora.get('r')}  # a native run's: its rank
 
     def load(run: Run) -> JsonObject:
-        group.load(run, Path(checkpoint.path), body.optimizer, body.path)
+        now = api.checkpoint(who, body.path, kinds=('training',))  # a save may have replaced it since
+        group.load(run, Path(now.path), body.optimizer, body.path)
         return {'path': body.path, 'model_id': model_id, 'type': 'load_weights'}
 
     loras = (lora, tinker_lora)
@@ -272,15 +278,18 @@ async def _create_from_checkpoint(
     return {'request_id': request_id, 'model_id': model_id}
 
 
-def _save(service: Service, who: Tenant, run: Run, name: str, kind: str, expires_at: float | None) -> Checkpoint:
-    """Save the run's adapter (with the optimizer for training checkpoints) atomically, then record it."""
-    directory = service.checkpoint_dir(who, run.id)
-    if kind == 'sampler':
-        directory = directory / 'sampler_weights'
+def _save(
+    service: Service,
+    run: Run,
+    name: str,
+    kind: str,
+    expires_at: float | None,
+    answer: Callable[[Checkpoint], JsonObject],
+) -> JsonObject:
+    """Save the run's adapter (with the optimizer for training checkpoints) as checkpoint ``name``:
+    its row and the request's answer are one commit (``ModelGroup.record_checkpoint``)."""
     group = service.group_of(run)
-    path = group.save(run, directory, name, save_optimizer=kind == 'training')
-    size = folder_size(path)
-    return service.store.checkpoints.add(who.id, run.id, name, str(path), kind, size, expires_at=expires_at)
+    return group.save_checkpoint(run, kind, name, answer, save_optimizer=kind == 'training', expires_at=expires_at)
 
 
 def _checkpoint_name(path: str | None, seq_id: int | None) -> str:
