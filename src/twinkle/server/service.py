@@ -149,6 +149,14 @@ class Service:
                 f'checkpoint {shown_as!r} holds weights for {bare(source.base_model)!r}, not {bare(group.name)!r}'
             )
 
+    def folder_now(self, tenant: Tenant, checkpoint: Checkpoint, shown_as: str) -> Path:
+        """The checkpoint's folder as the store names it now (from a job, on the worker thread): a
+        save may have replaced it since the request looked it up; 404 if it was deleted since."""
+        now = self.store.checkpoints.readable(tenant.id, checkpoint.run_id, checkpoint.name, checkpoint.kind)
+        if now is None:
+            raise NotFoundError(f'checkpoint {shown_as!r} not found')
+        return Path(now.path)
+
     def model_names(self) -> list[str]:
         """The hosted base models as clients name them (without ``ms://`` / ``hf://``), default first."""
         return [bare(name) for name in self.groups]

@@ -262,7 +262,7 @@ def _sample_route(router: APIRouter, service: Service) -> None:
     async def sample(body: SampleWeights, who: Who) -> FutureAccepted:
         """Sample the base model, or a saved checkpoint's weights, without a training run."""
         group, path = service.group_named(body.base_model), body.model_path
-        source_path: tuple[str, str, str] | None = None  # (run id, kind, name)
+        checkpoint: Checkpoint | None = None  # None: the base model
         if path is not None:
             try:
                 source_path = parse_checkpoint_path(path)
@@ -277,10 +277,8 @@ def _sample_route(router: APIRouter, service: Service) -> None:
         group.check_sample_request(inputs, body.sampling_params)  # a 4xx now, not a failed future
 
         def run() -> object:
-            weights = None  # the base model; else the checkpoint's folder now (a save may have replaced it)
-            if path is not None and source_path is not None:
-                weights = Path(_sampling_source(service, who, source_path, path).path)
-            return group.sample_weights(inputs, body.sampling_params, weights, path)
+            folder = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
+            return group.sample_weights(inputs, body.sampling_params, folder, path)
 
         return FutureAccepted(future_id=(await service.submit_async(who, group, None, 'sample', run)).id)
 

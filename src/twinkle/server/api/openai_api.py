@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -151,10 +152,6 @@ class SamplingOptions(BaseModel):
             logprobs=top_logprobs,
             repetition_penalty=self.repetition_penalty or 1.0,
         )
-
-    def weights(self, checkpoint: Checkpoint | None) -> SavedWeights | None:
-        """The saved weights the request names (None: the base model); errors name them as the request does."""
-        return None if checkpoint is None else SavedWeights(Path(checkpoint.path), self.model)
 
 
 class ChatCompletionRequest(SamplingOptions):
@@ -330,10 +327,9 @@ def _chat_routes(router: APIRouter, service: Service) -> None:
             params=body.sampling_params(max_tokens, body.top_logprobs if body.logprobs else None),
             token_limit=service.config.limits.max_tokens_per_request,
             messages=[_message(index, message) for index, message in enumerate(body.messages)],
-            weights=body.weights(checkpoint),
             fit=max_tokens is None,
         )
-        reply, head = await sampled(service, who, group, request, body)
+        reply, head = await sampled(service, who, group, request, body, checkpoint)
         head['id'] = f'chatcmpl-{head["id"]}'
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -448,12 +444,25 @@ def _message(index: int, message: ChatMessage) -> ChatTurn:
 
 # ---- sampling ---------------------------------------------------------------------------------------
 async def sampled(
-    service: Service, who: Tenant, group: ModelGroup, request: ChatRequest, body: SamplingOptions
+    service: Service,
+    who: Tenant,
+    group: ModelGroup,
+    request: ChatRequest,
+    body: SamplingOptions,
+    checkpoint: Checkpoint | None,
 ) -> tuple[ChatReply, JsonObject]:
-    """Sample ``request`` as a job on ``group``'s worker; its reply, and the head of the answer
-    (the job's id, its time and the model as the request named it)."""
+    """Sample ``request`` as a job on ``group``'s worker, from ``checkpoint``'s weights as the
+    store names them when the job runs (None: the base model); its reply, and the head of the
+    answer (the job's id, its time and the model as the request named it)."""
     operation = 'chat_completion' if isinstance(body, ChatCompletionRequest) else 'completion'
-    job = await service.submit_async(who, group, None, operation, lambda: group.sample_chat(request))
+
+    def sample() -> ChatReply:
+        if checkpoint is None:
+            return group.sample_chat(request)
+        weights = SavedWeights(service.folder_now(who, checkpoint, body.model), body.model)
+        return group.sample_chat(replace(request, weights=weights))
+
+    job = await service.submit_async(who, group, None, operation, sample)
     await wait_job(job, None)
     if job.error is not None:
         raise job.error

@@ -116,9 +116,8 @@ def completions_router(service: Service) -> APIRouter:
             params=body.sampling_params(max_tokens, body.logprobs or None),
             token_limit=service.config.limits.max_tokens_per_request,
             prompt_ids=prompt_ids,
-            weights=body.weights(checkpoint),
         )
-        reply, head = await sampled(service, who, group, request, body)
+        reply, head = await sampled(service, who, group, request, body, checkpoint)
         head['id'] = f'cmpl-{head["id"]}'
         logprobs = body.logprobs is not None
         if body.stream:

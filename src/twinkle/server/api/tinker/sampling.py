@@ -8,7 +8,6 @@ does not implement are refused with a 400 naming them, never ignored.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import cast
 
 from fastapi import APIRouter
@@ -59,11 +58,12 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
             group, path = service.hosting(sampler.base_model, f'sampling session {sampler.id!r}'), sampler.model_path
         else:
             group, path = _sampling_target(api, who, body.base_model, body.model_path)
-        directory = Path(api.checkpoint(who, path, kinds=('sampler', 'training')).path) if path else None
+        checkpoint = api.checkpoint(who, path, kinds=('sampler', 'training')) if path else None
         prompt, params = _sample_request(body, api.settings.default_max_tokens)
         group.check_sampling_params(params)
 
         def sample() -> dict[str, str]:
+            directory = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
             response = group.sample_ids(prompt, params, directory, path)
             return proto_result(
                 codec.sample_response(
