@@ -90,7 +90,7 @@ def test_check_name_rejects_names_that_could_escape_a_directory(name):
 def test_twinkle_path_round_trip(store):
     tenant, _ = store.tenants.add('alice')
     run = store.runs.create(tenant.id, 'base', 'default', {})
-    checkpoint = store.checkpoints.add(tenant.id, run.id, 'step-10', '/disk/x', 'training', 12)
+    checkpoint, _ = store.checkpoints.add(tenant.id, run.id, 'step-10', '/disk/x', 'training', 12)
     assert checkpoint.twinkle_path == f'twinkle://{run.id}/checkpoints/step-10'
     assert parse_twinkle_path(checkpoint.twinkle_path) == (run.id, 'step-10')
 
@@ -177,7 +177,7 @@ def test_another_tenants_rows_do_not_exist(store):
     alice, _ = store.tenants.add('alice')
     bob, _ = store.tenants.add('bob')
     run = store.runs.create(alice.id, 'base', 'default', {'r': 8})
-    checkpoint = store.checkpoints.add(alice.id, run.id, 'step-1', '/disk/1', 'training', 10)
+    checkpoint, _ = store.checkpoints.add(alice.id, run.id, 'step-1', '/disk/1', 'training', 10)
     future = store.futures.create(alice.id, run.id, 'optim_step')
 
     assert store.runs.get(alice.id, run.id) == run
@@ -256,10 +256,10 @@ def test_checkpoint_replace_and_delete(tmp_path):
     with Store(tmp_path / 'db', clock=clock) as store:
         tenant, _ = store.tenants.add('alice')
         run = store.runs.create(tenant.id, 'base', 'default', {})
-        first = store.checkpoints.add(tenant.id, run.id, 'latest', '/disk/v1', 'training', 100)
-        other = store.checkpoints.add(tenant.id, run.id, 'step-1', '/disk/s1', 'sampler', 50)
+        first, _ = store.checkpoints.add(tenant.id, run.id, 'latest', '/disk/v1', 'training', 100)
+        other, _ = store.checkpoints.add(tenant.id, run.id, 'step-1', '/disk/s1', 'sampler', 50)
         clock.now += 10
-        second = store.checkpoints.add(tenant.id, run.id, 'latest', '/disk/v2', 'training', 200)
+        second, _ = store.checkpoints.add(tenant.id, run.id, 'latest', '/disk/v2', 'training', 200)
         assert second.id != first.id
         assert store.checkpoints.get(tenant.id, run.id, 'latest') == second
         assert store.checkpoints.of_run(tenant.id, run.id) == [other, second]
@@ -275,16 +275,16 @@ def test_checkpoint_replace_and_delete(tmp_path):
 def test_a_checkpoint_row_and_its_saves_future_commit_together_or_not_at_all(store):
     tenant, _ = store.tenants.add('alice')
     run = store.runs.create(tenant.id, 'base', 'default', {})
-    first = store.checkpoints.add(tenant.id, run.id, 'ck', '/disk/v1', 'training', 1)
+    first, _ = store.checkpoints.add(tenant.id, run.id, 'ck', '/disk/v1', 'training', 1)
     future = store.futures.create(tenant.id, run.id, 'save')
     with pytest.raises(RuntimeError, match='crash'), store.transaction():  # a failure before the commit
-        store.checkpoints.replace(tenant.id, run.id, 'ck', '/disk/v2', 'training', 2)
+        store.checkpoints.add(tenant.id, run.id, 'ck', '/disk/v2', 'training', 2)
         store.futures.finish(future.id, 'twinkle://v2')
         raise RuntimeError('crash')
     assert store.checkpoints.get(tenant.id, run.id, 'ck') == first  # neither the row...
     assert store.futures.get(tenant.id, future.id).status == 'pending'  # ...nor the future changed
     with store.transaction():
-        second, replaced = store.checkpoints.replace(tenant.id, run.id, 'ck', '/disk/v2', 'training', 2)
+        second, replaced = store.checkpoints.add(tenant.id, run.id, 'ck', '/disk/v2', 'training', 2)
         assert store.futures.finish(future.id, second.twinkle_path)
     assert replaced == first and store.checkpoints.get(tenant.id, run.id, 'ck') == second
     assert store.futures.get(tenant.id, future.id).result == second.twinkle_path
@@ -561,8 +561,8 @@ def test_published_checkpoints_are_readable_by_others_and_expired_ones_go(db):
         alice, _ = store.tenants.add('alice')
         bob, _ = store.tenants.add('bob')
         run = store.runs.create(alice.id, 'base', 'default', {})
-        kept = store.checkpoints.add(alice.id, run.id, 'kept', '/disk/k', 'sampler', 1)
-        brief = store.checkpoints.add(alice.id, run.id, 'brief', '/disk/b', 'training', 1, expires_at=clock.now + 60)
+        kept, _ = store.checkpoints.add(alice.id, run.id, 'kept', '/disk/k', 'sampler', 1)
+        brief, _ = store.checkpoints.add(alice.id, run.id, 'brief', '/disk/b', 'training', 1, expires_at=clock.now + 60)
         assert store.checkpoints.readable(bob.id, run.id, 'kept', 'sampler') is None
         store.checkpoints.set_public(kept.id, True)
         assert store.checkpoints.readable(bob.id, run.id, 'kept', 'sampler').path == '/disk/k'

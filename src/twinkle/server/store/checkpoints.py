@@ -59,20 +59,6 @@ class Checkpoints(Aggregate):
         size_bytes: int,
         *,
         expires_at: float | None = None,
-    ) -> Checkpoint:
-        """Record a saved checkpoint, replacing the run's earlier one of the same kind and name."""
-        return self.replace(tenant_id, run_id, name, path, kind, size_bytes, expires_at=expires_at)[0]
-
-    def replace(
-        self,
-        tenant_id: str,
-        run_id: str,
-        name: str,
-        path: str,
-        kind: str,
-        size_bytes: int,
-        *,
-        expires_at: float | None = None,
         checkpoint_id: str | None = None,
     ) -> tuple[Checkpoint, Checkpoint | None]:
         """Record a saved checkpoint (``checkpoint_id``: a fresh one unless given) in one
