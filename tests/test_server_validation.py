@@ -105,8 +105,11 @@ def test_an_openai_422_names_the_first_problems_and_how_many_more(server, tiny_m
     assert answer.status_code == 422
     error = answer.json()['error']
     assert error['param'] == 'model'
-    assert error['message'].startswith('invalid request: model: Input should be a valid string; messages: ')
+    assert error['message'].startswith('invalid request: model: Input should be a valid string; ')
     assert error['message'].endswith(' (and 2 more problems)'), error['message']
+    spelled = error['message'].removeprefix('invalid request: ').removesuffix(' (and 2 more problems)').split('; ')
+    fields = {'model', 'messages', 'n', 'temperature', 'max_tokens'}
+    assert len(spelled) == 3 and {problem.split(':')[0] for problem in spelled} <= fields, spelled
 
 
 def test_an_openai_body_of_a_million_bad_parts_is_a_small_422(server, tiny_model_dir):

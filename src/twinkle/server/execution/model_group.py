@@ -327,7 +327,7 @@ class ModelGroup:
         try:
             size = ckpt.folder_size(folder)
             with self.store.transaction():
-                checkpoint, replaced = self.store.checkpoints.replace(
+                checkpoint, replaced = self.store.checkpoints.add(
                     run.tenant_id, run.id, name, str(folder), kind, size, expires_at=expires_at,
                     checkpoint_id=checkpoint_id,
                 )  # fmt: skip
