@@ -23,9 +23,10 @@ from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import Host
-from twinkle.server.execution.model_group import RELEASE_STATE, ModelGroup, bare, discard_unrecorded
+from twinkle.server.execution.model_group import ModelGroup, bare
 from twinkle.server.execution.model_host import ModelHost
 from twinkle.server.execution.placement import build_host
+from twinkle.server.execution.run_files import RELEASE_STATE, discard_unrecorded
 from twinkle.server.execution.sampler_group import SamplerGroup
 from twinkle.server.execution.scheduler import Batchable, Job
 from twinkle.server.rate_limit import RateLimiter

@@ -51,7 +51,7 @@ class RequestChecks:
 
     def check_adapter(self, lora: Mapping[str, Json]) -> None:
         """Known LoRA fields and a rank within the limit (room on the model is the service's
-        to make, ``Service.make_room``; ``add_adapter`` checks that it is there)."""
+        to make, ``AdapterPool.make_room``; ``add_adapter`` checks that it is there)."""
         limits = self.config.limits
         unknown = sorted(set(lora) - LORA_FIELDS)
         if unknown:

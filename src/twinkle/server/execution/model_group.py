@@ -10,11 +10,9 @@ the store records which.
 
 from __future__ import annotations
 
-import re
 import shutil
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar, cast
@@ -22,33 +20,27 @@ from typing import TypeVar, cast
 from tinker import types as tinker_types
 
 from twinkle.data_format import SampleResponse, SamplingParams
-from twinkle.errors import CapacityError, NotFoundError, QueueFullError, StateError
+from twinkle.errors import QueueFullError, StateError
 from twinkle.model import checkpoint as ckpt
 from twinkle.server.config import ServerConfig
+from twinkle.server.execution.adapter_pool import AdapterPool
 from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.host import Host, Json, JsonObject, Outcome, SamplingHost
 from twinkle.server.execution.model_host import is_mixable, request_tokens
+from twinkle.server.execution.run_files import KIND_FOLDERS, run_dir
 from twinkle.server.execution.sampler_group import SamplerGroup, saved_weights
 from twinkle.server.execution.scheduler import Batchable, Job, JobCallback, Scheduler
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
-from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Store
+from twinkle.server.store import Checkpoint, Run, Store
 from twinkle.server.store.database import new_id
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
 R = TypeVar('R')
-#: Where a run's state is kept (at its release, and every ``save_state_every_steps`` steps), beside its checkpoints.
-RELEASE_STATE = 'released-state'
 #: The tenant the server's own chores are queued as.
 HOUSEKEEPING = 'server-housekeeping'
 #: Operations of both APIs that take an optimizer step: the runs' step history is recorded after them.
 STEP_OPERATIONS = frozenset({'clip_grad_and_step', 'step', 'optim_step'})
-#: The folder of each kind of checkpoint in a run's directory ('': the run's directory itself).
-KIND_FOLDERS = {'training': '', 'sampler': TINKER_FOLDERS['sampler'], 'external': TINKER_FOLDERS['external']}
-#: A checkpoint's folder: its name and the id of the row that records it (a name holds no '@').
-CHECKPOINT_FOLDER = re.compile(r'(?P<name>[^@]+)@(?P<id>ckpt-[0-9a-f]+)')
-#: The prefix of the scratch folder an export saves the adapter in before writing Tinker's layout.
-EXPORT_SCRATCH = '.saving-'
 
 
 def bare(model_id: str) -> str:
@@ -83,9 +75,9 @@ class ModelGroup:
         self._on_start, self._on_finish, self._on_restart = on_start, on_finish, on_restart
         #: Its sampler on devices of its own, or None: sampling runs on this group's worker.
         self.sampler = sampler
-        self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
-        self._pinned: set[str] = set()  # runs the worker's current jobs use: not released to make room
         self._running: list[Job] = []  # the jobs the worker runs now (one, or a shared pass)
+        #: The runs with an adapter on the model: released when idle or to make room, restored on use.
+        self.pool = AdapterPool(config, store, host, self._running_left_s)
         limits = config.limits
         self.scheduler = Scheduler(
             max_queued_per_tenant=limits.max_queued_per_tenant,
@@ -129,15 +121,12 @@ class ModelGroup:
         reason = self.host.restart_if_dead()
         if reason is None:
             return
-        for run_id in self.adapters:
-            self.store.runs.set_status(run_id, 'released')
-        self.adapters.clear()
-        self._pinned.clear()
+        self.pool.forget_all()
         self.store.history.record_restart(self.name, reason)
         self._on_restart(self)
 
     def _finished(self, job: Job) -> None:
-        self._pinned.clear()
+        self.pool.unpin_all()
         if job in self._running:
             self._running.remove(job)
         try:
@@ -161,7 +150,7 @@ class ModelGroup:
             if run is None:
                 continue
             if every is not None and any(int(entry['step']) % every == 0 for entry in steps):
-                self._keep_state_or_warn(run)  # first: a crash while it is written leaves the step unrecorded
+                self.pool.keep_state_or_warn(run)  # first: a crash while it is written leaves the step unrecorded
             try:
                 self.store.history.add_steps(run.id, steps)
             except Exception as error:  # a closing store: the history misses these steps, nothing else
@@ -251,27 +240,30 @@ class ModelGroup:
         seed: int | None = None,
         setup: list[tuple[str, JsonObject]] | None = None,
     ) -> str:
-        """Put a new run's adapter on the model (worker thread), room made first, with its
-        ``setup`` operations run on it; nothing of it stays if one fails. Its adapter's name."""
-        adapter = self.adapter_name(run)
-        self.make_room(run)
-        self.host.add_adapter(adapter, lora, gradient_accumulation_steps, seed)
-        try:
-            for operation, kwargs in setup or []:
-                self.host.run(adapter, operation, dict(kwargs))
-            if self.config.save_state_every_steps is not None:
-                self._keep_state(run, adapter)  # what it comes back as if a worker dies before its first save
-        except BaseException:
-            self.host.remove_adapter(adapter)
-            raise
-        self.adapters[run.id] = adapter
-        return adapter
+        """Put a new run's adapter on the model (worker thread; ``AdapterPool.add``)."""
+        return self.pool.add(run, lora, gradient_accumulation_steps, seed, setup)
 
     def remove_run(self, run: Run) -> None:
         """Take a run's adapter off the model, if it is there (worker thread)."""
-        adapter = self.adapters.pop(run.id, None)
-        if adapter is not None:
-            self.host.remove_adapter(adapter)
+        self.pool.remove(run)
+
+    # ---- the runs' adapters (``AdapterPool``) -------------------------------------------------------
+    @property
+    def adapters(self) -> dict[str, str]:
+        """Run id -> the name of its adapter on the model, for the runs on it now."""
+        return self.pool.adapters
+
+    def loaded(self, run: Run) -> str:
+        """The run's adapter on the model, restored first if it was released (worker thread)."""
+        return self.pool.loaded(run)
+
+    def saved_state(self, run: Run) -> Path | None:
+        """Where a run off the model continues from; None if it has nothing."""
+        return self.pool.saved_state(run)
+
+    def release(self, run: Run) -> bool:
+        """Save a run's whole state and take its adapter off the model (worker thread)."""
+        return self.pool.release(run)
 
     def run(self, run: Run, operation: str, kwargs: JsonObject) -> Json:
         """A tenant's ``operation`` on its run's adapter (worker thread); the result is JSON-ready."""
@@ -321,7 +313,7 @@ class ModelGroup:
         future; after it, the new ones: the client is told what the name holds. A folder no row
         names is deleted at the next start (``discard_unrecorded``)."""
         checkpoint_id = new_id('ckpt')
-        folder = self.run_dir(run) / KIND_FOLDERS[kind] / f'{name}@{checkpoint_id}'
+        folder = run_dir(self.config, run) / KIND_FOLDERS[kind] / f'{name}@{checkpoint_id}'
         write(folder)
         settling = self._running[0].id if len(self._running) == 1 else None  # the save's future
         try:
@@ -340,10 +332,6 @@ class ModelGroup:
         if replaced is not None and Path(replaced.path) != folder:
             self.discard_later([Path(replaced.path)])
         return result
-
-    def run_dir(self, run: Run) -> Path:
-        """The folder of a run's checkpoints and saved state."""
-        return self.config.checkpoint_dir / run.tenant_id / run.id
 
     def discard_later(self, folders: list[Path]) -> None:
         """Delete checkpoint folders no row names any more, once every job queued or running now
@@ -378,7 +366,7 @@ class ModelGroup:
         brings it back with the weights it loaded."""
         self.host.load(self.loaded(run), path, load_optimizer, shown_as)
         if self.config.save_state_every_steps is not None:
-            self._keep_state_or_warn(run)
+            self.pool.keep_state_or_warn(run)
 
     def sample_weights(
         self, inputs: list[JsonObject], sampling_params: JsonObject | None, directory: Path | None, shown_as: str | None
@@ -434,158 +422,6 @@ class ModelGroup:
         """Give the model process's free heap pages back to the OS (worker thread, when idle)."""
         return self.host.release_free_memory()
 
-    # ---- the runs' adapters ----------------------------------------------------------------------
-    def adapter_name(self, run: Run) -> str:
-        """The name of a run's adapter on the model: its run id, unique on the server (the store
-        makes it), so what the model's errors name is what the tenant knows. A tenant reaches an
-        adapter only through its own runs, so naming another tenant's run reaches nothing."""
-        return run.id
-
-    def loaded(self, run: Run) -> str:
-        """The run's adapter on the model, restored first if it was released (worker thread)."""
-        if run.id not in self.adapters:
-            self.restore(self._stored_run(run.id))
-        self._pinned.add(run.id)
-        return self.adapters[run.id]
-
-    def _stored_run(self, run_id: str) -> Run:
-        """The run as the store has it now (its latest config and status)."""
-        run = self.store.runs.by_id(run_id)
-        if run is None:
-            raise NotFoundError(f'training run {run_id!r} not found')
-        return run
-
-    # ---- releasing idle adapters -----------------------------------------------------------------
-    def release_state(self, run: Run) -> Path:
-        return self.run_dir(run) / RELEASE_STATE
-
-    def saved_state(self, run: Run) -> Path | None:
-        """Where a run off the model continues from (``restore``); None if it has nothing."""
-        found = self._saved_state(run)
-        return None if found is None else found[0]
-
-    def _saved_state(self, run: Run) -> tuple[Path, Checkpoint | None] | None:
-        """The saved state of the run that stands at its latest optimizer step: its released state
-        (written at each release, and every ``save_state_every_steps`` steps) or one of its training
-        checkpoints (saved with ``save_optimizer=True``, or of weights alone: then the optimizer
-        starts afresh); on a tie one with the optimizer, then the newest. With the checkpoint it is
-        (None: the server's own). None if the run has none."""
-        checkpoints = [c for c in self.store.checkpoints.of_run(run.tenant_id, run.id) if c.kind == 'training']
-        places = [(self.release_state(run), None), *((Path(c.path), c) for c in checkpoints)]
-        ranked: list[tuple[tuple[int, bool, int], Path, Checkpoint | None]] = []
-        for path, checkpoint in places:
-            if (path / ckpt.TRAINER_STATE).is_file():
-                state = path / ckpt.TRAINER_STATE
-                rank = (int(ckpt.read_trainer_state(path)['optim_step']), True, state.stat().st_mtime_ns)
-            elif checkpoint is not None and (path / ckpt.ADAPTER_WEIGHTS).is_file():
-                weights = path / ckpt.ADAPTER_WEIGHTS
-                rank = (ckpt.read_weights_step(path), False, weights.stat().st_mtime_ns)
-            else:
-                continue
-            ranked.append((rank, path, checkpoint))
-        if not ranked:
-            return None
-        _, path, checkpoint = max(ranked, key=lambda place: place[0])
-        return path, checkpoint
-
-    def _keep_state(self, run: Run, adapter: str) -> None:
-        """Save the run's state (weights, optimizer, counters, accumulation window) as its released
-        state, the newest place ``restore`` brings it back from."""
-        path = self.release_state(run)
-        self.host.save(adapter, path.parent, path.name, save_optimizer=True)
-
-    def _keep_state_or_warn(self, run: Run) -> None:
-        adapter = self.adapters.get(run.id)
-        if adapter is None:
-            return
-        try:
-            self._keep_state(run, adapter)
-        except Exception as error:  # a dead worker, a full disk: its next save or step tries again
-            logger.warning(f'the state of run {run.id!r} was not saved: {type(error).__name__}: {error}')
-
-    def release(self, run: Run) -> bool:
-        """Save a run's adapter with its optimizer, counters and accumulation window (gradients
-        waiting for a step included), then take it off the model (worker thread). A pending
-        forward (``forward_only``, waiting for ``calculate_loss``) is not kept. False if the run
-        was not on the model."""
-        adapter = self.adapters.get(run.id)
-        if adapter is None:
-            return False
-        self._keep_state(run, adapter)
-        self.host.remove_adapter(adapter)
-        del self.adapters[run.id]
-        self.store.runs.set_status(run.id, 'released')
-        return True
-
-    def restore(self, run: Run) -> None:
-        """Bring a released run back: its adapter, its setup calls replayed, then its saved state
-        (``_saved_state``). A state older than the run's last recorded step, or weights alone,
-        is recorded in its history (``History.record_restore``: what its ``restored_from`` says)."""
-        adapter, config, found = self.adapter_name(run), run.config, self._saved_state(run)
-        if found is None:
-            raise StateError(
-                f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
-                'without saving it): load one of its checkpoints into a new run'
-            )
-        path, checkpoint = found
-        self.make_room(run)
-        self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
-        try:
-            for call in config.get('setup', []):
-                self.host.run(adapter, call['operation'], dict(call['kwargs']))
-            shown = f'the saved state of training run {run.id!r}' if checkpoint is None else checkpoint.twinkle_path
-            restored = self.host.restore_state(adapter, path, shown)
-        except BaseException:
-            self.host.remove_adapter(adapter)
-            raise
-        self.adapters[run.id] = adapter
-        self.store.runs.set_status(run.id, 'active')
-        source = None if checkpoint is None else checkpoint.twinkle_path
-        event = self.store.history.record_restore(run.id, restored['optim_step'], source, restored['fresh_optimizer'])
-        if event is not None:
-            logger.warning(f'training run {run.id!r} came back with less than it had: {event}')
-
-    # ---- room on the model -----------------------------------------------------------------------
-    def make_room(self, run: Run) -> None:
-        """Before ``run``'s adapter is added (worker thread): a tenant holding its
-        ``max_adapters_per_tenant`` adapters gives up its least recently used one, and a model
-        holding ``max_adapters`` one of a tenant holding more than an equal share of the pool
-        (least recently used first; else the least recently used of all). A released adapter
-        keeps all it held (gradients waiting for a step too) and comes back on its next request.
-        Only adapters the running requests use stay: if every candidate is one, ``CapacityError``
-        (429) with a Retry-After of when they are expected to end."""
-        limits = self.config.limits
-        own = self._held(run.tenant_id, but=run.id)
-        if len(own) >= limits.max_adapters_per_tenant:
-            why = f'you hold {len(own)} adapters on the model, the limit of max_adapters_per_tenant='
-            self._release_one(own, f'{why}{limits.max_adapters_per_tenant}')
-        everyone = self._held(None, but=run.id)
-        if len(everyone) >= limits.max_adapters:
-            why = f'the server holds its limit of {limits.max_adapters} adapters (max_adapters)'
-            self._release_one(self._fairly(everyone, run.tenant_id), why)
-
-    def _held(self, tenant_id: str | None, but: str | None = None) -> list[Run]:
-        """Runs (of a tenant, or of all) with an adapter on this model, least recently used first."""
-        return [run for run in self.store.runs.active(tenant_id) if run.id in self.adapters and run.id != but]
-
-    def _fairly(self, runs: list[Run], asking: str) -> list[Run]:
-        """``runs`` (least recently used first) in the order they give up their place: those of
-        tenants holding more than an equal share of the pool (each tenant holding one, and the
-        one asking, counted) first, so a few tenants cannot keep the others out."""
-        held = Counter(run.tenant_id for run in runs)
-        share = self.config.limits.max_adapters / len(held.keys() | {asking})
-        return sorted(runs, key=lambda run: held[run.tenant_id] <= share)  # stable: least recently used first
-
-    def _release_one(self, runs: list[Run], why: str) -> None:
-        """Release the first of ``runs`` the running requests do not use; ``CapacityError`` if none."""
-        if any(run.id not in self._pinned and self.release(run) for run in runs):
-            return
-        wait_s = self._running_left_s()
-        raise CapacityError(
-            f'{why}, and each is in use by the requests running now: retry once they end, in about {wait_s:.0f} s',
-            retry_after_s=wait_s,
-        )
-
     def _running_left_s(self) -> float:
         """Seconds until the running pass is expected to end (its jobs' mean duration so far), at least 1."""
         mean = self.scheduler.stats()['mean_duration_s'] or 0.0
@@ -593,24 +429,4 @@ class ModelGroup:
         return max(1.0, started + mean - time.time())
 
 
-def discard_unrecorded(root: Path, recorded: set[str]) -> int:
-    """At start: delete the checkpoint folders under ``root`` (``<name>@<id>`` in a run's
-    directory, or its sampler or exported weights) that no row names: saves a crash cut short
-    before their commit, and folders replaced just before one; and exports' scratch folders.
-    How many there were."""
-    gone = 0
-    for run_dir in (path for tenant in _folders(root) for path in _folders(tenant)):
-        for kind_dir in {run_dir / folder for folder in KIND_FOLDERS.values()}:
-            for folder in _folders(kind_dir):
-                unrecorded = CHECKPOINT_FOLDER.fullmatch(folder.name) and str(folder) not in recorded
-                if unrecorded or folder.name.startswith(EXPORT_SCRATCH):
-                    shutil.rmtree(folder, ignore_errors=True)
-                    gone += 1
-    return gone
-
-
-def _folders(path: Path) -> list[Path]:
-    return [child for child in path.iterdir() if child.is_dir()] if path.is_dir() else []
-
-
-__all__ = ['EXPORT_SCRATCH', 'KIND_FOLDERS', 'RELEASE_STATE', 'ModelGroup', 'bare', 'discard_unrecorded']
+__all__ = ['HOUSEKEEPING', 'ModelGroup', 'bare']

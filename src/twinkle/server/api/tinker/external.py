@@ -29,7 +29,7 @@ from twinkle.model import checkpoint as ckpt
 from twinkle.model.export import write_tinker_adapter
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.api.tinker.base import JsonObject
-from twinkle.server.execution.model_group import EXPORT_SCRATCH
+from twinkle.server.execution.run_files import EXPORT_SCRATCH
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run
 
