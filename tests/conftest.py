@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sdk_clients import ServiceClients, open_sdk_sessions
 
 # Set before anything imports huggingface_hub / datasets, which read these once.
 for _name in ('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE', 'TRANSFORMERS_OFFLINE', 'TWINKLE_OFFLINE', 'MODELSCOPE_OFFLINE'):
@@ -32,3 +34,28 @@ def self_cognition_path() -> str:
     from twinkle import assets
 
     return assets.dataset('self-cognition')
+
+
+@pytest.fixture
+def sdk_clients() -> Iterator[ServiceClients]:
+    """``sdk_clients(url, key)``: a ``tinker.ServiceClient`` closed when the test ends. Request it
+    after the server's fixture, so that the clients close before the server stops."""
+    with ServiceClients() as clients:
+        yield clients
+
+
+@pytest.fixture(scope='module')
+def module_sdk_clients() -> Iterator[ServiceClients]:
+    """``sdk_clients`` for module-scoped fixtures: the clients close when the module ends."""
+    with ServiceClients() as clients:
+        yield clients
+
+
+@pytest.fixture(scope='module', autouse=True)
+def no_sdk_session_outlives_its_module() -> Iterator[None]:
+    """Fail the module's last test when a Tinker SDK session it opened still beats: its server is
+    gone, and the heartbeat would log failures until the process ends (see sdk_clients.py)."""
+    before = set(open_sdk_sessions())
+    yield
+    left = sorted(set(open_sdk_sessions()) - before)
+    assert not left, f'Tinker SDK sessions left open (close their ServiceClient, or make it with sdk_clients): {left}'

@@ -11,7 +11,6 @@ import httpx
 import openai
 import pydantic
 import pytest
-import tinker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import background_server
@@ -76,11 +75,11 @@ def local_greedy(tiny_model_dir, prompt_ids):
 
 
 @pytest.fixture(scope='module')
-def checkpoints(server, tiny_model_dir, template) -> dict[str, str]:
+def checkpoints(server, module_sdk_clients, tiny_model_dir, template) -> dict[str, str]:
     """Alice's sampler and training checkpoints of an adapter trained hard (lr 3e-3) to answer
     MESSAGES with TARGET; made through the Tinker SDK."""
     url, keys, _ = server
-    service = tinker.ServiceClient(base_url=url, api_key=keys['alice'])
+    service = module_sdk_clients(url, keys['alice'])
     trainer = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
     feature = template.encode({'messages': [*MESSAGES, {'role': 'assistant', 'content': TARGET}]})
     labels = feature['labels']
@@ -228,7 +227,9 @@ def test_models_lists_the_base_model_and_the_tenants_own_checkpoints(server, tin
         client(server, 'bob').models.retrieve(checkpoints['sampler'])
 
 
-def test_a_trained_checkpoint_answers_as_the_tinker_api_samples_it(server, tiny_model_dir, checkpoints, prompt_ids):
+def test_a_trained_checkpoint_answers_as_the_tinker_api_samples_it(
+    server, sdk_clients, tiny_model_dir, checkpoints, prompt_ids
+):
     base = greedy(server, tiny_model_dir, max_tokens=16).choices[0]
     answer = greedy(server, checkpoints['sampler'], max_tokens=16, logprobs=True)
     reply = answer.choices[0]
@@ -240,7 +241,7 @@ def test_a_trained_checkpoint_answers_as_the_tinker_api_samples_it(server, tiny_
     assert ''.join(entry.token for entry in reply.logprobs.content) == TARGET
     assert base.message.content != TARGET
     # the Tinker API's greedy sample of the same checkpoint and prompt, decoded
-    sampling = tinker.ServiceClient(base_url=checkpoints['url'], api_key=checkpoints['key'])
+    sampling = sdk_clients(checkpoints['url'], checkpoints['key'])
     sampler = sampling.create_sampling_client(model_path=checkpoints['sampler']).result()
     params = types.SamplingParams(max_tokens=16, temperature=0.0)
     sample = sampler.sample(types.ModelInput.from_ints(prompt_ids), 1, params).result().sequences[0]

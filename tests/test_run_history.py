@@ -8,7 +8,6 @@ import threading
 
 import httpx
 import pytest
-import tinker
 from peft import LoraConfig
 from server_helpers import background_server
 from tinker import types
@@ -87,9 +86,9 @@ def test_tenants_stepping_together_each_get_their_own_history(server):
         assert history[0].lr == pytest.approx(lr)
 
 
-def test_a_tinker_model_s_steps_are_recorded_too(server, tiny_model_dir):
+def test_a_tinker_model_s_steps_are_recorded_too(server, sdk_clients, tiny_model_dir):
     url, keys, _ = server
-    sdk = tinker.ServiceClient(base_url=url, api_key=keys['alice'])
+    sdk = sdk_clients(url, keys['alice'])
     client = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4).result()
     tokens = [11, 22, 33, 44, 55, 66, 77]
     datum = types.Datum(
@@ -102,7 +101,6 @@ def test_a_tinker_model_s_steps_are_recorded_too(server, tiny_model_dir):
     history = TwinkleClient(url, keys['alice']).run_history(client.model_id)
     assert [(s.step, s.lr) for s in history] == [(1, pytest.approx(3e-3)), (2, pytest.approx(3e-3))]
     assert all(s.loss is not None and s.loss > 0 for s in history)
-    sdk.close('success').result()
 
 
 def test_figures_the_trainer_logs_are_recorded_with_the_next_step(server):

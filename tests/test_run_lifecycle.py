@@ -463,28 +463,27 @@ def test_every_save_route_writes_a_folder_of_its_own_and_drops_the_one_it_replac
         client = TwinkleClient(url, keys['alice'])
         model = MultiLoraTransformersModel(client=client)
         run_id = model.add_adapter_to_model('default', LORA, seed=3)
-        service = tinker.ServiceClient(base_url=url, api_key=keys['alice'])
-        trainer = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=3).result()
-        saves: dict[tuple[str, str, str], Callable[[], object]] = {
-            (run_id, 'training', 'ck'): lambda: model.save('ck'),
-            (run_id, 'sampler', 'sync'): lambda: client.call(f'/twinkle/v1/runs/{run_id}/sync_sampler', {}),
-            (trainer.model_id, 'training', 'w'): lambda: trainer.save_state('w', overwrite=True).result(),
-            (trainer.model_id, 'sampler', 's'): lambda: trainer.save_weights_for_sampler('s').result(),
-            (trainer.model_id, 'external', 'e'): lambda: trainer.save_weights_external('e').result(),
-        }
-        for (owner, kind, name), save in saves.items():
-            folders = []
-            for _ in range(2):
-                save()
-                row = store.checkpoints.get(store.runs.by_id(owner).tenant_id, owner, name, kind)
-                folders.append(Path(row.path))
-                assert folders[-1].name.startswith(f'{name}@') and folders[-1].is_dir(), (kind, folders)
-            assert folders[0] != folders[1], kind  # a folder of its own: never one a row named
-            deadline = time.monotonic() + 30
-            while folders[0].exists():  # deleted once the requests before the replacement finished
-                assert time.monotonic() < deadline, f'the {kind} folder {folders[0]} that {name!r} replaced stayed'
-                time.sleep(0.05)
-        service.close('success').result()
+        with tinker.ServiceClient(base_url=url, api_key=keys['alice']) as service:
+            trainer = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=3).result()
+            saves: dict[tuple[str, str, str], Callable[[], object]] = {
+                (run_id, 'training', 'ck'): lambda: model.save('ck'),
+                (run_id, 'sampler', 'sync'): lambda: client.call(f'/twinkle/v1/runs/{run_id}/sync_sampler', {}),
+                (trainer.model_id, 'training', 'w'): lambda: trainer.save_state('w', overwrite=True).result(),
+                (trainer.model_id, 'sampler', 's'): lambda: trainer.save_weights_for_sampler('s').result(),
+                (trainer.model_id, 'external', 'e'): lambda: trainer.save_weights_external('e').result(),
+            }
+            for (owner, kind, name), save in saves.items():
+                folders = []
+                for _ in range(2):
+                    save()
+                    row = store.checkpoints.get(store.runs.by_id(owner).tenant_id, owner, name, kind)
+                    folders.append(Path(row.path))
+                    assert folders[-1].name.startswith(f'{name}@') and folders[-1].is_dir(), (kind, folders)
+                assert folders[0] != folders[1], kind  # a folder of its own: never one a row named
+                deadline = time.monotonic() + 30
+                while folders[0].exists():  # deleted once the requests before the replacement finished
+                    assert time.monotonic() < deadline, f'the {kind} folder {folders[0]} that {name!r} replaced stayed'
+                    time.sleep(0.05)
         recorded = store.checkpoints.paths()
         root = server.app.state.service.config.checkpoint_dir
         on_disk = {str(p) for p in root.glob('*/*/**/*@ckpt-*') if p.is_dir()}

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import tinker
 import torch
 from peft import LoraConfig
 from server_helpers import background_server
@@ -75,9 +74,9 @@ def test_a_native_run_adapts_the_expert_stacks_it_names(server):
 
 
 @pytest.mark.parametrize('model_name', FAMILIES)
-def test_the_tinker_sdk_trains_and_samples_each_family(server, model_name):
+def test_the_tinker_sdk_trains_and_samples_each_family(server, sdk_clients, model_name):
     url, keys, _ = server
-    service = tinker.ServiceClient(base_url=url, api_key=keys['bob'])
+    service = sdk_clients(url, keys['bob'])
     trainer = service.create_lora_training_client(base_model=model_name, rank=4, seed=3).result()
     losses = []
     for _ in range(3):
@@ -93,9 +92,9 @@ def test_the_tinker_sdk_trains_and_samples_each_family(server, model_name):
 
 @pytest.mark.parametrize('model_name', ['tiny-qwen3-moe', 'tiny-qwen3.5-moe'])
 @pytest.mark.parametrize('train_mlp', [True, False])
-def test_tinker_train_mlp_means_the_experts_on_an_moe_model(server, model_name, train_mlp):
+def test_tinker_train_mlp_means_the_experts_on_an_moe_model(server, sdk_clients, model_name, train_mlp):
     url, keys, background = server
-    service = tinker.ServiceClient(base_url=url, api_key=keys['alice'])
+    service = sdk_clients(url, keys['alice'])
     trainer = service.create_lora_training_client(
         base_model=model_name, rank=2, train_mlp=train_mlp, train_attn=True, train_unembed=False
     ).result()

@@ -51,11 +51,11 @@ def gap(served: list[list[float]], local: torch.Tensor) -> float:
     return (torch.tensor(served[0]) - local).abs().max().item()
 
 
-def test_both_models_are_listed_by_the_native_and_the_tinker_api(server):
+def test_both_models_are_listed_by_the_native_and_the_tinker_api(server, sdk_clients):
     url, keys, background = server
     info = httpx.get(f'{url}{PREFIX}/server', headers={'X-API-Key': keys['alice']}).json()
     assert (info['base_model'], info['base_models']) == ('tiny-qwen3', list(MODELS))
-    capabilities = tinker.ServiceClient(base_url=url, api_key=keys['alice']).get_server_capabilities()
+    capabilities = sdk_clients(url, keys['alice']).get_server_capabilities()
     listed = {m.model_name: m.max_context_length for m in capabilities.supported_models}
     groups = background.app.state.service.groups
     assert listed == {name: groups[name].host.context for name in MODELS}
@@ -74,13 +74,13 @@ def test_a_run_trains_the_base_model_it_names(server, model_name):
     assert all(run_id not in g.adapters for name, g in groups.items() if name != model_name)
 
 
-def test_an_unknown_base_model_is_a_404_that_names_the_hosted_ones(server):
+def test_an_unknown_base_model_is_a_404_that_names_the_hosted_ones(server, sdk_clients):
     url, keys, _ = server
     model = MultiLoraTransformersModel('Qwen/Qwen3-235B', client=TwinkleClient(url, keys['alice']))
     with pytest.raises(RemoteError, match=r"'Qwen/Qwen3-235B' is not served here.*'tiny-qwen3', 'small-qwen3'") as e:
         model.add_adapter_to_model('default', LORA)
     assert e.value.status == 404
-    alice = tinker.ServiceClient(base_url=url, api_key=keys['alice'])
+    alice = sdk_clients(url, keys['alice'])
     with pytest.raises(tinker.NotFoundError, match='small-qwen3'):
         alice.create_lora_training_client(base_model='Qwen/Qwen3-235B', rank=4).result()
 
@@ -98,9 +98,9 @@ def test_a_checkpoint_loads_only_into_a_run_of_its_base_model(server):
     assert e.value.status == 400
 
 
-def test_the_tinker_sdk_trains_and_samples_the_model_it_names(server):
+def test_the_tinker_sdk_trains_and_samples_the_model_it_names(server, sdk_clients):
     url, keys, _ = server
-    alice = tinker.ServiceClient(base_url=url, api_key=keys['alice'])
+    alice = sdk_clients(url, keys['alice'])
     trainer = alice.create_lora_training_client(base_model='small-qwen3', rank=4, seed=3).result()
     datum = types.Datum(
         model_input=types.ModelInput.from_ints([11, 23, 5, 42, 17]),

@@ -216,28 +216,27 @@ def test_the_native_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
 
 def tinker_numbers(url: str, key: str) -> list[float]:
     """Three Tinker SDK steps (2 datums, clipping at 0.5): each step's loss:sum and gradient norm."""
-    service = tinker.ServiceClient(base_url=url, api_key=key)
-    trainer = service.create_lora_training_client(base_model='tiny-qwen3', rank=4, seed=3).result()
-    data = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={'target_tokens': tokens[1:], 'weights': [1.0] * (len(tokens) - 1)},
+    with tinker.ServiceClient(base_url=url, api_key=key) as service:  # its heartbeat stops with its session
+        trainer = service.create_lora_training_client(base_model='tiny-qwen3', rank=4, seed=3).result()
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={'target_tokens': tokens[1:], 'weights': [1.0] * (len(tokens) - 1)},
+            )
+            for tokens in ([11, 23, 5, 42, 17, 8], [7, 19, 3, 88, 21])
+        ]
+        numbers = []
+        for _ in range(3):
+            output = trainer.forward_backward(data, 'cross_entropy').result()
+            assert len(output.loss_fn_outputs) == 2
+            step = trainer.optim_step(types.AdamParams(learning_rate=5e-2, grad_clip_norm=0.5)).result()
+            numbers += [output.metrics['loss:sum'], step.metrics['grad_norm:mean']]
+        reply = (
+            trainer.save_weights_and_get_sampling_client()
+            .result()
+            .sample(types.ModelInput.from_ints([11, 23, 5]), 1, types.SamplingParams(max_tokens=3, temperature=0.0))
         )
-        for tokens in ([11, 23, 5, 42, 17, 8], [7, 19, 3, 88, 21])
-    ]
-    numbers = []
-    for _ in range(3):
-        output = trainer.forward_backward(data, 'cross_entropy').result()
-        assert len(output.loss_fn_outputs) == 2
-        step = trainer.optim_step(types.AdamParams(learning_rate=5e-2, grad_clip_norm=0.5)).result()
-        numbers += [output.metrics['loss:sum'], step.metrics['grad_norm:mean']]
-    reply = (
-        trainer.save_weights_and_get_sampling_client()
-        .result()
-        .sample(types.ModelInput.from_ints([11, 23, 5]), 1, types.SamplingParams(max_tokens=3, temperature=0.0))
-    )
-    assert len(reply.result().sequences[0].tokens) == 3
-    service.close('success').result()  # its heartbeat thread stops with its session
+        assert len(reply.result().sequences[0].tokens) == 3
     return numbers
 
 

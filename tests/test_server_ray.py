@@ -35,20 +35,20 @@ def serve(tmp_path, model_dir: str, **options):
 
 
 def losses(url: str, key: str, model_dir: str) -> list[float]:
-    client = tinker.ServiceClient(base_url=url, api_key=key)
-    training = client.create_lora_training_client(base_model=model_dir, rank=4, seed=0).result()
-    rows = [[(3 * i + 7 * j) % 300 + 20 for j in range(12)] for i in range(3)]
-    data = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(r[:-1]),
-            loss_fn_inputs={'target_tokens': r[1:], 'weights': [1.0] * 11},
-        )
-        for r in rows
-    ]
-    out = []
-    for _ in range(3):
-        out.append(training.forward_backward(data, 'cross_entropy').result().metrics['loss:sum'])
-        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    with tinker.ServiceClient(base_url=url, api_key=key) as client:
+        training = client.create_lora_training_client(base_model=model_dir, rank=4, seed=0).result()
+        rows = [[(3 * i + 7 * j) % 300 + 20 for j in range(12)] for i in range(3)]
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(r[:-1]),
+                loss_fn_inputs={'target_tokens': r[1:], 'weights': [1.0] * 11},
+            )
+            for r in rows
+        ]
+        out = []
+        for _ in range(3):
+            out.append(training.forward_backward(data, 'cross_entropy').result().metrics['loss:sum'])
+            training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     return out
 
 
@@ -68,8 +68,7 @@ def test_a_model_in_a_ray_actor_trains_exactly_like_one_in_process(local_ray, tm
 
 def test_user_errors_stay_user_errors_and_a_dead_worker_is_named(local_ray, tmp_path, tiny_model_dir):
     server, key = serve(tmp_path, tiny_model_dir, ray={'address': None})
-    with server as url:
-        client = tinker.ServiceClient(base_url=url, api_key=key)
+    with server as url, tinker.ServiceClient(base_url=url, api_key=key) as client:
         training = client.create_lora_training_client(base_model=tiny_model_dir, rank=4).result()
         bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={'target_tokens': [2, 10**7]})
         with pytest.raises(tinker.RequestFailedError, match='outside the vocabulary') as caught:

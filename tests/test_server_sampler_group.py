@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import tinker
 from peft import LoraConfig
 from server_helpers import background_server
 from tinker import types
@@ -80,9 +79,9 @@ def test_sampling_runs_while_the_model_is_busy_training(served):
     assert len(tokens) == 5 and version == 0  # the base model
 
 
-def test_tinker_sampler_weights_sample_on_the_sampler_group(served):
+def test_tinker_sampler_weights_sample_on_the_sampler_group(served, sdk_clients):
     url, keys, background = served
-    service_client = tinker.ServiceClient(base_url=url, api_key=keys['alice'])
+    service_client = sdk_clients(url, keys['alice'])
     trainer = service_client.create_lora_training_client(base_model='tiny-qwen3', rank=4, seed=5).result()
     datum = types.Datum(
         model_input=types.ModelInput.from_ints([11, 23, 5, 42, 17]),

@@ -31,15 +31,15 @@ def server(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope='module')
-def alice(server) -> tinker.ServiceClient:
+def alice(server, module_sdk_clients) -> tinker.ServiceClient:
     url, keys, _ = server
-    return tinker.ServiceClient(base_url=url, api_key=keys['alice'])
+    return module_sdk_clients(url, keys['alice'])
 
 
 @pytest.fixture(scope='module')
-def bob(server) -> tinker.ServiceClient:
+def bob(server, module_sdk_clients) -> tinker.ServiceClient:
     url, keys, _ = server
-    return tinker.ServiceClient(base_url=url, api_key=keys['bob'])
+    return module_sdk_clients(url, keys['bob'])
 
 
 def training_client(service: tinker.ServiceClient, model: str, seed: int = 0, rank: int = 4) -> tinker.TrainingClient:

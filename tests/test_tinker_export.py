@@ -41,18 +41,17 @@ def server(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, dict[str, st
 
 
 @pytest.fixture(scope='module')
-def trained(server, tiny_model_dir) -> Iterator[tuple[tinker.TrainingClient, torch.Tensor]]:
+def trained(server, module_sdk_clients, tiny_model_dir) -> tuple[tinker.TrainingClient, torch.Tensor]:
     """Alice's model after three SFT steps, and the server's logprobs of TOKENS under it."""
     url, keys = server
-    sdk = tinker.ServiceClient(base_url=url, api_key=keys['alice'])
+    sdk = module_sdk_clients(url, keys['alice'])
     client = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=8).result()
     data = [datum(TOKENS)]
     for _ in range(3):
         client.forward_backward(data, 'cross_entropy').result()
         client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
     logprobs = client.forward(data, 'cross_entropy').result().loss_fn_outputs[0]['logprobs'].to_torch()
-    yield client, logprobs
-    sdk.close('success').result()
+    return client, logprobs
 
 
 def datum(tokens: list[int]) -> types.Datum:

@@ -57,19 +57,16 @@ class Account:
 
 
 @pytest.fixture
-def tenant(server) -> Iterator[Callable[..., Account]]:
-    """``tenant('alice')``: a new tenant of this test, with an SDK ServiceClient for its key."""
+def tenant(server, sdk_clients) -> Callable[..., Account]:
+    """``tenant('alice')``: a new tenant of this test, with an SDK ServiceClient for its key
+    (closed when the test ends)."""
     url, store, _ = server
-    made: list[tinker.ServiceClient] = []
 
     def make(name: str, **kwargs) -> Account:
         tenant, key = store.tenants.add(f'{name}-{next(_numbers)}')
-        made.append(tinker.ServiceClient(base_url=url, api_key=key, **kwargs))
-        return Account(tenant.name, key, made[-1], url)
+        return Account(tenant.name, key, sdk_clients(url, key, **kwargs), url)
 
-    yield make
-    for client in made:
-        client.close('success').result()
+    return make
 
 
 _numbers = itertools.count()
@@ -156,14 +153,11 @@ def test_runs_of_both_apis_are_listed_newest_first_with_their_details(server, te
     assert legacy.get_training_run(trained.model_id).result() == run
 
 
-def test_runs_are_listed_by_project(server, tenant, tiny_model_dir):
+def test_runs_are_listed_by_project(server, tenant, sdk_clients, tiny_model_dir):
     alice = tenant('alice', project_id='proj-a')
-    other = tinker.ServiceClient(base_url=server[0], api_key=alice.key, project_id='proj-b')
-    try:
-        in_a, in_b = training_client(alice.sdk, tiny_model_dir), training_client(other, tiny_model_dir)
-        by_project = {p: alice.rest.list_training_runs(project_id=p).result() for p in ('proj-a', 'proj-b', 'c')}
-    finally:
-        other.close('success').result()
+    other = sdk_clients(server[0], alice.key, project_id='proj-b')
+    in_a, in_b = training_client(alice.sdk, tiny_model_dir), training_client(other, tiny_model_dir)
+    by_project = {p: alice.rest.list_training_runs(project_id=p).result() for p in ('proj-a', 'proj-b', 'c')}
     assert [r.training_run_id for r in by_project['proj-a'].training_runs] == [in_a.model_id]
     assert [r.training_run_id for r in by_project['proj-b'].training_runs] == [in_b.model_id]
     assert by_project['c'].training_runs == [] and by_project['c'].cursor.total_count == 0
@@ -341,24 +335,20 @@ def test_weights_info_tells_the_lora_config_of_tinker_and_native_runs(server, te
         rest.get_weights_info_by_tinker_path(f'tinker://{client.model_id}/weights/never-saved').result()
 
 
-def test_a_session_lists_its_runs_and_samplers(server, tenant, tiny_model_dir):
+def test_a_session_lists_its_runs_and_samplers(server, tenant, sdk_clients, tiny_model_dir):
     alice = tenant('alice', user_metadata={'team': 'rest'})
-    second = tinker.ServiceClient(base_url=server[0], api_key=alice.key)
-    try:
-        rest = alice.rest
-        session_id = alice.sdk.holder.get_session_id()
-        client = training_client(alice.sdk, tiny_model_dir)
-        by_name = alice.sdk.create_sampling_client(base_model=tiny_model_dir).result()
-        unnamed = client.save_weights_and_get_sampling_client().result()
-        session = rest.get_session(session_id).result()
-        second_id = second.holder.get_session_id()
-        empty = rest.get_session(second_id).result()
-        pages = [
-            rest.list_sessions(limit=limit, offset=offset).result().sessions
-            for limit, offset in [(1, 0), (10, 0), (10, 1)]
-        ]
-    finally:
-        second.close('success').result()
+    second = sdk_clients(server[0], alice.key)
+    rest = alice.rest
+    session_id = alice.sdk.holder.get_session_id()
+    client = training_client(alice.sdk, tiny_model_dir)
+    by_name = alice.sdk.create_sampling_client(base_model=tiny_model_dir).result()
+    unnamed = client.save_weights_and_get_sampling_client().result()
+    session = rest.get_session(session_id).result()
+    second_id = second.holder.get_session_id()
+    empty = rest.get_session(second_id).result()
+    pages = [
+        rest.list_sessions(limit=limit, offset=offset).result().sessions for limit, offset in [(1, 0), (10, 0), (10, 1)]
+    ]
     assert session.training_run_ids == [client.model_id]
     assert session.sampler_ids == [by_name._sampling_session_id, unnamed._sampling_session_id]
     assert session.user_metadata == {'team': 'rest'}

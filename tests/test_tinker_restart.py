@@ -9,6 +9,7 @@ import signal
 
 import tinker
 import torch
+from sdk_clients import ServiceClients
 from server_helpers import add_key, free_port, start_server
 from tinker import types
 
@@ -36,27 +37,28 @@ def test_saved_checkpoints_load_after_kill_9_and_restart(tmp_path, tiny_model_di
     greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
     server = start_server(tiny_model_dir, data_dir, port)
     try:
-        client = tinker.ServiceClient(base_url=url, api_key=key)
-        training = client.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
-        for _ in range(3):
-            training.forward_backward(data(), 'cross_entropy')
-            training.optim_step(types.AdamParams(learning_rate=2e-2))
-        state = training.save_state('before-kill').result().path
-        sampler_path = training.save_weights_for_sampler('before-kill').result().path
-        expected = logprobs(training)
-        sampled = client.create_sampling_client(model_path=sampler_path).sample(prompt, 1, greedy).result()
-        training.forward_backward(data(), 'cross_entropy')  # in flight, or not, when the server dies
-        os.kill(server.pid, signal.SIGKILL)
-        server.wait(30)
-        server = start_server(tiny_model_dir, data_dir, port)
+        with ServiceClients() as clients:  # closed before the server is killed
+            client = clients(url, key)
+            training = client.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
+            for _ in range(3):
+                training.forward_backward(data(), 'cross_entropy')
+                training.optim_step(types.AdamParams(learning_rate=2e-2))
+            state = training.save_state('before-kill').result().path
+            sampler_path = training.save_weights_for_sampler('before-kill').result().path
+            expected = logprobs(training)
+            sampled = client.create_sampling_client(model_path=sampler_path).sample(prompt, 1, greedy).result()
+            training.forward_backward(data(), 'cross_entropy')  # in flight, or not, when the server dies
+            os.kill(server.pid, signal.SIGKILL)
+            server.wait(30)
+            server = start_server(tiny_model_dir, data_dir, port)
 
-        again = tinker.ServiceClient(base_url=url, api_key=key)
-        resumed = again.create_training_client_from_state_with_optimizer(state).result()
-        for before, after in zip(expected, logprobs(resumed), strict=True):
-            torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
-        sampler = again.create_sampling_client(model_path=sampler_path)
-        assert sampler.sample(prompt, 1, greedy).result().sequences[0].tokens == sampled.sequences[0].tokens
-        listed = {c.tinker_path for c in again.create_rest_client().list_user_checkpoints().result().checkpoints}
-        assert {state, sampler_path} <= listed
+            again = clients(url, key)
+            resumed = again.create_training_client_from_state_with_optimizer(state).result()
+            for before, after in zip(expected, logprobs(resumed), strict=True):
+                torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
+            sampler = again.create_sampling_client(model_path=sampler_path)
+            assert sampler.sample(prompt, 1, greedy).result().sequences[0].tokens == sampled.sequences[0].tokens
+            listed = {c.tinker_path for c in again.create_rest_client().list_user_checkpoints().result().checkpoints}
+            assert {state, sampler_path} <= listed
     finally:
         server.kill()

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import tinker
 import torch
 from peft import LoraConfig
 from server_helpers import background_server
@@ -102,9 +101,9 @@ def test_a_run_samples_its_current_weights_through_the_engine_beside_the_model(b
     assert len(sampler.sample(PROMPTS[1], GREEDY)[0].sequences[0].tokens) == 6
 
 
-def test_the_tinker_sdk_samples_its_sampler_weights_through_the_engine(beside):
+def test_the_tinker_sdk_samples_its_sampler_weights_through_the_engine(beside, sdk_clients):
     url, keys, _ = beside
-    service = tinker.ServiceClient(base_url=url, api_key=keys['bob'])
+    service = sdk_clients(url, keys['bob'])
     trainer = service.create_lora_training_client(base_model='tiny-qwen3', rank=4, seed=5).result()
     prompt = [11, 23, 5, 42]
     datum = types.Datum(
