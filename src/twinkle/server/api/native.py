@@ -104,7 +104,7 @@ def _run_routes(router: APIRouter, service: Service) -> None:
         run = service.store.runs.create(who.id, group.name, body.adapter_name, body.model_dump())
 
         def add() -> None:
-            group.add_run(run, body.lora, body.gradient_accumulation_steps, body.seed)
+            group.add_run(run, body.lora, gradient_accumulation_steps=body.gradient_accumulation_steps, seed=body.seed)
 
         job = await service.submit_async(who, group, run.id, 'create_run', add)
         await wait_job(job, None)

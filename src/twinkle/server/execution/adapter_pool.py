@@ -14,6 +14,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
+
+from typing_extensions import Unpack
 
 from twinkle.errors import CapacityError, NotFoundError, StateError
 from twinkle.server.config import ServerConfig
@@ -23,6 +26,14 @@ from twinkle.server.store import Checkpoint, Run, Store
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
+
+
+class AdapterOptions(TypedDict, total=False):
+    """How a new run's adapter is set up beside its LoRA config (``AdapterPool.add``)."""
+
+    gradient_accumulation_steps: int  # micro-batches a step takes (default 1)
+    seed: int | None  # the adapter's initialisation seed
+    setup: list[tuple[str, JsonObject]] | None  # operations run on the adapter once it is there
 
 
 class AdapterPool:
@@ -47,21 +58,14 @@ class AdapterPool:
         """The worker's jobs ended: no adapter is in use."""
         self.pinned.clear()
 
-    def add(
-        self,
-        run: Run,
-        lora: JsonObject,
-        gradient_accumulation_steps: int = 1,
-        seed: int | None = None,
-        setup: list[tuple[str, JsonObject]] | None = None,
-    ) -> str:
+    def add(self, run: Run, lora: JsonObject, **options: Unpack[AdapterOptions]) -> str:
         """Put a new run's adapter on the model (worker thread), room made first, with its
         ``setup`` operations run on it; nothing of it stays if one fails. Its adapter's name."""
         adapter = self.adapter_name(run)
         self.make_room(run)
-        self.host.add_adapter(adapter, lora, gradient_accumulation_steps, seed)
+        self.host.add_adapter(adapter, lora, options.get('gradient_accumulation_steps', 1), options.get('seed'))
         try:
-            for operation, kwargs in setup or []:
+            for operation, kwargs in options.get('setup') or []:
                 self.host.run(adapter, operation, dict(kwargs))
             if self.config.save_state_every_steps is not None:
                 self.keep_state(run, adapter)  # what it comes back as if a worker dies before its first save

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import TypeVar, cast
 
 from tinker import types as tinker_types
+from typing_extensions import Unpack
 
 from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import QueueFullError, StateError
 from twinkle.model import checkpoint as ckpt
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.adapter_pool import AdapterPool
+from twinkle.server.execution.adapter_pool import AdapterOptions, AdapterPool
 from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.host import Host, Json, JsonObject, Outcome, SamplingHost
 from twinkle.server.execution.model_host import is_mixable, request_tokens
@@ -232,16 +233,9 @@ class ModelGroup:
     def expert_targets(self) -> list[str]:
         return self.host.expert_targets()
 
-    def add_run(
-        self,
-        run: Run,
-        lora: JsonObject,
-        gradient_accumulation_steps: int = 1,
-        seed: int | None = None,
-        setup: list[tuple[str, JsonObject]] | None = None,
-    ) -> str:
+    def add_run(self, run: Run, lora: JsonObject, **options: Unpack[AdapterOptions]) -> str:
         """Put a new run's adapter on the model (worker thread; ``AdapterPool.add``)."""
-        return self.pool.add(run, lora, gradient_accumulation_steps, seed, setup)
+        return self.pool.add(run, lora, **options)
 
     def remove_run(self, run: Run) -> None:
         """Take a run's adapter off the model, if it is there (worker thread)."""

@@ -108,7 +108,8 @@ async def _create_run(
     def create() -> JsonObject:
         seed = tinker_lora.get('seed')
         try:
-            group.add_run(run, lora, 1, seed if isinstance(seed, int) else None, setup=[('set_optimizer', dict(ADAMW))])
+            seed = seed if isinstance(seed, int) else None
+            group.add_run(run, lora, seed=seed, setup=[('set_optimizer', dict(ADAMW))])
             created: JsonObject = {'model_id': model_id, 'type': 'create_model'}
             return then(run) if then is not None else created
         except BaseException:
