@@ -23,7 +23,7 @@ from twinkle.assets.corpus import generated_text
 if TYPE_CHECKING:  # imported lazily below, so that `twinkle assets list` stays light
     from tokenizers import Tokenizer
 
-TOKENIZER_VERSION = 2  # bump when anything below (or the corpus it reads) changes the files
+TOKENIZER_VERSION = 3  # bump when anything below (or the corpus it reads) changes the files
 VOCAB_SIZE = 4096
 TOKENIZER_NAME = f'twinkle-bpe-{VOCAB_SIZE}-v{TOKENIZER_VERSION}'
 MODEL_MAX_LENGTH = 2048
@@ -48,9 +48,33 @@ PRETOKENIZE_REGEX = (
 
 # One ``<|im_start|>role\ncontent<|im_end|>\n`` block per message (a system message is just the
 # first one). ``enable_thinking=False`` pre-fills an empty think block, as Qwen3's template does.
+# Tools take Qwen3's formats: their schemas as JSON lines in the system turn, an assistant's calls
+# as ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`` after its content, and a run
+# of tool answers as ``<tool_response>`` blocks in one user turn.
 CHAT_TEMPLATE = (
+    '{%- if tools %}'
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nCall a function with a JSON object in <tool_call></tool_call> tags. The functions:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    '{%- endif %}'
     '{%- for message in messages %}'
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    '{%- set call = call.function if call.function is defined else call %}'
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    '{{- \'<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}'
+    '{{- call.arguments if call.arguments is string else call.arguments | tojson }}'
+    "{{- '}\\n</tool_call>' }}"
+    '{%- endfor %}'
+    "{{- '<|im_end|>\\n' }}"
+    '{%- endif %}'
     '{%- endfor %}'
     '{%- if add_generation_prompt %}'
     "{{- '<|im_start|>assistant\\n' }}"

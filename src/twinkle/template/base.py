@@ -103,6 +103,38 @@ class Template:
         encoded = (self.encode(row, add_generation_prompt) for row in rows)
         return [feature for feature in encoded if feature is not None]
 
+    def continuation(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The tokens that follow an assistant turn's end-of-turn token to add ``messages`` (a
+        tool's answers, the user's next words) and open the next assistant turn.
+
+        A multi-turn rollout appends these to the tokens the sampler produced, instead of
+        rendering the whole conversation again: a chat template may render earlier turns
+        differently once a later one exists (Qwen3 drops their think blocks), and text decoded
+        and encoded again need not give the sampled ids back. The tokens are cut from a render of
+        a probe conversation (a user turn, an assistant turn, then ``messages``): what follows
+        the assistant turn's end-of-turn marker (``<|im_end|>``).
+
+        Example (the embedded tokenizer's ChatML)::
+
+            template.decode(template.continuation([{'role': 'user', 'content': 'and 3?'}]))
+            # '\\n<|im_start|>user\\nand 3?<|im_end|>\\n<|im_start|>assistant\\n'
+        """
+        if not messages:
+            raise DataError('continuation needs at least one message to add')
+        probe: list[Message] = [{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': _SENTINEL}]
+        alone = self._render(probe, False, tools)
+        marker = alone[alone.rfind(_SENTINEL) + len(_SENTINEL) :].rstrip()
+        if not marker:
+            raise ConfigurationError(f'the chat template of {self.model_id!r} ends an assistant turn with no marker')
+        full = self._render([*probe, *_checked(messages)], True, tools)
+        at = full.find(marker, full.rfind(_SENTINEL))
+        return self._tokenize(full[at + len(marker) :])
+
+    def end_of_turn_id(self) -> int:
+        """The token that ends an assistant turn (what a rollout appends after a turn cut short)."""
+        eos: int = self.tokenizer.eos_token_id
+        return eos
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         text: str = self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return text
@@ -112,12 +144,7 @@ class Template:
         messages = row['messages']
         if not isinstance(messages, list) or not messages:
             raise DataError(f"'messages' must be a non-empty list of {{'role', 'content'}} dicts; got {messages!r}")
-        for index, message in enumerate(messages):
-            if not isinstance(message, Mapping) or 'role' not in message or 'content' not in message:
-                raise DataError(f"message {index} needs 'role' and 'content'; got {message!r}")
-            if message['role'] not in _ROLES:
-                raise DataError(f'message {index} has role {message["role"]!r}; accepted roles are {list(_ROLES)}')
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        messages = _checked(messages)
         if self.default_system is not None and messages[0]['role'] != 'system':
             messages.insert(0, {'role': 'system', 'content': self.default_system})
         return messages
@@ -213,6 +240,16 @@ class Template:
         if self.truncation_strategy == 'left':
             return ids[-limit:], trained[-limit:]
         return ids[:limit], trained[:limit]
+
+
+def _checked(messages: Sequence[Any]) -> list[Message]:
+    """``messages`` with each one checked (a role and a content), ``None`` fields left out."""
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or 'role' not in message or 'content' not in message:
+            raise DataError(f"message {index} needs 'role' and 'content'; got {message!r}")
+        if message['role'] not in _ROLES:
+            raise DataError(f'message {index} has role {message["role"]!r}; accepted roles are {list(_ROLES)}')
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]  # type: ignore[misc]
 
 
 def _tools(row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
