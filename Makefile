@@ -7,7 +7,7 @@ VPY := $(VLLM_VENV)/bin/python
 # torch is pinned first so pip takes the CPU wheel instead of pulling CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup browser train grpo test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs
+.PHONY: setup browser train grpo agent test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,9 @@ train: setup  ## LoRA SFT of the embedded tiny model, with a progress bar
 
 grpo: setup  ## GRPO from scratch on the embedded tiny model: watch the reward rise
 	$(PY) cookbook/grpo_letter_words.py
+
+agent: setup  ## a multi-turn agent (guess the number) from scratch on the embedded tiny model: watch the reward rise
+	$(PY) cookbook/agent_guess_number.py
 
 # Playwright's own browser download needs a network this machine lacks: the dashboard's browser test drives Debian's
 # chromium, installed here with apt-get when missing (as root, as CI runs; elsewhere install it yourself).

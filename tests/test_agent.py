@@ -338,16 +338,23 @@ def test_guess_number_rewards_finding_and_closeness() -> None:
     no_guess = play(env, 'hmm')
     assert (no_guess.reward, no_guess.done) == (0.0, False)
     assert no_guess.messages[0]['content'] == 'Reply with a number from 1 to 9.'
+    # A guess earns 0.5 / 3 guesses * (1 - |guess - number| / 8), the range 1..9 being 8 wide.
     wrong = target % 9 + 1  # another number in 1..9
+    closeness = 0.5 / 3 * (1 - abs(wrong - target) / 8)
     first = play(env, str(wrong))
-    assert first.reward == 0.0 and first.messages[0]['content'] == ('Higher.' if wrong < target else 'Lower.')
-    # The third turn ends a lost game: 0.5 * (1 - |guess - number| / 8), the range 1..9 being 8 wide.
-    last = play(env, f'then {wrong}!')
-    assert last.done and last.reward == pytest.approx(0.5 * (1 - abs(wrong - target) / 8))
-    found = GuessNumberEnv(seed=3)
+    assert first.reward == pytest.approx(closeness)
+    assert first.messages[0]['content'] == ('Higher.' if wrong < target else 'Lower.')
+    last = play(env, f'then {wrong}!')  # the third turn ends a lost game; the answer ruled this guess out
+    assert last.done and last.reward == 0.0 and last.metrics == {'found': 0.0}
+    # A guess the answers allow earns its closeness, one they rule out (beyond a "higher") nothing.
+    game = GuessNumberEnv(seed=3, max_guesses=3)
+    game.reset()
+    assert play(game, '1').reward == pytest.approx(0.5 / 3 * (1 - (target - 1) / 8))  # the number is not 1
+    assert play(game, '1').reward == 0.0 and play(game, str(target)).reward == pytest.approx(1 + 0.5 / 3)
+    found = GuessNumberEnv(seed=3, max_guesses=3)
     found.reset()
     right = play(found, f'It is {target}.')
-    assert right.done and right.reward == 1.0 and right.metrics == {'found': 1.0}
+    assert right.done and right.reward == pytest.approx(1 + 0.5 / 3) and right.metrics == {'found': 1.0}
 
 
 def test_bad_engine_settings_are_refused(sampler, template):

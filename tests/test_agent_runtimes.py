@@ -37,9 +37,10 @@ def test_the_agent_recipe_trains_in_every_mode(mode: str, tmp_path: Path) -> Non
     history = json.loads((tmp_path / 'out.json').read_text())['history']
     assert [record['step'] for record in history] == [1, 2]
     for record in history:
-        # 4 episodes of at most 3 turns of at most 6 tokens; a reward is at most 1 (found) and at least 0.
+        # 4 episodes of at most 3 turns of at most 6 tokens; a game's reward is at least 0 and at most
+        # 1 for finding the number plus 0.5 for closeness (each of the 3 guesses at most 0.5 / 3).
         assert 4 <= record['model_tokens'] <= 4 * 3 * 6 and 1 <= record['turns_per_episode'] <= 3
-        assert 0.0 <= record['reward'] <= 1.0 and math.isfinite(record['loss'])
+        assert 0.0 <= record['reward'] <= 1.5 and math.isfinite(record['loss'])
 
 
 @pytest.fixture(scope='module')

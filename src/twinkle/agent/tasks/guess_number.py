@@ -2,11 +2,14 @@
 environment answers "higher" or "lower", over several turns (tinker-cookbook's ``guess_number``
 recipe, made small enough for the embedded tiny model to learn from scratch).
 
-The model's guess is the first whole number in its turn. The reward is 1.0 for finding the
-number; a game lost ends with ``closeness_reward`` times how close the last guess came
-(``1 - |guess - number| / (high - low)``), so a policy that reads "higher" and "lower" and moves
-its guess that way earns more than one that guesses blindly, before it finds the number often.
-``format_reward`` is given for each turn that held a guess at all.
+The model's guess is the first whole number in its turn. Finding the number is worth 1.0, and
+every guess the answers so far allow (a repeated guess, or a guess under one already answered
+"higher", is not) earns ``closeness_reward / max_guesses`` times how close it came
+(``1 - |guess - number| / (high - low)``): so each part of a good strategy pays on its own, a
+first guess in the middle of the range (closest on average) before guesses that follow
+"higher" and "lower", before finding the number often. With a reward for finding alone, a
+policy guessing at random learns nothing of where to start, which pays only through what later
+guesses make of it. ``format_reward`` is given for each turn that held a guess at all.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ class GuessNumberEnv(Env):
         self.target = random.Random(seed).randint(low, high)
         self.guesses: list[int] = []
         self.turns = 0
+        self.allowed = (low, high)  # the numbers the answers so far leave
         self.user_data = {'target': self.target}
 
     def reset(self) -> list[Message]:
-        self.guesses, self.turns = [], 0
+        self.guesses, self.turns, self.allowed = [], 0, (self.low, self.high)
         return [{'role': 'user', 'content': f'Guess my number from {self.low} to {self.high}. Reply with one number.'}]
 
     def step(self, action: Action) -> StepResult:
@@ -53,20 +57,23 @@ class GuessNumberEnv(Env):
             return self._next(f'Reply with a number from {self.low} to {self.high}.', reward=0.0)
         guess = int(match.group())
         self.guesses.append(guess)
+        low, high = self.allowed
+        reward = self.format_reward
+        if low <= guess <= high:
+            reward += self.closeness_reward * self.closeness(guess) / self.max_guesses
+        self.allowed = (max(low, guess + 1), high) if guess < self.target else (low, min(high, guess - 1))
         if guess == self.target:
-            return StepResult(reward=1.0 + self.format_reward, done=True, metrics={'found': 1.0})
-        return self._next('Higher.' if guess < self.target else 'Lower.', reward=self.format_reward)
+            return StepResult(reward=1.0 + reward, done=True, metrics={'found': 1.0})
+        return self._next('Higher.' if guess < self.target else 'Lower.', reward=reward)
 
     def _next(self, says: str, reward: float) -> StepResult:
         if self.turns < self.max_guesses:
             return StepResult(messages=[{'role': 'user', 'content': says}], reward=reward)
-        return StepResult(reward=reward + self.closeness_reward * self.closeness(), done=True, metrics={'found': 0.0})
+        return StepResult(reward=reward, done=True, metrics={'found': 0.0})
 
-    def closeness(self) -> float:
-        """How close the last guess came: 1 at the number, 0 a whole range away (or no guess)."""
-        if not self.guesses:
-            return 0.0
-        return max(0.0, 1.0 - abs(self.guesses[-1] - self.target) / (self.high - self.low))
+    def closeness(self, guess: int) -> float:
+        """How close ``guess`` is: 1 at the number, 0 a whole range away or more."""
+        return max(0.0, 1.0 - abs(guess - self.target) / (self.high - self.low))
 
 
 def guess_number_envs(
