@@ -6,10 +6,11 @@ grows, and how closely the trainer agrees with the sampler over a long episode.
   short user turn after each), run by one ``RolloutEngine`` at once, against the same episodes
   run one after the other (an engine per episode: the baseline of a loop without a batcher).
   ``speed_ratio`` = tokens/s at once / tokens/s one at a time. Same sampler, same process.
-* ``prefill``: one episode of ``--prefill-turns`` turns, played turn by turn; at each turn ``k``
-  the time of a call that only reads the episode so far (``max_tokens=1``): the cost of the
-  prefix. ``TorchSampler`` recomputes the whole prefix each turn; vLLM's prefix caching (with
-  ``--vllm``, in the vLLM environment) computes only what the last turn added.
+* ``prefill``: one episode of ``--prefill-turns`` turns of ``--prefill-tokens`` tokens, played
+  turn by turn; at each turn ``k`` the time of a call that only reads the episode so far
+  (``max_tokens=1``): the cost of the prefix. ``TorchSampler`` recomputes the whole prefix each
+  turn; vLLM's prefix caching (``--vllm``, in the vLLM environment) computes only what the last
+  turn added.
   ``growth`` = time at the last turn / time at turn 1 (flat: about 1).
 * ``agreement``: ``--kl-episodes`` episodes of 10 turns sampled in float32; the trainer's
   teacher-forced log-probabilities of the model's tokens against the sampler's, with
@@ -95,7 +96,7 @@ def prefill(sampler: Any, template: Template, args: argparse.Namespace) -> dict[
     """Turn by turn, the time of a call that reads the episode so far and writes one token."""
     env = Talk(args.prefill_turns)
     tokens = template.encode({'messages': env.reset()}, add_generation_prompt=True)['input_ids']
-    probe, turn = SamplingParams(max_tokens=1), SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    probe, turn = SamplingParams(max_tokens=1), SamplingParams(max_tokens=args.prefill_tokens, ignore_eos=True)
     seconds = []
     for _turn in range(args.prefill_turns):
         times = []
@@ -142,7 +143,7 @@ def build_sampler(model_dir: str, args: argparse.Namespace) -> Any:
         return TorchSampler(model_dir, device='cpu')
     from twinkle.sampler import vLLMSampler
 
-    engine = {'dtype': 'float32', 'max_model_len': 4096, 'enable_prefix_caching': not args.no_prefix_caching}
+    engine = {'dtype': 'float32', 'max_model_len': 2048, 'enable_prefix_caching': not args.no_prefix_caching}
     return vLLMSampler(model_dir, engine_args=engine)
 
 
@@ -153,6 +154,8 @@ def main() -> None:
     parser.add_argument('--turns', type=int, default=4)
     parser.add_argument('--max-tokens', type=int, default=16)
     parser.add_argument('--prefill-turns', type=int, default=10)
+    parser.add_argument('--prefill-tokens', type=int, default=96, help='new tokens a turn in the prefill part')
+    parser.add_argument('--parts', nargs='+', default=['batching', 'prefill', 'agreement'])
     parser.add_argument('--kl-episodes', type=int, default=4)
     parser.add_argument('--repeats', type=int, default=3)
     parser.add_argument('--threads', type=int, default=2)
@@ -174,10 +177,13 @@ def main() -> None:
             'threads': args.threads,
             'torch': torch.__version__,
         },
-        'batching': batching(sampler, template, args),
-        'prefill': prefill(sampler, template, args),
-        'agreement': agreement(sampler, template, model_dir, args),
     }
+    parts = {
+        'batching': lambda: batching(sampler, template, args),
+        'prefill': lambda: prefill(sampler, template, args),
+        'agreement': lambda: agreement(sampler, template, model_dir, args),
+    }
+    result |= {name: parts[name]() for name in args.parts}
     print(json.dumps(result, indent=1))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + '\n')

@@ -2,20 +2,22 @@
 
 Each episode is a game of ``GuessNumberEnv``: the environment thinks of a number from 1 to 9,
 the model guesses, the environment answers "Higher." or "Lower.", for up to ``--max-guesses``
-turns. The reward is 1 for finding the number; a game lost ends with up to 0.5 for how close
-the last guess came, so moving the guess the way the environment says pays before finding does.
+turns. Finding the number is worth 1; every guess the answers so far allow earns up to 0.5 for
+how close it came, so a middle first guess and guesses that follow the answers pay before
+finding the number often does.
 
 The random tiny model writes a digit in about one token of 350, too rarely for RL to start from,
 so a short cold start comes first (as DeepSeek-R1's does): ``--warmup-steps`` of supervised
 steps on games played with random guesses, which teach the format (a digit a turn) and nothing
-of the strategy. RL then has to learn to search: random guesses find the number in about a third
-of the games; reading "Higher." and "Lower." finds it more often.
+of the strategy. RL then learns to search: over the default 80 steps (seed 0) the mean reward
+went from 0.88 in the first 10 steps to 1.01 in the last 10, and the share of games won from
+0.25 to 0.35 (``benchmarks/results/agent_guess_number.json``; about 5 minutes on 2 cores).
 
 The loop is the GRPO loop of the seeds with ``engine.rollout`` where ``sampler.sample`` was:
 sync the adapter to the sampler, roll out a group of episodes per game, take each episode's
-return as its reward, group-relative advantages, one policy-gradient step on the episodes' own
-tokens (only the model's are trained; ``old_logps`` are the sampler's). ``start`` is the only
-code that knows the runtime:
+return as its reward, advantages against the game's mean (scaled by the batch's spread), one
+policy-gradient step on the episodes' own tokens (only the model's are trained; ``old_logps``
+are the sampler's). ``start`` is the only code that knows the runtime:
 
     python cookbook/agent_guess_number.py                      # one process
     python cookbook/agent_guess_number.py --mode ray           # model and sampler on Ray groups
@@ -57,14 +59,15 @@ LORA_TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 
 
 @dataclass
 class Config:
-    steps: int = 60
+    steps: int = 80
     warmup_steps: int = 15  # supervised cold start on random-guess games (the format only)
     warmup_lr: float = 3e-3
-    games_per_step: int = 4  # GRPO groups: each game is played by group_size episodes
+    games_per_step: int = 8  # GRPO groups: each game is played by group_size episodes
     group_size: int = 8
     max_guesses: int = 3
+    closeness_reward: float = 1.5  # up to 0.5 a guess for how close it came (finding the number: 1)
     max_tokens: int = 6  # per turn
-    lr: float = 5e-4  # RL's: faster, and the policy stops exploring (every episode of a game alike)
+    lr: float = 1e-3  # RL's: at 3e-3 the policy soon stops exploring (every episode of a game alike)
     lora_rank: int = 16
     temperature: float = 1.0
     seed: int = 0
@@ -184,7 +187,13 @@ def rl_step(model: Any, engine: RolloutEngine, config: Config, step: int) -> dic
     """Roll out a group of episodes per game, and one GRPO step on them; the step's record."""
     seed = config.seed * 100_003 + step
     episodes = engine.rollout(
-        guess_number_envs(config.games_per_step, config.group_size, seed, max_guesses=config.max_guesses)
+        guess_number_envs(
+            config.games_per_step,
+            config.group_size,
+            seed,
+            max_guesses=config.max_guesses,
+            closeness_reward=config.closeness_reward,
+        )
     )
     rewards = [episode.reward for episode in episodes]
     advantages = GRPOAdvantage()(rewards, num_generations=config.group_size, scale='batch').tolist()

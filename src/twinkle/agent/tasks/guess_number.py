@@ -77,11 +77,12 @@ class GuessNumberEnv(Env):
 
 
 def guess_number_envs(
-    num_tasks: int, group_size: int, seed: int, high: int = 9, max_guesses: int = 4
+    num_tasks: int, group_size: int, seed: int, high: int = 9, max_guesses: int = 4, closeness_reward: float = 0.5
 ) -> list[list[Env]]:
     """``num_tasks`` games (numbers drawn from ``seed``), each played by ``group_size`` episodes."""
     seeds = random.Random(seed).sample(range(1 << 30), num_tasks)
-    return [
-        [GuessNumberEnv(seeds[task], high=high, max_guesses=max_guesses) for _ in range(group_size)]
-        for task in range(num_tasks)
-    ]
+
+    def game(task: int) -> Env:
+        return GuessNumberEnv(seeds[task], high=high, max_guesses=max_guesses, closeness_reward=closeness_reward)
+
+    return [[game(task) for _ in range(group_size)] for task in range(num_tasks)]
