@@ -77,9 +77,12 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     >>> content, calls = parse_tool_calls('Adding.<tool_call>\\n{"name": "add", "arguments": {"a": 1}}\\n</tool_call>')
     >>> content, calls[0].name, calls[0].arguments
     ('Adding.', 'add', {'a': 1})
-    >>> parse_tool_calls('<tool_call><function=add>\\n<parameter=a>\\n1\\n</parameter>\\n</function></tool_call>')[1]
-    [ToolCall(name='add', arguments={'a': 1}, error=None)]
-    >>> parse_tool_calls('<tool_call>{"name": "add", "arguments": ')[1][0].error
+    >>> xml = '<tool_call><function=add>\\n<parameter=a>\\n1\\n</parameter>\\n</function></tool_call>'
+    >>> _, (call,) = parse_tool_calls(xml)
+    >>> call.name, call.arguments
+    ('add', {'a': 1})
+    >>> _, (broken,) = parse_tool_calls('<tool_call>{"name": "add", "arguments": ')
+    >>> broken.error
     'the <tool_call> block is not closed with </tool_call>'
     """
     calls = []
