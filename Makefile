@@ -16,9 +16,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
-	# tinker-cookbook's weights module (download, build_hf_model) for the tests of Tinker's export path. Without
-	# its declared dependencies: tml-renderers>=0.4.1 is not on every registry, and weights needs none of them.
-	$(PY) -m pip install -q --no-deps 'tinker-cookbook==0.6.1'
+	# tinker-cookbook's weights module (download, build_hf_model) for the tests of Tinker's export path, and its
+	# multi-turn guess_number recipe run unmodified against a server. Without its declared dependencies
+	# (tml-renderers>=0.4.1 is not on every registry, and neither part needs it): the few the recipe imports.
+	$(PY) -m pip install -q --no-deps 'tinker-cookbook==0.6.1' 'chz==0.4.0' 'termcolor>=2.4,<4' 'blobfile>=3,<4' 'lxml>=5,<7'
 	touch $@
 
 train: setup  ## LoRA SFT of the embedded tiny model, with a progress bar
