@@ -277,6 +277,16 @@ def test_a_slow_environment_times_out_alone(sampler, template):
     assert 'turn_timeout_s=1.0' in episodes[0].error
 
 
+def test_a_seeded_rollout_repeats_and_its_episodes_differ(sampler, template):
+    # One seed for the rollout; a group of 4 episodes of one task must not sample alike (GRPO would
+    # see no difference), and the same seed gives the same episodes again.
+    engine = RolloutEngine(sampler, template, SamplingParams(max_tokens=8, seed=11), max_turns=2)
+    first = [e.tokens for e in engine.rollout([Countdown(turns=2) for _ in range(4)])]
+    again = [e.tokens for e in engine.rollout([Countdown(turns=2) for _ in range(4)])]
+    assert first == again
+    assert len({tuple(tokens) for tokens in first}) == 4
+
+
 def test_episodes_share_sampler_calls(sampler, template):
     # 8 episodes of 3 turns each: 3 calls of 8 prompts, not 24 calls.
     engine = RolloutEngine(sampler, template, SamplingParams(max_tokens=4), max_turns=3)

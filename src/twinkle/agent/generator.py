@@ -15,7 +15,7 @@ waits on its tool the others generate.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from twinkle.data_format import SamplingParams
@@ -120,8 +120,8 @@ class Batcher:
     time, each in a worker thread so the event loop (tools, environments) keeps running.
 
     Requests with equal sampling parameters share a call (a seeded rollout gives each episode
-    its own seed, so its episodes are sampled one by one: leave ``seed`` unset to batch, and
-    seed torch for a repeatable run).
+    and turn its own seed, so its episodes are sampled one by one: leave ``seed`` unset to
+    batch, and seed torch for a repeatable run).
     """
 
     def __init__(self, generator: Generator, max_batch: int = 64):
@@ -130,7 +130,6 @@ class Batcher:
         self.generator = generator
         self.max_batch = max_batch
         self.calls = 0  # calls made to the generator
-        self.prompts = 0  # prompts sent in them
         self._queue: list[_Request] = []
         self._running: asyncio.Task[None] | None = None
 
@@ -154,7 +153,7 @@ class Batcher:
                     if not request.future.done():
                         request.future.set_exception(e)
             else:
-                self.calls, self.prompts = self.calls + 1, self.prompts + len(batch)
+                self.calls += 1
                 for request, generation in zip(batch, generations, strict=True):
                     if not request.future.done():  # an episode timed out meanwhile
                         request.future.set_result(generation)
@@ -170,19 +169,3 @@ class Batcher:
 async def _settle(rounds: int = 3) -> None:
     for _ in range(rounds):
         await asyncio.sleep(0)
-
-
-def with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
-    """``params`` with ``seed`` (``None`` keeps them unseeded)."""
-    return params if seed is None else replace(params, seed=seed)
-
-
-def check_single(params: SamplingParams) -> SamplingParams:
-    """A rollout samples one continuation per episode and turn: ``num_samples`` must be 1 (an
-    environment group gives a task several episodes)."""
-    if params.num_samples != 1:
-        raise ConfigurationError(
-            f'a rollout samples one continuation per episode turn; got num_samples={params.num_samples}: '
-            'run a group of environments per task instead'
-        )
-    return params

@@ -17,6 +17,7 @@ environment raises: that episode ends with ``end='error'``, counted in ``stats``
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -141,7 +142,8 @@ class RolloutEngine:
             if left <= 0:
                 episode.end = 'max_tokens'
                 return
-            generation = await self._timed(batcher.generate(episode.tokens, self._params(left)))
+            params = self._params(left, episode)
+            generation = await self._timed(batcher.generate(episode.tokens, params))
             action = self._action(generation)
             episode.extend(generation.tokens, generation.logprobs)
             episode.weight_versions.append(generation.weight_version)
@@ -159,8 +161,15 @@ class RolloutEngine:
             episode.messages += observation
         episode.end = 'max_turns'
 
-    def _params(self, left: int) -> SamplingParams:
-        return self.params if self.params.max_tokens <= left else replace(self.params, max_tokens=left)
+    def _params(self, left: int, episode: Episode) -> SamplingParams:
+        """This turn's parameters: no more tokens than the episode has left, and with a seeded
+        rollout a seed of the episode's own (the episodes of a group start from the same prompt,
+        and one seed would sample them alike)."""
+        params = self.params if self.params.max_tokens <= left else replace(self.params, max_tokens=left)
+        if params.seed is None:
+            return params
+        turn_seed = random.Random(f'{params.seed}:{episode.group}:{episode.index}:{len(episode.turns)}')
+        return replace(params, seed=turn_seed.getrandbits(62))
 
     async def _timed(self, work: Any) -> Any:
         return await asyncio.wait_for(work, self.turn_timeout_s)
