@@ -248,7 +248,7 @@ def test_another_tenants_models_paths_and_futures_do_not_exist(server, alice, bo
 def test_failures_are_errors_not_hangs(server, alice, tiny_model_dir):
     url, keys, _ = server
     client = training_client(alice, tiny_model_dir)
-    with pytest.raises(tinker.RequestFailedError, match='stable_reinforce'):
+    with pytest.raises(tinker.BadRequestError, match='no provenance spans'):
         client.forward_backward(sft_data(1), 'stable_reinforce').result()
     with pytest.raises(tinker.RequestFailedError, match='outside the vocabulary'):
         client.forward_backward([datum([1, 2, 10**7], weights=[1.0, 1.0])], 'cross_entropy').result()

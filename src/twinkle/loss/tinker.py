@@ -24,13 +24,18 @@ the docs state none for ``dro`` and ``gspo``: ``beta = 0.05`` is the docs' own e
 ``dro``                  ``logprobs``, ``advantages``     ``beta`` (0.05)
 ``gspo``                 ``logprobs``, ``advantages``,    ``clip_low_threshold`` (1 - 3e-4),
                          optional ``sequence_ratio_mask`` ``clip_high_threshold`` (1 + 4e-4)
+``stable_reinforce``     ``advantages``,                  ``ratio_cap`` (2.0), ``kl_coeff`` (0.0)
+                         ``recorded_logprobs``,
+                         ``recorded_mask`` (the server's)
 =======================  ===============================  ===========================================
 
 ``logprobs`` are the sampler's log-probabilities (``lp_old`` below), ``lp`` the learner's.
 ``ppo``, ``cispo`` and ``gspo`` also take the thresholds as optional per-token inputs (the SDK
 types them as loss inputs, ``tinker/types/datum.py``); a per-token value overrides the config.
-``stable_reinforce`` needs the datum's provenance spans, which this service does not carry, and
-``custom`` names a server-side loss handle: both are refused.
+``stable_reinforce`` reads the sampler's log-probabilities as the server recorded them when it
+sampled (``RECORDED_LOGPROBS``, and ``RECORDED_MASK``: 1 at the positions a sampled sequence
+produced), never the client's ``logprobs``, which it accepts and ignores; the Tinker server fills
+both from each datum's provenance spans. ``custom`` names a server-side loss handle: it is refused.
 
 Log-ratios ``lp - lp_old`` are clamped to +-``LOG_RATIO_LIMIT`` (20) before ``exp``, so that a
 placeholder sampler log-prob cannot overflow the ratio into ``inf * 0 = NaN``; the clamp only
@@ -66,6 +71,9 @@ class LossTerms(NamedTuple):
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float], torch.Tensor], LossTerms]
 
 _CLIP_KEYS = ('clip_low_threshold', 'clip_high_threshold')
+#: ``stable_reinforce``'s inputs that the server fills from the sequences it recorded at sampling:
+#: the sampler's log-probability at each position, and 1 where a sampled sequence produced the token.
+RECORDED_LOGPROBS, RECORDED_MASK = 'recorded_logprobs', 'recorded_mask'
 
 
 # ---- the losses ---------------------------------------------------------------------------------
@@ -158,6 +166,34 @@ def gspo(
     return _clipped_surrogate(ratio_T, inputs['advantages'], *_thresholds(inputs, config, ratio_T))
 
 
+def stable_reinforce(
+    logprobs_T: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float], seq_T: torch.Tensor
+) -> LossTerms:
+    """REINFORCE that stays stable off-policy, with the sampler's log-probabilities ``q`` as the
+    server recorded them when it sampled (never the client's ``logprobs``)::
+
+        r    = min(sg(exp(lp - q)), ratio_cap)                 (truncated importance weight)
+        k3   = exp(q - lp) - (q - lp) - 1                       (the k3 estimator of KL(q || p))
+        loss = -(m * r * A * lp).sum() + kl_coeff * (m * k3).sum()
+
+    ``m`` (``RECORDED_MASK``) is 1 at the positions a sampled sequence produced, the trained
+    tokens; prompt positions add nothing. Thinking Machines describe ``stable_reinforce`` as a
+    REINFORCE variant that stays stable off-policy using what was recorded at sampling, without
+    a formula (https://tinker-docs.thinkingmachines.ai/tinker/losses): this truncated-importance
+    form with a k3 penalty is this project's reading of those docs, not Tinker's published loss.
+    """
+    mask_T = inputs[RECORDED_MASK] != 0
+    sampler_T = torch.where(mask_T, inputs[RECORDED_LOGPROBS], logprobs_T.detach())
+    ratio_T = _log_ratio(logprobs_T.detach(), sampler_T).exp()
+    weight_T = ratio_T.clamp(max=config['ratio_cap'])
+    gap_T = (sampler_T - logprobs_T).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    k3_T = gap_T.exp() - gap_T - 1
+    policy = torch.where(mask_T, weight_T * inputs['advantages'] * logprobs_T, 0.0).sum()
+    penalty = torch.where(mask_T, k3_T, 0.0).sum()
+    truncated = (mask_T & (ratio_T > config['ratio_cap'])).sum()
+    return _terms(-policy + config['kl_coeff'] * penalty, truncated=truncated, kl_k3=penalty)
+
+
 @dataclass(frozen=True)
 class TinkerLossSpec:
     """What one Tinker loss computes and reads."""
@@ -189,12 +225,17 @@ TINKER_LOSSES: dict[str, TinkerLossSpec] = {
         ('sequence_ratio_mask', *_CLIP_KEYS),
         {'clip_low_threshold': 1 - 3e-4, 'clip_high_threshold': 1 + 4e-4},
     ),
+    # Defaults: this project's (the docs give none); kl_coeff 0 is plain truncated REINFORCE.
+    'stable_reinforce': TinkerLossSpec(
+        stable_reinforce,
+        ('advantages', RECORDED_LOGPROBS, RECORDED_MASK),
+        ('logprobs',),
+        {'ratio_cap': 2.0, 'kl_coeff': 0.0},
+    ),
 }
 
 #: Tinker loss names this service knows but cannot compute, with the reason.
 UNSUPPORTED_LOSSES: dict[str, str] = {
-    'stable_reinforce': 'it needs the provenance spans of each datum (Datum.with_provenance), '
-    'which this service does not carry',
     'custom': 'server-side custom losses (ServiceClient.create_custom_loss) are not available here; '
     'use forward_backward_custom, which runs the loss on the client',
 }
@@ -248,8 +289,11 @@ def check_inputs(loss_fn: str, names: Any) -> None:
 
 
 def _check_ranges(loss_fn: str, config: Mapping[str, float]) -> None:
-    if 'beta' in config and config['beta'] < 0:
-        raise ConfigurationError(f'{loss_fn} loss_fn_config beta must be >= 0; got {config["beta"]}')
+    for key in ('beta', 'kl_coeff'):
+        if key in config and config[key] < 0:
+            raise ConfigurationError(f'{loss_fn} loss_fn_config {key} must be >= 0; got {config[key]}')
+    if 'ratio_cap' in config and config['ratio_cap'] <= 0:
+        raise ConfigurationError(f'{loss_fn} loss_fn_config ratio_cap must be > 0; got {config["ratio_cap"]}')
     if 'clip_low_threshold' in config:
         low, high = config['clip_low_threshold'], config['clip_high_threshold']
         if not 0 <= low <= high:
@@ -291,7 +335,8 @@ def tinker_loss_terms(
 
     Metrics: ``loss:sum``; ``ppo`` and ``gspo`` add ``clipped:sum`` (positions whose gradient
     the clip removed), ``cispo`` adds ``clipped:sum`` (positions with ``A != 0`` whose weight
-    was truncated).
+    was truncated), ``stable_reinforce`` adds ``truncated:sum`` (trained positions whose ratio
+    was over ``ratio_cap``) and ``kl_k3:sum`` (its penalty before ``kl_coeff``).
 
     >>> lp, weights = torch.tensor([-1.0, -2.0]), torch.tensor([1.0, 0.5])
     >>> tinker_loss_terms('cross_entropy', lp, {'weights': weights}).loss.item()  # -(-1 * 1 + -2 * 0.5)

@@ -14,7 +14,11 @@ Request, ``ForwardBackwardRequest`` -> :class:`ForwardBackwardCall`:
   torch tensor. As the SDK's own decoder does, INT32 widens to int64 and BFLOAT16 to float32, so
   a loss sees only float32 and int64. An empty shape means 1-D (the SDK sends no shape for a
   ``TensorData`` built from a list). CSR carries no pad value on the wire, so unlisted cells
-  are 0, even if the client built the tensor with ``from_torch_sparse(t, pad_value=-100)``.
+  are 0, even if the client built the tensor with ``from_torch_sparse(t, pad_value=-100)``;
+- a datum's provenance (``model_input_spans`` and ``loss_fn_input_spans``, both or neither) is a
+  list of :class:`Span` each, checked to tile its field: the spans' lengths add up to the number
+  of input tokens, or of ``target_tokens``. Whether the sequences they name hold those tokens is
+  the server's to check against what it recorded (``api.tinker.provenance``).
 
 Replies:
 
@@ -64,11 +68,26 @@ _METRIC_REDUCTIONS = ('sum', 'mean', 'min', 'max', 'slack', 'hash2', 'unique')
 
 
 @dataclass(frozen=True)
+class Span:
+    """One provenance claim of a datum: its next ``length`` positions are positions
+    ``[offset, offset + length)`` of the prompt (``kind='prompt'``) or of the sampled tokens
+    (``kind='sampled'``) of the sampled sequence ``sequence_id``."""
+
+    kind: str
+    sequence_id: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
 class Datum:
-    """One training example: the input token ids and the loss inputs, dense float32 or int64."""
+    """One training example: the input token ids and the loss inputs, dense float32 or int64;
+    with provenance, the spans that tile ``tokens`` and ``target_tokens``."""
 
     tokens: list[int]
     loss_fn_inputs: dict[str, torch.Tensor]
+    model_input_spans: list[Span] | None = None
+    loss_fn_input_spans: list[Span] | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +183,41 @@ def _datum(index: int, datum: pb.Datum, max_sparse_elements: int) -> Datum:
         name: _tensor(tensor, f'datum {index} loss_fn_inputs[{name!r}]', max_sparse_elements)
         for name, tensor in datum.loss_fn_inputs.items()
     }
-    return Datum(tokens=_tokens(index, datum.model_input), loss_fn_inputs=inputs)
+    tokens = _tokens(index, datum.model_input)
+    if not datum.model_input_spans and not datum.loss_fn_input_spans:
+        return Datum(tokens=tokens, loss_fn_inputs=inputs)
+    if not datum.model_input_spans or not datum.loss_fn_input_spans:
+        raise DataError(
+            f'datum {index} has only one of model_input_spans and loss_fn_input_spans; send both or neither'
+        )
+    targets = inputs.get('target_tokens')
+    target_count = targets.numel() if targets is not None else 0
+    return Datum(
+        tokens=tokens,
+        loss_fn_inputs=inputs,
+        model_input_spans=_spans(index, 'model_input_spans', datum.model_input_spans, len(tokens)),
+        loss_fn_input_spans=_spans(index, 'loss_fn_input_spans', datum.loss_fn_input_spans, target_count),
+    )
+
+
+def _spans(index: int, field: str, spans: Sequence[pb.ProvenanceSpan], positions: int) -> list[Span]:
+    """The spans of one field, checked to be well formed and to tile its ``positions``."""
+    decoded: list[Span] = []
+    for number, span in enumerate(spans):
+        kind = span.WhichOneof('span')
+        where = f'datum {index} {field}[{number}]'
+        if kind is None:
+            raise DataError(f'{where} holds neither prompt_tokens nor sampled_tokens')
+        arm = span.prompt_tokens if kind == 'prompt_tokens' else span.sampled_tokens
+        if not arm.sequence_id:
+            raise DataError(f'{where} names no sequence_id')
+        if arm.offset < 0 or arm.length < 0:
+            raise DataError(f'{where} has offset {arm.offset} and length {arm.length}; both must be >= 0')
+        decoded.append(Span(kind.removesuffix('_tokens'), arm.sequence_id, arm.offset, arm.length))
+    covered = sum(span.length for span in decoded)
+    if covered != positions:
+        raise DataError(f'datum {index} {field} cover {covered} positions but the field has {positions}')
+    return decoded
 
 
 def _tokens(index: int, chunks: Sequence[pb.Chunk]) -> list[int]:

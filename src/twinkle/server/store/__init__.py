@@ -1,9 +1,10 @@
 """The service's durable state in one SQLite file, one aggregate per attribute of ``Store``.
 
 ``store.tenants`` (tenants and their API keys), ``store.runs``, ``store.checkpoints``, ``store.sessions``
-(Tinker sessions and their sampling sessions), ``store.futures`` and ``store.history`` (each run's steps,
-each model's restarts) share one connection and its lock (``database.py``); the schema and its
-migrations are ``schema.py``, run once when the store opens.
+(Tinker sessions and their sampling sessions), ``store.futures``, ``store.history`` (each run's steps,
+each model's restarts) and ``store.sequences`` (Tinker's sampled sequences kept for ``stable_reinforce``)
+share one connection and its lock (``database.py``); the schema and its migrations are ``schema.py``,
+run once when the store opens.
 
 Every write is its own transaction, committed with ``synchronous=FULL`` in WAL mode before the method
 returns, so a row the server has acknowledged survives a ``kill -9`` (and a power cut); the one
@@ -43,6 +44,7 @@ from twinkle.server.store.futures import ERROR_CATEGORIES, FUTURE_STATUSES, Futu
 from twinkle.server.store.history import History
 from twinkle.server.store.runs import RUN_STATUSES, Run, Runs
 from twinkle.server.store.schema import SCHEMA_VERSION, migrate
+from twinkle.server.store.sequences import SEQUENCE_TTL_S, SampledRecord, SampledSequences
 from twinkle.server.store.sessions import SamplingSession, Session, Sessions
 from twinkle.server.store.tenants import Tenant, Tenants
 from twinkle.wire import parse_checkpoint_path, parse_twinkle_path  # checkpoint paths are the wire's
@@ -66,6 +68,7 @@ class Store:
         self.sessions = Sessions(self.db)
         self.futures = Futures(self.db)
         self.history = History(self.db)
+        self.sequences = SampledSequences(self.db)
 
     def transaction(self) -> contextlib.AbstractContextManager[object]:
         """One transaction over every aggregate: the writes made inside it on this thread commit
@@ -91,6 +94,7 @@ __all__ = [
     'RESERVED_CHECKPOINT_NAMES',
     'RUN_STATUSES',
     'SCHEMA_VERSION',
+    'SEQUENCE_TTL_S',
     'TINKER_FOLDERS',
     'TWINKLE_FOLDERS',
     'Checkpoint',
@@ -100,6 +104,8 @@ __all__ = [
     'History',
     'Run',
     'Runs',
+    'SampledRecord',
+    'SampledSequences',
     'SamplingSession',
     'Session',
     'Sessions',

@@ -12,7 +12,7 @@ import re
 from twinkle.errors import StateError
 from twinkle.server.store.database import Database
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -117,6 +117,19 @@ CREATE TABLE IF NOT EXISTS run_restores (
     lost_steps INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS run_restores_by_run ON run_restores (run_id, id);
+-- A sequence sampled with Tinker's record_stability_info: its prompt, sampled tokens (int64) and the
+-- sampler's logprobs (float32), for stable_reinforce. It expires a day after it was last used.
+CREATE TABLE IF NOT EXISTS sampled_sequences (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+    prompt BLOB NOT NULL,
+    tokens BLOB NOT NULL,
+    logprobs BLOB NOT NULL,
+    created_at REAL NOT NULL,
+    last_used_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sampled_sequences_by_use ON sampled_sequences (last_used_at);
 """
 
 
@@ -150,6 +163,7 @@ _MIGRATIONS = {
         *_creating('run_steps'),
     ],
     6: _creating('run_restores'),
+    7: _creating('sampled_sequences'),
 }
 
 

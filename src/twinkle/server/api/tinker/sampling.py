@@ -3,23 +3,33 @@ sampler (or training) weights of a run the tenant may read.
 
 A sampling request is a future like any other, with no model order to keep. Options this server
 does not implement are refused with a 400 naming them, never ignored.
+
+Every sampled sequence gets a ``sequence_id`` (``seq-<hex>:<i>``). With ``record_stability_info``
+the server records, before the request's future settles, each sequence's prompt, sampled tokens
+and the sampler's logprobs under the sampling session's Tinker session (``store.sequences``):
+what ``stable_reinforce`` reads when a datum's provenance spans name the sequence.
+
+A sampling session made by an ``inflight`` save names the training model's inflight sampler
+weights, which each inflight save replaces: its requests sample whatever weights that name holds
+when they are served (``Service.folder_now``), a snapshot's the weights saved for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import cast
 
 from fastapi import APIRouter
 from tinker import types
 
-from twinkle.data_format import SamplingParams
+from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import DataError, NotFoundError
 from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, proto_result, router
 from twinkle.server.execution import tinker_codec as codec
 from twinkle.server.execution.model_group import ModelGroup, bare
-from twinkle.server.store import Tenant
+from twinkle.server.store import Store, Tenant
 
 
 def sampling_router(api: TinkerAPI) -> APIRouter:
@@ -51,20 +61,27 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
 
     @routes.post('/asample')
     async def asample(body: types.SampleRequest, who: Who) -> JsonObject:
+        session_id = None
         if body.sampling_session_id is not None:
             sampler = service.store.sessions.sampler(who.id, body.sampling_session_id)
             if sampler is None:
                 raise NotFoundError(f'sampling session {body.sampling_session_id!r} not found')
             group, path = service.hosting(sampler.base_model, f'sampling session {sampler.id!r}'), sampler.model_path
+            session_id = sampler.session_id
         else:
             group, path = _sampling_target(api, who, body.base_model, body.model_path)
+        if body.record_stability_info and session_id is None:
+            raise DataError('record_stability_info needs a sampling_session_id: the records belong to its session')
         checkpoint = api.checkpoint(who, path, kinds=('sampler', 'training')) if path else None
         prompt, params = _sample_request(body, api.settings.default_max_tokens)
         group.check_sampling_params(params)
+        sequence_ids = [f'seq-{secrets.token_hex(8)}:{i}' for i in range(params.num_samples)]
 
         def sample() -> dict[str, str]:
             directory = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
             response = group.sample_ids(prompt, params, directory, path)
+            if body.record_stability_info and session_id is not None:
+                _record(service.store, who, session_id, prompt, sequence_ids, response)
             return proto_result(
                 codec.sample_response(
                     response,
@@ -74,10 +91,20 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
             )
 
         request_id = await api.accept(who, group, None, None, 'sample', sample)
-        return {
-            'request_id': request_id,
-            'sample_sequence_ids': [f'{request_id}:{i}' for i in range(params.num_samples)],
-        }
+        return {'request_id': request_id, 'sample_sequence_ids': list(sequence_ids)}
+
+
+def _record(
+    store: Store, who: Tenant, session_id: str, prompt: list[int], sequence_ids: list[str], response: SampleResponse
+) -> None:
+    """Keep each sampled sequence's stability information: its tokens and the sampler's logprob of each."""
+    if len(response.sequences) != len(sequence_ids):
+        raise DataError(f'the sampler answered {len(response.sequences)} sequences for {len(sequence_ids)} asked')
+    sequences = [
+        (sequence_id, list(seq.tokens), [float(entry[0][1]) for entry in seq.logprobs])
+        for sequence_id, seq in zip(sequence_ids, response.sequences, strict=True)
+    ]
+    store.sequences.record(who.id, session_id, prompt, sequences)
 
 
 def _sampling_target(
@@ -102,7 +129,6 @@ def _sample_request(body: types.SampleRequest, default_max_tokens: int) -> tuple
         'prompt_alt_tokens_k': body.prompt_alt_tokens_k,
         'target_prompt_logprobs': body.target_prompt_logprobs is not None,
         'prompt_logprobs_last_n': body.prompt_logprobs_last_n is not None,
-        'record_stability_info': bool(body.record_stability_info),
     }
     refused = sorted(name for name, value in unsupported.items() if value)
     if refused:

@@ -4,6 +4,14 @@
 Each compute request is accepted at once as a future and runs in its model's ``seq_id`` order
 (see :mod:`.api`); what a request does to the model is in :mod:`.train`. A request the model
 refuses fails its future (``{error, category}``), so its number is still consumed.
+
+A ``stable_reinforce`` datum's provenance spans are checked against the recorded sampled
+sequences before the request is accepted (:mod:`.provenance`); a bad one is a 400 that still
+consumes the request's number.
+
+``save_weights_for_sampler`` with ``kind='inflight'`` saves the model's inflight sampler weights
+(``sampler_weights/inflight``, each such save replacing the last) and gives a sampling session
+that names them: every inflight sampling client of the model samples the latest ones.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from tinker import types
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, TwinkleError
 from twinkle.server.api.deps import Who
-from twinkle.server.api.tinker import external
+from twinkle.server.api.tinker import external, provenance
 from twinkle.server.api.tinker.base import PROTO, JsonObject, TinkerAPI, proto_result, router
 from twinkle.server.execution import tinker_codec as codec
 from twinkle.server.execution.model_group import ModelGroup, bare
@@ -35,6 +43,8 @@ PROTOBUF_BODY = {
         'content': {PROTO: {'schema': {'type': 'string', 'format': 'binary'}}},
     }
 }
+#: The sampler weights an inflight save replaces: one mutable target per training model.
+INFLIGHT = 'inflight'
 #: The optimizer a new model starts with; each ``optim_step`` then sets its hyperparameters.
 ADAMW: JsonObject = {'optimizer_cls': 'AdamW', 'lr': 1e-4, 'betas': [0.9, 0.95]}
 
@@ -139,6 +149,11 @@ def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
             raise DataError(f'forward_backward needs a seq_id >= 1 (the model is seq 0); got {call.seq_id}')
         run = api.run_of(who, call.model_id)
         group = service.group_of(run)
+        try:
+            call = await asyncio.to_thread(provenance.checked_call, service.store, who, run, call)
+        except DataError:
+            api.state.sequencer.skip(run.id, call.seq_id)  # refused before it was accepted: its turn passes
+            raise
 
         def compute() -> dict[str, str]:
             return proto_result(group.tinker_forward_backward(run, call))
@@ -210,7 +225,15 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
     async def save_for_sampler(body: types.SaveWeightsForSamplerRequest, who: Who) -> JsonObject:
         run = api.run_of(who, body.model_id)
         named = body.path is not None
-        name = _checkpoint_name(body.path, body.seq_id) if named else f'sampler-{body.sampling_session_seq_id}'
+        if named and (body.kind == 'inflight' or body.path == INFLIGHT):
+            raise DataError(
+                f"sampler weights named {INFLIGHT!r} are the model's inflight ones: save them with kind='inflight' "
+                'and no path, and name other sampler weights otherwise'
+            )
+        if body.kind == 'inflight':
+            name = INFLIGHT
+        else:
+            name = _checkpoint_name(body.path, body.seq_id) if named else f'sampler-{body.sampling_session_seq_id}'
         expires = _expiry(body.ttl_seconds)
 
         def save() -> JsonObject:
