@@ -203,7 +203,7 @@ def test_format_reward_refuses_a_bad_pattern():
 
 
 def test_rewards_are_registered_by_name():
-    assert REWARDS.names() == ['FormatReward', 'GSM8KAccuracyReward', 'GSM8KFormatReward']
+    assert REWARDS.names() == ['FormatReward', 'GSM8KAccuracyReward', 'GSM8KFormatReward', 'OverlongPunishment']
     assert isinstance(REWARDS.build('GSM8KFormatReward', base=GSM8KFormatReward), GSM8KFormatReward)
 
 

@@ -48,6 +48,19 @@ def test_single_device_recipe_trains_the_full_model(tmp_path, tiny_model_dir):
     assert len(losses) == 16 and losses[-1] < losses[0] - 1.0, losses
 
 
+def test_kto_recipe_raises_the_held_out_reward_margin(tmp_path, tiny_model_dir):
+    flags = ('--samples', '32', '--epochs', '2', '--report-to', 'jsonl', '--log-dir', 'logs')
+    log = run('kto_self_cognition.py', *flags, cwd=tmp_path)
+    before = float(re.search(r'eval before training: margin (-?[\d.]+)', log).group(1))
+    after = float(re.search(r'eval after training: margin (-?[\d.]+)', log).group(1))
+    steps = [float(m) for m in re.findall(r'step +\d+ loss [\d.]+ margin (-?[\d.]+) z0 [\d.]+', log)]
+    # The policy starts as the reference (LoRA B = 0): margin 0; 32 examples, 8 a step, 2 epochs: 8 steps.
+    assert before == pytest.approx(0.0, abs=1e-3) and after > 1.0, log[-2000:]
+    assert len(steps) == 8 and steps[-1] > steps[0] + 1.0, steps
+    lines = [json.loads(line) for line in (tmp_path / 'logs' / 'metrics.jsonl').read_text().splitlines()]
+    assert 'eval/margin' in lines[0] and 'train/kl' in lines[1]
+
+
 @pytest.mark.timeout(1800)  # three runs of the recipe: beside two CPU-bound processes they took over 600 s
 def test_grpo_recipe_reward_rises_over_three_seeds(tmp_path, tiny_model_dir):
     gains = []
@@ -69,6 +82,17 @@ def test_grpo_recipe_reward_rises_over_three_seeds(tmp_path, tiny_model_dir):
     # and all three together must gain 0.3 on average.
     assert all(last > 2 * first and last > first + 0.1 for first, last in gains), gains
     assert sum(last - first for first, last in gains) / 3 > 0.3, gains
+
+
+def test_ppo_recipe_with_a_critic_raises_the_reward(tmp_path, tiny_model_dir):
+    output = tmp_path / 'ppo.json'
+    log = run('ppo_letter_words.py', '--output', str(output), cwd=tmp_path)
+    assert re.search(r'step\s+1\s+reward [\d.]+\s+value error [\d.]+\s+value -?[\d.]+', log), log[-2000:]
+    history = json.loads(output.read_text())['history']
+    rewards, values = [step['reward'] for step in history], [step['value'] for step in history]
+    # From about 0.1 (the untrained policy) to most words right, and the critic's values follow.
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.3, rewards
+    assert sum(values[-10:]) / 10 > sum(values[:10]) / 10 + 0.3, values
 
 
 def test_seed_gsm8k_grpo_recipe_runs_and_saves(tmp_path, tiny_model_dir):

@@ -420,9 +420,22 @@ def test_grpo_metric_divides_sums_across_micro_batches():
     )
     metric.accumulate(inputs=inputs, outputs=outputs, loss=None)
     result = metric.calculate()
-    # 8 tokens in all: 2 clipped, KL 4 (1 - ln 2), ratio 4.6 + 4
+    # 8 tokens in all: 2 clipped, KL 4 (1 - ln 2), ratio 4.6 + 4. The sampler's figures cover
+    # micro-batch 1's 4 tokens only: sampler - trainer logp = -ln r, importance weights w = r.
+    ratios = (1.5, 1.1, 0.5, 1.5)
     assert result == pytest.approx(
-        {'clip_frac': 2 / 8, 'kl': 4 * (1 - math.log(2)) / 8, 'entropy': LN4, 'ratio': (4.6 + 4) / 8}
+        {
+            'clip_frac': 2 / 8,
+            'kl': 4 * (1 - math.log(2)) / 8,
+            'entropy': LN4,
+            'ratio': (4.6 + 4) / 8,
+            'kl_sample_train_v1': -sum(math.log(r) for r in ratios) / 4,
+            'kl_sample_train_v2': 0.5 * sum(math.log(r) ** 2 for r in ratios) / 4,
+            'is_weight_mean': 4.6 / 4,
+            'is_weight_std': math.sqrt(5.96 / 4 - (4.6 / 4) ** 2),
+            'is_weight_min': 0.5,
+            'is_weight_max': 1.5,
+        }
     )
     metric.reset()
     assert metric.calculate() == {}

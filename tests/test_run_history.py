@@ -4,6 +4,7 @@ back through ``GET /twinkle/v1/runs/{id}/history``; another tenant's history doe
 
 from __future__ import annotations
 
+import math
 import threading
 
 import httpx
@@ -119,3 +120,33 @@ def test_figures_the_trainer_logs_are_recorded_with_the_next_step(server):
         model.log_step_figures({'loss': 1.0})  # refused by the client (the wire), as by the local model
     with pytest.raises(DataError, match='finite number'):
         model.log_step_figures({'reward': float('nan')})  # refused by the client before a request
+
+
+def test_a_grpo_step_s_sampler_figures_are_recorded_in_the_history(server):
+    # The loss's own sampler-vs-trainer figures go to the history with the step, whatever the loop reads:
+    # this one logs none of them.
+    url, keys, _ = server
+    model, run_id = native_run(url, keys['alice'], 'rollout-correction', lr=1e-2)
+    correction = {'level': 'token', 'mode': 'truncate', 'threshold': 2.0}
+    model.set_loss('GRPOLoss', loss_type='token_mean', rollout_correction=correction)
+    rows = ROWS[:2]
+    trainer = model.forward_only(inputs=rows).logps  # the trainer's logp of each label (all 6 trained)
+    weights = [[0.5, 1.0, 4.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0, 3.0]]
+    sampler = [
+        [lp - math.log(w) for lp, w in zip(seq, ws, strict=True)] for seq, ws in zip(trainer, weights, strict=True)
+    ]
+    model.forward_backward(inputs=rows, advantages=[1.0, -1.0], old_logps=sampler)
+    model.clip_grad_and_step()
+    [step] = model.client.run_history(run_id)
+    recorded = step.model_extra
+    # sampler - trainer = -ln w: v1 = -(ln 0.5 + ln 4 + ln 3) / 12 tokens, v2 = half the mean square
+    assert recorded['kl_sample_train_v1'] == pytest.approx(-math.log(6) / 12, abs=1e-5)
+    logs = [math.log(0.5), math.log(4), math.log(3)]
+    assert recorded['kl_sample_train_v2'] == pytest.approx(0.5 * sum(x * x for x in logs) / 12, abs=1e-5)
+    assert recorded['is_weight_mean'] == pytest.approx((0.5 + 4 + 3 + 9) / 12, rel=1e-4)
+    assert recorded['is_weight_std'] == pytest.approx(math.sqrt(34.25 / 12 - (16.5 / 12) ** 2), rel=1e-4)
+    assert recorded['is_weight_min'] == pytest.approx(0.5, rel=1e-4)
+    assert recorded['is_weight_max'] == pytest.approx(4.0, rel=1e-4)
+    assert recorded['is_truncated_frac'] == pytest.approx(2 / 12)  # 4 and 3 capped at 2
+    # the loss took the capped weights: -(1 * (0.5 + 1 + 2 + 1 + 1 + 1) - 1 * (5 * 1 + 2)) over 12 tokens
+    assert step.loss == pytest.approx(0.5 / 12, rel=1e-4)

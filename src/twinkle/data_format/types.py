@@ -76,6 +76,8 @@ class ModelOutput:
     num_tokens: int = 0
     logits: Any = None
     logps: Any = None
+    #: A critic's value of each position ``[batch, seq]`` (an adapter with a value head; else None).
+    values: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:

@@ -40,6 +40,9 @@ class Loss:
     switched off (0 where the label is ignored), unless the caller passed ``ref_logps=``."""
 
     needs_reference: bool = False
+    #: A loss that sets ``needs_values`` reads ``outputs['values']`` ``[batch, seq]``: it trains a
+    #: critic, an adapter with a value head (``add_adapter_to_model(..., value_head=True)``).
+    needs_values: bool = False
 
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **kwargs: Any) -> LossOutput:
         raise NotImplementedError

@@ -9,7 +9,19 @@ All of them read the same loss inputs, given per sequence in the order of the ba
   ``[batch, seq]`` tensor). ``None`` means on-policy: the current log-probabilities, detached,
   so every ratio is 1 and the gradient is REINFORCE's ``-A * grad log p``;
 - ``ref_logps``: the reference model's log-probabilities, for the KL penalty (``beta > 0``).
-  Leave it out to get the base model's from the model (the adapter switched off).
+  Leave it out to get the base model's from the model (the adapter switched off);
+- ``proximal_logps`` (with ``rollout_correction`` only): the trainer's own log-probabilities
+  under its "old" policy, the weights before this step's updates (PPO's later epochs: compute
+  them with ``forward_only`` at the start of the step). Without them the old policy is the
+  current one, detached (the first epoch).
+
+Rollout correction (``rollout_correction=RolloutCorrection(...)``, see ``twinkle.loss.rl``): the
+sampler is not the trainer (another kernel, precision or weight version), so its tokens are
+off-policy. With it, the clipped ratio is taken against the trainer's old policy,
+``r = exp(logp - logp_old)``, and each token's term is multiplied by the detached importance
+weight ``w = exp(logp_old - old_logp)`` between that policy and the sampler, truncated (TIS) or
+masked (MIS): the decoupled objective of Yao et al. 2025 and verl's ``rollout_is``. Without it,
+``r = exp(logp - old_logp)`` is taken against the sampler directly.
 
 The loss is a sum with a count (see ``twinkle.loss.base``); ``loss_type`` picks what the count
 is, which is how these papers mainly differ:
@@ -25,12 +37,21 @@ is, which is how these papers mainly differ:
 ====================  ==================================  ==========================
 
 Sequences without a trained token are not counted.
+
+Metrics, whenever the sampler's ``old_logps`` are given (sums; ``GRPOMetric`` turns them into
+means over ``sampled_tokens``): ``kl_sample_train_v1`` (sum of ``old_logp - logp``) and
+``kl_sample_train_v2`` (sum of ``(old_logp - logp)^2 / 2``), tinker-cookbook's first and second
+order estimates of KL(sampler || trainer) (``tinker_cookbook.rl.metrics.compute_kl_sample_train``);
+the importance weights ``w`` before truncating or masking: ``is_weight`` and ``is_weight_sq``
+(sums) and ``is_weight_min``, ``is_weight_max`` (extremes), at the correction's level (token
+level without a correction); and, with a correction, ``is_truncated`` or ``is_masked``: the
+tokens whose weight was capped, or that were dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, cast
 
 import torch
@@ -40,6 +61,8 @@ from twinkle.errors import ConfigurationError, DataError, StateError, one_of
 from twinkle.loss.base import LOSSES, Loss, LossOutput
 from twinkle.loss.rl import (
     LOG_RATIO_LIMIT,
+    RolloutCorrection,
+    RolloutWeights,
     check_loss_kwargs,
     is_finite_number,
     reference_logps,
@@ -56,12 +79,16 @@ class PolicyBatch:
     """One micro-batch laid out on the ``[B, S]`` grid (0 outside ``mask``)."""
 
     logps: torch.Tensor  # current policy, with grad
-    old_logps: torch.Tensor  # sampler (behaviour policy), no grad
+    old_logps: torch.Tensor  # the ratio's anchor, no grad: the sampler, or the trainer's old policy (correction)
     advantages: torch.Tensor
     ref_logps: torch.Tensor | None
-    mask: torch.Tensor  # bool, trained positions
+    mask: torch.Tensor  # bool, trained positions (less the masked ones, with a masking correction)
     seq_index: torch.Tensor  # long, sequence of each position
     counts: torch.Tensor  # [N] trained positions per sequence
+    #: The sampler's metrics (kl_sample_train_*, is_weight*), when its logps were given.
+    sampler_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: The factor of each token's term (the rollout correction's weight), or None.
+    weights: torch.Tensor | None = None
 
 
 @LOSSES.register
@@ -82,13 +109,19 @@ class GRPOLoss(Loss):
     ``num_items = 4``, i.e. -0.5; with ``'grpo'`` each sequence's token mean is ``-A``, so
     ``loss = -(1 - 1) = 0`` over 2 sequences.
 
+    ``rollout_correction`` (a ``RolloutCorrection`` or a dict of its fields; ``None``: none)
+    multiplies the term above by the truncated or masked importance weight between the
+    trainer's old policy and the sampler, and then takes ``r`` against that old policy (module
+    docstring). The KL term is not reweighted.
+
     ``metrics``: ``tokens``, ``sequences``, ``clipped`` (tokens whose clip is active:
     ``r < 1 - epsilon`` with ``A < 0`` or ``r > 1 + epsilon_high`` with ``A > 0``), ``ratio``
     (sum of ``r``), ``entropy`` (sum of the policy's entropy), ``kl`` (sum of KL, when a
-    reference is at hand). ``GRPOMetric`` turns them into per-token means.
+    reference is at hand), and the sampler's figures (module docstring). ``GRPOMetric`` turns
+    them into per-token means.
     """
 
-    loss_inputs = ('advantages', 'old_logps', 'ref_logps')
+    loss_inputs = ('advantages', 'old_logps', 'ref_logps', 'proximal_logps')
     #: The ``loss_type`` when none is given: the aggregation of the paper a class is named for.
     default_loss_type: ClassVar[LossType] = 'grpo'
 
@@ -100,6 +133,7 @@ class GRPOLoss(Loss):
         loss_type: LossType | None = None,
         max_completion_length: int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        rollout_correction: RolloutCorrection | Mapping[str, Any] | None = None,
     ):
         loss_type = self.default_loss_type if loss_type is None else loss_type
         self.epsilon = _positive(f'{type(self).__name__} epsilon', epsilon)
@@ -115,6 +149,7 @@ class GRPOLoss(Loss):
         self.loss_type = loss_type
         self.max_completion_length = max_completion_length
         self.ignore_index = ignore_index
+        self.rollout_correction = RolloutCorrection.of(rollout_correction)
 
     @property
     def needs_reference(self) -> bool:  # type: ignore[override]
@@ -123,12 +158,15 @@ class GRPOLoss(Loss):
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **kwargs: Any) -> LossOutput:
         batch = self.prepare(inputs, outputs, kwargs)
         term_BS, ratio_BS, clipped_BS = self.policy_term(batch)
+        if batch.weights is not None:
+            term_BS = term_BS * batch.weights
         metrics = {
             'tokens': batch.mask.sum(),
             'sequences': (batch.counts > 0).sum(),
             'clipped': (clipped_BS & batch.mask).sum(),
             'ratio': (ratio_BS.detach() * batch.mask).sum(),
             'entropy': token_entropy(outputs['logits'], batch.mask).sum(),
+            **batch.sampler_metrics,
         }
         if batch.ref_logps is not None:
             kl_BS = _k3(batch.ref_logps, batch.logps) * batch.mask
@@ -146,8 +184,16 @@ class GRPOLoss(Loss):
             raise DataError(f'{name} needs advantages=: one number per sequence (or per completion token)')
         grid = token_grid(inputs, outputs['logits'], self.ignore_index)
         advantages_BS = grid.align(kwargs['advantages'], 'advantages')
-        old = kwargs.get('old_logps')
-        old_BS = grid.logps.detach() if old is None else grid.align(old, 'old_logps', allow_scalar=False)
+        sampler = kwargs.get('old_logps')
+        sampler_BS = None if sampler is None else grid.align(sampler, 'old_logps', allow_scalar=False)
+        proximal = kwargs.get('proximal_logps')
+        if proximal is not None and self.rollout_correction is None:
+            raise ConfigurationError(
+                f"{name} got proximal_logps= but has no rollout_correction: the trainer's old log-probs are "
+                'read only to correct for the sampler; set rollout_correction=RolloutCorrection(...)'
+            )
+        current_BS = grid.logps.detach()
+        old_BS = current_BS if proximal is None else grid.align(proximal, 'proximal_logps', allow_scalar=False)
         ref = reference_logps(kwargs, outputs)
         if ref is None and self.needs_reference:
             raise StateError(
@@ -155,7 +201,19 @@ class GRPOLoss(Loss):
                 'the base model with the adapter off) or pass ref_logps='
             )
         ref_BS = None if ref is None else grid.align(ref, 'ref_logps', allow_scalar=False)
-        return PolicyBatch(grid.logps, old_BS, advantages_BS, ref_BS, grid.mask, grid.seq_index, grid.counts)
+        batch = PolicyBatch(grid.logps, old_BS, advantages_BS, ref_BS, grid.mask, grid.seq_index, grid.counts)
+        if sampler_BS is None:
+            return batch
+        if self.rollout_correction is None:  # the ratio's anchor is the sampler; w is only reported
+            batch.old_logps = sampler_BS
+            raw_BS = (current_BS - sampler_BS).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp() * grid.mask
+            batch.sampler_metrics = sampler_metrics(current_BS, sampler_BS, raw_BS, grid.mask)
+            return batch
+        correction = self.rollout_correction
+        weights = correction.weights(old_BS - sampler_BS, grid.mask, grid.seq_index, grid.counts)
+        batch.sampler_metrics = sampler_metrics(current_BS, sampler_BS, weights.raw, grid.mask)
+        batch.sampler_metrics['is_truncated' if correction.mode == 'truncate' else 'is_masked'] = weights.cut.sum()
+        return _corrected(batch, weights)
 
     def policy_term(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token loss (before the KL term), the importance ratio, and where the clip bites."""
@@ -195,8 +253,9 @@ class DRGRPOLoss(GRPOLoss):
         epsilon_high: float | None = None,
         beta: float = 0.0,
         ignore_index: int = IGNORE_INDEX,
+        rollout_correction: RolloutCorrection | Mapping[str, Any] | None = None,
     ):
-        super().__init__(epsilon, epsilon_high, beta, 'drgrpo', max_completion_length, ignore_index)
+        super().__init__(epsilon, epsilon_high, beta, 'drgrpo', max_completion_length, ignore_index, rollout_correction)
 
 
 @LOSSES.register
@@ -220,8 +279,9 @@ class GSPOLoss(GRPOLoss):
         epsilon_high: float | None = 4e-4,
         beta: float = 0.0,
         ignore_index: int = IGNORE_INDEX,
+        rollout_correction: RolloutCorrection | Mapping[str, Any] | None = None,
     ):
-        super().__init__(epsilon, epsilon_high, beta, 'grpo', None, ignore_index)
+        super().__init__(epsilon, epsilon_high, beta, 'grpo', None, ignore_index, rollout_correction)
 
     def policy_term(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_sequences = batch.counts.shape[0]
@@ -258,13 +318,13 @@ class CISPOLoss(GRPOLoss):
         loss_type: LossType | None = None,
         max_completion_length: int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        rollout_correction: RolloutCorrection | Mapping[str, Any] | None = None,
     ):
         epsilon_high = _positive('CISPOLoss epsilon_high', epsilon_high)
         # None: no lower bound on the weight. epsilon = 1 puts the bound at 0, which a ratio (an
         # exp) never goes below, so the weight is not clipped from below.
-        super().__init__(
-            1.0 if epsilon is None else epsilon, epsilon_high, beta, loss_type, max_completion_length, ignore_index
-        )
+        lower = 1.0 if epsilon is None else epsilon
+        super().__init__(lower, epsilon_high, beta, loss_type, max_completion_length, ignore_index, rollout_correction)
 
     def policy_term(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         log_ratio_BS = (batch.logps - batch.old_logps).detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
@@ -303,6 +363,36 @@ def _fixed_length(term_BS: torch.Tensor, batch: PolicyBatch, max_len: int | None
 
 
 _AGGREGATIONS: dict[str, Aggregation] = {'grpo': _sequence_mean, 'token_mean': _token_mean, 'drgrpo': _fixed_length}
+
+
+# ---- rollout correction -------------------------------------------------------------------------
+def sampler_metrics(
+    logps_BS: torch.Tensor, sampler_BS: torch.Tensor, weights_BS: torch.Tensor, mask_BS: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The sampler-vs-trainer figures of the module docstring, as sums and extremes over the
+    trained positions ``mask``: ``logps`` the trainer's (detached), ``sampler`` the sampler's,
+    ``weights`` the importance weights before truncating or masking."""
+    diff_BS = (sampler_BS - logps_BS.detach()) * mask_BS
+    inf = torch.tensor(float('inf'), device=weights_BS.device)
+    return {
+        'sampled_tokens': mask_BS.sum(),
+        'kl_sample_train_v1': diff_BS.sum(),
+        'kl_sample_train_v2': 0.5 * diff_BS.square().sum(),
+        'is_weight': weights_BS.sum(),
+        'is_weight_sq': weights_BS.square().sum(),
+        'is_weight_min': torch.where(mask_BS, weights_BS, inf).amin(),
+        'is_weight_max': torch.where(mask_BS, weights_BS, -inf).amax(),
+    }
+
+
+def _corrected(batch: PolicyBatch, weights: RolloutWeights) -> PolicyBatch:
+    """``batch`` with the correction's weights, and without the positions it masked."""
+    batch.weights = weights.applied
+    batch.mask = weights.keep
+    batch.counts = torch.zeros_like(batch.counts).index_add_(
+        0, batch.seq_index.reshape(-1), batch.mask.reshape(-1).long()
+    )
+    return batch
 
 
 # ---- helpers ------------------------------------------------------------------------------------

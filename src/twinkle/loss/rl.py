@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 import torch
 
 from twinkle.data_format import IGNORE_INDEX
-from twinkle.errors import ConfigurationError, DataError
+from twinkle.errors import ConfigurationError, DataError, one_of
 
 #: Log-ratios are clamped to this range before ``exp``: a ratio of e^20 is already meaningless
 #: and an overflow to ``inf`` would turn the loss into NaN.
@@ -215,6 +215,136 @@ def check_loss_kwargs(loss_name: str, kwargs: dict[str, Any], accepted: Sequence
 def is_finite_number(value: object) -> TypeGuard[int | float]:
     """A real ``int`` or ``float`` (not a bool), neither NaN nor infinite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ---- rollout correction -------------------------------------------------------------------------
+RolloutLevel = Literal['token', 'sequence', 'geometric']
+RolloutMode = Literal['truncate', 'mask']
+_LEVELS = ('token', 'sequence', 'geometric')
+_MODES = ('truncate', 'mask')
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """Importance sampling between the sampler (the behaviour policy) and the trainer: the
+    "rollout correction" of Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training" (fengyao.notion.site/off-policy-rl), and verl's ``rollout_is`` /
+    ``rollout_rs``. A sampler (vLLM, other kernels, other precision, an older weight version)
+    does not give the trainer's probabilities, so its tokens are off-policy; the weight ::
+
+        w = pi_old(y) / pi_sampler(y) = exp(logp_old - logp_sampler)
+
+    reweights each token's term. ``logp_old`` is the trainer's "old" policy: ``proximal_logps``
+    when the caller gives them (the policy before this step's updates, PPO epochs after the
+    first), else the current log-probs detached (the first, on-policy epoch). Per ``level``:
+
+    - ``'token'``: one weight per token, ``w_t = exp(logp_old_t - logp_sampler_t)``;
+    - ``'sequence'``: the product of the sequence's token weights (the exact sequence IS weight,
+      ``exp(sum_t ...)``), given to each of its tokens;
+    - ``'geometric'``: their geometric mean, ``exp(mean_t ...)``: length-independent, so one
+      threshold suits short and long sequences (verl's ``rollout_rs='geometric'``).
+
+    and per ``mode``:
+
+    - ``'truncate'`` (TIS): ``min(w, threshold)``, detached, multiplies the token's loss term;
+    - ``'mask'`` (MIS): ``w`` multiplies the term where ``threshold_low <= w <= threshold``; a token
+      (at ``'sequence'``/``'geometric'`` level: the whole sequence) outside leaves the batch: it
+      adds nothing to the loss nor to ``num_items``. ``threshold_low`` defaults to ``1 / threshold``.
+
+    Log-ratios are clamped to +-``LOG_RATIO_LIMIT`` before ``exp``. A weight of 1 (sampler and
+    trainer agree) is always in range, so with equal log-probs the loss is the uncorrected one.
+
+    >>> RolloutCorrection(level='token', mode='mask', threshold=2.0).bounds()
+    (0.5, 2.0)
+    """
+
+    level: RolloutLevel = 'token'
+    mode: RolloutMode = 'truncate'
+    #: The largest weight kept (mask) or the cap (truncate); >= 1.
+    threshold: float = 2.0
+    #: The smallest weight kept, mask mode only; in [0, 1], default ``1 / threshold``.
+    threshold_low: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.level not in _LEVELS:
+            raise one_of('RolloutCorrection level', self.level, _LEVELS)
+        if self.mode not in _MODES:
+            raise one_of('RolloutCorrection mode', self.mode, _MODES)
+        if not is_finite_number(self.threshold) or self.threshold < 1:
+            raise ConfigurationError(
+                f'RolloutCorrection threshold must be a finite number >= 1 (a weight of 1, on-policy, must be '
+                f'kept); got {self.threshold!r}'
+            )
+        if self.threshold_low is None:
+            return
+        if self.mode == 'truncate':
+            raise ConfigurationError(
+                f"RolloutCorrection threshold_low={self.threshold_low!r} bounds mode='mask' only; "
+                "mode='truncate' caps the weight at threshold"
+            )
+        if not is_finite_number(self.threshold_low) or not 0 <= self.threshold_low <= 1:
+            raise ConfigurationError(
+                f'RolloutCorrection threshold_low must be a number in [0, 1] (a weight of 1 must be kept); '
+                f'got {self.threshold_low!r}'
+            )
+
+    @classmethod
+    def of(cls, value: RolloutCorrection | Mapping[str, Any] | None) -> RolloutCorrection | None:
+        """A ``RolloutCorrection`` from itself, its fields as a mapping (a loss set over the wire),
+        or ``None`` (no correction)."""
+        if value is None or isinstance(value, RolloutCorrection):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigurationError(
+                f'rollout_correction must be a RolloutCorrection, a dict of its fields or None; '
+                f'got {type(value).__name__}'
+            )
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ConfigurationError(f'RolloutCorrection got unknown fields {unknown}; its fields are {names}')
+        return cls(**value)
+
+    def bounds(self) -> tuple[float, float]:
+        """The range of weights a token keeps: ``(0, threshold)`` when truncating (nothing is
+        dropped), ``(threshold_low, threshold)`` when masking."""
+        if self.mode == 'truncate':
+            return 0.0, float(self.threshold)
+        low = 1.0 / self.threshold if self.threshold_low is None else self.threshold_low
+        return float(low), float(self.threshold)
+
+    def weights(
+        self, log_ratio_BS: torch.Tensor, mask_BS: torch.Tensor, seq_index_BS: torch.Tensor, counts_N: torch.Tensor
+    ) -> RolloutWeights:
+        """The weights of ``log_ratio = logp_old - logp_sampler`` on the trained positions
+        ``mask`` (``seq_index`` and ``counts`` as ``TokenGrid``'s)."""
+        log_ratio_BS = log_ratio_BS.detach() * mask_BS
+        if self.level != 'token':
+            seq_N = sequence_sum(log_ratio_BS, seq_index_BS, counts_N.shape[0])
+            if self.level == 'geometric':
+                seq_N = seq_N / counts_N.clamp(min=1)
+            log_ratio_BS = seq_N[seq_index_BS] * mask_BS
+        raw_BS = log_ratio_BS.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp() * mask_BS
+        low, high = self.bounds()
+        if self.mode == 'truncate':
+            return RolloutWeights(raw_BS, raw_BS.clamp(max=high), mask_BS, (raw_BS > high) & mask_BS)
+        keep_BS = (raw_BS >= low) & (raw_BS <= high) & mask_BS
+        return RolloutWeights(raw_BS, torch.where(keep_BS, raw_BS, 0.0), keep_BS, mask_BS & ~keep_BS)
+
+
+@dataclass(frozen=True)
+class RolloutWeights:
+    """What ``RolloutCorrection.weights`` gives, on the ``[B, S]`` grid, all detached."""
+
+    #: ``exp(logp_old - logp_sampler)`` at the correction's level, before truncating or masking
+    #: (0 outside the trained positions).
+    raw: torch.Tensor
+    #: The factor each token's loss term takes (0 where masked).
+    applied: torch.Tensor
+    #: The trained positions that stay in the batch (all of them when truncating).
+    keep: torch.Tensor
+    #: Trained positions whose weight was truncated (truncate) or that were dropped (mask).
+    cut: torch.Tensor
 
 
 # ---- helpers ------------------------------------------------------------------------------------

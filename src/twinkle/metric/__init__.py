@@ -1,4 +1,5 @@
-"""Metrics: loss, token accuracy, learning rate, gradient norm, throughput, experts' load."""
+"""Metrics: loss, token accuracy, learning rate, gradient norm, throughput, experts' load, RL
+statistics and the staleness of sampled data."""
 
 from twinkle.metric.base import METRICS, Metric
 from twinkle.metric.completion import CompletionRewardMetric
@@ -14,6 +15,7 @@ from twinkle.metric.sinks import (
     WandbSink,
     add_sink_arguments,
 )
+from twinkle.metric.staleness import StalenessMetric
 from twinkle.metric.train import TrainMetric
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     'Metric',
     'MetricSink',
     'MetricWriter',
+    'StalenessMetric',
     'TensorBoardSink',
     'TrainMetric',
     'WandbSink',

@@ -20,6 +20,7 @@ from twinkle.errors import CheckpointError, ConfigurationError
 from twinkle.model import checkpoint as ckpt
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.train_group import BOUNDARY_OPERATIONS, FULL, TrainGroup, Window
+from twinkle.model.value_head import load_value_head, save_value_head
 
 #: The trainer state ``resume_from_checkpoint`` returns.
 RESUMED_COUNTERS = ('cur_step', 'optim_step', 'consumed_train_samples', 'gradient_accumulation_steps')
@@ -97,6 +98,8 @@ class Checkpointer:
                 self.model.save_pretrained(str(staging), state_dict=save.weights, safe_serialization=True)
             else:
                 ckpt.save_adapter(self.model, group, self.model_id, staging, save.weights)
+                if group.value_head is not None:
+                    save_value_head(group.value_head, staging)
             tokenizer.save_pretrained(str(staging))
             ckpt.write_json(staging / ckpt.WEIGHTS_STEP, {'optim_step': group.optim_step})
             if save.save_optimizer:
@@ -160,6 +163,8 @@ class Checkpointer:
             raise ConfigurationError(
                 'to continue full-parameter training, build TransformersModel(model_id=<checkpoint dir>) instead'
             )
+        if group.value_head is not None:  # whole on every rank: the model's shards never hold it
+            load_value_head(group.value_head, directory)
         if not self.parallel.sharded:
             ckpt.load_adapter(self.model, group.name, directory)
             return

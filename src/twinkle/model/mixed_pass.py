@@ -63,7 +63,10 @@ def forward_backward_mixed(
             group.pending = (
                 None if part is None else Pending(*part, training=False, rows=len(rows), carried=carried(rows))
             )
-        return [_empty_output() if part is None else with_logps(part[1]['logits'], part[0]) for part in parts]
+        return [
+            _empty_output() if part is None else with_logps(part[1]['logits'], part[0], part[1].get('values'))
+            for part in parts
+        ]
     # Every loss first, then the metrics: a loss that raises leaves no adapter half-counted.
     losses = [
         None if part is None else runner.loss_value(group, *part, inputs)
@@ -172,16 +175,20 @@ def _forward(
     names = [groups[i].name for i in calls for _ in features[i]]
     batch = runner.collate(groups[calls[0]], flat)
     multi_lora.assign_rows(runner.model, names)
+    heads = [groups[i].value_head for i in calls]
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        outputs = runner.outputs(batch)
+        outputs = runner.outputs(batch, hidden_state=any(head is not None for head in heads))
     # split, not slices: a slice's backward would write into zeros the size of all the logits
     sizes = [len(features[i]) for i in calls]
     columns = {k: torch.split(v, sizes) for k, v in batch.items()}
     pieces = {k: torch.split(v, sizes, dim=1 if k == 'router_logits' else 0) for k, v in outputs.items()}
-    parts: list[Part | None] = [
-        ({k: v[j] for k, v in columns.items()}, {k: v[j] for k, v in pieces.items()}) if sizes[j] else None
-        for j in range(len(sizes))
-    ]
+    parts: list[Part | None] = []
+    for j, head in enumerate(heads):
+        part = {k: v[j] for k, v in pieces.items() if k != 'hidden_state'}
+        if head is not None and sizes[j]:
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                part['values'] = head(pieces['hidden_state'][j])
+        parts.append(({k: v[j] for k, v in columns.items()}, part) if sizes[j] else None)
     return parts, outputs['logits']
 
 

@@ -120,17 +120,22 @@ def label_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (labels != IGNORE_INDEX)
 
 
-def with_logps(logits: torch.Tensor, batch: Batch) -> ModelOutput:
-    """Logits plus the log-probability of each label token (0 where the label is ignored)."""
+def with_logps(logits: torch.Tensor, batch: Batch, values: torch.Tensor | None = None) -> ModelOutput:
+    """Logits plus the log-probability of each label token (0 where the label is ignored), and a
+    value head's values (detached) where the adapter has one."""
     labels = batch['labels']
     trained = int((labels != IGNORE_INDEX).sum())
-    return ModelOutput(logits=logits, logps=label_logps(logits, labels), num_tokens=trained)
+    detached = None if values is None else values.detach()
+    return ModelOutput(logits=logits, logps=label_logps(logits, labels), num_tokens=trained, values=detached)
 
 
 def accumulate(group: TrainGroup, batch: Batch, outputs: Outputs, loss: LossOutput, training: bool) -> None:
-    """Feed a loss to the group's training (or evaluation) metrics."""
+    """Feed a loss to the group's training (or evaluation) metrics, and a training loss's own
+    statistics to the step log (a server's run history records them per step)."""
     for metric in group.train_metrics if training else group.eval_metrics:
         metric.accumulate(inputs=batch, outputs=outputs, loss=loss)
+    if training:
+        group.step_log.on_loss(loss)
 
 
 def loss_sums(loss: LossOutput, batch: Batch, rows: int) -> torch.Tensor:

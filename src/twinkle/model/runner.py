@@ -149,18 +149,29 @@ class ModelRunner:
         self.prepare(training)
         batch = self.collate(group, rows)
         multi_lora.assign_rows(self.model, group.name if lora and group.name != FULL else None)
-        return batch, self.outputs(batch)
+        head = group.value_head if lora else None
+        outputs = self.outputs(batch, hidden_state=head is not None)
+        if head is not None:
+            outputs['values'] = head(outputs.pop('hidden_state'))
+        return batch, outputs
 
-    def outputs(self, batch: Batch, router_logits: bool = True) -> Outputs:
+    def outputs(self, batch: Batch, router_logits: bool = True, hidden_state: bool = False) -> Outputs:
         """The batch's ``logits`` and, on a mixture of experts, its ``router_logits`` per row
-        ([layers, rows, positions, experts]), through the adapters the rows are assigned to."""
+        ([layers, rows, positions, experts]), through the adapters the rows are assigned to;
+        with ``hidden_state``, the last hidden state too (``[rows, positions, hidden]``, for a value head)."""
         model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
+        extra = {'output_hidden_states': True} if hidden_state else {}
         with self._autocast(), router.replay_routing(self.model, batch.get('routed_experts')):
             if self.router is None or not router_logits:
-                logits: torch.Tensor = self.model(**model_inputs, use_cache=False).logits
-                return {'logits': logits}
-            out = self.model(**model_inputs, use_cache=False, output_router_logits=True)
-        return {'logits': out.logits, 'router_logits': router.per_row(out.router_logits, len(batch['input_ids']))}
+                out = self.model(**model_inputs, **extra, use_cache=False)
+                outputs = {'logits': out.logits}
+            else:
+                out = self.model(**model_inputs, **extra, use_cache=False, output_router_logits=True)
+                rows = len(batch['input_ids'])
+                outputs = {'logits': out.logits, 'router_logits': router.per_row(out.router_logits, rows)}
+        if hidden_state:
+            outputs['hidden_state'] = out.hidden_states[-1]
+        return outputs
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.mixed_precision == 'bf16':
@@ -183,7 +194,7 @@ class ModelRunner:
         and, when ``training``, ``backward``; its logits and label logprobs."""
         batch, outputs = self.run(group, features, training, lora)
         group.pending = Pending(batch, outputs, training, rows=len(features), carried=carried(features))
-        return with_logps(outputs['logits'], batch)
+        return with_logps(outputs['logits'], batch, outputs.get('values'))
 
     def calculate_loss(self, group: TrainGroup, loss_inputs: dict[str, object]) -> float:
         """The loss of the group's pending forward, fed to its metrics: its mean over the items

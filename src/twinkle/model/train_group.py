@@ -14,7 +14,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from twinkle.errors import CheckpointError, DataError
 from twinkle.loss import CrossEntropyLoss, Loss, LossOutput
-from twinkle.metric import Accuracy, LossMetric, Metric, TrainMetric
+from twinkle.metric import Accuracy, GRPOMetric, LossMetric, Metric, TrainMetric
+from twinkle.model.value_head import ValueHead
 from twinkle.processor import InputProcessor
 from twinkle.template import Template
 from twinkle.wire import RESERVED_FIGURES
@@ -49,6 +50,9 @@ class StepLog:
     grad_norm: float | None = None
     #: Figures the trainer logged for the coming step (``log``: rewards, say).
     logged: dict[str, float] = field(default_factory=dict)
+    #: The loss's own statistics over the step's calls (a policy loss's KL to the reference, clip
+    #: fraction, entropy, ``kl_sample_train_v1``/``v2``, importance weights), recorded with the step.
+    loss_stats: GRPOMetric = field(default_factory=GRPOMetric)
     steps: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=StepLog.MAX_STEPS))
 
     def log(self, figures: dict[str, float]) -> None:
@@ -70,8 +74,12 @@ class StepLog:
         self.loss_sum, self.calls = self.loss_sum + loss, self.calls + 1
         self.tokens, self.seconds = self.tokens + tokens, self.seconds + elapsed_s
 
+    def on_loss(self, loss: LossOutput) -> None:
+        self.loss_stats.add(loss.metrics)
+
     def on_step(self, step: int, lr: float | None, elapsed_s: float) -> None:
-        figures = {**self.logged, 'step': float(step)}
+        figures = {**self.loss_stats.calculate(), **self.logged, 'step': float(step)}
+        self.loss_stats.reset()
         if self.calls:
             figures['loss'] = self.loss_sum / self.calls
         if lr is not None:
@@ -94,7 +102,7 @@ class StepLog:
         ``Window`` keeps them)."""
         return {
             'loss_sum': self.loss_sum, 'calls': self.calls, 'tokens': self.tokens, 'seconds': self.seconds,
-            'grad_norm': self.grad_norm, 'logged': dict(self.logged),
+            'grad_norm': self.grad_norm, 'logged': dict(self.logged), 'loss_stats': self.loss_stats.state(),
         }  # fmt: skip
 
     def reopen(self, figures: Mapping[str, Any]) -> None:
@@ -104,6 +112,9 @@ class StepLog:
         norm = figures['grad_norm']
         self.grad_norm = None if norm is None else float(norm)
         self.logged = {str(name): float(value) for name, value in dict(figures['logged']).items()}
+        self.loss_stats.reset()
+        if 'loss_stats' in figures:  # windows saved before the step log kept them have none
+            self.loss_stats.merge(dict(figures['loss_stats']))
 
 
 @dataclass
@@ -150,6 +161,8 @@ class TrainGroup:
     params: list[torch.nn.Parameter]
     gradient_accumulation_steps: int = 1
     config: Any = None  # the adapter's PeftConfig; None for FULL
+    # A critic's scalar head (``value_head.py``): its parameters are among ``params``; None for a policy.
+    value_head: ValueHead | None = None
     optimizer: Optimizer | None = None
     scheduler: LRScheduler | None = None
     loss: Loss = field(default_factory=CrossEntropyLoss)

@@ -46,6 +46,7 @@ from twinkle.model.router import Router, model_router
 from twinkle.model.runner import ModelRunner
 from twinkle.model.stepping import Stepper, describe_optimizer
 from twinkle.model.train_group import FULL, TrainGroup
+from twinkle.model.value_head import has_saved_head, load_value_head, new_value_head
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 
@@ -177,12 +178,22 @@ class TransformersModel(TwinkleModel):
 
     # ---- adapters and components ---------------------------------------------------------------
     def add_adapter_to_model(
-        self, adapter_name: str, config_or_dir: LoraConfig | str, *, gradient_accumulation_steps: int = 1
+        self,
+        adapter_name: str,
+        config_or_dir: LoraConfig | str,
+        *,
+        gradient_accumulation_steps: int = 1,
+        value_head: bool = False,
     ) -> None:
         """Add a LoRA adapter named ``adapter_name``; from then on the base weights are frozen.
         ``config_or_dir`` is a peft ``LoraConfig``, or a saved adapter directory whose config and
         weights are loaded. The layers are this project's (``twinkle.model.multi_lora``): every
-        adapter stays in the model, and one forward pass can run each row through its own."""
+        adapter stays in the model, and one forward pass can run each row through its own.
+
+        ``value_head=True`` makes the adapter a critic (``twinkle.model.value_head``): a scalar
+        head on the last hidden state, trained, saved and loaded with it; its forwards return
+        ``values`` and it takes a value loss (``ValueLoss``). A directory saved from a critic
+        brings its head back whatever ``value_head`` says."""
         check_name(adapter_name)
         if adapter_name in self.groups:
             raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {self.adapter_names}')
@@ -194,19 +205,31 @@ class TransformersModel(TwinkleModel):
             config_or_dir = PeftConfig.from_pretrained(str(weights_dir))
         if not isinstance(config_or_dir, PeftConfig):
             raise ConfigurationError(f'expected a peft LoraConfig or an adapter directory; got {config_or_dir!r}')
+        value_head = value_head or (weights_dir is not None and has_saved_head(weights_dir))
+        if value_head and self.uses_fsdp:
+            raise ConfigurationError(
+                f'adapter {adapter_name!r}: a value head is not supported under FSDP2 sharding (the head lives '
+                'outside the sharded model); train the critic in one process or on a data-parallel mesh'
+            )
         multi_lora.add_adapter(self.model, adapter_name, multi_lora.spec_from_peft(config_or_dir, self.model))
         self.groups.pop(FULL, None)
         params = multi_lora.adapter_parameters(self.model, adapter_name)
+        head = new_value_head(self.model, self.device) if value_head else None
+        if head is not None:
+            params = [*params, *head.parameters()]
         group = TrainGroup(
             name=adapter_name,
             params=params,
             gradient_accumulation_steps=gradient_accumulation_steps,
             config=config_or_dir,
+            value_head=head,
         )
         self.groups[adapter_name] = self._runner.with_router_metric(group)
         if weights_dir is not None:
             try:
                 ckpt.load_adapter(self.model, adapter_name, weights_dir)
+                if head is not None:
+                    load_value_head(head, weights_dir)
             except BaseException:
                 self.remove_adapter(adapter_name)
                 raise
@@ -263,7 +286,16 @@ class TransformersModel(TwinkleModel):
         self._stepper.set_hyperparams(self.train_group(adapter_name), values)
 
     def set_loss(self, loss_cls: str | type[Loss] | Loss, *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        self.train_group(adapter_name).loss = LOSSES.build(loss_cls, Loss, **kwargs)
+        """The adapter's loss; a value loss (``needs_values``) only on an adapter with a value head."""
+        group = self.train_group(adapter_name)
+        loss = LOSSES.build(loss_cls, Loss, **kwargs)
+        if loss.needs_values and group.value_head is None:
+            raise ConfigurationError(
+                f'{type(loss).__name__} trains a value head, and adapter {group.name!r} has none; add the critic '
+                f'with add_adapter_to_model(name, lora_config, value_head=True). Adapters with a value head: '
+                f'{[name for name, g in self.groups.items() if g.value_head is not None]}'
+            )
+        group.loss = loss
 
     def set_template(
         self, template_cls: str | type[Template] | Template, *, adapter_name: str | None = None, **kwargs: Any
@@ -313,6 +345,19 @@ class TransformersModel(TwinkleModel):
         features = self._runner.features(group, inputs)
         with torch.no_grad():
             return self._runner.forward(group, features, training=False, lora=not disable_lora)
+
+    def forward_values(self, *, inputs: Inputs, adapter_name: str | None = None) -> torch.Tensor:
+        """A critic's values of ``inputs``, ``[batch, seq]`` float32 (evaluation mode, no gradient):
+        at position ``t`` the value of the state that chooses label ``t`` (``twinkle.model.value_head``).
+        ``ConfigurationError`` before any compute if the adapter has no value head."""
+        group = self.train_group(adapter_name)
+        if group.value_head is None:
+            raise ConfigurationError(
+                f'adapter {group.name!r} has no value head to compute values with; add the critic with '
+                'add_adapter_to_model(name, lora_config, value_head=True)'
+            )
+        values: torch.Tensor = self.forward_only(inputs=inputs, adapter_name=group.name).values
+        return values
 
     def calculate_loss(self, *, adapter_name: str | None = None, **loss_inputs: Any) -> float:
         """The loss of the last forward pass (its mean over the items the loss counts)."""

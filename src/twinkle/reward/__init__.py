@@ -3,5 +3,14 @@
 from twinkle.reward.base import REWARDS, Reward
 from twinkle.reward.format import FormatReward
 from twinkle.reward.gsm8k import GSM8KAccuracyReward, GSM8KFormatReward
+from twinkle.reward.overlong import OverlongPunishment, overlong_penalty
 
-__all__ = ['REWARDS', 'FormatReward', 'GSM8KAccuracyReward', 'GSM8KFormatReward', 'Reward']
+__all__ = [
+    'REWARDS',
+    'FormatReward',
+    'GSM8KAccuracyReward',
+    'GSM8KFormatReward',
+    'OverlongPunishment',
+    'Reward',
+    'overlong_penalty',
+]
