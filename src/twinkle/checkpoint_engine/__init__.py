@@ -1,5 +1,5 @@
 """Weight sync from a trainer to a sampler."""
 
-from twinkle.checkpoint_engine.manager import CheckpointEngineManager, SyncResult
+from twinkle.checkpoint_engine.manager import CheckpointEngineManager, StagedWeights, SyncResult
 
-__all__ = ['CheckpointEngineManager', 'SyncResult']
+__all__ = ['CheckpointEngineManager', 'StagedWeights', 'SyncResult']

@@ -39,6 +39,15 @@ class SyncResult:
 
 
 @dataclass
+class StagedWeights:
+    """A trainer's weights as of ``stage_weights``, waiting for ``apply_staged``."""
+
+    export: Any  # a WeightExport, or a reference to one in Ray's object store
+    version: int
+    seconds: float
+
+
+@dataclass
 class WeightExport:
     """What the trainer sends in one sync."""
 
@@ -51,6 +60,12 @@ class WeightExport:
     # The adapter's name and peft config ('adapter' mode).
     adapter_name: str | None = None
     config: Any = None
+
+    def copied(self) -> WeightExport:
+        """Its own copy of every tensor (an export holds views of the trainer's parameters)."""
+        base = {name: t.clone() for name, t in self.base.items()}
+        update = {name: t.clone() for name, t in self.update.items()}
+        return WeightExport(self.mode, base, update, self.adapter_name, self.config)
 
 
 class CheckpointEngineManager:
@@ -79,17 +94,38 @@ class CheckpointEngineManager:
         self._last_mode: str | None = None
 
     def sync_weights(self, merge_and_sync: bool = True, *, adapter_name: str | None = None) -> SyncResult:
+        """Export the trainer's weights and load them into the sampler, now."""
+        return self.apply_staged(self._stage(merge_and_sync, adapter_name, copy=False))
+
+    def stage_weights(self, merge_and_sync: bool = True, *, adapter_name: str | None = None) -> StagedWeights:
+        """The trainer's half of a sync: a snapshot of its weights as of now, numbered with the
+        next version, for ``apply_staged`` to load into the sampler later. The trainer may step
+        on meanwhile (an async loop stages after each step and lets the sampler's thread apply
+        between its generations): a local export is copied, a remote one is already a copy in
+        Ray's object store."""
+        return self._stage(merge_and_sync, adapter_name, copy=True)
+
+    def _stage(self, merge_and_sync: bool, adapter_name: str | None, copy: bool) -> StagedWeights:
         started = time.perf_counter()
         remote = isinstance(self.model, RemoteHandle)  # then the export travels: on the CPU, as any device reads it
         export = _run(self.model, export_weights, merge_and_sync, adapter_name, self._last_mode, remote, on_rank0=True)
-        mode, tensors, size = _run(self.sampler, apply_weights, export, self.version + 1)
-        self._last_mode = mode
+        if copy and isinstance(export, WeightExport):
+            export = export.copied()
         self.version += 1
+        return StagedWeights(export, self.version, time.perf_counter() - started)
+
+    def apply_staged(self, staged: StagedWeights) -> SyncResult:
+        """The sampler's half: load ``staged`` (from ``stage_weights``); the sampler's samples
+        then carry ``staged.version``."""
+        started = time.perf_counter()
+        mode, tensors, size = _run(self.sampler, apply_weights, staged.export, staged.version)
+        # Until a first apply, exports carry the base weights too (the sampler may have none of them).
+        self._last_mode = mode
         return SyncResult(
-            weight_version=self.version,
+            weight_version=staged.version,
             tensors=tensors,
             bytes=size,
-            seconds=time.perf_counter() - started,
+            seconds=staged.seconds + time.perf_counter() - started,
             mode=mode,
         )
 

@@ -114,7 +114,8 @@ class SampledSequence:
     tokens' logprobs. ``new_input_feature`` is the prompt plus this completion, encoded to train
     on (labels and ``completion_mask`` on the completion), with ``messages`` (the prompt's plus an
     assistant turn of ``decoded``) and the prompt's ``user_data`` for rewards. ``weight_version``
-    counts the weight syncs the sampler had received when it produced this sequence.
+    counts the weight syncs the sampler had received when it produced this sequence (the oldest
+    weights, when ``token_versions`` says the generation spanned an update).
     """
 
     stop_reason: StopReason
@@ -123,6 +124,9 @@ class SampledSequence:
     decoded: str
     new_input_feature: InputFeature
     weight_version: int = 0
+    #: Per token, the weight version that generated it, for a generation continued across a weight
+    #: update (``twinkle.rl.generate_partial``); ``None``: every token came from ``weight_version``.
+    token_versions: list[int] | None = None
 
     @property
     def token_logprobs(self) -> list[float]:

@@ -1,0 +1,276 @@
+"""Async RL: rollouts that overlap training, bounded staleness, partial rollouts, and the
+async GRPO recipe in one process, on Ray and against the service (two tenants at once)."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from twinkle.data_format import SamplingParams
+from twinkle.errors import ConfigurationError, StateError
+from twinkle.rl import AsyncRollouts, Session, generate_partial
+
+COOKBOOK = Path(__file__).resolve().parents[1] / 'cookbook'
+
+
+@pytest.fixture(scope='module')
+def recipe() -> Any:
+    sys.path.insert(0, str(COOKBOOK))
+    try:
+        import grpo_async
+
+        yield grpo_async
+    finally:
+        sys.path.remove(str(COOKBOOK))
+
+
+# ---- the bound, without a model ----------------------------------------------------------------
+def _versioned(session: Session) -> int:
+    with session.sampling() as version:
+        return version
+
+
+def test_max_staleness_0_plans_one_batch_at_a_time() -> None:
+    """k=0: the items of batch b start only after the trainer published step b's weights."""
+    seen: list[tuple[int, int]] = []
+    rollouts = AsyncRollouts(lambda s: seen.append((s.index, _versioned(s))) or s.index, batch_size=2, max_staleness=0)
+    with rollouts.running(5):
+        for step in range(3):
+            batch = rollouts.next_batch(timeout=30)
+            assert [item.staleness for item in batch] == [0, 0]
+            assert sorted(item.index for item in batch) == [2 * step, 2 * step + 1]
+            rollouts.publish(6 + step)
+    # Each item drew from the weights its batch trains on.
+    assert sorted(seen)[:6] == [(0, 5), (1, 5), (2, 6), (3, 6), (4, 7), (5, 7)]
+
+
+def _late_first_item(release: threading.Event) -> Any:
+    def produce(session: Session) -> int:
+        _versioned(session)
+        if session.index == 0:  # sampled at once, but arrives only when the test lets it
+            assert release.wait(30)
+        return session.index
+
+    return produce
+
+
+def test_a_sample_older_than_the_bound_never_trains() -> None:
+    """Item 0 is sampled at version 0 but arrives after two updates: staleness 2 > 1, dropped."""
+    release = threading.Event()
+    rollouts = AsyncRollouts(_late_first_item(release), batch_size=1, max_staleness=1, workers=2)
+    trained = []
+    with rollouts.running(0):
+        for step in range(4):
+            batch = rollouts.next_batch(timeout=30)
+            trained += [(item.index, item.version, item.staleness) for item in batch]
+            rollouts.publish(step + 1)
+            if step == 1:
+                release.set()
+    assert all(staleness <= 1 for _, _, staleness in trained)
+    assert 0 not in [index for index, _, _ in trained]
+    assert rollouts.stats.dropped == 1
+    assert rollouts.stats.metrics()['dropped_stale'] == 1.0
+
+
+def test_reweight_keeps_a_stale_sample_at_a_decayed_weight() -> None:
+    release = threading.Event()
+    rollouts = AsyncRollouts(
+        _late_first_item(release), batch_size=1, max_staleness=1, workers=2, stale='reweight', decay=0.5
+    )
+    items = []
+    with rollouts.running(0):
+        for step in range(4):
+            items += rollouts.next_batch(timeout=30)
+            rollouts.publish(step + 1)
+            if step == 1:
+                release.set()
+    late = next(item for item in items if item.index == 0)
+    assert (late.staleness, late.weight) == (2, 0.5)
+    assert all(item.weight == 1.0 for item in items if item.index != 0)
+    assert rollouts.stats.reweighted == 1 and rollouts.stats.dropped == 0
+
+
+def test_weights_are_applied_between_generations_never_during_one() -> None:
+    """A publish while a generation runs waits for it; the trainer does not."""
+    inside = threading.Event()
+    finish = threading.Event()
+    applied: list[bool] = []
+
+    def produce(session: Session) -> int:
+        with session.sampling() as version:
+            if session.index == 0:
+                inside.set()
+                assert finish.wait(30)
+            return version
+
+    rollouts = AsyncRollouts(produce, batch_size=1, max_staleness=1)
+    with rollouts.running(0):
+        assert inside.wait(30)
+        rollouts.publish(1, apply=lambda: applied.append(finish.is_set()))  # returns at once
+        assert applied == []
+        finish.set()
+        first = rollouts.next_batch(timeout=30)
+        second = rollouts.next_batch(timeout=30)
+    assert applied == [True]
+    assert (first[0].value, second[0].value) == (0, 1)
+
+
+def test_a_failing_produce_is_raised_in_the_trainer_thread() -> None:
+    def produce(session: Session) -> int:
+        raise ValueError('reward server down')
+
+    rollouts = AsyncRollouts(produce, batch_size=1)
+    with rollouts.running(0), pytest.raises(StateError, match='reward server down'):
+        rollouts.next_batch(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ('kwargs', 'message'),
+    [
+        ({'max_staleness': -1}, 'max_staleness must be an integer >= 0'),
+        ({'batch_size': 0}, 'batch_size must be an integer >= 1'),
+        ({'stale': 'ignore'}, "stale 'ignore'"),
+        ({'decay': 0.0}, r'decay must be in \(0, 1\]'),
+        ({'workers': 1.5}, 'workers must be an integer'),
+    ],
+)
+def test_bad_settings_are_refused_before_any_work(kwargs: dict[str, Any], message: str) -> None:
+    settings = {'batch_size': 2, **kwargs}
+    with pytest.raises(ConfigurationError, match=message):
+        AsyncRollouts(_versioned, **settings)
+
+
+# ---- partial rollouts on a real sampler ----------------------------------------------------------
+class _PausingSampler:
+    """Passes calls to a sampler; after the first, waits until the test has published weights."""
+
+    def __init__(self, sampler: Any, first_done: threading.Event, go_on: threading.Event):
+        self.sampler, self.first_done, self.go_on, self.calls = sampler, first_done, go_on, 0
+
+    def sample(self, inputs: Any, sampling_params: Any = None) -> Any:
+        responses = self.sampler.sample(inputs, sampling_params)
+        self.calls += 1
+        if self.calls == 1:
+            self.first_done.set()
+            assert self.go_on.wait(60)
+        return responses
+
+
+def test_a_partial_rollout_continues_on_the_new_weights(tiny_model_dir: str) -> None:
+    from peft import LoraConfig
+
+    from twinkle.checkpoint_engine import CheckpointEngineManager
+    from twinkle.model import TransformersModel
+    from twinkle.sampler import TorchSampler
+
+    torch.manual_seed(0)
+    model = TransformersModel(tiny_model_dir, device='cpu')
+    model.add_adapter_to_model('default', LoraConfig(r=4, lora_alpha=8, target_modules='all-linear'))
+    sampler = TorchSampler(tiny_model_dir, device='cpu')
+    manager = CheckpointEngineManager(model, sampler)
+    first_done, go_on = threading.Event(), threading.Event()
+    pausing = _PausingSampler(sampler, first_done, go_on)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3, num_samples=2, ignore_eos=True)
+    prompt = {'input_ids': [5, 17, 42, 9]}
+
+    def produce(session: Session) -> Any:
+        return generate_partial(pausing, session, [prompt], params, chunk_tokens=2)
+
+    rollouts = AsyncRollouts(produce, batch_size=1, max_staleness=2)
+    staged = manager.stage_weights(merge_and_sync=False)
+    with rollouts.running(staged.version, apply=lambda: manager.apply_staged(staged)):
+        assert first_done.wait(60)
+        with torch.no_grad():  # new weights, far from the old ones
+            for name, param in model.model.named_parameters():
+                if 'lora_B' in name:
+                    param.normal_(0.0, 0.3)
+        new = manager.stage_weights(merge_and_sync=False)
+        rollouts.publish(new.version, apply=lambda: manager.apply_staged(new))
+        go_on.set()
+        [item] = rollouts.next_batch(timeout=60)
+    responses = item.value
+    old_version, new_version = staged.version, new.version
+    assert item.version == old_version and item.staleness == new_version - old_version
+    for seq in responses[0].sequences:
+        assert seq.token_versions == [old_version] * 2 + [new_version] * 4
+        assert seq.weight_version == old_version
+        assert seq.new_input_feature['input_ids'] == prompt['input_ids'] + seq.tokens
+        # Score the whole sequence with the new weights (now in the sampler): the continued tokens'
+        # logprobs are the new weights', the first chunk's are not.
+        scored = sampler.sample(
+            [{'input_ids': prompt['input_ids'] + seq.tokens}],
+            SamplingParams(max_tokens=1, prompt_logprobs=True, temperature=1.0),
+        )[0].prompt_logprobs
+        new_logps = torch.tensor(scored[len(prompt['input_ids']) :])
+        drawn = torch.tensor(seq.token_logprobs)
+        torch.testing.assert_close(drawn[2:], new_logps[2:], atol=1e-4, rtol=0)
+        assert (drawn[:2] - new_logps[:2]).abs().max() > 1e-2
+
+
+# ---- the recipe: sync equals k=0, and the three runtimes ---------------------------------------
+def _run(recipe: Any, **overrides: Any) -> dict[str, Any]:
+    config = recipe.Config(steps=3, prompts_per_step=2, num_generations=4, **overrides)
+    return recipe.train(config)
+
+
+def test_max_staleness_0_gives_the_synchronous_loop_s_numbers(recipe: Any) -> None:
+    sync = _run(recipe, sync=True)['history']
+    zero = _run(recipe, max_staleness=0)['history']
+    for a, b in zip(sync, zero, strict=True):
+        for key in ('loss', 'total_reward', 'kl', 'entropy'):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+        assert b['staleness_max'] == 0
+
+
+def test_async_recipe_stays_within_its_bound_in_one_process(recipe: Any) -> None:
+    result = _run(recipe, max_staleness=1, partial_chunk=3)
+    assert all(record['staleness_max'] <= 1 for record in result['history'])
+    assert result['stats']['staleness/1'] > 0  # it did run ahead
+
+
+def test_async_recipe_on_ray_sampler_and_model_groups(recipe: Any) -> None:
+    result = _run(recipe, max_staleness=1, mode='ray')
+    assert all(record['staleness_max'] <= 1 for record in result['history'])
+    assert len(result['history']) == 3
+
+
+def test_two_tenants_async_loops_share_one_service_each_within_its_budget(recipe: Any, tiny_model_dir: str) -> None:
+    from twinkle.server.cli import BackgroundServer
+    from twinkle.server.config import ServerConfig
+    from twinkle.server.store import Store
+
+    with tempfile.TemporaryDirectory() as data_dir:
+        # A sampler group of its own: one tenant's sampling runs while the other's step trains.
+        sampler = {'ranks': 1, 'device': 'cpu'}
+        server_config = ServerConfig.build(base_model=tiny_model_dir, port=0, data_dir=data_dir, sampler=sampler)
+        with Store(server_config.db_path) as store:
+            keys = [store.tenants.add(name)[1] for name in ('alice', 'bob')]
+        results: dict[int, dict[str, Any]] = {}
+        errors: list[BaseException] = []
+        with BackgroundServer(server_config) as url:
+
+            def tenant(budget: int, key: str) -> None:
+                try:
+                    results[budget] = _run(
+                        recipe, max_staleness=budget, mode='server', url=url, api_key=key, sampler_group=True
+                    )
+                except BaseException as error:
+                    errors.append(error)
+
+            threads = [
+                threading.Thread(target=tenant, args=(budget, key)) for budget, key in zip((0, 2), keys, strict=True)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=300)
+        assert not errors, errors
+    assert all(record['staleness_max'] == 0 for record in results[0]['history'])
+    assert all(record['staleness_max'] <= 2 for record in results[2]['history'])
+    assert max(record['staleness_max'] for record in results[2]['history']) >= 1  # it used its budget
