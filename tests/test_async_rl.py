@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +61,31 @@ def _late_first_item(release: threading.Event) -> Any:
     return produce
 
 
+def _train_until_item_0_is_handled(rollouts: AsyncRollouts[int], release: threading.Event) -> list[Any]:
+    """Steps until item 0 (released after the second update) was dropped or trained: when it
+    arrives depends on the threads, so the number of steps does too (a step every 10 ms, 30 s at most)."""
+    items: list[Any] = []
+    deadline = time.monotonic() + 30
+    with rollouts.running(0):
+        step = 0
+        while not (rollouts.stats.dropped or any(item.index == 0 for item in items)):
+            assert time.monotonic() < deadline, 'item 0 never arrived'
+            items += rollouts.next_batch(timeout=30)
+            step += 1
+            rollouts.publish(step)
+            if step == 2:
+                release.set()
+            time.sleep(0.01)
+    return items
+
+
 def test_a_sample_older_than_the_bound_never_trains() -> None:
-    """Item 0 is sampled at version 0 but arrives after two updates: staleness 2 > 1, dropped."""
+    """Item 0 is sampled at version 0 but arrives after two updates or more: staler than 1, dropped."""
     release = threading.Event()
     rollouts = AsyncRollouts(_late_first_item(release), batch_size=1, max_staleness=1, workers=2)
-    trained = []
-    with rollouts.running(0):
-        for step in range(4):
-            batch = rollouts.next_batch(timeout=30)
-            trained += [(item.index, item.version, item.staleness) for item in batch]
-            rollouts.publish(step + 1)
-            if step == 1:
-                release.set()
-    assert all(staleness <= 1 for _, _, staleness in trained)
-    assert 0 not in [index for index, _, _ in trained]
+    items = _train_until_item_0_is_handled(rollouts, release)
+    assert all(item.staleness <= 1 for item in items)
+    assert 0 not in [item.index for item in items]
     assert rollouts.stats.dropped == 1
     assert rollouts.stats.metrics()['dropped_stale'] == 1.0
 
@@ -83,16 +95,11 @@ def test_reweight_keeps_a_stale_sample_at_a_decayed_weight() -> None:
     rollouts = AsyncRollouts(
         _late_first_item(release), batch_size=1, max_staleness=1, workers=2, stale='reweight', decay=0.5
     )
-    items = []
-    with rollouts.running(0):
-        for step in range(4):
-            items += rollouts.next_batch(timeout=30)
-            rollouts.publish(step + 1)
-            if step == 1:
-                release.set()
+    items = _train_until_item_0_is_handled(rollouts, release)
     late = next(item for item in items if item.index == 0)
-    assert (late.staleness, late.weight) == (2, 0.5)
-    assert all(item.weight == 1.0 for item in items if item.index != 0)
+    assert late.version == 0 and late.staleness >= 2
+    assert late.weight == 0.5 ** (late.staleness - 1)
+    assert all(item.weight == 1.0 and item.staleness <= 1 for item in items if item.index != 0)
     assert rollouts.stats.reweighted == 1 and rollouts.stats.dropped == 0
 
 
