@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from grpo_letter_words import ADAPTER, LetterWordsReward, prompt
+from grpo_letter_words import Config as LetterWordsConfig
 from peft import LoraConfig
 
 import twinkle
@@ -46,20 +47,11 @@ MODES = ('local', 'ray', 'server')
 
 
 @dataclass
-class Config:
+class Config(LetterWordsConfig):
+    """``grpo_letter_words``'s settings (the task, the model, the optimizer) and the async loop's."""
+
     steps: int = 60
-    prompts_per_step: int = 6
     prompts_per_call: int = 1  # prompts per sampler call (one rollout item); divides prompts_per_step
-    num_generations: int = 8
-    max_tokens: int = 8
-    target_words: int = 4
-    lr: float = 3e-3
-    lora_rank: int = 16
-    beta: float = 0.01
-    temperature: float = 1.0
-    seed: int = 0
-    letters: str = 's'
-    model: str = 'tiny-qwen3'
     max_staleness: int = 1
     stale: str = 'drop'  # 'drop' or 'reweight' for a group staler than the bound
     partial_chunk: int = 0  # > 0: generate in chunks of this many tokens, weights may change between them
@@ -73,7 +65,6 @@ class Config:
     url: str = ''  # --mode server: a running server to train on (with --api-key); else one starts here
     api_key: str = ''
     sampler_group: bool = False  # --mode server: the server samples on a process of its own (synced weights)
-    output: str = ''
 
 
 @dataclass
