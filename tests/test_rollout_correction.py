@@ -13,22 +13,12 @@ import math
 import pytest
 import torch
 
+# Vocabulary of 4, equal logits: every trained token has logp = -ln 4; 3 trained tokens, then 1.
+from test_rl_losses import LN4, two_sequences
+
 from twinkle.errors import ConfigurationError, DataError
 from twinkle.loss import CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss, PPOLoss, RolloutCorrection, token_logps
 from twinkle.metric import GRPOMetric, StalenessMetric
-
-LN4 = math.log(4)
-
-
-def two_sequences() -> tuple[dict, dict]:
-    # Sequence 0 trains 3 tokens, sequence 1 trains 1 (right-padded).
-    labels = torch.tensor([[-100, 1, 2, 0], [-100, 2, -100, -100]])
-    inputs = {
-        'labels': labels,
-        'position_ids': torch.tensor([[0, 1, 2, 3], [0, 1, 0, 0]]),
-        'attention_mask': torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
-    }
-    return inputs, {'logits': torch.zeros(2, 4, 4, requires_grad=True)}
 
 
 def sampler_for(weights: list[list[float]]) -> list[list[float]]:
