@@ -135,10 +135,12 @@ def test_the_global_batch_must_divide_over_the_data_ranks(monkeypatch):
         DataLoader(dataset, batch_size=3, device_mesh=mesh)
 
 
-def test_a_model_mesh_needs_its_processes_and_only_fsdp_dp_and_ep(tiny_model_dir):
+def test_a_model_mesh_needs_its_processes_and_only_fsdp_dp_ep_and_ulysses(tiny_model_dir):
     with pytest.raises(StateError, match='no process group is up: launch with torchrun --nproc_per_node=2'):
         TransformersModel(model_id=tiny_model_dir, device_mesh=DeviceMesh.from_sizes(dp_size=2, device_type='cpu'))
-    with pytest.raises(ConfigurationError, match=r"over \['fsdp', 'dp', 'ep'\] only; .* asks for \{'tp': 2\}"):
+    with pytest.raises(
+        ConfigurationError, match=r"over \['fsdp', 'dp', 'ep', 'ulysses'\] only; .* asks for \{'tp': 2\}"
+    ):
         TransformersModel(model_id=tiny_model_dir, device_mesh=DeviceMesh.from_sizes(tp_size=2, device_type='cpu'))
 
 

@@ -24,6 +24,11 @@ process up to float rounding.
   which gloo also supports), and the step divides by the global item count as above. On CPU it
   runs over gloo (torch 2.13: reduce-scatter and all-gather work there).
 
+- ``ulysses_size > 1`` (beside either): Ulysses sequence parallel. ``ulysses_size`` consecutive
+  data ranks share a data shard and each runs a slice of every sequence; attention swaps heads
+  and sequence by all-to-all (``twinkle.model.ulysses``). Losses, metrics and outputs are those of
+  the whole sequence on every rank of the group; its first rank counts them (``own_share``).
+
 - ``ep_size > 1`` (beside either): expert parallel. At load, each block of ``ep_size`` ranks
   splits every MoE layer's experts between its ranks and tokens travel to them by all-to-all
   (``twinkle.model.expert_parallel``); FSDP2 leaves those expert stacks alone. It trains
@@ -49,14 +54,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
+from twinkle.loss import LossOutput
 from twinkle.metric import Metric
 from twinkle.model import multi_lora
 from twinkle.model.expert_lora import EXPERT_PARAMETERS, MultiLoraExperts
 from twinkle.model.expert_parallel import expert_groups
 from twinkle.model.train_group import TrainGroup, Window
+from twinkle.model.ulysses import Ulysses
 
-# Mesh dimensions a TransformersModel can use; the others need tensor/pipeline/sequence parallel code.
-SUPPORTED_DIMS = ('fsdp', 'dp', 'ep')
+# Mesh dimensions a TransformersModel can use; the others need tensor/pipeline/context parallel code.
+SUPPORTED_DIMS = ('fsdp', 'dp', 'ep', 'ulysses')
 # Gradients are all-reduced in flat buckets of at most this many bytes (as DDP's default 25 MiB).
 BUCKET_BYTES = 25 * 2**20
 
@@ -73,8 +80,12 @@ class ModelParallel:
         self.prepared = False
         # Set by shard_base: adapters come after the sharding, whole on every rank.
         self.replicated_adapters = False
+        #: This rank's Ulysses group (``ulysses_size`` > 1), else None.
+        self.sequence: Ulysses | None = None
         if self.enabled:
             _check_mesh(self._mesh)
+            if self._mesh.ulysses_size > 1:
+                self.sequence = Ulysses(self._mesh)
 
     @property
     def _mesh(self) -> DeviceMesh:
@@ -111,6 +122,8 @@ class ModelParallel:
         kind = 'FSDP2' if self.fsdp else 'data parallel'
         if self.ep:
             kind += f', experts split over {self._mesh.ep_size} ranks,'
+        if self.sequence is not None:
+            kind += f', sequences split over {self.sequence.size} ranks (Ulysses),'
         return f'{kind} over {self.mesh!r}, rank {distributed.rank()}'
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -148,6 +161,22 @@ class ModelParallel:
                 f'ep_size={ep_size} splits the experts of a mixture of experts; {type(model).__name__} has no '
                 'fused experts: use dp_size or fsdp_size'
             )
+
+    def split_sequences(self, model: torch.nn.Module, moe: bool) -> None:
+        """Ulysses: route the model's attention through the all-to-all (``twinkle.model.ulysses``),
+        at load. Nothing to do without a ``ulysses`` size."""
+        if self.sequence is not None:
+            self.sequence.attach(model, moe)  # type: ignore[arg-type]  # a PreTrainedModel
+
+    @property
+    def row_share(self) -> float:
+        """1.0 where this rank counts its rows and tokens; 0.0 on a Ulysses group's other ranks
+        (they hold the same rows)."""
+        return 1.0 if self.sequence is None or self.sequence.lead else 0.0
+
+    def own_share(self, loss: LossOutput) -> LossOutput:
+        """The loss as this rank counts it (``Ulysses.own_share``; unchanged without Ulysses)."""
+        return loss if self.sequence is None else self.sequence.own_share(loss)
 
     def check_trainable(self, full: bool) -> None:
         """Expert parallel trains adapters: each rank holds a share of the experts' base weights."""
@@ -218,6 +247,12 @@ class ModelParallel:
             for metric, state in zip(metrics, others, strict=True):
                 if rank != me and state is not None:
                     metric.merge(state)
+
+    def clip_grad_norm_(self, params: list[torch.nn.Parameter], max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip the (reduced) gradients of ``params`` to ``max_norm``; their total norm before clipping.
+        Here torch's own: every rank holds whole gradients or FSDP2 shards (DTensors know their
+        whole); a layout whose ranks hold parts of one tensor adds its collective."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def norm_value(self, norm: torch.Tensor) -> float:
         """A gradient norm as a float (FSDP2's is a DTensor: the full value needs a collective)."""
@@ -340,7 +375,7 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     if extra:
         raise ConfigurationError(
             f'TransformersModel parallelises over {list(SUPPORTED_DIMS)} only; {mesh!r} also asks for {extra}: '
-            'build the mesh with fsdp_size, dp_size and ep_size'
+            'build the mesh with fsdp_size, dp_size, ep_size and ulysses_size'
         )
     if not distributed.is_initialized():
         raise StateError(

@@ -159,7 +159,12 @@ class ModelRunner:
         """The batch's ``logits`` and, on a mixture of experts, its ``router_logits`` per row
         ([layers, rows, positions, experts]), through the adapters the rows are assigned to;
         with ``hidden_state``, the last hidden state too (``[rows, positions, hidden]``, for a value head)."""
-        model_inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
+        model_inputs: dict[str, object] = {
+            k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch
+        }
+        sequence = self.parallel.sequence  # Ulysses: this rank runs its slice of the sequence
+        if sequence is not None:
+            model_inputs = sequence.split(batch, self.model.config)
         extra = {'output_hidden_states': True} if hidden_state else {}
         with self._autocast(), router.replay_routing(self.model, batch.get('routed_experts')):
             if self.router is None or not router_logits:
@@ -171,6 +176,8 @@ class ModelRunner:
                 outputs = {'logits': out.logits, 'router_logits': router.per_row(out.router_logits, rows)}
         if hidden_state:
             outputs['hidden_state'] = out.hidden_states[-1]
+        if sequence is not None:  # the whole sequence's, as one process has them
+            outputs = {key: sequence.gather(value, batch['input_ids'].shape[1]) for key, value in outputs.items()}
         return outputs
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
@@ -233,9 +240,10 @@ class ModelRunner:
             batch, outputs = self.run(group, rows, training=True)
             loss = self.loss_value(group, batch, outputs, chunk_inputs)
             check_finite(group, loss, self.parallel.sum_)  # before the metrics and the gradients see it
-            accumulate(group, batch, outputs, loss, training=True)
+            if self.parallel.row_share:  # a Ulysses group counts its metrics and rows once
+                accumulate(group, batch, outputs, loss, training=True)
             self.backward(group, loss)
-            sums.append(loss_sums(loss, batch, len(rows)))
+            sums.append(loss_sums(loss, batch, len(rows)) * self.parallel.row_share)
         call_sums = self.parallel.sum_(torch.stack(sums).sum(0)).tolist()
         return record_call(group, features, call_sums, time.perf_counter() - started)
 
@@ -245,7 +253,8 @@ class ModelRunner:
     ) -> LossOutput:
         """``loss_value``, fed to the group's training (or evaluation) metrics."""
         loss = self.loss_value(group, batch, outputs, loss_inputs)
-        accumulate(group, batch, outputs, loss, training)
+        if self.parallel.row_share:  # a Ulysses group counts its metrics once
+            accumulate(group, batch, outputs, loss, training)
         return loss
 
     def loss_value(
@@ -255,7 +264,8 @@ class ModelRunner:
         where the loss needs them and none were given), with the router's loss on a mixture of experts."""
         if group.loss.needs_reference and 'ref_logps' not in loss_inputs and group.name != FULL:
             outputs['ref_logps'] = self._reference_logps(batch)
-        return self._router_loss(batch, outputs, group.loss(batch, outputs, **loss_inputs))
+        loss = self._router_loss(batch, outputs, group.loss(batch, outputs, **loss_inputs))
+        return self.parallel.own_share(loss)
 
     def backward(self, group: TrainGroup, loss: LossOutput) -> None:
         """The loss's backward, its items added to what the group's step divides by."""

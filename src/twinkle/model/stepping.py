@@ -81,7 +81,7 @@ class Stepper:
             return None
         started = time.perf_counter()
         group.normalize_grads(self.parallel.reduce_gradients)
-        norm = torch.nn.utils.clip_grad_norm_(group.params, max_grad_norm, norm_type=norm_type)
+        norm = self.parallel.clip_grad_norm_(group.params, max_grad_norm, norm_type)
         return self._clipped(group, norm, time.perf_counter() - started)
 
     def step(self, group: TrainGroup) -> bool:

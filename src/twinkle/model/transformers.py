@@ -102,15 +102,27 @@ class TransformersModel(TwinkleModel):
         )
         self.model.to(device)  # type: ignore[arg-type]  # transformers wraps to() in functools.wraps: self is not bound
         self._parallel.shard_experts(self.model)
+        self._parallel.split_sequences(self.model, moe=model_router(self.model.config, None) is not None)
         if gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        moe_router = model_router(self.model.config, router_aux_loss_coef)
+        self._assemble(device, mixed_precision, moe_router, Checkpointer)
+
+    def _assemble(
+        self,
+        device: torch.device,
+        mixed_precision: Precision,
+        moe_router: Router | None,
+        checkpointer_cls: type[Checkpointer],
+    ) -> None:
+        """The parts behind the front, around ``self.model`` and ``self._parallel`` (set first):
+        the runner, the full-model group, the stepper and the checkpointer."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         #: Each adapter's training state by name (only ``FULL``, every weight, before any adapter).
         self.groups: dict[str, TrainGroup] = {}
-        moe_router = model_router(self.model.config, router_aux_loss_coef)
         self._runner = ModelRunner(
             self.model,
-            model_id,
+            self.model_id,
             self.groups,
             self._parallel,
             device=device,
@@ -119,7 +131,7 @@ class TransformersModel(TwinkleModel):
         )
         self.groups[FULL] = self._runner.with_router_metric(TrainGroup(name=FULL, params=params))
         self._stepper = Stepper(self._parallel)
-        self._checkpointer = Checkpointer(self.model, model_id, self._parallel, self._stepper.optimizer_ready)
+        self._checkpointer = checkpointer_cls(self.model, self.model_id, self._parallel, self._stepper.optimizer_ready)
         #: Most padded tokens one forward of a mixed pass holds: calls past it get forwards of
         #: their own (``mixed_pass.length_buckets``). None: no cap. See ``forward_token_cap``.
         self.mixed_forward_tokens: int | None = mixed_pass.forward_token_cap(device)
@@ -393,12 +405,19 @@ class TransformersModel(TwinkleModel):
         each adapter's forward pending, as ``forward_only`` does, for ``calculate_loss``. A call
         whose loss is NaN or infinite gets its ``DataError`` in place of its output, and nothing
         of it is accumulated (gradients, metrics, counters); the others train as they would alone."""
+        if self._parallel.sequence is not None:
+            raise ConfigurationError(
+                f'forward_backward_mixed is not supported with Ulysses sequence parallel (ulysses_size='
+                f'{self._parallel.sequence.size}): call forward_backward for each adapter'
+            )
         groups = [self.train_group(call.adapter_name) for call in calls]
         return mixed_pass.forward_backward_mixed(self._runner, groups, calls, forward_only, self.mixed_forward_tokens)
 
     def batch_key(self, adapter_name: str | None = None) -> mixed_pass.BatchKey | None:
         """Adapters whose keys are equal can share a ``forward_backward_mixed`` pass (the same
-        collation); None: this adapter's rows cannot be mixed with others (packed rows)."""
+        collation); None: this adapter's rows cannot be mixed with others (packed rows, Ulysses)."""
+        if self._parallel.sequence is not None:
+            return None
         return mixed_pass.batch_key(self._runner, self.train_group(adapter_name))
 
     # ---- optimizer ------------------------------------------------------------------------------
