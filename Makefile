@@ -7,7 +7,21 @@ VPY := $(VLLM_VENV)/bin/python
 # torch is pinned first so pip takes the CPU wheel instead of pulling CUDA packages.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup browser train grpo agent test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs
+# The Megatron tests' environment of its own. megatron-core 0.17 and later declare Python >= 3.12, for megatron.training
+# (typing.override); megatron.core, all twinkle imports, runs on 3.11 (tests/megatron). It is installed on the machine's
+# Python 3.11 with --ignore-requires-python because torch's CPU build lies on this machine's disk for 3.11 alone: PyPI's
+# Linux torch for 3.12 is the CUDA build, gigabytes of nvidia-* wheels that a CPU machine must not pull. Where PyTorch's
+# CPU index is reachable, MEGATRON_PYTHON=python3.12 with TORCH='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu'
+# builds the same environment on 3.12.
+MEGATRON_VENV ?= .venv-megatron
+MPY := $(MEGATRON_VENV)/bin/python
+MEGATRON_PYTHON ?= python3
+MEGATRON_CORE ?= megatron-core==0.19.2
+# megatron-core's pipeline schedules import triton unconditionally (transformer/moe/ops/paged_stash.py); torch 2.13's own pin.
+TRITON ?= triton==3.7.1
+
+.PHONY: setup browser train grpo agent test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs \
+	setup-megatron test-megatron bench-megatron
 
 setup: $(VENV)/.installed
 
@@ -77,6 +91,22 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 test-vllm: setup-vllm  ## vLLMSampler, the service sampling through vLLM and seed 002's loop, on vLLM's CPU build
 	$(VPY) -m pytest -q tests/vllm_engine
+
+setup-megatron: $(MEGATRON_VENV)/.installed
+
+$(MEGATRON_VENV)/.installed: pyproject.toml
+	test -x $(MPY) || $(MEGATRON_PYTHON) -m venv $(MEGATRON_VENV)
+	$(MPY) -m pip install -q --upgrade pip
+	$(MPY) -m pip install -q $(TORCH)
+	$(MPY) -m pip install -q -e '.[dev]' $(TRITON)
+	$(MPY) -m pip install -q --no-deps --ignore-requires-python $(MEGATRON_CORE)
+	touch $@
+
+test-megatron: setup-megatron  ## megatron-core on the CPU: Hugging Face <-> GPTModel conversion, tensor/pipeline/expert parallel over gloo
+	$(MPY) -m pytest -q tests/megatron
+
+bench-megatron: setup-megatron  ## megatron-core TP=2, PP=2, TP2xPP2 vs one process: losses, step time, parameters and optimizer state per rank
+	$(MPY) benchmarks/megatron_parallel.py
 
 bench-vllm: setup-vllm  ## vLLMSampler against raw vLLM (LLM.generate) and TorchSampler, with and without LoRA
 	$(VPY) benchmarks/vllm_sampler.py

@@ -1,5 +1,7 @@
 """Models: the methods a training loop calls, over a Hugging Face model with named adapters."""
 
+from typing import TYPE_CHECKING
+
 from twinkle.infra.ray import remote_class
 from twinkle.model.base import AdapterCall, StepCall, StepResult, TwinkleModel
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, CosineWarmupScheduler, LinearWarmupScheduler
@@ -18,12 +20,27 @@ remote_class(
     },
 )
 
+if TYPE_CHECKING:
+    from twinkle.model.megatron import MegatronModel
+
+
+def __getattr__(name: str) -> object:
+    """``MegatronModel`` on first use: ``twinkle.model.megatron`` (and, when a model is built,
+    megatron-core) loads only for the scripts that use it."""
+    if name == 'MegatronModel':
+        from twinkle.model.megatron import MegatronModel
+
+        return MegatronModel
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
 __all__ = [
     'OPTIMIZERS',
     'SCHEDULERS',
     'AdapterCall',
     'CosineWarmupScheduler',
     'LinearWarmupScheduler',
+    'MegatronModel',
     'StepCall',
     'StepResult',
     'TransformersModel',

@@ -1,0 +1,91 @@
+"""Checkpoints of a ``MegatronModel`` in Hugging Face's formats, whatever the layout.
+
+The weights are gathered whole (over tensor-parallel slices, pipeline stages and experts) and
+renamed to the Hugging Face model's names by ``convert`` (the full model) and ``lora`` (adapters,
+in peft's keys), so a checkpoint written at TP=2 loads on the Hugging Face model with plain
+peft, and on a ``MegatronModel`` of any layout. Rank 0 writes, atomically, as for
+``TransformersModel`` (``twinkle.model.checkpoint``).
+
+The optimizer state is each rank's own (moments of its slices): under tensor or pipeline
+parallel every rank's is gathered and kept by its coordinates, and a resume needs the same
+layout (``MegatronParallel.shard_optimizer_state`` checks it).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from twinkle.errors import CheckpointError, ConfigurationError, StateError
+from twinkle.model import checkpoint as ckpt
+from twinkle.model.checkpointer import Checkpointer, Tokenizer, _Save
+from twinkle.model.megatron import convert, lora
+from twinkle.model.train_group import FULL, TrainGroup
+
+
+class MegatronCheckpointer(Checkpointer):
+    """``Checkpointer`` with megatron's weights gathered and renamed to Hugging Face's."""
+
+    @property
+    def gpt(self) -> nn.Module:
+        """The megatron ``GPTModel`` behind the model's causal-LM front (``McoreCausalLM.gpt``)."""
+        gpt = self.model.gpt
+        if not isinstance(gpt, nn.Module):
+            raise StateError(f'MegatronCheckpointer saves a McoreCausalLM; got {type(self.model).__name__}')
+        return gpt
+
+    def save(
+        self, group: TrainGroup, destination: Path, tokenizer: Tokenizer, *, save_optimizer: bool, consumed: int | None
+    ) -> None:
+        gpt = self.gpt
+        weights = convert.export_hf_state_dict(gpt) if group.name == FULL else lora.peft_state_dict(gpt, group.name)
+        optimizer_state = None
+        if save_optimizer and group.optimizer is not None:
+            self.optimizer_ready(group)
+            optimizer_state = self.parallel.gather_optimizer_state(group.optimizer)
+        window = self.parallel.gather_window(group) if save_optimizer else None
+        save = _Save(weights, save_optimizer, consumed, optimizer_state, window)
+        self.parallel.on_main(lambda: self._write(group, destination, tokenizer, save))
+
+    def _write(self, group: TrainGroup, destination: Path, tokenizer: Tokenizer, save: _Save) -> None:
+        weights = {k: v.detach().cpu().contiguous() for k, v in (save.weights or {}).items()}
+        config = self.model.config
+        with ckpt.atomic_directory(destination) as staging:
+            if group.name == FULL:
+                save_file(weights, str(staging / 'model.safetensors'), metadata={'format': 'pt'})
+                config.save_pretrained(str(staging))
+            else:
+                save_file(weights, str(staging / ckpt.ADAPTER_WEIGHTS), metadata={'format': 'pt'})
+                adapter_config = copy.copy(group.config)
+                adapter_config.base_model_name_or_path = self.model_id
+                adapter_config.inference_mode = True
+                adapter_config.save_pretrained(str(staging))
+            tokenizer.save_pretrained(str(staging))
+            ckpt.write_json(staging / ckpt.WEIGHTS_STEP, {'optim_step': group.optim_step})
+            if save.save_optimizer:
+                ckpt.save_training_state(group, staging, save.consumed_train_samples, save.optimizer_state, save.window)
+
+    def _load_weights(self, group: TrainGroup, directory: Path) -> None:
+        if group.name == FULL:
+            raise ConfigurationError(
+                'to continue full-parameter training, build MegatronModel(model_id=<checkpoint dir>) instead'
+            )
+        self.load_adapter_weights(group, directory)
+
+    def load_adapter_weights(self, group: TrainGroup, directory: Path) -> None:
+        """An adapter's peft weights from ``directory`` into this rank's slices (every rank calls it)."""
+        path = directory / ckpt.ADAPTER_WEIGHTS
+        if not path.is_file():
+            raise CheckpointError(f'{directory} has no {ckpt.ADAPTER_WEIGHTS}: it is not an adapter checkpoint')
+        state: dict[str, Any] = load_file(str(path))
+        try:
+            lora.load_peft_state_dict(self.gpt, group.name, state)
+        except (ConfigurationError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f'{directory.name} does not fit adapter {group.name!r}: {e}') from e
+
+
+__all__ = ['MegatronCheckpointer']
