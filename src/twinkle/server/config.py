@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,6 +92,8 @@ class RaySettings(BaseModel):
 
 #: The dtypes the base weights may be held in ('auto': see ``ServerConfig.dtype``).
 Dtype = Literal['auto', 'bfloat16', 'float32']
+#: What trains a hosted model: ``TransformersModel`` or ``MegatronModel`` (``twinkle-train[megatron]``).
+Backend = Literal['transformers', 'megatron']
 
 
 def gpu_indices(device: str | None) -> list[int]:
@@ -102,6 +105,38 @@ def gpu_indices(device: str | None) -> list[int]:
         return [int(index) for index in device[len('cuda:') :].split(',')]
     except ValueError:
         raise ConfigurationError(f"device {device!r} must be 'cuda', 'cuda:<index>' or 'cuda:<i>,<j>,...'") from None
+
+
+def check_layout(model: ServerConfig | ModelSettings) -> None:
+    """A model group's ranks fit its backend's sizes: a multiple of ``tp_size * pp_size *
+    fsdp_size``; FSDP is the transformers backend's, tensor and pipeline parallel megatron's;
+    megatron samples only on a sampler group of its own. ``ConfigurationError`` (a ``ValueError``,
+    which pydantic reports as the config's error) names the sizes and what would fit."""
+    sizes = f'tp_size={model.tp_size}, pp_size={model.pp_size}, fsdp_size={model.fsdp_size}'
+    if model.backend == 'megatron' and model.fsdp_size > 1:
+        raise ConfigurationError(
+            f'backend: megatron has no FSDP (fsdp_size={model.fsdp_size}): split the {model.ranks} ranks with '
+            'tp_size and pp_size; the ranks left over are data parallel'
+        )
+    if model.backend == 'transformers' and (model.tp_size > 1 or model.pp_size > 1):
+        raise ConfigurationError(
+            f'tp_size={model.tp_size} and pp_size={model.pp_size} are for backend: megatron; the transformers '
+            'backend splits its ranks with fsdp_size (FSDP2) and data parallel'
+        )
+    per_replica = model.tp_size * model.pp_size * model.fsdp_size
+    if model.ranks % per_replica:
+        fits = ', '.join(str(per_replica * k) for k in range(1, 4))
+        raise ConfigurationError(
+            f'ranks={model.ranks} must be a multiple of tp_size * pp_size * fsdp_size = {per_replica} ({sizes}): '
+            f'ranks {fits}, ... fit'
+        )
+    sampler = model.sampler
+    if model.backend == 'megatron' and sampler is not None and not sampler.group:
+        raise ConfigurationError(
+            f'backend: megatron cannot sample beside the model (sampler: {{backend: {sampler.backend}, '
+            'group: false}): give the sampler a group of its own (sampler: {ranks: 1}), which samples the saved '
+            'weights'
+        )
 
 
 class SamplerSettings(BaseModel):
@@ -153,6 +188,9 @@ class ModelSettings(BaseModel):
     ray: RaySettings | None = None
     ranks: int = Field(1, ge=1)
     fsdp_size: int = Field(1, ge=1)
+    backend: Backend = 'transformers'
+    tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1)
     dtype: Dtype = 'auto'
     sampler: SamplerSettings | None = None
 
@@ -224,6 +262,18 @@ class ServerConfig(BaseModel):
     #: Of those ranks, how many shard the base model with FSDP2; the rest replicate it (data
     #: parallel): the mesh ``DeviceMesh.from_sizes(fsdp_size=fsdp_size, dp_size=ranks // fsdp_size)``.
     fsdp_size: int = Field(1, ge=1)
+    #: What trains the model: 'transformers' (``TransformersModel``: data parallel and FSDP2), or
+    #: 'megatron' (``MegatronModel`` on megatron-core, ``pip install 'twinkle-train[megatron]'``,
+    #: Python >= 3.12): its ``ranks`` split into ``tp_size`` (tensor parallel) x ``pp_size``
+    #: (pipeline stages) x data parallel, the mesh ``DeviceMesh.from_sizes(tp_size=..., pp_size=...,
+    #: dp_size=ranks // (tp_size * pp_size))``. Sampling then needs a sampler group of its own
+    #: (``sampler: {ranks: 1}``, or ``{backend: vllm}`` with a device): the model's worker has no
+    #: KV cache to sample with.
+    backend: Backend = 'transformers'
+    #: Tensor-parallel ranks of a megatron model (each holds a slice of every layer).
+    tp_size: int = Field(1, ge=1)
+    #: Pipeline stages of a megatron model (each holds a run of consecutive layers).
+    pp_size: int = Field(1, ge=1)
     #: The base weights' dtype: 'auto' is bfloat16 on a GPU that has it and float32 elsewhere.
     #: Each tenant's LoRA weights and optimizer state are float32 whatever the base.
     dtype: Dtype = 'auto'
@@ -245,8 +295,10 @@ class ServerConfig(BaseModel):
             raise ValueError(f'each base model is hosted once; {repeated} appear more than once')
         models: list[ServerConfig | ModelSettings] = [self, *self.more_models]
         for model in models:
-            if model.ranks % model.fsdp_size:
-                raise ValueError(f'ranks={model.ranks} must be a multiple of fsdp_size={model.fsdp_size}')
+            try:
+                check_layout(model)
+            except ConfigurationError as error:  # which of several models, when there are several
+                raise ValueError(f'{model.base_model}: {error}' if len(models) > 1 else str(error)) from None
             groups = [(model.device, model.ranks)]
             if model.sampler is not None and model.sampler.group:
                 groups.append((model.sampler.device, model.sampler.ranks))
@@ -261,7 +313,7 @@ class ServerConfig(BaseModel):
         ``base_model``, ``device`` and ``ray`` (and no ``more_models``)."""
         first = ModelSettings(
             base_model=self.base_model, device=self.device, ray=self.ray, ranks=self.ranks, fsdp_size=self.fsdp_size,
-            dtype=self.dtype, sampler=self.sampler,
+            backend=self.backend, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype, sampler=self.sampler,
         )  # fmt: skip
         return [
             self.model_copy(
@@ -297,6 +349,17 @@ class ServerConfig(BaseModel):
         except ValidationError as e:
             problems = '; '.join(f'{".".join(map(str, err["loc"]))}: {err["msg"]}' for err in e.errors())
             raise ConfigurationError(f'invalid server config: {problems}') from None
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """The ``DeviceMesh.from_sizes`` arguments of the model group: its ranks split into
+        ``fsdp_size`` x ``pp_size`` x ``tp_size`` and data parallel over the rest.
+
+        >>> ServerConfig(base_model='m', backend='megatron', ranks=4, tp_size=2).mesh_sizes()
+        {'fsdp_size': 1, 'pp_size': 1, 'tp_size': 2, 'dp_size': 2}
+        """
+        check_layout(self)
+        fixed = {'fsdp_size': self.fsdp_size, 'pp_size': self.pp_size, 'tp_size': self.tp_size}
+        return {**fixed, 'dp_size': self.ranks // math.prod(fixed.values())}
 
     @property
     def db_path(self) -> Path:

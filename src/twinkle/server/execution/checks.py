@@ -59,6 +59,8 @@ class RequestChecks:
         rank = lora.get('r', 8)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limits.max_lora_rank:
             raise ConfigurationError(f'LoRA rank r={rank!r} must be an integer in [1, {limits.max_lora_rank}]')
+        if self.config.backend == 'megatron':
+            check_megatron_targets(lora)
 
     def validate(self, operation: str, kwargs: JsonObject) -> None:
         """What the request's wire model (``twinkle.wire.OPERATIONS[operation]``, checked at the
@@ -158,6 +160,26 @@ _COMPONENT_SLOTS: dict[str, JsonObject] = {
     'scheduler_cls': {'optimizer': None},
     'template_cls': {'model_id': 'x'},
 }
+
+
+#: The Hugging Face projections megatron's LoRA adapts (``twinkle.model.megatron.lora.PROJECTIONS``),
+#: by their block: what Tinker's ``train_attn`` and ``train_mlp`` name on a megatron model.
+MEGATRON_PROJECTIONS = {
+    'attn': ['k_proj', 'o_proj', 'q_proj', 'v_proj'],
+    'mlp': ['down_proj', 'gate_proj', 'up_proj'],
+}
+
+
+def check_megatron_targets(lora: Mapping[str, Json]) -> None:
+    """LoRA on a megatron model reaches the attention and MLP projections, not the output head."""
+    targets = lora.get('target_modules')
+    if isinstance(targets, list) and 'lm_head' in targets:
+        accepted = MEGATRON_PROJECTIONS['attn'] + MEGATRON_PROJECTIONS['mlp']
+        raise ConfigurationError(
+            f'target_modules {targets} include the output head lm_head, which LoRA on backend: megatron does not '
+            f"adapt; accepted: {accepted} or 'all-linear' (a Tinker training client: create it with "
+            'train_unembed=False)'
+        )
 
 
 def _check_component(spec: type[Configure], kwargs: Mapping[str, Json]) -> None:

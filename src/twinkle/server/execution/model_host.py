@@ -22,6 +22,7 @@ from typing import TypedDict, cast
 import torch
 from peft import LoraConfig
 from tinker import types as tinker_types
+from transformers import PretrainedConfig, PreTrainedModel
 
 from twinkle.data_format import InputFeature, ModelOutput, SampleResponse, SamplingParams
 from twinkle.errors import CapacityError, ConfigurationError, DataError, StateError, TwinkleError
@@ -38,6 +39,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.execution import chat, tinker_compute
 from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.checks import (
+    MEGATRON_PROJECTIONS,
     RequestChecks,
     SavedAdapters,
     SavedWeights,
@@ -83,14 +85,14 @@ class ModelHost(RequestChecks):
         if model_id in assets.MODELS:
             model_id = assets.tiny_model(model_id)
         self.model_id = model_id
-        self.model = TransformersModel(model_id, device=config.device, dtype=base_dtype(config))
+        self.model = build_model(config, model_id)
         limits = config.limits
         if limits.max_optimizers_on_device is not None or limits.max_optimizers_in_memory is not None:
             self.model.offloader = OptimizerOffloader(
                 self.model.device, config.spill_dir, limits.max_optimizers_on_device, limits.max_optimizers_in_memory
             )
         self.device = self.model.device
-        self.vocab_size = vocab_size(self.model.model)
+        self.vocab_size = model_vocab_size(self.model.model)
         self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
         self.architecture: str | None = (getattr(self.model.model.config, 'architectures', None) or [None])[0]
         self._sampler: TorchSampler | None = None
@@ -203,12 +205,19 @@ class ModelHost(RequestChecks):
         return self.model.take_step_logs()
 
     def lora_targets(self, attn: bool, mlp: bool, unembed: bool) -> list[str]:
-        """Leaf names of the linear layers under attention, MLP blocks and the output head."""
+        """Leaf names of the linear layers under attention, MLP blocks and the output head
+        (megatron: the Hugging Face names of the projections it adapts, and ``lm_head``, which
+        ``add_adapter`` refuses there)."""
+        if self.config.backend == 'megatron':
+            return megatron_lora_targets(attn, mlp, unembed)
         return lora_targets(self.model.model, attn, mlp, unembed)
 
     def expert_targets(self) -> list[str]:
         """peft ``target_parameters`` naming the model's expert stacks ([] for a dense model):
-        what Tinker's ``train_mlp`` trains besides the MLP's linear layers."""
+        what Tinker's ``train_mlp`` trains besides the MLP's linear layers ([] on megatron, whose
+        LoRA does not reach its experts)."""
+        if self.config.backend == 'megatron':
+            return []
         return expert_target_parameters(self.model.model)
 
     def restore_state(self, adapter: str, path: Path, shown_as: str | None = None) -> Restored:
@@ -428,10 +437,45 @@ class ModelHost(RequestChecks):
         self._sampler_adapters.forget(directory)
 
     def sampler(self) -> TorchSampler:
-        """The sampler over the model's own weights and adapters."""
+        """The sampler over the model's own weights and adapters; refused on a megatron model,
+        whose ``GPTModel`` keeps no KV cache for a ``TorchSampler`` to decode with."""
+        if self.config.backend == 'megatron':
+            raise ConfigurationError(
+                f'model {self.config.base_model!r} trains on backend: megatron, which cannot sample on its own '
+                "workers (megatron-core's GPTModel has no KV cache for the torch sampler): configure a sampler group "
+                'of its own (sampler: {ranks: 1}, or {backend: vllm, device: ...}), which samples the weights a run '
+                'saves for sampling'
+            )
         if self._sampler is None:
             self._sampler = TorchSampler.from_model(self.model.model, self.model_id)
         return self._sampler
+
+
+def build_model(config: ServerConfig, model_id: str) -> TransformersModel:
+    """The model of the config's ``backend``, on the runtime's mesh (a group's ranks set it):
+    ``TransformersModel``, or ``MegatronModel``, imported only here (megatron-core is an extra:
+    where it is missing, a ``ConfigurationError`` says how to install it)."""
+    if config.backend == 'transformers':
+        return TransformersModel(model_id, device=config.device, dtype=base_dtype(config))
+    from twinkle.model.megatron.model import MegatronModel, require_megatron
+
+    require_megatron()
+    return MegatronModel(model_id, device=config.device, dtype=base_dtype(config))
+
+
+def model_vocab_size(model: torch.nn.Module) -> int:
+    """Token ids the model takes: its input embedding's rows; a megatron model's config's
+    ``vocab_size`` (its embedding holds this rank's slice of the rows, or none on a later stage)."""
+    if isinstance(model, PreTrainedModel):
+        return vocab_size(model)
+    return int(cast(PretrainedConfig, model.config).vocab_size)
+
+
+def megatron_lora_targets(attn: bool, mlp: bool, unembed: bool) -> list[str]:
+    """``lora_targets`` of a megatron model; ``unembed`` names ``lm_head``, which
+    ``check_megatron_targets`` then refuses with what to ask for instead."""
+    names = (MEGATRON_PROJECTIONS['attn'] if attn else []) + (MEGATRON_PROJECTIONS['mlp'] if mlp else [])
+    return sorted(names + (['lm_head'] if unembed else []))
 
 
 def base_dtype(config: ServerConfig) -> torch.dtype:

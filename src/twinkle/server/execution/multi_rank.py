@@ -2,7 +2,8 @@
 
 ``MultiRankHost`` (in the server's process) starts ``ranks`` worker processes on this machine.
 They join over ``torch.distributed`` (gloo on the CPU, NCCL on GPUs), each builds a ``RankHost``
-(a ``ModelHost`` on the mesh ``DeviceMesh.from_sizes(fsdp_size=..., dp_size=ranks / fsdp_size)``),
+(a ``ModelHost`` on the mesh ``DeviceMesh.from_sizes(**config.mesh_sizes())``: FSDP2 and data parallel, or
+with ``backend: megatron`` tensor, pipeline and data parallel),
 and from then on every call of the service runs on every rank, in the same order (SPMD):
 
 - a pass of several tenants' rows (``run_mixed``, ``forward_backward``, ``forward_only``) is split
@@ -44,7 +45,7 @@ from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import ConfigurationError, DataError, WorkerError
 from twinkle.infra import distributed
 from twinkle.infra.ray.dispatch import shard_bounds
-from twinkle.server.config import ServerConfig, gpu_indices
+from twinkle.server.config import ServerConfig, check_layout, gpu_indices
 from twinkle.server.execution.host import (
     FORWARDED,
     AdapterRequest,
@@ -114,9 +115,15 @@ class RankHost(ModelHost):
         results = super().run_mixed(operation, shared)
         if operation != 'forward_only':
             return results  # losses and token counts are the pass's, summed over the ranks already
-        shares = distributed.all_gather_object([r['logps'] if isinstance(r, dict) else [] for r in results])
+        gathered = distributed.all_gather_object(
+            (self.data_rank, [r['logps'] if isinstance(r, dict) else [] for r in results])
+        )
+        # By data rank: the ranks of one tensor- or pipeline-parallel group hold the same share.
+        shares: dict[int, list[Json]] = {}
+        for data_rank, logps in gathered:
+            shares.setdefault(data_rank, logps)
         for index, result in enumerate(results):
-            if isinstance(result, dict):  # the shares in row order: request i's first share is rank i's
+            if isinstance(result, dict):  # the shares in row order: request i's first share is data rank i's
                 ranks = sorted(range(self.data_ranks), key=lambda rank: (rank - index) % self.data_ranks)
                 result['logps'] = [row for rank in ranks for row in shares[rank][index]]
         return results
@@ -135,9 +142,12 @@ class RankHost(ModelHost):
         return _one(self.run_mixed('forward_only', [(adapter, {'inputs': inputs})]))
 
     def whole_request_share(self) -> float:
-        """Rank 0 counts a request every rank runs whole (Tinker's ``forward_backward``): the
-        others' losses are scaled by 0, so the summed gradient is one rank's, not N times it."""
-        return 1.0 if distributed.is_main() else 0.0
+        """The ranks of data shard 0 count a request every rank runs whole (Tinker's
+        ``forward_backward``): the other shards' losses are scaled by 0, so the gradient summed over
+        the data-parallel ranks is one shard's, not N times it. Under megatron every rank of shard
+        0's tensor- and pipeline-parallel group counts it: each computes the gradient of its own
+        slice of the weights (rank 0 alone, when every rank is a shard of its own)."""
+        return 1.0 if self.data_rank == 0 else 0.0
 
     def generate(
         self, prompts: list[JsonObject], params: SamplingParams, adapter: str | None, weight_version: int = 0
@@ -231,7 +241,7 @@ def _rank_host(config: ServerConfig, world: int) -> RankHost:
     device_type = 'cuda' if (config.device or '').startswith('cuda') else 'cpu'
     if device_type == 'cpu':  # the machine's cores shared by the ranks, not each taking them all
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    mesh = DeviceMesh.from_sizes(fsdp_size=config.fsdp_size, dp_size=world // config.fsdp_size, device_type=device_type)
+    mesh = DeviceMesh.from_sizes(**config.model_copy(update={'ranks': world}).mesh_sizes(), device_type=device_type)
     start_local(Runtime('local', None, global_device_mesh=mesh))
     # One rank keeps its device as given (cuda:1, say); ranks of a mesh take cuda:LOCAL_RANK.
     device = config.device if world == 1 else (None if device_type == 'cuda' else 'cpu')
@@ -301,8 +311,11 @@ class MultiRankHost(ForwardingHost):
 
     def __init__(self, config: ServerConfig, start: Callable[[ServerConfig], Ranks] | None = None):
         """``start`` makes the workers: ``ProcessRanks`` (the default) or ``RayRanks``."""
-        if config.ranks % config.fsdp_size:
-            raise ConfigurationError(f'ranks={config.ranks} must be a multiple of fsdp_size={config.fsdp_size}')
+        check_layout(config)  # a config made by model_copy is not validated again
+        if config.backend == 'megatron':  # say so here, before starting workers that would each fail
+            from twinkle.model.megatron.model import require_megatron
+
+            require_megatron()
         self.config = config
         self._start_workers = start or ProcessRanks
         self.ranks = config.ranks

@@ -37,9 +37,7 @@ class RayRanks:
         self.ranks = config.ranks
         self._group = DeviceGroup(name=f'model:{config.base_model}', ranks=config.ranks, device_type=device_type)
         self._cluster = RayCluster.start([self._group])
-        mesh = DeviceMesh.from_sizes(
-            fsdp_size=config.fsdp_size, dp_size=config.ranks // config.fsdp_size, device_type=device_type
-        )
+        mesh = DeviceMesh.from_sizes(**config.mesh_sizes(), device_type=device_type)
         self._actors: list[Any] = []
         try:
             for rank in range(config.ranks):

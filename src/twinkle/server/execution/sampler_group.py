@@ -37,9 +37,12 @@ class SamplerGroup:
         settings = config.sampler
         if settings is None:
             raise ConfigurationError('a SamplerGroup needs the sampler section of the config')
-        sampler_config = config.model_copy(
-            update={'ranks': settings.ranks, 'fsdp_size': 1, 'device': settings.device or config.device}
-        )
+        sampler_config = config.model_copy(  # a TorchSampler on the Hugging Face model, whatever trains it
+            update={
+                'ranks': settings.ranks, 'fsdp_size': 1, 'device': settings.device or config.device,
+                'backend': 'transformers', 'tp_size': 1, 'pp_size': 1,
+            }
+        )  # fmt: skip
         self.name, self.store, self._on_start = f'{config.base_model} (sampler)', store, on_start
         self.host: MultiRankHost | VllmSamplerHost
         if settings.backend == 'vllm':

@@ -74,7 +74,7 @@ def forward_backward_many(
     model, calls, losses, rows = host.model, [], [], []
     for adapter, call in requests:
         loss = TinkerLoss(call.loss_fn, _numbers(call.loss_fn_config))
-        loss.share = host.whole_request_share()  # a group's ranks run the request whole; rank 0 trains on it
+        loss.share = host.whole_request_share()  # a group's ranks run the request whole; data shard 0 trains on it
         datums, loss_inputs = datum_rows(host, call)
         model.set_loss(loss, adapter_name=adapter)
         calls.append(AdapterCall(adapter, datums, {} if forward_only else loss_inputs))
