@@ -8,7 +8,7 @@ VPY := $(VLLM_VENV)/bin/python
 TORCH ?= torch==2.13.0
 
 # The Megatron tests' environment of its own. megatron-core 0.17 and later declare Python >= 3.12, for megatron.training
-# (typing.override); megatron.core, all twinkle imports, runs on 3.11 (tests/megatron). It is installed on the machine's
+# (typing.override); megatron.core, all twinkle imports, runs on 3.11 (tests/megatron_backend). It is installed on the machine's
 # Python 3.11 with --ignore-requires-python because torch's CPU build lies on this machine's disk for 3.11 alone: PyPI's
 # Linux torch for 3.12 is the CUDA build, gigabytes of nvidia-* wheels that a CPU machine must not pull. Where PyTorch's
 # CPU index is reachable, MEGATRON_PYTHON=python3.12 with TORCH='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu'
@@ -103,7 +103,7 @@ $(MEGATRON_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-megatron: setup-megatron  ## megatron-core on the CPU: Hugging Face <-> GPTModel conversion, tensor/pipeline/expert parallel over gloo
-	$(MPY) -m pytest -q tests/megatron
+	$(MPY) -m pytest -q tests/megatron_backend
 
 bench-megatron: setup-megatron  ## megatron-core TP=2, PP=2, TP2xPP2 vs one process: losses, step time, parameters and optimizer state per rank
 	$(MPY) benchmarks/megatron_parallel.py

@@ -216,6 +216,22 @@ class MegatronModel(TransformersModel):
         require_megatron()
         mesh = device_mesh if device_mesh is not None else get_runtime().global_device_mesh
         compat.install()
+        # Building draws nothing from the process's random generator (megatron seeds its own and its
+        # init draws per layer held): adapters drawn next get the same numbers whatever the layout.
+        with torch.random.fork_rng(devices=[]):
+            self._build(model_id, config, mesh, device, mixed_precision, dtype, seed, sequence_parallel)
+
+    def _build(
+        self,
+        model_id: str | None,
+        config: PretrainedConfig | None,
+        mesh: DeviceMesh | None,
+        device: str | torch.device | None,
+        mixed_precision: Precision | None,
+        dtype: torch.dtype | None,
+        seed: int,
+        sequence_parallel: bool | None,
+    ) -> None:
         state.initialize(mesh, seed=seed)
         self.model_id = model_id
         self._parallel = MegatronParallel(mesh)

@@ -1,6 +1,6 @@
-"""What ``test_lora.py`` checks, run under torchrun (2 ranks, gloo) in three layouts in turn:
+"""What ``test_megatron_lora.py`` checks, run under torchrun (2 ranks, gloo) in three layouts in turn:
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/megatron/dist_lora.py OUT_DIR
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/megatron_backend/dist_lora.py OUT_DIR
 
 tp1 (each rank the whole model), tp2 and pp2. In each, the tiny Qwen3's weights go into a megatron
 GPTModel, three adapters are added from one seed, and rank 0 saves to OUT_DIR/<layout>.pt: the

@@ -1,7 +1,7 @@
-"""``MegatronModel`` trained at one layout; ``test_model.py`` runs it at several and compares.
+"""``MegatronModel`` trained at one layout; ``test_megatron_model.py`` runs it at several and compares.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=N \
-        tests/megatron/dist_model.py OUT LAYOUT INIT MODEL
+        tests/megatron_backend/dist_model.py OUT LAYOUT INIT MODEL
 
 ``LAYOUT`` is one of ``LAYOUTS``; ``MODEL`` an embedded model (``tiny-qwen3``, ``tiny-qwen3-moe``);
 ``INIT`` an adapter directory every layout of the model starts from (random A and B, so every

@@ -1,8 +1,9 @@
 """Hugging Face -> megatron -> Hugging Face, and megatron's logits against Hugging Face's, on every layout.
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=4 tests/megatron/convert_worker.py OUT_DIR
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=4 \
+        tests/megatron_backend/convert_worker.py OUT_DIR
 
-test_convert.py runs it once under torchrun (4 ranks, gloo) and calls ``check`` in its own process for one
+test_megatron_convert.py runs it once under torchrun (4 ranks, gloo) and calls ``check`` in its own process for one
 rank. Each rank builds its shard of each embedded model for each layout of ``LAYOUTS`` (megatron's groups are
 re-initialised between layouts), loads the whole Hugging Face tensors, exports them back, runs the same batch
 through both models (forward, and backward of a next-token loss) and writes what it found to ``OUT_DIR/rank<r>.json``.
