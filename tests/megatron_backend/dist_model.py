@@ -88,6 +88,8 @@ def main(out: Path, layout: str, init: str, model_name: str) -> None:
             save_file({'logits': probe.detach().float().contiguous()}, str(out / 'lora-probe.safetensors'))
     if layout == 'tp2' and 'moe' not in model_name:
         results['mixed'] = mixed_against_alone(model_name, mesh, init)
+    if layout == 'pp2' and 'moe' not in model_name:
+        results['refused'] = pipeline_refusals(model_name, mesh)
     full = MegatronModel(model_id=assets.tiny_model(model_name), device_mesh=mesh)
     full.set_optimizer('SGD', lr=1.0)
     runs['full'] = step(full, my_rows(mesh), lambda: convert.export_hf_state_dict(full.model.gpt))
@@ -125,6 +127,32 @@ def mixed_against_alone(model_name: str, mesh: DeviceMesh | None, init: str) -> 
         gaps = ((got[k] - want[k]).abs().max().item() / max(1.0, want[k].abs().max().item()) for k in want)
         grad_gap = max(grad_gap, *gaps)
     return {'loss_gap': loss_gap, 'grad_gap': grad_gap, 'loss': float(alone_losses[0])}  # type: ignore[arg-type]
+
+
+def pipeline_refusals(model_name: str, mesh: DeviceMesh | None) -> dict[str, str]:
+    """What two stages refuse, on every rank: an adapter with no layer on stage 0 (its backward would
+    not meet stage 1's sends), and embeddings tied across the stages (trained whole; on the CPU, built at all)."""
+    from peft import LoraConfig
+
+    from twinkle.assets.models import qwen3_config
+    from twinkle.errors import ConfigurationError
+
+    refused: dict[str, str] = {}
+    model = MegatronModel(model_id=assets.tiny_model(model_name), device_mesh=mesh)
+    try:
+        model.add_adapter_to_model('late', LoraConfig(r=2, target_modules=r'model\.layers\.1\..*'))
+    except ConfigurationError as e:
+        refused['empty_stage'] = str(e)
+    refused['adapters_after'] = ','.join(model.adapter_names)
+    config = qwen3_config(model_name)
+    config.tie_word_embeddings = True
+    try:  # on the CPU megatron cannot build it (it moves the last stage's copy to CUDA); on a GPU it trains LoRA
+        tied = MegatronModel(config=config, device_mesh=mesh)
+        tied.set_template('Template', model_id=assets.tiny_model(model_name))
+        tied.forward_backward(inputs=batch())
+    except ConfigurationError as e:
+        refused['tied'] = str(e)
+    return refused
 
 
 def transformers_main(out: Path, init: str, model_name: str) -> None:

@@ -147,3 +147,13 @@ def test_three_adapters_in_one_mixed_pass_equal_each_alone_at_tp2(runs):
     assert mixed['loss'] > 0
     assert mixed['loss_gap'] <= SAME
     assert mixed['grad_gap'] <= SAME
+
+
+def test_two_stages_refuse_an_adapter_missing_from_a_stage_and_tied_embeddings_trained_whole(runs):
+    refused = results(runs['pp2'])['refused']
+    assert (
+        "adapter 'late': its target_modules leave pipeline stage(s) [0] of 2 without a LoRA layer"
+        in (refused['empty_stage'])
+    )
+    assert refused['adapters_after'] == ''  # removed on every rank, nothing half-added
+    assert 'tied input and output embeddings under pp_size=2' in refused['tied']

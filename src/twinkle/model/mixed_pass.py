@@ -143,14 +143,15 @@ def _mixed_forward(
     runner.prepare(training=not forward_only)
     pad = runner.template_for(groups[0]).pad_token_id
     if not any(features):
-        if not runner.parallel.fsdp:
+        if not runner.parallel.lockstep:
             return [None] * len(groups), None
-        # No row here, but FSDP2's all-gathers run on every rank: one padding token, trained on nothing.
+        # No row here, but the other ranks' collectives (FSDP2's all-gathers, megatron's token
+        # dispatch) need this one: one padding token, trained on nothing.
         dummy: list[InputFeature] = [{'input_ids': [pad], 'labels': [IGNORE_INDEX]}]
         return [None] * len(groups), _forward(runner, groups, [dummy], [0], forward_only)[1]
     lengths = [max((len(row['input_ids']) for row in rows), default=0) for rows in features]
     sizes = [len(rows) for rows in features]
-    one = runner.parallel.fsdp or runner.checkpointing
+    one = runner.parallel.lockstep or runner.checkpointing
     buckets = [list(range(len(groups)))] if one else length_buckets(lengths, sizes, max_tokens)
     parts: list[Part | None] = [None] * len(groups)
     first: torch.Tensor | None = None
@@ -265,8 +266,8 @@ def _mixed_backward(
     kept_grads = [(p, p.grad if p.grad is None else p.grad.clone()) for group in failed for p in group.params]
     if here:
         torch.autograd.backward(torch.stack([loss.loss for loss in here]).sum())
-    elif runner.parallel.fsdp and pass_.logits is not None:
-        torch.autograd.backward(pass_.logits.sum() * 0)  # FSDP2's backward all-gathers run on every rank
+    elif runner.parallel.lockstep and pass_.logits is not None:
+        torch.autograd.backward(pass_.logits.sum() * 0)  # the backward's collectives run on every rank
     for param, grad in kept_grads:
         param.grad = grad
     sums_N = torch.stack(

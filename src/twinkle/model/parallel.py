@@ -99,6 +99,12 @@ class ModelParallel:
         return self.enabled and self._mesh.fsdp_size > 1
 
     @property
+    def lockstep(self) -> bool:
+        """Whether every rank must run each forward and backward in step with the others, rows or
+        not (FSDP2's all-gathers): a mixed pass then makes one forward, a dummy one on a rank without rows."""
+        return self.fsdp
+
+    @property
     def ep(self) -> bool:
         """Whether the experts are split across ranks (``ep_size`` > 1)."""
         return self.enabled and self._mesh.ep_size > 1

@@ -14,9 +14,13 @@ layout (``MegatronParallel.shard_optimizer_state`` checks it).
 from __future__ import annotations
 
 import copy
+import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -25,6 +29,34 @@ from twinkle.model import checkpoint as ckpt
 from twinkle.model.checkpointer import Checkpointer, Tokenizer, _Save
 from twinkle.model.megatron import convert, lora
 from twinkle.model.train_group import FULL, TrainGroup
+
+
+class HFCheckpoint(Mapping[str, torch.Tensor]):
+    """A Hugging Face checkpoint's tensors by name, each read from its safetensors file when asked
+    (a rank reads only its own stage's layers)."""
+
+    def __init__(self, directory: Path):
+        index = directory / 'model.safetensors.index.json'
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())['weight_map']
+            self._files = {name: directory / file for name, file in weight_map.items()}
+        elif (directory / 'model.safetensors').is_file():
+            path = directory / 'model.safetensors'
+            with safe_open(str(path), 'pt') as handle:
+                self._files = dict.fromkeys(handle.keys(), path)
+        else:
+            raise ConfigurationError(f'{directory.name} holds no safetensors weights (model.safetensors or its index)')
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with safe_open(str(self._files[name]), 'pt') as handle:
+            tensor: torch.Tensor = handle.get_tensor(name)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
 
 
 class MegatronCheckpointer(Checkpointer):
@@ -70,17 +102,19 @@ class MegatronCheckpointer(Checkpointer):
                 ckpt.save_training_state(group, staging, save.consumed_train_samples, save.optimizer_state, save.window)
 
     def _load_weights(self, group: TrainGroup, directory: Path) -> None:
-        if group.name == FULL:
-            raise ConfigurationError(
-                'to continue full-parameter training, build MegatronModel(model_id=<checkpoint dir>) instead'
-            )
+        if group.name == FULL:  # the full model in Hugging Face's files, as _write wrote it
+            try:
+                convert.load_hf_state_dict(self.gpt, HFCheckpoint(directory))
+            except (ConfigurationError, KeyError, RuntimeError) as e:
+                raise CheckpointError(f'{directory.name} does not fit this model: {e}') from e
+            return
         self.load_adapter_weights(group, directory)
 
     def load_adapter_weights(self, group: TrainGroup, directory: Path) -> None:
         """An adapter's peft weights from ``directory`` into this rank's slices (every rank calls it)."""
         path = directory / ckpt.ADAPTER_WEIGHTS
         if not path.is_file():
-            raise CheckpointError(f'{directory} has no {ckpt.ADAPTER_WEIGHTS}: it is not an adapter checkpoint')
+            raise CheckpointError(f'{directory.name} has no {ckpt.ADAPTER_WEIGHTS}: it is not an adapter checkpoint')
         state: dict[str, Any] = load_file(str(path))
         try:
             lora.load_peft_state_dict(self.gpt, group.name, state)
@@ -88,4 +122,4 @@ class MegatronCheckpointer(Checkpointer):
             raise CheckpointError(f'{directory.name} does not fit adapter {group.name!r}: {e}') from e
 
 
-__all__ = ['MegatronCheckpointer']
+__all__ = ['HFCheckpoint', 'MegatronCheckpointer']

@@ -24,7 +24,7 @@ and seeding megatron's RNG reach (paths under ``megatron/core/``, lines of 0.19.
   regions, ``tensor_parallel/layers.py:177``) swaps them. Replaced by the same seeds over the CPU generator;
 - ``transformer/torch_norm.py:50``: ``WrappedTorchNorm`` refuses sequence parallel (which megatron requires to
   train an MoE layer under tensor parallel, ``transformer/moe/moe_layer.py:629``); allowed, its weights marked
-  as Transformer Engine's and Apex's norms mark theirs (``_allow_sequence_parallel_torch_norms``).
+  as Transformer Engine's and Apex's norms mark theirs (``allow_sequence_parallel_norms``).
 
 The first six are the same mistake, a CUDA device named where the tensors' own would do. Each of those
 modules gets its own view of ``torch`` (``_CpuTorch``) in which the current CUDA device is the CPU, a
@@ -77,7 +77,7 @@ def install() -> bool:
         if not isinstance(getattr(module, 'torch', None), _CpuTorch):
             setattr(module, 'torch', _CpuTorch())  # noqa: B010  # the module's global, read by its functions
     _install_cpu_rng()
-    _allow_sequence_parallel_torch_norms()
+    allow_sequence_parallel_norms()
     _installed = True
     return True
 
@@ -162,7 +162,7 @@ def _install_cpu_rng() -> None:
     tensor_parallel.model_parallel_cuda_manual_seed = model_parallel_manual_seed
 
 
-def _allow_sequence_parallel_torch_norms() -> None:
+def allow_sequence_parallel_norms() -> None:
     """megatron's torch norms under sequence parallel, marked for the gradient sum over tensor parallel.
 
     ``WrappedTorchNorm`` (``transformer/torch_norm.py:50``) refuses ``sequence_parallel``: torch's norms do not
@@ -170,9 +170,12 @@ def _allow_sequence_parallel_torch_norms() -> None:
     finalize_model_grads.py:452``) sums gradients over tensor parallel by (each rank's norm sees its slice of
     the sequence). The norm itself is per token, so it is right on a slice: built as without sequence parallel,
     its weights marked. Needed by MoE under tensor parallel, which megatron trains only with sequence parallel
-    (``transformer/moe/moe_layer.py:629``); Transformer Engine's and Apex's norms mark their weights themselves."""
+    (``transformer/moe/moe_layer.py:629``); Transformer Engine's and Apex's norms mark their weights themselves.
+    Not a CUDA call site: ``MegatronModel`` applies it on GPUs too when it builds with sequence parallel."""
     from megatron.core.transformer import torch_norm
 
+    if getattr(torch_norm.WrappedTorchNorm, '_twinkle_sequence_parallel', False):
+        return  # patched already
     build = torch_norm.WrappedTorchNorm.__new__
 
     def new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any) -> Any:
@@ -186,6 +189,7 @@ def _allow_sequence_parallel_torch_norms() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = new
+    torch_norm.WrappedTorchNorm._twinkle_sequence_parallel = True
 
 
 def _cpu_rng_tracker_class(random: ModuleType) -> type:
@@ -214,4 +218,4 @@ def _cpu_rng_tracker_class(random: ModuleType) -> type:
     return CpuRNGStatesTracker
 
 
-__all__ = ['CPU_TORCH_MODULES', 'install']
+__all__ = ['CPU_TORCH_MODULES', 'allow_sequence_parallel_norms', 'install']

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from twinkle.errors import StateError
+from twinkle.errors import ConfigurationError, StateError
 from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
 from twinkle.metric import Metric
@@ -88,6 +88,8 @@ class MegatronParallel(ModelParallel):
         self.pp_rank: int = ps.get_pipeline_model_parallel_rank()
         self.dp_size: int = ps.get_data_parallel_world_size()
         self.ep_size: int = ps.get_expert_model_parallel_world_size()
+        #: Set by the model: its input embedding is tied to its output layer, on different stages.
+        self.tied_across_stages = False
         #: Whether this rank's sums stand for its data shard (see the module docstring).
         self.representative = self.tp_rank == 0 and self.pp_rank == 0
         self._representatives = self._gather_representatives()
@@ -105,6 +107,13 @@ class MegatronParallel(ModelParallel):
     @property
     def ep(self) -> bool:
         return False  # megatron places the experts itself; nothing for ModelParallel.shard_experts to do
+
+    @property
+    def lockstep(self) -> bool:
+        """Expert parallel: megatron's token dispatch is a collective of the data ranks holding one
+        layer's experts, so they run each forward and backward together. Pipeline stages hand one
+        forward's tensors to each other in order: a mixed pass makes one forward there too."""
+        return self.enabled and (self.ep_size > 1 or self.pp_size > 1)
 
     @property
     def model_parallel(self) -> bool:
@@ -138,7 +147,15 @@ class MegatronParallel(ModelParallel):
         """Nothing to do: megatron builds each rank's experts (``ep_size``)."""
 
     def check_trainable(self, full: bool) -> None:
-        """Every layout trains every weight or adapters."""
+        """Every layout trains adapters; every weight too, except an input embedding tied to the
+        output layer across pipeline stages (``tied_across_stages``): the two stages' copies would
+        need their gradients summed over megatron's embedding group, which this layout does not do."""
+        if full and self.tied_across_stages:
+            raise ConfigurationError(
+                f'full-parameter training with tied input and output embeddings under pp_size={self.pp_size}: '
+                'the first and last stages each hold a copy, kept equal by nothing here; train LoRA adapters '
+                '(add_adapter_to_model), or use pp_size=1'
+            )
 
     def check_can_add_adapter(self, adapter_name: str) -> None:
         """Adapters come and go at any time: nothing is sharded around them."""
@@ -246,7 +263,13 @@ class MegatronParallel(ModelParallel):
         state = optimizer.state_dict()
         if not self.model_parallel:
             return state
-        gathered = distributed.all_gather_object((self.coordinates, _to_cpu(state)))
+        # To rank 0 alone, which writes the checkpoint: every rank holding every slice's state would
+        # multiply the memory of a save by the number of ranks.
+        mine = (self.coordinates, _to_cpu(state))
+        gathered: list[Any] | None = [None] * dist.get_world_size() if distributed.is_main() else None
+        dist.gather_object(mine, gathered, dst=0)
+        if gathered is None:
+            return {}
         return {'megatron_slices': dict(gathered), 'layout': self._layout()}
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

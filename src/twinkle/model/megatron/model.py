@@ -24,30 +24,30 @@ Example (``torchrun --nproc_per_node=2``)::
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import json
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftConfig
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from twinkle.errors import ConfigurationError
+from twinkle.errors import ConfigurationError, StateError, UnknownNameError
 from twinkle.hub import resolve_model
+from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.runtime import get_runtime
 from twinkle.model import multi_lora
 from twinkle.model.loading import Precision, default_precision, resolve_device
 from twinkle.model.lora_adapter import check_name
 from twinkle.model.megatron import compat, convert, lora, state
-from twinkle.model.megatron.checkpointer import MegatronCheckpointer
+from twinkle.model.megatron.checkpointer import HFCheckpoint, MegatronCheckpointer
 from twinkle.model.megatron.layout import MegatronParallel, mark_tp_partial
 from twinkle.model.megatron.pipeline import Stage, receive_hidden, share_logits, stage_logits
 from twinkle.model.passes import check_positive
@@ -79,6 +79,8 @@ class McoreCausalLM(nn.Module):
         #: Megatron's sequence parallel: the hidden states between layers are split over this many
         #: tensor-parallel ranks along the sequence (1: not split).
         self.sequence_split = sequence_split
+        #: The build of megatron's groups this model's layers and stages belong to.
+        self.generation = state.generation()
 
     def get_input_embeddings(self) -> nn.Module | None:
         """Megatron's vocabulary-parallel embedding (the runner then checks ids against ``config.vocab_size``)."""
@@ -91,6 +93,11 @@ class McoreCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         **_: Any,
     ) -> CausalLMOutputWithPast:
+        if self.generation != state.generation():
+            raise StateError(
+                'megatron-core was laid out again for another MegatronModel in this process (other tp/pp/ep '
+                "sizes), which destroyed this model's process groups: one layout per process"
+            )
         rows, length = input_ids.shape
         most_rows, most_positions = self._padded_shape(rows, length, input_ids.device)
         if (most_rows, most_positions) == (rows, length):
@@ -153,34 +160,6 @@ def attention_mask_4d(
         segment = (position_ids == 0).cumsum(-1)
         blocked = blocked | (segment[:, :, None] != segment[:, None, :])
     return blocked[:, None]
-
-
-class HFCheckpoint(Mapping[str, torch.Tensor]):
-    """A Hugging Face checkpoint's tensors by name, each read from its safetensors file when asked
-    (a rank reads only its own stage's layers)."""
-
-    def __init__(self, directory: Path):
-        index = directory / 'model.safetensors.index.json'
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())['weight_map']
-            self._files = {name: directory / file for name, file in weight_map.items()}
-        elif (directory / 'model.safetensors').is_file():
-            path = directory / 'model.safetensors'
-            with safe_open(str(path), 'pt') as handle:
-                self._files = dict.fromkeys(handle.keys(), path)
-        else:
-            raise ConfigurationError(f'{directory.name} holds no safetensors weights (model.safetensors or its index)')
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        with safe_open(str(self._files[name]), 'pt') as handle:
-            tensor: torch.Tensor = handle.get_tensor(name)
-        return tensor
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __len__(self) -> int:
-        return len(self._files)
 
 
 class MegatronModel(TransformersModel):
@@ -248,7 +227,18 @@ class MegatronModel(TransformersModel):
             )
         dtype = dtype or torch.float32
         hf_config, weights = _source(model_id, config, seed)
+        self._parallel.tied_across_stages = bool(getattr(hf_config, 'tie_word_embeddings', False)) and (
+            self._parallel.pp_size > 1
+        )
+        if self._parallel.tied_across_stages and device.type != 'cuda':
+            raise ConfigurationError(
+                f'tied input and output embeddings under pp_size={self._parallel.pp_size} on {device.type!r}: '
+                'megatron-core moves the copy the last stage holds to CUDA as it builds it '
+                '(models/common/language_module/language_module.py:307); use pp_size=1 here, or a GPU'
+            )
         split = _sequence_split(hf_config, self._parallel.tp_size, sequence_parallel)
+        if split > 1:  # not a CUDA call site: megatron's torch norms refuse sequence parallel on GPUs too
+            compat.allow_sequence_parallel_norms()
         gpt = convert.build_model(hf_config, dtype=dtype, sequence_parallel=split > 1)
         convert.load_hf_state_dict(gpt, weights)
         mark_tp_partial(gpt)
@@ -287,10 +277,11 @@ class MegatronModel(TransformersModel):
         if not isinstance(config_or_dir, LoraConfig):
             raise ConfigurationError(f'expected a peft LoraConfig or an adapter directory; got {config_or_dir!r}')
         lora.add_adapter(self.mcore.gpt, adapter_name, multi_lora.spec_from_peft(config_or_dir, self.model))
+        params = self._stage_adapter_parameters(adapter_name)
         self.groups.pop(FULL, None)
         group = TrainGroup(
             name=adapter_name,
-            params=multi_lora.adapter_parameters(self.model, adapter_name),
+            params=params,
             gradient_accumulation_steps=gradient_accumulation_steps,
             config=config_or_dir,
         )
@@ -303,6 +294,27 @@ class MegatronModel(TransformersModel):
                 raise
         self._parallel.adapter_added(group)
         self._runner.forget_mode()
+
+    def _stage_adapter_parameters(self, adapter_name: str) -> list[nn.Parameter]:
+        """The adapter's parameters on this rank; ``ConfigurationError`` (the adapter removed) on
+        every rank when a pipeline stage holds none of its layers: that stage's loss would not
+        depend on it, and its backward would not meet the sends of the stages after it."""
+        try:
+            params = multi_lora.adapter_parameters(self.model, adapter_name)
+        except UnknownNameError:  # this stage holds none of the adapter's layers
+            params = []
+        empty = [
+            stage for stage, count in distributed.all_gather_object((self.mcore.stage.rank, len(params))) if not count
+        ]
+        if empty:
+            with contextlib.suppress(UnknownNameError):  # a stage without its layers may hold no trace of it
+                multi_lora.remove_adapter(self.model, adapter_name)
+            raise ConfigurationError(
+                f'adapter {adapter_name!r}: its target_modules leave pipeline stage(s) {sorted(set(empty))} of '
+                f'{self.mcore.stage.size} without a LoRA layer; under pp_size > 1 every stage needs one (target '
+                'layers of every stage, or fewer stages)'
+            )
+        return params
 
     def shard_base(self) -> None:
         """Nothing to do: megatron's layers hold their slices from the start."""
@@ -371,4 +383,4 @@ def _stage() -> Stage:
     )
 
 
-__all__ = ['HFCheckpoint', 'McoreCausalLM', 'MegatronModel', 'attention_mask_4d']
+__all__ = ['McoreCausalLM', 'MegatronModel', 'attention_mask_4d']

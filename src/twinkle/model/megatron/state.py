@@ -50,6 +50,16 @@ class Layout:
         return self.tp_size, self.pp_size, self.cp_size, self.ep_size
 
 
+#: How many times megatron's groups were built in this process: a model built under one generation
+#: holds its groups, which a later layout destroys (``generation``).
+_generation = 0
+
+
+def generation() -> int:
+    """The current build of megatron's groups (``initialize`` with other sizes starts a new one)."""
+    return _generation
+
+
 def initialize(mesh: DeviceMesh | None = None, seed: int = 0) -> Layout:
     """Start megatron's process groups for ``mesh`` (None: one process, every size 1) and seed its RNG.
 
@@ -66,6 +76,8 @@ def initialize(mesh: DeviceMesh | None = None, seed: int = 0) -> Layout:
         if current_layout().sizes == sizes:
             return current_layout()
         ps.destroy_model_parallel()
+    global _generation
+    _generation += 1
     ps.initialize_model_parallel(
         tensor_model_parallel_size=mesh.tp_size,
         pipeline_model_parallel_size=mesh.pp_size,
@@ -161,4 +173,4 @@ def _check_layout(mesh: DeviceMesh) -> None:
             )
 
 
-__all__ = ['Layout', 'current_layout', 'initialize']
+__all__ = ['Layout', 'current_layout', 'generation', 'initialize']
