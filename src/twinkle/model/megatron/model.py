@@ -53,6 +53,9 @@ from twinkle.model.megatron.pipeline import Stage, receive_hidden, share_logits,
 from twinkle.model.passes import check_positive
 from twinkle.model.train_group import FULL, TrainGroup
 from twinkle.model.transformers import TransformersModel
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
 
 
 class McoreCausalLM(nn.Module):
@@ -236,6 +239,7 @@ class MegatronModel(TransformersModel):
                 'megatron-core moves the copy the last stage holds to CUDA as it builds it '
                 '(models/common/language_module/language_module.py:307); use pp_size=1 here, or a GPU'
             )
+        _warn_without_router_loss(hf_config)
         split = _sequence_split(hf_config, self._parallel.tp_size, sequence_parallel)
         if split > 1:  # not a CUDA call site: megatron's torch norms refuse sequence parallel on GPUs too
             compat.allow_sequence_parallel_norms()
@@ -344,6 +348,17 @@ def _source(
         torch.manual_seed(seed)
         built = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     return config, built.state_dict()
+
+
+def _warn_without_router_loss(hf_config: PretrainedConfig) -> None:
+    """Say once that a mixture of experts trains without its router's load-balancing loss here
+    (``TransformersModel`` adds it with the config's ``router_aux_loss_coef``)."""
+    coef = float(getattr(hf_config, 'router_aux_loss_coef', 0.0) or 0.0)
+    if getattr(hf_config, 'num_experts', 0) and coef and not getattr(hf_config, 'output_router_logits', False):
+        logger.warning(
+            f"MegatronModel trains this mixture of experts without the router's load-balancing loss "
+            f'(router_aux_loss_coef={coef} is not applied; TransformersModel applies it)'
+        )
 
 
 def _sequence_split(hf_config: PretrainedConfig, tp_size: int, sequence_parallel: bool | None) -> int:
