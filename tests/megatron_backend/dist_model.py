@@ -90,6 +90,8 @@ def main(out: Path, layout: str, init: str, model_name: str) -> None:
         results['mixed'] = mixed_against_alone(model_name, mesh, init)
     if layout == 'pp2' and 'moe' not in model_name:
         results['refused'] = pipeline_refusals(model_name, mesh)
+    if layout == 'ep2':
+        results['mixed'] = uneven_mixed_pass(model_name, mesh, init)
     full = MegatronModel(model_id=assets.tiny_model(model_name), device_mesh=mesh)
     full.set_optimizer('SGD', lr=1.0)
     runs['full'] = step(full, my_rows(mesh), lambda: convert.export_hf_state_dict(full.model.gpt))
@@ -127,6 +129,28 @@ def mixed_against_alone(model_name: str, mesh: DeviceMesh | None, init: str) -> 
         gaps = ((got[k] - want[k]).abs().max().item() / max(1.0, want[k].abs().max().item()) for k in want)
         grad_gap = max(grad_gap, *gaps)
     return {'loss_gap': loss_gap, 'grad_gap': grad_gap, 'loss': float(alone_losses[0])}  # type: ignore[arg-type]
+
+
+def uneven_mixed_pass(model_name: str, mesh: DeviceMesh | None, init: str) -> dict[str, float]:
+    """Expert parallel, a mixed pass whose data ranks hold different rows: adapter 'a' has rows of
+    other lengths on each rank, 'b' rows on rank 0 alone (rank 1 runs a forward without rows of its
+    own, which the experts' dispatch needs). 'a''s loss against its own forward_backward."""
+    from twinkle.model import AdapterCall
+
+    rows, rank = batch(), distributed.data_rank(mesh) if mesh is not None else 0
+    mine = rows[:2] if rank == 0 else rows[2:]
+    models = []
+    for _ in range(2):
+        model = MegatronModel(model_id=assets.tiny_model(model_name), device_mesh=mesh)
+        for name in ('a', 'b'):
+            model.add_adapter_to_model(name, init)
+        models.append(model)
+    mixed, alone = models
+    calls = [AdapterCall('a', mine), AdapterCall('b', rows[3:] if rank == 0 else [])]
+    outputs = mixed.forward_backward_mixed(calls)
+    want = alone.forward_backward(inputs=mine, adapter_name='a').loss
+    got = outputs[0].loss  # type: ignore[union-attr]
+    return {'loss_gap': abs(float(got) - float(want)), 'loss': float(want), 'b': float(outputs[1].loss)}  # type: ignore[arg-type,union-attr]
 
 
 def pipeline_refusals(model_name: str, mesh: DeviceMesh | None) -> dict[str, str]:

@@ -157,3 +157,11 @@ def test_two_stages_refuse_an_adapter_missing_from_a_stage_and_tied_embeddings_t
     )
     assert refused['adapters_after'] == ''  # removed on every rank, nothing half-added
     assert 'tied input and output embeddings under pp_size=2' in refused['tied']
+
+
+def test_expert_parallel_runs_a_mixed_pass_whose_ranks_hold_different_rows(runs):
+    # ep2: adapter a's rows differ in length between the ranks, b has rows on rank 0 alone; the
+    # ranks' forwards still meet in the experts' dispatch, and a's loss is its own pass's.
+    mixed = results(runs['moe-ep2'])['mixed']
+    assert mixed['loss'] > 0 and mixed['b'] > 0
+    assert mixed['loss_gap'] <= SAME * mixed['loss']

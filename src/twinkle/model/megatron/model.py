@@ -108,8 +108,18 @@ class McoreCausalLM(nn.Module):
         grow = (0, most_positions - length, 0, most_rows - rows)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         padded_positions = None if position_ids is None else nn.functional.pad(position_ids, grow, value=1)
-        logits = self._logits(nn.functional.pad(input_ids, grow), nn.functional.pad(mask, grow), padded_positions)
+        with self._padding_rows_on_the_base(most_rows - rows):
+            logits = self._logits(nn.functional.pad(input_ids, grow), nn.functional.pad(mask, grow), padded_positions)
         return CausalLMOutputWithPast(logits=logits[:rows, :length])
+
+    def _padding_rows_on_the_base(self, extra: int) -> contextlib.AbstractContextManager[object]:
+        """Rows added as padding go through the base model alone, when the adapters are assigned per
+        row (a mixed pass): the assignment grows by ``extra`` rows of None for this forward."""
+        layers = multi_lora.multi_lora_layers(self.gpt)
+        assignment = next((layer.assignment for layer in layers.values() if layer.assignment is not None), None)
+        if not extra or assignment is None or assignment.names is None:
+            return contextlib.nullcontext()
+        return multi_lora.row_adapters(self.gpt, [*assignment.names, *([None] * extra)])
 
     def _padded_shape(self, rows: int, length: int, device: torch.device) -> tuple[int, int]:
         """The batch's shape as megatron takes it, padding masked out and dropped afterwards:
