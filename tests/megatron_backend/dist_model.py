@@ -76,16 +76,14 @@ def main(out: Path, layout: str, init: str, model_name: str) -> None:
     twinkle.initialize(mode='local', global_device_mesh=mesh, seed=0)
     results: dict[str, Any] = {}
     runs: dict[str, dict[str, Any]] = {}
-    # LoRA on megatron's layers refuses sequence parallel, which a mixture of experts needs under tensor parallel.
-    if not ('moe' in model_name and sizes.get('tp_size', 1) > 1):
-        model = MegatronModel(model_id=assets.tiny_model(model_name), device_mesh=mesh)
-        model.add_adapter_to_model('a', init)
-        model.set_optimizer('SGD', lr=1.0)
-        runs['lora'] = step(model, my_rows(mesh), lambda: lora.peft_state_dict(model.model.gpt, 'a'))
-        model.save('lora-ckpt', str(out))
-        probe = model.forward_only(inputs=[{'input_ids': PROBE, 'labels': PROBE}]).logits
-        if distributed.is_main():
-            save_file({'logits': probe.detach().float().contiguous()}, str(out / 'lora-probe.safetensors'))
+    model = MegatronModel(model_id=assets.tiny_model(model_name), device_mesh=mesh)
+    model.add_adapter_to_model('a', init)
+    model.set_optimizer('SGD', lr=1.0)
+    runs['lora'] = step(model, my_rows(mesh), lambda: lora.peft_state_dict(model.model.gpt, 'a'))
+    model.save('lora-ckpt', str(out))
+    probe = model.forward_only(inputs=[{'input_ids': PROBE, 'labels': PROBE}]).logits
+    if distributed.is_main():
+        save_file({'logits': probe.detach().float().contiguous()}, str(out / 'lora-probe.safetensors'))
     if layout == 'tp2' and 'moe' not in model_name:
         results['mixed'] = mixed_against_alone(model_name, mesh, init)
     if layout == 'pp2' and 'moe' not in model_name:

@@ -102,8 +102,8 @@ def test_layouts_give_the_one_process_losses_and_gradients(runs, layout, trainin
 @pytest.mark.parametrize(
     ('layout', 'training'),
     # moe-ep2: 8 experts per layer, 4 on each rank; the 2 ranks also split the rows. moe-tp2: every
-    # expert split over 2 ranks, with megatron's sequence parallel (which LoRA's layers refuse).
-    [('moe-ep2', 'lora'), ('moe-ep2', 'full'), ('moe-tp2', 'full')],
+    # expert split over 2 ranks, with megatron's sequence parallel (attention LoRA under it too).
+    [('moe-ep2', 'lora'), ('moe-ep2', 'full'), ('moe-tp2', 'lora'), ('moe-tp2', 'full')],
 )
 def test_a_mixture_of_experts_split_gives_the_one_process_losses_and_gradients(runs, layout, training):
     one, other = results(runs['moe-tp1'])[training], results(runs[layout])[training]

@@ -62,8 +62,9 @@ def mark_tp_partial(model: torch.nn.Module) -> None:
 
 
 def is_tp_partial(param: torch.Tensor) -> bool:
-    """Whether ``param``'s gradient is summed over the tensor-parallel ranks (``mark_tp_partial``)."""
-    return bool(getattr(param, 'twinkle_tp_partial', False))
+    """Whether ``param``'s gradient is summed over the tensor-parallel ranks (``mark_tp_partial``,
+    or megatron's ``sequence_parallel`` mark, which LoRA weights under sequence parallel carry too)."""
+    return bool(getattr(param, 'twinkle_tp_partial', False) or getattr(param, 'sequence_parallel', False))
 
 
 def is_sliced(param: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,9 @@ class Layout:
     groups: int
     tp_size: int
     tp_rank: int
+    # megatron's sequence parallel: a column-parallel layer's input and a row-parallel layer's
+    # output are this rank's slice of the sequence (dim 0), not the whole.
+    sequence_parallel: bool = False
 
     def place(self, deltas: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The projections' [..., width] deltas laid into one [..., local output] tensor (zeros
@@ -170,6 +173,8 @@ class ParallelLoraAdapter(nn.ModuleDict):
         every projection through one tensor-parallel collective."""
         pairs = self.pairs()
         x = x.to(next(iter(pairs.values())).lora_A.weight.dtype)
+        if self.layout.sequence_parallel and self.layout.parallel == 'column':
+            x = _whole_sequence(x, group)  # as the base layer gathers it; the backward sums over the ranks
         masks = self._dropout_masks(x, len(pairs), group)
         inputs = [x] * len(pairs) if masks is None else [x * mask for mask in masks]
         hidden = [
@@ -177,7 +182,7 @@ class ParallelLoraAdapter(nn.ModuleDict):
         ]
         h = hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=-1)
         if self.layout.tp_size > 1:
-            h = _tensor_parallel(self.layout.parallel, h, group)
+            h = _tensor_parallel(self.layout, h, group)
         deltas = {
             name: nn.functional.linear(h_p, pair.lora_B.weight) * self.scaling
             for (name, pair), h_p in zip(pairs.items(), h.chunk(len(pairs), dim=-1), strict=True)
@@ -205,17 +210,32 @@ class ParallelLoraAdapter(nn.ModuleDict):
         return self.layout.place(deltas).t()
 
 
-def _tensor_parallel(parallel: str, h: torch.Tensor, group: Any) -> torch.Tensor:
+def _tensor_parallel(layout: Layout, h: torch.Tensor, group: Any) -> torch.Tensor:
     """Column-parallel: identity forward, all-reduced gradient; row-parallel: all-reduced sum of
-    the ranks' partial products, gradient passed through (megatron's autograd-aware mappings)."""
+    the ranks' partial products, gradient passed through (megatron's autograd-aware mappings).
+    Under sequence parallel a column-parallel input was gathered already (its backward sums), and
+    a row-parallel sum is reduce-scattered to this rank's slice of the sequence, as the base's output is."""
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         reduce_from_tensor_model_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
     )
 
-    mapping = copy_to_tensor_model_parallel_region if parallel == 'column' else reduce_from_tensor_model_parallel_region
-    out: torch.Tensor = mapping(h, group=group)
-    return out
+    if layout.parallel == 'column':
+        return (
+            h if layout.sequence_parallel else cast(torch.Tensor, copy_to_tensor_model_parallel_region(h, group=group))
+        )
+    if layout.sequence_parallel:
+        return cast(torch.Tensor, reduce_scatter_to_sequence_parallel_region(h, group=group))
+    return cast(torch.Tensor, reduce_from_tensor_model_parallel_region(h, group=group))
+
+
+def _whole_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's slice of the sequence gathered whole over tensor parallel; the gradient is
+    reduce-scattered back (megatron's autograd-aware mapping)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return cast(torch.Tensor, gather_from_sequence_parallel_region(x, group=group))
 
 
 class MultiLoraParallelLinear(multi_lora.MultiLoraLinear):
@@ -351,15 +371,12 @@ def _layout(linear: Any, module: str, path: str) -> Layout:
     cannot run exactly are refused by name."""
     config = linear.config
     tp_size, tp_rank = linear.tp_group.size(), linear.tp_group.rank()
-    if getattr(linear, 'sequence_parallel', False):
-        raise ConfigurationError(
-            f'{path}: LoRA on megatron layers does not support sequence_parallel=True; turn it off'
-        )
+    sequence_parallel = bool(getattr(linear, 'sequence_parallel', False)) and tp_size > 1
     if module in ('self_attention.linear_proj', 'mlp.linear_fc2'):
         if not linear.input_is_parallel:
             raise ConfigurationError(f'{path}: a row-parallel layer with input_is_parallel=False is not supported')
         name = 'o_proj' if module == 'self_attention.linear_proj' else 'down_proj'
-        return Layout('row', ((name, linear.output_size),), 1, tp_size, tp_rank)
+        return Layout('row', ((name, linear.output_size),), 1, tp_size, tp_rank, sequence_parallel)
     if linear.gather_output:
         raise ConfigurationError(f'{path}: a column-parallel layer with gather_output=True is not supported')
     if module == 'mlp.linear_fc1':
@@ -369,7 +386,7 @@ def _layout(linear: Any, module: str, path: str) -> Layout:
                 'gated_linear_unit=True (a SwiGLU MLP, as Qwen3 has)'
             )
         width = linear.output_size_per_partition // 2
-        return Layout('column', (('gate_proj', width), ('up_proj', width)), 1, tp_size, tp_rank)
+        return Layout('column', (('gate_proj', width), ('up_proj', width)), 1, tp_size, tp_rank, sequence_parallel)
     heads, groups, head_dim = _attention_sizes(config)
     if groups % tp_size:
         raise ConfigurationError(
@@ -379,7 +396,7 @@ def _layout(linear: Any, module: str, path: str) -> Layout:
     if getattr(config, 'attention_output_gate', False):
         raise ConfigurationError(f'{path}: LoRA on megatron does not support attention_output_gate=True')
     parts = (('q_proj', heads // groups * head_dim), ('k_proj', head_dim), ('v_proj', head_dim))
-    return Layout('column', parts, groups // tp_size, tp_size, tp_rank)
+    return Layout('column', parts, groups // tp_size, tp_size, tp_rank, sequence_parallel)
 
 
 def _pipeline_group() -> Any | None:
@@ -529,6 +546,10 @@ def _mark_tensor_parallel(adapter: ParallelLoraAdapter) -> ParallelLoraAdapter:
             param.tensor_model_parallel = which == sharded
             param.partition_dim = dim if which == sharded else -1
             param.partition_stride = 1
+            # Under sequence parallel a whole (replicated) weight sees this rank's share only (a
+            # column-parallel A its output slice's gradient, a row-parallel B its sequence slice):
+            # marked as megatron marks such weights, for the gradient sum over tensor parallel.
+            param.sequence_parallel = adapter.layout.sequence_parallel and which != sharded
     return adapter
 
 
