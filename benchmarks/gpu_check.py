@@ -161,11 +161,16 @@ def build_pair(path: str, precision: str, lora: bool, workdir: Path) -> tuple[Tr
     from twinkle.model.megatron import MegatronModel
 
     torch.manual_seed(0)
-    hf = TransformersModel(model_id=path, mixed_precision=precision)  # type: ignore[arg-type]
+    moe = 'moe' in Path(path).name
+    # A mixture of experts: MegatronModel trains without the router's load-balancing loss, so both do.
+    extra = {'router_aux_loss_coef': 0.0} if moe else {}
+    hf = TransformersModel(model_id=path, mixed_precision=precision, **extra)  # type: ignore[arg-type]
     mg = MegatronModel(model_id=path, mixed_precision=precision)  # type: ignore[arg-type]
     if lora:
         # init_lora_weights=False: B is not zero, so every LoRA weight has a gradient at the first step.
-        config = LoraConfig(r=8, lora_alpha=16, target_modules='all-linear', init_lora_weights=False)
+        # On a mixture of experts LoRA targets attention (megatron's experts take no adapters).
+        targets = ['q_proj', 'k_proj', 'v_proj', 'o_proj'] if moe else 'all-linear'
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
         hf.add_adapter_to_model('a', config)
         mg.add_adapter_to_model('a', hf.save('init', str(workdir)))
     for model in (hf, mg):

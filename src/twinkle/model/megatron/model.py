@@ -250,6 +250,13 @@ class MegatronModel(TransformersModel):
                 '(models/common/language_module/language_module.py:307); use pp_size=1 here, or a GPU'
             )
         _warn_without_router_loss(hf_config)
+        if mixed_precision == 'bf16' and getattr(hf_config, 'num_experts', 0):
+            # Seen on an H200 (benchmarks/results/gpu_check_h200_moe.jsonl): the router's forward runs
+            # under autocast, its backward (transformer/moe/moe_utils.py:1369) multiplies bf16 by float32.
+            raise ConfigurationError(
+                "a mixture of experts on MegatronModel trains with mixed_precision='no': megatron-core's "
+                'router backward does not run under bf16 autocast (transformer/moe/moe_utils.py:1369)'
+            )
         split = _sequence_split(hf_config, self._parallel.tp_size, sequence_parallel)
         if split > 1:  # not a CUDA call site: megatron's torch norms refuse sequence parallel on GPUs too
             compat.allow_sequence_parallel_norms()
