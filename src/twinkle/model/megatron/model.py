@@ -250,7 +250,7 @@ class MegatronModel(TransformersModel):
                 '(models/common/language_module/language_module.py:307); use pp_size=1 here, or a GPU'
             )
         _warn_without_router_loss(hf_config)
-        if mixed_precision == 'bf16' and getattr(hf_config, 'num_experts', 0):
+        if mixed_precision == 'bf16' and bool(getattr(hf_config, 'num_experts', None)):
             # Seen on an H200 (benchmarks/results/gpu_check_h200_moe.jsonl): the router's forward runs
             # under autocast, its backward (transformer/moe/moe_utils.py:1369) multiplies bf16 by float32.
             raise ConfigurationError(
