@@ -23,7 +23,7 @@ from twinkle import assets
 from twinkle.errors import ConfigurationError
 from twinkle.model import multi_lora
 from twinkle.model.lora_adapter import LoraSpec
-from twinkle.model.megatron import lora
+from twinkle.model.megatron import lora, lora_files
 
 LAYOUTS = {'tp1': (1, 1), 'tp2': (2, 1), 'pp2': (1, 2)}
 ROWS = ['alice', 'alice', 'bob', 'carol']
@@ -96,7 +96,7 @@ def run(model: Any, pipeline: Pipeline, names: list[str] | str, ids: torch.Tenso
     with multi_lora.row_adapters(model, names):
         logits = pipeline.forward(ids, positions)
         pipeline.backward(logits, weights)
-    grads = {name: lora.peft_state_dict(model, name, grads=True) for name in SPECS}
+    grads = {name: lora_files.peft_state_dict(model, name, grads=True) for name in SPECS}
     return {'logits': logits.detach().clone(), 'grads': grads, 'grad_norm': grad_norm(model)}
 
 
@@ -124,7 +124,7 @@ def scenario(layout: str, out: Path) -> None:
         lora.add_adapter(model, name, SPECS[name], generator)
     ids, _, weights = batch()
     pipeline = Pipeline(model, pp)
-    results: dict[str, Any] = {'state': {name: lora.peft_state_dict(model, name) for name in SPECS}}
+    results: dict[str, Any] = {'state': {name: lora_files.peft_state_dict(model, name) for name in SPECS}}
     results['mixed'] = run(model, pipeline, ROWS, ids, weights)
     for name in SPECS:
         rows = [i for i, row in enumerate(ROWS) if row == name]
@@ -132,7 +132,7 @@ def scenario(layout: str, out: Path) -> None:
     results['refused'] = refused(model)
     results['dropout'] = dropout_replicas(model, pipeline, ids, weights)
     lora.add_adapter(model, 'loaded', SPECS['alice'], torch.Generator().manual_seed(5))
-    lora.load_peft_state_dict(model, 'loaded', results['state']['alice'])
+    lora_files.load_peft_state_dict(model, 'loaded', results['state']['alice'])
     results['loaded'] = run(model, pipeline, 'loaded', ids[:2], weights[:2])['logits']
     if dist.get_rank() == 0:
         torch.save(results, out / f'{layout}.pt')

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 import twinkle
 from twinkle import DeviceMesh, assets
 from twinkle.infra import distributed
-from twinkle.model.megatron import MegatronModel, convert, lora
+from twinkle.model.megatron import MegatronModel, convert, lora_files
 
 LAYOUTS: dict[str, dict[str, int]] = {
     'tp1': {},
@@ -79,7 +79,7 @@ def main(out: Path, layout: str, init: str, model_name: str) -> None:
     model = MegatronModel(model_id=assets.tiny_model(model_name), device_mesh=mesh)
     model.add_adapter_to_model('a', init)
     model.set_optimizer('SGD', lr=1.0)
-    runs['lora'] = step(model, my_rows(mesh), lambda: lora.peft_state_dict(model.model.gpt, 'a'))
+    runs['lora'] = step(model, my_rows(mesh), lambda: lora_files.peft_state_dict(model.model.gpt, 'a'))
     model.save('lora-ckpt', str(out))
     probe = model.forward_only(inputs=[{'input_ids': PROBE, 'labels': PROBE}]).logits
     if distributed.is_main():
@@ -121,8 +121,8 @@ def mixed_against_alone(model_name: str, mesh: DeviceMesh | None, init: str) -> 
     loss_gap = max(abs(float(m) - float(a)) for m, a in zip(mixed_losses, alone_losses, strict=True))  # type: ignore[arg-type]
     grad_gap = 0.0
     for call in calls:
-        got = lora.peft_state_dict(mixed.model.gpt, call.adapter_name, grads=True)
-        want = lora.peft_state_dict(alone.model.gpt, call.adapter_name, grads=True)
+        got = lora_files.peft_state_dict(mixed.model.gpt, call.adapter_name, grads=True)
+        want = lora_files.peft_state_dict(alone.model.gpt, call.adapter_name, grads=True)
         # Relative to each gradient's scale: these are sums over the call's tokens (the step divides them).
         gaps = ((got[k] - want[k]).abs().max().item() / max(1.0, want[k].abs().max().item()) for k in want)
         grad_gap = max(grad_gap, *gaps)
@@ -186,7 +186,9 @@ def transformers_main(out: Path, init: str, model_name: str) -> None:
     model.add_adapter_to_model('a', init)
     model.set_optimizer('SGD', lr=1.0)
     lora_run = step(
-        model, batch(), lambda: {k: v.detach().clone() for k, v in multi_lora.peft_state_dict(model.model, 'a').items()}
+        model,
+        batch(),
+        lambda: {k: v.detach().clone() for k, v in multi_lora.peft_state_dict(model.model, 'a').items()},
     )  # type: ignore[arg-type]
     full = TransformersModel(model_id=assets.tiny_model(model_name), router_aux_loss_coef=0.0)
     full.set_optimizer('SGD', lr=1.0)

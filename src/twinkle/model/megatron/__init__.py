@@ -4,7 +4,7 @@
 - ``compat``: megatron-core's CUDA-only call sites on twinkle's paths, patched for the CPU (a no-op on GPUs);
 - ``state``: megatron's process groups from a twinkle ``DeviceMesh``;
 - ``convert``: Hugging Face Qwen3 and Qwen3-MoE to and from ``GPTModel``, sharded for this rank;
-- ``lora``: multi-LoRA on megatron's tensor-parallel linear layers, saved in peft's format;
+- ``lora``: multi-LoRA on megatron's tensor-parallel linear layers; ``lora_files``: its weights in peft's files;
 - ``layout``, ``pipeline``, ``checkpointer``: how ``MegatronModel`` (``model``) spreads over the mesh and saves.
 
 Only this package imports megatron-core, and only inside functions: ``import twinkle.model.megatron`` works

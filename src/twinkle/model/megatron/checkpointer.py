@@ -27,7 +27,7 @@ from torch import nn
 from twinkle.errors import CheckpointError, ConfigurationError, StateError
 from twinkle.model import checkpoint as ckpt
 from twinkle.model.checkpointer import Checkpointer, Tokenizer, _Save
-from twinkle.model.megatron import convert, lora
+from twinkle.model.megatron import convert, lora_files
 from twinkle.model.train_group import FULL, TrainGroup
 
 
@@ -74,7 +74,9 @@ class MegatronCheckpointer(Checkpointer):
         self, group: TrainGroup, destination: Path, tokenizer: Tokenizer, *, save_optimizer: bool, consumed: int | None
     ) -> None:
         gpt = self.gpt
-        weights = convert.export_hf_state_dict(gpt) if group.name == FULL else lora.peft_state_dict(gpt, group.name)
+        weights = (
+            convert.export_hf_state_dict(gpt) if group.name == FULL else lora_files.peft_state_dict(gpt, group.name)
+        )
         optimizer_state = None
         if save_optimizer and group.optimizer is not None:
             self.optimizer_ready(group)
@@ -117,7 +119,7 @@ class MegatronCheckpointer(Checkpointer):
             raise CheckpointError(f'{directory.name} has no {ckpt.ADAPTER_WEIGHTS}: it is not an adapter checkpoint')
         state: dict[str, Any] = load_file(str(path))
         try:
-            lora.load_peft_state_dict(self.gpt, group.name, state)
+            lora_files.load_peft_state_dict(self.gpt, group.name, state)
         except (ConfigurationError, KeyError, RuntimeError) as e:
             raise CheckpointError(f'{directory.name} does not fit adapter {group.name!r}: {e}') from e
 

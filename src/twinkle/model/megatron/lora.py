@@ -20,17 +20,22 @@ layer it adapts (Shoeybi et al. 2019, section 3)::
 so every rank computes exactly what one process computes, the all-reduces carrying r numbers per
 token. megatron's activations are [s, b, h], sequence first: a row of the batch is dim 1.
 
+Under megatron's sequence parallel the adapters gather a column-parallel layer's input and
+reduce-scatter a row-parallel one's output as the base layer does, and their whole weights carry
+megatron's ``sequence_parallel`` mark (their gradients are summed over tensor parallel).
+
 Not covered, and refused by name: megatron's experts (``SequentialMLP``: its token dispatcher
 permutes the tokens, losing which row each came from, which a per-row adapter needs), so
-'all-linear' on a mixture of experts (attention projections named one by one work);
-sequence parallel; a tensor-parallel size that does not divide the query groups.
+'all-linear' on a mixture of experts (attention projections named one by one work); a
+tensor-parallel size that does not divide the query groups.
 
 Example (every rank of the model's parallel group runs the same lines)::
 
     add_adapter(gpt, 'alice', LoraSpec(r=8, alpha=16, target_modules=('q_proj', 'v_proj')))
     with multi_lora.row_adapters(gpt, ['alice', None]):
         logits = gpt(input_ids, position_ids, None)
-    state = peft_state_dict(gpt, 'alice')  # whole tensors on every rank, peft's keys
+
+The adapter's weights in peft's files: ``twinkle.model.megatron.lora_files``.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle.errors import ConfigurationError, StateError, UnknownNameError
+from twinkle.errors import ConfigurationError, StateError
 from twinkle.model import multi_lora
 from twinkle.model.lora_adapter import LoraSpec, RowAssignment, check_name, check_spec, initialise
 
@@ -410,7 +415,7 @@ def _pipeline_group() -> Any | None:
     return parallel_state.get_pipeline_model_parallel_group()
 
 
-def _over_stages(local: Any) -> list[Any]:
+def over_stages(local: Any) -> list[Any]:
     """``local`` of every pipeline stage, in stage order (just ``[local]`` without pipeline parallel)."""
     group = _pipeline_group()
     if group is None:
@@ -425,7 +430,7 @@ def global_projections(model: nn.Module) -> tuple[list[Projection], bool]:
     (layer by layer: q, k, v, o, gate, up, down), and whether any layer has experts. Collective
     over the pipeline stages."""
     local = [p for site in _sites(model).values() for p in site.projections], _has_experts(model)
-    stages = _over_stages(local)
+    stages = over_stages(local)
     merged = {p.hf_path: p for projections, _ in stages for p in projections}
     return sorted(merged.values(), key=lambda p: p.order), any(experts for _, experts in stages)
 
@@ -563,7 +568,7 @@ def _wrap(model: nn.Module, site: _Site) -> MultiLoraParallelLinear:
     return wrapped
 
 
-def _adapted(model: nn.Module, name: str) -> list[MultiLoraParallelLinear]:
+def adapted_layers(model: nn.Module, name: str) -> list[MultiLoraParallelLinear]:
     """This rank's layers holding adapter ``name``."""
     return [
         layer
@@ -572,87 +577,13 @@ def _adapted(model: nn.Module, name: str) -> list[MultiLoraParallelLinear]:
     ]
 
 
-def _key(layer: int, projection: str, which: str) -> str:
-    """peft's key for one tensor: 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'."""
-    path = Projection(layer, projection, 0, 0).hf_path
-    return f'{multi_lora.PEFT_PREFIX}{path}.{which}.weight'
-
-
-def _gather(tensor: torch.Tensor, dim: int, layout: Layout, group: Any) -> torch.Tensor:
-    """The whole tensor from every tensor-parallel rank's slice along ``dim``."""
-    if layout.tp_size == 1:
-        return tensor
-    pieces = [torch.empty_like(tensor) for _ in range(layout.tp_size)]
-    dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return torch.cat(pieces, dim=dim)
-
-
-def peft_state_dict(model: nn.Module, name: str, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Adapter ``name``'s whole tensors (CPU) keyed as peft saves them for the Hugging Face model,
-    gathered over tensor parallel (all-gather) and pipeline stages: every rank gets the whole
-    dict. ``grads``: the tensors' gradients instead (zeros where none yet), keyed alike, to
-    compare parallel layouts. Collective over the model's parallel group: every rank calls it."""
-    local: dict[str, torch.Tensor] = {}
-    for layer in _adapted(model, name):
-        layout, group = layer.layout, layer.base_layer.tp_group
-        for projection, pair in layer.parallel_adapter(name).pairs().items():
-            tensor_A, tensor_B = (_value(p, grads) for p in (pair.lora_A.weight, pair.lora_B.weight))
-            column = layout.parallel == 'column'
-            lora_A = tensor_A if column else _gather(tensor_A, 1, layout, group)
-            lora_B = _gather(tensor_B, 0, layout, group) if column else tensor_B
-            local[_key(layer.layer, projection, 'lora_A')] = lora_A.cpu().clone()
-            local[_key(layer.layer, projection, 'lora_B')] = lora_B.cpu().clone()
-    state = {key: tensor for stage in _over_stages(local) for key, tensor in stage.items()}
-    if not state:
-        raise UnknownNameError('adapter', name, multi_lora.adapter_names(model))
-    return dict(sorted(state.items(), key=lambda item: _key_order(item[0])))
-
-
-def _value(param: torch.Tensor, grad: bool) -> torch.Tensor:
-    if not grad:
-        return param.detach()
-    return torch.zeros_like(param) if param.grad is None else param.grad.detach()
-
-
-def _key_order(key: str) -> tuple[int, int, str]:
-    """Keys in peft's order: layer, projection, then lora_A before lora_B."""
-    match = re.search(r'layers\.(\d+)\.\w+\.(\w+)\.(lora_[AB])', key)
-    if match is None:
-        return -1, -1, key
-    return int(match[1]), list(PROJECTIONS).index(match[2]), match[3]
-
-
-def load_peft_state_dict(model: nn.Module, name: str, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy a peft adapter file's whole tensors into adapter ``name``, each rank its slices. Every
-    tensor of this rank's layers must be there with its shape, and a key no stage's layer has is an
-    error too; nothing is copied then. Collective over the pipeline stages: every rank calls it."""
-    state = {_without_adapter_name(key, name): tensor for key, tensor in state.items()}
-    pairs = {
-        (_key(layer.layer, projection, 'lora_A'), _key(layer.layer, projection, 'lora_B')): (pair, layer.layout)
-        for layer in _adapted(model, name)
-        for projection, pair in layer.parallel_adapter(name).pairs().items()
-    }
-    local = sorted(key for keys in pairs for key in keys)
-    known = {key for stage in _over_stages(local) for key in stage}
-    if not known:
-        raise UnknownNameError('adapter', name, multi_lora.adapter_names(model))
-    missing, unexpected = sorted(set(local) - set(state)), sorted(set(state) - known)
-    if missing or unexpected:
-        raise ConfigurationError(
-            f'the weights do not fit adapter {name!r}: {len(missing)} missing (e.g. {missing[:1]}), '
-            f'{len(unexpected)} unexpected (e.g. {unexpected[:1]})'
-        )
-    for keys, (pair, layout) in pairs.items():
-        for key, shape in zip(keys, layout.whole_shapes(pair.lora_A.weight, pair.lora_B.weight), strict=True):
-            if state[key].shape != shape:
-                raise ConfigurationError(f'weight {key!r} has shape {tuple(state[key].shape)}; expected {tuple(shape)}')
-    with torch.no_grad():
-        for (key_A, key_B), (pair, layout) in pairs.items():
-            lora_A, lora_B = layout.shard(state[key_A], state[key_B])
-            pair.lora_A.weight.copy_(lora_A)
-            pair.lora_B.weight.copy_(lora_B)
-
-
-def _without_adapter_name(key: str, name: str) -> str:
-    """Keys saved with the adapter's name in them ('.lora_A.<name>.weight') as peft files hold them."""
-    return key.replace(f'.lora_A.{name}.', '.lora_A.').replace(f'.lora_B.{name}.', '.lora_B.')
+__all__ = [
+    'PROJECTIONS',
+    'Layout',
+    'MultiLoraParallelLinear',
+    'ParallelLoraAdapter',
+    'Projection',
+    'adapted_layers',
+    'add_adapter',
+    'over_stages',
+]
