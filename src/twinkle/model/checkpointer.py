@@ -94,16 +94,27 @@ class Checkpointer:
 
     def _write(self, group: TrainGroup, destination: Path, tokenizer: Tokenizer, save: _Save) -> None:
         with ckpt.atomic_directory(destination) as staging:
-            if group.name == FULL:
-                self.model.save_pretrained(str(staging), state_dict=save.weights, safe_serialization=True)
-            else:
-                ckpt.save_adapter(self.model, group, self.model_id, staging, save.weights)
-                if group.value_head is not None:
-                    save_value_head(group.value_head, staging)
+            self._write_weights(group, staging, save)
             tokenizer.save_pretrained(str(staging))
             ckpt.write_json(staging / ckpt.WEIGHTS_STEP, {'optim_step': group.optim_step})
             if save.save_optimizer:
                 ckpt.save_training_state(group, staging, save.consumed_train_samples, save.optimizer_state, save.window)
+
+    def load_adapter_weights(self, group: TrainGroup, directory: Path) -> None:
+        """A saved adapter's weights (and value head) into the adapter just added with its config."""
+        ckpt.load_adapter(self.model, group.name, directory)
+        if group.value_head is not None:
+            load_value_head(group.value_head, directory)
+
+    def _write_weights(self, group: TrainGroup, staging: Path, save: _Save) -> None:
+        """The weights' files into ``staging``: the full model, or the adapter (and its value head)
+        in peft's format. A backend whose weights are not a Hugging Face model's overrides it."""
+        if group.name == FULL:
+            self.model.save_pretrained(str(staging), state_dict=save.weights, safe_serialization=True)
+        else:
+            ckpt.save_adapter(self.model, group, self.model_id, staging, save.weights)
+            if group.value_head is not None:
+                save_value_head(group.value_head, staging)
 
     def load(self, group: TrainGroup, directory: Path, *, load_optimizer: bool) -> None:
         """The adapter's weights and, with ``load_optimizer``, its optimizer and scheduler state

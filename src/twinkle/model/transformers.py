@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftConfig
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from transformers import PretrainedConfig, PreTrainedModel
@@ -27,7 +28,6 @@ from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss
 from twinkle.metric import METRICS, Metric, TrainMetric
-from twinkle.model import checkpoint as ckpt
 from twinkle.model import mixed_pass, multi_lora
 from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, TwinkleModel
 from twinkle.model.checkpointer import Checkpointer, Restored, existing_checkpoint
@@ -46,7 +46,7 @@ from twinkle.model.router import Router, model_router
 from twinkle.model.runner import ModelRunner
 from twinkle.model.stepping import Stepper, describe_optimizer
 from twinkle.model.train_group import FULL, TrainGroup
-from twinkle.model.value_head import has_saved_head, load_value_head, new_value_head
+from twinkle.model.value_head import has_saved_head, new_value_head
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 
@@ -211,21 +211,11 @@ class TransformersModel(TwinkleModel):
             raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {self.adapter_names}')
         check_positive('gradient_accumulation_steps', gradient_accumulation_steps)
         self._parallel.check_can_add_adapter(adapter_name)
-        weights_dir = None
-        if isinstance(config_or_dir, str):
-            weights_dir = Path(resolve_model(config_or_dir))
-            config_or_dir = PeftConfig.from_pretrained(str(weights_dir))
-        if not isinstance(config_or_dir, PeftConfig):
-            raise ConfigurationError(f'expected a peft LoraConfig or an adapter directory; got {config_or_dir!r}')
+        config, weights_dir = adapter_source(config_or_dir)
         value_head = value_head or (weights_dir is not None and has_saved_head(weights_dir))
-        if value_head and self.uses_fsdp:
-            raise ConfigurationError(
-                f'adapter {adapter_name!r}: a value head is not supported under FSDP2 sharding (the head lives '
-                'outside the sharded model); train the critic in one process or on a data-parallel mesh'
-            )
-        multi_lora.add_adapter(self.model, adapter_name, multi_lora.spec_from_peft(config_or_dir, self.model))
+        self._check_value_head(adapter_name, value_head)
+        params = self._inject_adapter(adapter_name, config)
         self.groups.pop(FULL, None)
-        params = multi_lora.adapter_parameters(self.model, adapter_name)
         head = new_value_head(self.model, self.device) if value_head else None
         if head is not None:
             params = [*params, *head.parameters()]
@@ -233,20 +223,31 @@ class TransformersModel(TwinkleModel):
             name=adapter_name,
             params=params,
             gradient_accumulation_steps=gradient_accumulation_steps,
-            config=config_or_dir,
+            config=config,
             value_head=head,
         )
         self.groups[adapter_name] = self._runner.with_router_metric(group)
         if weights_dir is not None:
             try:
-                ckpt.load_adapter(self.model, adapter_name, weights_dir)
-                if head is not None:
-                    load_value_head(head, weights_dir)
+                self._checkpointer.load_adapter_weights(group, weights_dir)
             except BaseException:
                 self.remove_adapter(adapter_name)
                 raise
         self._parallel.adapter_added(group)
         self._runner.forget_mode()  # the new LoRA modules start in train mode whatever the rest is in
+
+    def _check_value_head(self, adapter_name: str, value_head: bool) -> None:
+        """``ConfigurationError`` where the adapter cannot have the value head it asks for."""
+        if value_head and self.uses_fsdp:
+            raise ConfigurationError(
+                f'adapter {adapter_name!r}: a value head is not supported under FSDP2 sharding (the head lives '
+                'outside the sharded model); train the critic in one process or on a data-parallel mesh'
+            )
+
+    def _inject_adapter(self, adapter_name: str, config: PeftConfig) -> list[nn.Parameter]:
+        """The adapter's LoRA layers into the model; their parameters (the adapter's to train)."""
+        multi_lora.add_adapter(self.model, adapter_name, multi_lora.spec_from_peft(config, self.model))
+        return multi_lora.adapter_parameters(self.model, adapter_name)
 
     def shard_base(self) -> None:
         """Under an FSDP2 mesh, shard the base model now, before any adapter is added: adapters
@@ -552,6 +553,18 @@ class TransformersModel(TwinkleModel):
         training continues exactly; from weights alone the optimizer starts afresh at the step
         they were saved at. Returns that step and whether the optimizer is fresh."""
         return self._checkpointer.restore(self.train_group(adapter_name), Path(checkpoint_dir))
+
+
+def adapter_source(config_or_dir: PeftConfig | str) -> tuple[PeftConfig, Path | None]:
+    """An adapter's peft config, and the directory to load its weights from (None: new weights):
+    ``config_or_dir`` is a peft config, or a saved adapter's directory (``ms://``, ``hf://`` or local)."""
+    weights_dir = None
+    if isinstance(config_or_dir, str):
+        weights_dir = Path(resolve_model(config_or_dir))
+        config_or_dir = PeftConfig.from_pretrained(str(weights_dir))
+    if not isinstance(config_or_dir, PeftConfig):
+        raise ConfigurationError(f'expected a peft LoraConfig or an adapter directory; got {config_or_dir!r}')
+    return config_or_dir, weights_dir
 
 
 __all__ = ['LoraConfig', 'TransformersModel']

@@ -85,23 +85,19 @@ class MegatronCheckpointer(Checkpointer):
         save = _Save(weights, save_optimizer, consumed, optimizer_state, window)
         self.parallel.on_main(lambda: self._write(group, destination, tokenizer, save))
 
-    def _write(self, group: TrainGroup, destination: Path, tokenizer: Tokenizer, save: _Save) -> None:
+    def _write_weights(self, group: TrainGroup, staging: Path, save: _Save) -> None:
+        """The gathered Hugging Face weights (``save.weights``, whole on this rank) in safetensors:
+        the full model with its config, or the adapter with its peft config."""
         weights = {k: v.detach().cpu().contiguous() for k, v in (save.weights or {}).items()}
-        config = self.model.config
-        with ckpt.atomic_directory(destination) as staging:
-            if group.name == FULL:
-                save_file(weights, str(staging / 'model.safetensors'), metadata={'format': 'pt'})
-                config.save_pretrained(str(staging))
-            else:
-                save_file(weights, str(staging / ckpt.ADAPTER_WEIGHTS), metadata={'format': 'pt'})
-                adapter_config = copy.copy(group.config)
-                adapter_config.base_model_name_or_path = self.model_id
-                adapter_config.inference_mode = True
-                adapter_config.save_pretrained(str(staging))
-            tokenizer.save_pretrained(str(staging))
-            ckpt.write_json(staging / ckpt.WEIGHTS_STEP, {'optim_step': group.optim_step})
-            if save.save_optimizer:
-                ckpt.save_training_state(group, staging, save.consumed_train_samples, save.optimizer_state, save.window)
+        if group.name == FULL:
+            save_file(weights, str(staging / 'model.safetensors'), metadata={'format': 'pt'})
+            self.model.config.save_pretrained(str(staging))
+            return
+        save_file(weights, str(staging / ckpt.ADAPTER_WEIGHTS), metadata={'format': 'pt'})
+        adapter_config = copy.copy(group.config)
+        adapter_config.base_model_name_or_path = self.model_id
+        adapter_config.inference_mode = True
+        adapter_config.save_pretrained(str(staging))
 
     def _load_weights(self, group: TrainGroup, directory: Path) -> None:
         if group.name == FULL:  # the full model in Hugging Face's files, as _write wrote it
