@@ -1,4 +1,4 @@
-"""The service with a Megatron model group (``backend: megatron``, ``ranks: 2``, ``tp_size: 2``):
+"""The service with a Megatron model group (``backend: megatron``, ``ranks: 2``, ``tp_size: 2``, and ``pp_size: 2``):
 trained by the official ``tinker`` SDK, unmodified, and by the native client (``twinkle_client``),
 with the numbers of a ``backend: transformers`` server on the same data.
 
@@ -131,6 +131,16 @@ def test_the_native_client_trains_the_megatron_group_as_the_transformers_server(
     losses = native_losses(url, keys['bob'])
     assert losses == pytest.approx(reference['native'], rel=HF, abs=HF)
     assert losses[-1] < losses[0]
+
+
+def test_a_pipeline_parallel_group_trains_as_the_transformers_server(reference, tmp_path_factory):
+    """``pp_size: 2``: each worker holds one of the two layers; the native client's losses are the
+    transformers server's."""
+    options = {**MEGATRON, 'tp_size': 1, 'pp_size': 2}
+    with background_server(tmp_path_factory.mktemp('megatron-pp'), MODEL, **options) as (url, keys, background):
+        assert len(set(background.app.state.service.default.host.pids)) == 2
+        losses = native_losses(url, keys['bob'])
+    assert losses == pytest.approx(reference['native'], rel=HF, abs=HF)
 
 
 SAMPLE_ON_THE_WORKER = """
