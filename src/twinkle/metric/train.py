@@ -8,8 +8,9 @@ from twinkle.metric.base import METRICS, Metric
 @METRICS.register
 class TrainMetric(Metric):
     """Optimizer-side figures: ``lr``, ``grad_norm`` (before clipping) of the last step,
-    ``steps`` taken, and ``tokens_per_s``: input tokens over the seconds spent in the model's
-    forward, backward and step calls since the last reset (data loading excluded)."""
+    ``steps`` taken, ``tokens``: input tokens trained on since the last reset, and ``tokens_per_s``:
+    those tokens over the seconds spent in the model's forward, backward and step calls (data
+    loading excluded)."""
 
     def __init__(self) -> None:
         self.lr: float | None = None
@@ -35,7 +36,7 @@ class TrainMetric(Metric):
         self.steps += int(stepped)
 
     def calculate(self) -> dict[str, float]:
-        result: dict[str, float] = {'steps': float(self.steps)}
+        result: dict[str, float] = {'steps': float(self.steps), 'tokens': float(self.tokens)}
         if self.lr is not None:
             result['lr'] = self.lr
         if self.grad_norm is not None:

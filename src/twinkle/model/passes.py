@@ -146,16 +146,17 @@ def loss_sums(loss: LossOutput, batch: Batch, rows: int) -> torch.Tensor:
 
 
 def record_call(
-    group: TrainGroup, rows: Sequence[InputFeature], sums: Sequence[float], elapsed_s: float
+    group: TrainGroup, rows: Sequence[InputFeature], sums: Sequence[float], elapsed_s: float, row_share: float = 1.0
 ) -> ModelOutput:
     """Count one ``forward_backward`` call (one accumulation micro step) on ``group``; its
     output from ``sums`` = ``loss_sums`` of the call, over every rank (so the samples consumed
-    are the global batch's on every rank, as one process counts them)."""
+    are the global batch's on every rank, as one process counts them). ``row_share`` 0: this
+    rank's rows are counted by another rank of its group (Ulysses), so its tokens are not."""
     total, items, trained, global_rows = sums
     group.micro_step += 1
     group.consumed_train_samples += int(global_rows)
     tokens = sum(len(f['input_ids']) for f in rows)
-    group.stats.accumulate(num_tokens=tokens, elapsed_s=elapsed_s)
+    group.stats.accumulate(num_tokens=round(tokens * row_share), elapsed_s=elapsed_s)
     loss = total / max(items, 1.0)
     group.step_log.on_call(loss, tokens, elapsed_s)
     return ModelOutput(loss=loss, num_tokens=int(trained))

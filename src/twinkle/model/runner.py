@@ -245,7 +245,7 @@ class ModelRunner:
             self.backward(group, loss)
             sums.append(loss_sums(loss, batch, len(rows)) * self.parallel.row_share)
         call_sums = self.parallel.sum_(torch.stack(sums).sum(0)).tolist()
-        return record_call(group, features, call_sums, time.perf_counter() - started)
+        return record_call(group, features, call_sums, time.perf_counter() - started, self.parallel.row_share)
 
     # ---- losses and the backward ----------------------------------------------------------------
     def loss(

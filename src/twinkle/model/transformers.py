@@ -459,7 +459,7 @@ class TransformersModel(TwinkleModel):
     # ---- metrics and configuration -------------------------------------------------------------
     def calculate_metric(self, is_training: bool = True, *, adapter_name: str | None = None) -> dict[str, float]:
         """Metrics since the last call, then reset: ``loss``, ``accuracy`` (token accuracy),
-        and for training ``lr``, ``grad_norm``, ``tokens_per_s`` and ``steps``. Under a mesh,
+        and for training ``lr``, ``grad_norm``, ``tokens``, ``tokens_per_s`` and ``steps``. Under a mesh,
         every rank reports the figures of all ranks together."""
         group = self.train_group(adapter_name)
         metrics = group.train_metrics if is_training else group.eval_metrics
