@@ -14,12 +14,14 @@ from the weights a run saves for sampling: a megatron model has no KV cache to s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 pytest.importorskip('megatron.core')
@@ -140,6 +142,24 @@ def test_a_pipeline_parallel_group_trains_as_the_transformers_server(reference, 
     with background_server(tmp_path_factory.mktemp('megatron-pp'), MODEL, **options) as (url, keys, background):
         assert len(set(background.app.state.service.default.host.pids)) == 2
         losses = native_losses(url, keys['bob'])
+    assert losses == pytest.approx(reference['native'], rel=HF, abs=HF)
+
+
+def test_a_tensor_parallel_group_of_ray_actors_trains_as_the_transformers_server(reference, tmp_path_factory):
+    """``ray:``: the two ranks are Ray actors of a local Ray (``twinkle.server.execution.ray_ranks``)."""
+    ray = pytest.importorskip('ray')
+    from twinkle.infra.ray.cluster import LOCAL_SYSTEM_CONFIG
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
+    try:
+        options = {**MEGATRON, 'ray': {'num_cpus': 1}}
+        with background_server(tmp_path_factory.mktemp('megatron-ray'), MODEL, **options) as (url, keys, background):
+            pids = background.app.state.service.default.host.pids
+            # Ray's raylet starts them: the workers are not this process's children, as ProcessRanks' are.
+            assert len(set(pids)) == 2 and all(psutil.Process(pid).ppid() != os.getpid() for pid in pids)
+            losses = native_losses(url, keys['bob'])
+    finally:
+        ray.shutdown()
     assert losses == pytest.approx(reference['native'], rel=HF, abs=HF)
 
 
