@@ -4,18 +4,23 @@ Everything is generated deterministically on first use into ``twinkle_home()/ass
 ``cache.py`` for the layout) and reused after; two builds give byte-identical files.
 
 >>> from twinkle.assets import DATASETS, MODELS
->>> MODELS, DATASETS
-(('tiny-qwen3', 'small-qwen3', 'tiny-qwen3.5', 'tiny-qwen3-moe', 'tiny-qwen3.5-moe'), ('self-cognition', 'gsm8k'))
+>>> MODELS
+('tiny-qwen3', 'small-qwen3', 'tiny-qwen3.5', 'tiny-qwen3-moe', 'tiny-qwen3.5-moe', 'tiny-qwen3.5-vl', 'tiny-qwen3-vl')
+>>> DATASETS
+('self-cognition', 'gsm8k', 'shapes')
 
 Typical use (``path`` is a normal Hugging Face folder)::
 
     path = tiny_model('tiny-qwen3')
     model = AutoModelForCausalLM.from_pretrained(path)
     rows = datasets.load_dataset('json', data_files=dataset('gsm8k', 'train'))
+    vlm = AutoModelForImageTextToText.from_pretrained(tiny_model('tiny-qwen3.5-vl'))  # a vision tower too
+    pictures = resolve_images(dataset('shapes', 'train'))  # rows with image paths made absolute
 """
 
 from twinkle.assets.cache import twinkle_home
 from twinkle.assets.data import DATASETS, dataset, dataset_splits
+from twinkle.assets.images import resolve_images
 from twinkle.assets.models import MODELS, tiny_model
 
-__all__ = ['DATASETS', 'MODELS', 'dataset', 'dataset_splits', 'tiny_model', 'twinkle_home']
+__all__ = ['DATASETS', 'MODELS', 'dataset', 'dataset_splits', 'resolve_images', 'tiny_model', 'twinkle_home']

@@ -11,12 +11,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from twinkle.assets import gsm8k, self_cognition
+from twinkle.assets import gsm8k, images, self_cognition
 from twinkle.assets.cache import build_asset
 from twinkle.errors import UnknownNameError, one_of
 
-Rows = list[dict[str, str]]
+Rows = list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,14 @@ class DatasetRecipe:
     make_splits: Callable[[], dict[str, Rows]]
     # The split names, known without building.
     splits: tuple[str, ...]
+    # Writes the files the rows name (images) into the dataset's folder, beside the JSONL files.
+    write_files: Callable[[Path], None] | None = None
 
 
 DATASET_RECIPES: dict[str, DatasetRecipe] = {
     'self-cognition': DatasetRecipe(2, lambda: {'train': self_cognition.rows()}, ('train',)),
     'gsm8k': DatasetRecipe(2, gsm8k.splits, tuple(gsm8k.SPLIT_SIZES)),
+    'shapes': DatasetRecipe(1, images.splits, tuple(images.SPLIT_SIZES), images.write_images),
 }
 DATASETS: tuple[str, ...] = tuple(DATASET_RECIPES)
 
@@ -48,6 +52,8 @@ def write_jsonl(path: Path, rows: Rows) -> None:
 def _write_splits(recipe: DatasetRecipe, folder: Path) -> None:
     for split, rows in recipe.make_splits().items():
         write_jsonl(folder / f'{split}.jsonl', rows)
+    if recipe.write_files is not None:
+        recipe.write_files(folder)
 
 
 def _recipe(name: str) -> DatasetRecipe:

@@ -1,5 +1,7 @@
 """Where a model's weights come from and where they run: a Hugging Face causal LM loaded from a
 hub id or a directory (or built from a config with random weights), its device and its precision.
+A vision-language checkpoint (Qwen3.5's ``Qwen3_5ForConditionalGeneration``, Qwen3-VL's) loads as
+the class its config names, vision tower included, not as its text-only causal LM.
 
 ``TransformersModel`` and ``TorchSampler`` load their models here, so both read a model id, a
 model class and a config the same way.
@@ -11,7 +13,14 @@ from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from twinkle.errors import ConfigurationError
 from twinkle.hub import resolve_model
@@ -28,17 +37,30 @@ def load_causal_lm(
     **kwargs: Any,
 ) -> PreTrainedModel:
     """The model ``model_id`` names (``ms://``, ``hf://`` or a directory) loaded with
-    ``model_cls`` (``AutoModelForCausalLM`` by default), else one built from ``config`` with
-    random weights; ``kwargs`` go to ``from_pretrained`` (or the config constructor): ``dtype``,
+    ``model_cls`` (by default ``auto_model_class`` of its config), else one built from ``config``
+    with random weights; ``kwargs`` go to ``from_pretrained`` (or the config constructor): ``dtype``,
     ``attn_implementation``... ``owner`` names the component in the error when both are missing."""
     if model_id is not None:
-        return (model_cls or AutoModelForCausalLM).from_pretrained(resolve_model(model_id), **kwargs)
+        path = resolve_model(model_id)
+        return (model_cls or auto_model_class(AutoConfig.from_pretrained(path))).from_pretrained(path, **kwargs)
     if config is None:
         raise ConfigurationError(f'{owner} needs a model_id or a config')
     # transformers leaves both unannotated; each returns the model the config describes. A model
     # class has no public from_config: _from_config is what the Auto class calls.
-    from_config = AutoModelForCausalLM.from_config if model_cls is None else model_cls._from_config
+    from_config = auto_model_class(config).from_config if model_cls is None else model_cls._from_config
     return cast(Callable[..., PreTrainedModel], from_config)(config, **kwargs)
+
+
+def auto_model_class(config: PretrainedConfig) -> Any:
+    """``AutoModelForImageTextToText`` for a vision-language config (one whose ``architectures``
+    names that mapping's class for its model type, e.g. ``Qwen3_5ForConditionalGeneration``, or
+    with none named, one with a ``vision_config``), else ``AutoModelForCausalLM``. transformers maps
+    ``qwen3_5`` to its text-only ``Qwen3_5ForCausalLM`` too, which would drop the vision tower."""
+    vlm_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
+    named = getattr(config, 'architectures', None) or []
+    if vlm_class is not None and (vlm_class in named or (not named and hasattr(config, 'vision_config'))):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
@@ -69,4 +91,11 @@ def default_precision(device: torch.device) -> Precision:
     return 'bf16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'no'
 
 
-__all__ = ['Precision', 'default_precision', 'enable_gradient_checkpointing', 'load_causal_lm', 'resolve_device']
+__all__ = [
+    'Precision',
+    'auto_model_class',
+    'default_precision',
+    'enable_gradient_checkpointing',
+    'load_causal_lm',
+    'resolve_device',
+]
