@@ -55,11 +55,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp('megatron-layouts')
     folders: dict[str, Path] = {}
-    for model, targets in ((DENSE, 'all-linear'), (MOE, ['q_proj', 'k_proj', 'v_proj', 'o_proj'])):
+    experts = {'target_parameters': ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']}  # peft's way to the stacks
+    for model, targets, extra in ((DENSE, 'all-linear', {}), (MOE, ['q_proj', 'k_proj', 'v_proj', 'o_proj'], experts)):
         torch.manual_seed(0)
         seeded = TransformersModel(model_id=assets.tiny_model(model))
         # Random A and B (init_lora_weights=False): every LoRA weight gets a gradient at the first step.
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **extra)
         seeded.add_adapter_to_model('a', config)
         init = Path(seeded.save(f'init-{model}', str(root)))
         hf = 'hf' if model == DENSE else 'moe-hf'

@@ -24,10 +24,12 @@ Under megatron's sequence parallel the adapters gather a column-parallel layer's
 reduce-scatter a row-parallel one's output as the base layer does, and their whole weights carry
 megatron's ``sequence_parallel`` mark (their gradients are summed over tensor parallel).
 
-Not covered, and refused by name: megatron's experts (``SequentialMLP``: its token dispatcher
-permutes the tokens, losing which row each came from, which a per-row adapter needs), so
-'all-linear' on a mixture of experts (attention projections named one by one work); a
-tensor-parallel size that does not divide the query groups.
+megatron's routed experts take adapters through peft's ``target_parameters``
+('mlp.experts.gate_up_proj', 'mlp.experts.down_proj'): ``twinkle.model.megatron.experts``.
+Refused by name: 'all-linear' on a mixture of experts (peft 0.21 on transformers 5 turns it into the
+attention projections, the router's weight and the expert stacks with gate_up_proj at twice the
+rank; the router is not adapted here, so the targets must be named); a tensor-parallel size that
+does not divide the query groups.
 
 Example (every rank of the model's parallel group runs the same lines)::
 
@@ -53,6 +55,7 @@ from torch import nn
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.model import multi_lora
 from twinkle.model.lora_adapter import LoraSpec, RowAssignment, check_name, check_spec, initialise
+from twinkle.model.megatron import experts
 
 #: Hugging Face projection -> (its block in a decoder layer, the megatron module holding it), in the
 #: order peft meets them in a Qwen3 decoder layer (and so draws their weights).
@@ -425,20 +428,15 @@ def over_stages(local: Any) -> list[Any]:
     return gathered
 
 
-def global_projections(model: nn.Module) -> tuple[list[Projection], bool]:
+def global_projections(model: nn.Module) -> tuple[list[Projection], list[experts.ExpertLayer]]:
     """Every Hugging Face projection of the whole model (every pipeline stage's), in peft's order
-    (layer by layer: q, k, v, o, gate, up, down), and whether any layer has experts. Collective
-    over the pipeline stages."""
-    local = [p for site in _sites(model).values() for p in site.projections], _has_experts(model)
-    stages = over_stages(local)
+    (layer by layer: q, k, v, o, gate, up, down), and every MoE layer's experts, by layer.
+    Collective over the pipeline stages."""
+    local_experts = list(experts.expert_layers(model, _decoder_layers(model)).values())
+    stages = over_stages(([p for site in _sites(model).values() for p in site.projections], local_experts))
     merged = {p.hf_path: p for projections, _ in stages for p in projections}
-    return sorted(merged.values(), key=lambda p: p.order), any(experts for _, experts in stages)
-
-
-def _has_experts(model: nn.Module) -> bool:
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    return any(isinstance(m, MoELayer) for m in model.modules())
+    moe = {layer.layer: layer for _, layers in stages for layer in layers}
+    return sorted(merged.values(), key=lambda p: p.order), [moe[index] for index in sorted(moe)]
 
 
 def select(projections: list[Projection], targets: tuple[str, ...] | str) -> list[Projection]:
@@ -493,8 +491,9 @@ def draw(
 
 def add_adapter(model: nn.Module, name: str, spec: LoraSpec, generator: torch.Generator | None = None) -> list[str]:
     """Add adapter ``name`` to the projections ``spec.target_modules`` names (Hugging Face names:
-    q_proj ... down_proj, 'all-linear', or a pattern over Hugging Face paths), wrapping megatron's
-    linears as needed, and freeze the base model. Returns this rank's adapted layer paths.
+    q_proj ... down_proj, 'all-linear', or a pattern over Hugging Face paths) and the expert stacks
+    ``spec.target_parameters`` names (peft's: 'mlp.experts.gate_up_proj', 'mlp.experts.down_proj'),
+    wrapping megatron's linears as needed, and freeze the base model. Returns this rank's adapted layer paths.
 
     Every projection of every layer (all pipeline stages') is drawn in peft's order and each rank
     keeps its slice, so any tensor or pipeline layout holds the numbers one process holds. A
@@ -503,30 +502,35 @@ def add_adapter(model: nn.Module, name: str, spec: LoraSpec, generator: torch.Ge
     Collective over the pipeline stages: every rank calls it. Nothing changes on error."""
     check_name(name)
     check_spec(spec)
-    if spec.target_parameters:
-        raise ConfigurationError(
-            f'target_parameters={spec.target_parameters!r}: LoRA on megatron experts is not supported; '
-            'adapt the attention and dense MLP projections (target_modules)'
-        )
     if name in multi_lora.adapter_names(model):
         raise ConfigurationError(f'Adapter {name!r} already exists; remove_adapter(model, {name!r}) first')
     sites = _sites(model)
     if not sites:
         raise ConfigurationError('the model has no megatron decoder layer with parallel linears to adapt')
     by_path = {p.hf_path: site for site in sites.values() for p in site.projections}
-    projections, experts = global_projections(model)
-    if experts and spec.target_modules == 'all-linear':
+    projections, moe_layers = global_projections(model)
+    stacks = experts.select_stacks(moe_layers, spec)  # checked before anything changes
+    if moe_layers and spec.target_modules == 'all-linear':
         raise ConfigurationError(
-            "target_modules='all-linear' on a mixture of experts adapts the experts too, which LoRA on megatron "
-            f'does not support; name the projections instead (of {_accepted(projections)})'
+            "target_modules='all-linear' on a mixture of experts: peft (transformers 5) resolves it on the Hugging "
+            "Face model to the attention projections plus target_parameters for the router ('mlp.gate.weight', "
+            'which LoRA on megatron does not adapt) and the expert stacks (gate_up_proj at rank 2r); name them '
+            f'instead: target_modules={_accepted(projections)}, target_parameters='
+            "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']"
         )
+    linear_targets = spec.target_modules if spec.target_modules or not stacks else None
     pairs: dict[str, dict[str, LoraPair]] = {}
-    for projection in select(projections, spec.target_modules):
+    for projection in select(projections, linear_targets) if linear_targets is not None else []:
         lora_A, lora_B = draw(projection, spec, generator)
         site = by_path.get(projection.hf_path)
         if site is not None:
             pairs.setdefault(site.path, {})[projection.name] = LoraPair(*site.layout.shard(lora_A, lora_B))
-    if not pairs:  # this stage holds none of its layers: an empty adapter, so row_adapters knows the name
+    # peft draws target_parameters after every target module.
+    local_moe = experts.expert_layers(model, _decoder_layers(model))
+    expert_paths = experts.add(model, name, spec, local_moe, stacks, generator)
+    if (
+        not pairs and not expert_paths
+    ):  # this stage holds none of its layers: an empty adapter, so row_adapters knows it
         pairs[next(iter(sites))] = {}
     for path, layer_pairs in pairs.items():
         site = sites[path]
@@ -537,7 +541,7 @@ def add_adapter(model: nn.Module, name: str, spec: LoraSpec, generator: torch.Ge
         adapter = ParallelLoraAdapter(ordered, spec, site.layout).to(device=weight.device, dtype=dtype)
         layer.adapters[name] = _mark_tensor_parallel(adapter)
     multi_lora.freeze_base(model)
-    return list(pairs)
+    return [*pairs, *expert_paths]
 
 
 def _mark_tensor_parallel(adapter: ParallelLoraAdapter) -> ParallelLoraAdapter:

@@ -20,6 +20,7 @@ from torch import nn
 
 from twinkle.errors import ConfigurationError, UnknownNameError
 from twinkle.model import multi_lora
+from twinkle.model.megatron import experts
 from twinkle.model.megatron.lora import PROJECTIONS, Layout, Projection, adapted_layers, over_stages
 
 
@@ -53,6 +54,7 @@ def peft_state_dict(model: nn.Module, name: str, grads: bool = False) -> dict[st
             lora_B = _gather(tensor_B, 0, layout, group) if column else tensor_B
             local[_key(layer.layer, projection, 'lora_A')] = lora_A.cpu().clone()
             local[_key(layer.layer, projection, 'lora_B')] = lora_B.cpu().clone()
+    local |= experts.peft_state(model, name, grads)
     state = {key: tensor for stage in over_stages(local) for key, tensor in stage.items()}
     if not state:
         raise UnknownNameError('adapter', name, multi_lora.adapter_names(model))
@@ -65,12 +67,15 @@ def _value(param: torch.Tensor, grad: bool) -> torch.Tensor:
     return torch.zeros_like(param) if param.grad is None else param.grad.detach()
 
 
-def _key_order(key: str) -> tuple[int, int, str]:
-    """Keys in peft's order: layer, projection, then lora_A before lora_B."""
-    match = re.search(r'layers\.(\d+)\.\w+\.(\w+)\.(lora_[AB])', key)
+def _key_order(key: str) -> tuple[int, int, int, str]:
+    """Keys in peft's order: layer, projection (the experts after the layer's projections, peft's
+    nested wrappers inside out), then lora_A before lora_B."""
+    match = re.search(r'layers\.(\d+)\.\w+\.(\w+)\.((?:base_layer\.)*)(lora_[AB])', key)
     if match is None:
-        return -1, -1, key
-    return int(match[1]), list(PROJECTIONS).index(match[2]), match[3]
+        return -1, -1, 0, key
+    if match[2] == 'experts':
+        return int(match[1]), len(PROJECTIONS), -match[3].count('base_layer'), match[4]
+    return int(match[1]), list(PROJECTIONS).index(match[2]), 0, match[4]
 
 
 def load_peft_state_dict(model: nn.Module, name: str, state: Mapping[str, torch.Tensor]) -> None:
@@ -83,7 +88,8 @@ def load_peft_state_dict(model: nn.Module, name: str, state: Mapping[str, torch.
         for layer in adapted_layers(model, name)
         for projection, pair in layer.parallel_adapter(name).pairs().items()
     }
-    local = sorted(key for keys in pairs for key in keys)
+    expert_shapes = experts.peft_shapes(model, name)
+    local = sorted([key for keys in pairs for key in keys] + list(expert_shapes))
     known = {key for stage in over_stages(local) for key in stage}
     if not known:
         raise UnknownNameError('adapter', name, multi_lora.adapter_names(model))
@@ -97,6 +103,10 @@ def load_peft_state_dict(model: nn.Module, name: str, state: Mapping[str, torch.
         for key, shape in zip(keys, layout.whole_shapes(pair.lora_A.weight, pair.lora_B.weight), strict=True):
             if state[key].shape != shape:
                 raise ConfigurationError(f'weight {key!r} has shape {tuple(state[key].shape)}; expected {tuple(shape)}')
+    for key, expert_shape in expert_shapes.items():
+        if tuple(state[key].shape) != expert_shape:
+            raise ConfigurationError(f'weight {key!r} has shape {tuple(state[key].shape)}; expected {expert_shape}')
+    experts.load_peft_state(model, name, state)
     with torch.no_grad():
         for (key_A, key_B), (pair, layout) in pairs.items():
             lora_A, lora_B = layout.shard(state[key_A], state[key_B])
