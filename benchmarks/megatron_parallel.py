@@ -1,14 +1,18 @@
 """What megatron-core's tensor and pipeline parallel give ``MegatronModel``: the same losses, and how
-much of the model and its optimizer state each rank holds, at TP=2, PP=2 and TP2xPP2 against one process.
+much of the model and its optimizer state each rank holds, at TP=2, PP=2 and TP2xPP2 against one process;
+and at DP=2, with the project's per-parameter gradient reduction and with megatron's DDP and distributed
+optimizer (``distributed_optimizer=True``, full-parameter training only: each rank holds the optimizer
+state of half the weights).
 
 Every layout trains the same batch from the same weights: ``--batch-size`` self-cognition rows
 (encoded once here, up to ``--max-length`` tokens) on ``--model`` (default ``small-qwen3``: 8
 layers, 8 query and 4 key-value heads of 64, hidden 512, MLP 1408, a 4096-token vocabulary and an untied
 head, so every split divides: 4 layers per stage, 4 query and 2 key-value heads per tensor-parallel
-rank). Each layout runs as ``torch.distributed.run --nproc_per_node=tp*pp`` processes of this file
+rank). Each layout runs as ``torch.distributed.run --nproc_per_node=tp*pp*dp`` processes of this file
 (``--worker``; gloo; one process for TP=1 too, so every layout pays the same launch), twice: full-
-parameter training, then a LoRA (r=16, alpha=32, ``all-linear``). Each takes ``--warmup`` untimed
-and ``--steps`` timed steps of ``forward_backward`` + ``clip_grad_and_step`` (AdamW, lr 1e-4,
+parameter training, then a LoRA (r=16, alpha=32, ``all-linear``); the DP=2 layouts split the batch's
+rows between their ranks, and the distributed optimizer's trains the full model alone. Each takes
+``--warmup`` untimed and ``--steps`` timed steps of ``forward_backward`` + ``clip_grad_and_step`` (AdamW, lr 1e-4,
 clipping at 1.0) on that same batch.
 
 Figures, per layout and training:
@@ -30,6 +34,7 @@ Figures, per layout and training:
 Usage (megatron-core's environment)::
 
     .venv-megatron/bin/python benchmarks/megatron_parallel.py      # ~5 min on 2 idle cores
+    .venv-megatron/bin/python benchmarks/megatron_parallel.py --layouts tp1 dp2 dp2-distopt --output /tmp/dp.json
     make bench-megatron
 """
 
@@ -60,10 +65,22 @@ from twinkle.infra import distributed
 from twinkle.preprocessor import SelfCognitionProcessor
 
 LOSS_TOLERANCE = 1e-5
-#: Layout name: (tp, pp); TP=1 first, the baseline.
-LAYOUTS: dict[str, tuple[int, int]] = {'tp1': (1, 1), 'tp2': (2, 1), 'pp2': (1, 2), 'tp2pp2': (2, 2)}
+#: Layout name: (tp, pp, dp, distributed_optimizer); TP=1 first, the baseline.
+LAYOUTS: dict[str, tuple[int, int, int, bool]] = {
+    'tp1': (1, 1, 1, False),
+    'tp2': (2, 1, 1, False),
+    'pp2': (1, 2, 1, False),
+    'tp2pp2': (2, 2, 1, False),
+    'dp2': (1, 1, 2, False),
+    'dp2-distopt': (1, 1, 2, True),
+}
 TRAININGS = ('full', 'lora')
 WORKER_ENV = {'TWINKLE_OFFLINE': '1', 'HF_HUB_OFFLINE': '1', 'HF_DATASETS_DISABLE_PROGRESS_BARS': '1'}
+
+
+def trainings(layout: str) -> tuple[str, ...]:
+    """What ``layout`` trains: megatron's distributed optimizer takes the full model alone."""
+    return ('full',) if LAYOUTS[layout][3] else TRAININGS
 
 
 @dataclass
@@ -102,11 +119,13 @@ def optimizer_bytes(model: Any) -> int:
     return total
 
 
-def train_one(settings: Settings, model_dir: str, mesh: DeviceMesh | None, batch: list[dict], lora: bool) -> dict:
+def train_one(
+    settings: Settings, model_dir: str, mesh: DeviceMesh | None, batch: list[dict], lora: bool, distopt: bool = False
+) -> dict:
     """One training on this rank: its losses, step times and the bytes it holds."""
     from twinkle.model import MegatronModel
 
-    model = MegatronModel(model_id=model_dir, device_mesh=mesh, seed=settings.seed)
+    model = MegatronModel(model_id=model_dir, device_mesh=mesh, seed=settings.seed, distributed_optimizer=distopt)
     if lora:
         # The adapter's draws from the seed on every layout, whatever the full-parameter run before it drew.
         torch.manual_seed(settings.seed)
@@ -136,10 +155,14 @@ def worker(workdir: Path, layout: str) -> None:
     spec = json.loads((workdir / 'spec.json').read_text())
     settings = Settings(**spec['settings'])
     torch.set_num_threads(int(os.environ['OMP_NUM_THREADS']))
-    tp, pp = LAYOUTS[layout]
-    mesh = DeviceMesh.from_sizes(tp_size=tp, pp_size=pp, device_type='cpu') if tp * pp > 1 else None
+    tp, pp, dp, distopt = LAYOUTS[layout]
+    mesh = DeviceMesh.from_sizes(tp_size=tp, pp_size=pp, dp_size=dp, device_type='cpu') if tp * pp * dp > 1 else None
     twinkle.initialize(mode='local', global_device_mesh=mesh, seed=settings.seed)
-    runs = {name: train_one(settings, spec['model_dir'], mesh, spec['batch'], name == 'lora') for name in TRAININGS}
+    # Each data-parallel rank trains its share of the rows; the losses are the whole batch's.
+    batch = spec['batch'][distributed.data_rank(mesh) :: dp] if mesh is not None else spec['batch']
+    runs = {
+        name: train_one(settings, spec['model_dir'], mesh, batch, name == 'lora', distopt) for name in trainings(layout)
+    }
     ranks = distributed.all_gather_object(runs) if mesh is not None else [runs]
     if distributed.is_main():
         (workdir / f'{layout}.json').write_text(json.dumps(ranks))
@@ -158,8 +181,8 @@ def encode_batch(model_dir: str, settings: Settings) -> list[dict]:
 
 def run_layout(settings: Settings, layout: str, workdir: Path) -> list[dict]:
     """``layout``'s ranks under torchrun; every rank's figures."""
-    tp, pp = LAYOUTS[layout]
-    ranks = tp * pp
+    tp, pp, dp, _ = LAYOUTS[layout]
+    ranks = tp * pp * dp
     command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={ranks}']
     command += [str(Path(__file__).resolve()), '--worker', str(workdir), '--layout', layout]
     threads = max(1, settings.threads // ranks)
@@ -179,6 +202,8 @@ def summarize(raw: dict[str, list[dict]]) -> dict[str, Any]:
     for training in TRAININGS:
         base: dict[str, Any] = {}
         for layout, ranks in raw.items():
+            if training not in ranks[0]:
+                continue
             runs = [rank[training] for rank in ranks]
             steps = [max(times) for times in zip(*(run['step_s'] for run in runs), strict=True)]
             entry = {
@@ -205,7 +230,7 @@ def summarize(raw: dict[str, list[dict]]) -> dict[str, Any]:
 def print_summary(result: dict[str, Any]) -> None:
     s = result['settings']
     print(
-        f'\nMegatron TP/PP against one process: {s["model"]}, one batch of {s["batch_size"]} rows, '
+        f'\nMegatron TP/PP/DP against one process: {s["model"]}, one batch of {s["batch_size"]} rows, '
         f'{s["warmup"]} warm-up + {s["steps"]} timed steps, gloo, {s["threads"]} torch thread(s) per layout'
         ' (at least one a rank)'
     )
@@ -214,7 +239,7 @@ def print_summary(result: dict[str, Any]) -> None:
         for layout, e in layouts.items():
             r = e['ratio']
             print(
-                f'  {layout:7s} {e["ranks"]} rank(s)  max |loss diff| {e["max_loss_diff"]:.1e}'
+                f'  {layout:11s} {e["ranks"]} rank(s)  max |loss diff| {e["max_loss_diff"]:.1e}'
                 f' ({"match" if e["losses_match"] else "DIFFER"})'
                 f'  step {1000 * e["step_s"]:7.0f} ms (x{r["step_s"]:.2f})'
                 f'  params/rank {e["param_bytes"] / 2**20:6.1f} MiB (x{r["param_bytes"]:.2f})'
@@ -234,7 +259,11 @@ def parse_args() -> tuple[argparse.Namespace, Settings]:
     parser.add_argument('--output', default='benchmarks/results/megatron_parallel.json')
     parser.add_argument('--worker', metavar='DIR', help='internal: run as one rank of a layout')
     parser.add_argument('--layout', choices=list(LAYOUTS), help="internal: the worker's layout")
+    parser.add_argument('--layouts', nargs='+', choices=list(LAYOUTS), default=list(LAYOUTS), help='tp1 among them')
     args = parser.parse_args()
+    if 'tp1' not in args.layouts:
+        parser.error('--layouts must include tp1, the baseline the others are compared with')
+    args.layouts = ['tp1', *(layout for layout in args.layouts if layout != 'tp1')]
     settings = Settings(**{name: getattr(args, name) for name in defaults})
     for name in ('batch_size', 'steps', 'threads', 'max_length'):
         if getattr(settings, name) < 1:
@@ -255,7 +284,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix='twinkle-megatron-bench-') as workdir:
         spec = {'settings': asdict(settings), 'model_dir': model_dir, 'batch': batch}
         (Path(workdir) / 'spec.json').write_text(json.dumps(spec))
-        for layout in LAYOUTS:
+        for layout in args.layouts:
             began, load[layout] = time.perf_counter(), os.getloadavg()[0]
             raw[layout] = run_layout(settings, layout, Path(workdir))
             phase_s[layout] = time.perf_counter() - began
@@ -266,7 +295,7 @@ def main() -> None:
         'tokens': sum(len(row['input_ids']) for row in batch),
         'figures': summarize(raw),
         'step_s_per_rank': {
-            layout: [{t: r[t]['step_s'] for t in TRAININGS} for r in ranks] for layout, ranks in raw.items()
+            layout: [{t: r[t]['step_s'] for t in trainings(layout)} for r in ranks] for layout, ranks in raw.items()
         },
         # Wall time of each layout's torchrun, start-up and both trainings included.
         'phase_s': phase_s,

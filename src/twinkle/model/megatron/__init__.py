@@ -6,6 +6,7 @@
 - ``convert``: Hugging Face Qwen3 and Qwen3-MoE to and from ``GPTModel``, sharded for this rank;
 - ``lora``: multi-LoRA on megatron's tensor-parallel linear layers; ``lora_files``: its weights in peft's files;
 - ``layout``, ``pipeline``, ``checkpointer``: how ``MegatronModel`` (``model``) spreads over the mesh and saves.
+- ``ddp``: megatron's DistributedDataParallel and distributed optimizer, for the full model (``distributed_optimizer``).
 
 Only this package imports megatron-core, and only inside functions: ``import twinkle.model.megatron`` works
 where megatron-core is not installed.

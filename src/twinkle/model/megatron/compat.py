@@ -26,18 +26,30 @@ and seeding megatron's RNG reach (paths under ``megatron/core/``, lines of 0.19.
   train an MoE layer under tensor parallel, ``transformer/moe/moe_layer.py:629``); allowed, its weights marked
   as Transformer Engine's and Apex's norms mark theirs (``allow_sequence_parallel_norms``).
 
-The first six are the same mistake, a CUDA device named where the tensors' own would do. Each of those
-modules gets its own view of ``torch`` (``_CpuTorch``) in which the current CUDA device is the CPU, a
-``device='cuda'`` given to a tensor factory means the CPU and ``torch.cuda.synchronize`` waits for nothing;
-``torch`` itself, and every other module, are left alone. Adding a module to ``CPU_TORCH_MODULES`` covers its
-call sites the same way.
+The first six, and the DDP buffers and optimizer tensors below, are the same mistake, a CUDA device named where the
+tensors' own would do. Each of those modules gets its own view of ``torch`` (``_CpuTorch``) in which the current
+CUDA device is the CPU, a ``device='cuda'`` given to a tensor factory means the CPU and ``torch.cuda.synchronize``
+waits for nothing; ``torch`` itself, and every other module, are left alone. Adding a module to
+``CPU_TORCH_MODULES`` covers its call sites the same way.
+
+Megatron's ``DistributedDataParallel`` and distributed optimizer (``MegatronModel(distributed_optimizer=True)``):
+
+- ``distributed/param_and_grad_buffer.py:1180``, ``:1186``: the param and grad buffers are allocated on
+  ``torch.cuda.current_device()``; ``:632``: ``finish_grad_sync`` takes ``torch.cuda.current_stream()`` to wait
+  for CUDA-graph events (none on the CPU: the CPU view's stream waits for nothing);
+- ``optimizer/optimizer.py:315`` (a flag all-reduced on ``device='cuda'``) and ``:1249`` (``FP32Optimizer``'s
+  scale); ``optimizer/clip_grads.py:108``, ``:112`` (the norm and the overflow buffer on ``device='cuda'``),
+  ``:180``, ``:231``; ``optimizer/distrib_optimizer.py:998``: ``DistributedOptimizer.load_state_dict`` allocates
+  placeholder moments on ``torch.cuda.current_device()`` (a resume);
+- type names: ``optimizer/distrib_optimizer.py:466`` (``_build_model_and_main_param_groups``) takes a float32
+  parameter only if its ``type()`` is ``'torch.cuda.FloatTensor'``, and ``optimizer/clip_grads.py:174``
+  (``clip_grad_by_total_norm_fp32``) asserts it of every gradient: both run with CPU tensors naming their type as
+  the CUDA one would (``_cuda_type_names``), nothing else changed.
 
 Not covered, as twinkle's paths do not reach them (megatron-cpu.md lists them): the pipeline schedules and
 their p2p (``pipeline_parallel/schedules.py:749``, ``:2292``; ``p2p_communication.py:334``, ``:342``, ``:419``),
-megatron's DDP and optimizer (``distributed/param_and_grad_buffer.py:632``, ``:1186``;
-``optimizer/optimizer.py:315``, ``:1249``; ``optimizer/clip_grads.py:108``, ``:112``, ``:174``), weights
-allocated on the GPU (``tensor_parallel/layers.py:305``, ``:1000``... only without ``use_cpu_initialization``,
-which ``convert.transformer_config`` sets on the CPU).
+weights allocated on the GPU (``tensor_parallel/layers.py:305``, ``:1000``... only without
+``use_cpu_initialization``, which ``convert.transformer_config`` sets on the CPU).
 """
 
 from __future__ import annotations
@@ -59,6 +71,10 @@ CPU_TORCH_MODULES: dict[str, str] = {
     'megatron.core.transformer.moe.router': 'Router.gating (lines 98, 100)',
     'megatron.core.tensor_parallel.mappings': 'the gathers and reduce-scatters over tensor parallel (lines 95-185)',
     'megatron.core.tensor_parallel.layers': "the linears' backward under sequence parallel (line 647)",
+    'megatron.core.distributed.param_and_grad_buffer': 'the DDP buffers (lines 1180, 1186) and their stream (632)',
+    'megatron.core.optimizer.optimizer': "a grad-norm group flag (line 315), FP32Optimizer's scale (1249)",
+    'megatron.core.optimizer.clip_grads': 'the norm and its overflow buffers (lines 108, 112, 180, 231)',
+    'megatron.core.optimizer.distrib_optimizer': "load_state_dict's placeholder moments (line 998)",
 }
 # The tensor factories whose device='cuda' means the CPU inside those modules.
 _FACTORIES = ('empty', 'ones', 'zeros', 'full', 'tensor', 'arange')
@@ -77,6 +93,7 @@ def install() -> bool:
         if not isinstance(getattr(module, 'torch', None), _CpuTorch):
             setattr(module, 'torch', _CpuTorch())  # noqa: B010  # the module's global, read by its functions
     _install_cpu_rng()
+    _install_cuda_type_names()
     allow_sequence_parallel_norms()
     _installed = True
     return True
@@ -101,6 +118,20 @@ class _CpuCuda:
 
     @staticmethod
     def synchronize(device: object = None) -> None:
+        return None
+
+    @staticmethod
+    def current_stream(device: object = None) -> _NoStream:
+        return _NoStream()
+
+
+class _NoStream:
+    """The CPU's "current stream": work is done when a call returns, so there is nothing to wait for."""
+
+    def wait_event(self, event: object) -> None:
+        return None
+
+    def wait_stream(self, stream: object) -> None:
         return None
 
 
@@ -160,6 +191,41 @@ def _install_cpu_rng() -> None:
 
     random.model_parallel_cuda_manual_seed = model_parallel_manual_seed
     tensor_parallel.model_parallel_cuda_manual_seed = model_parallel_manual_seed
+
+
+def _install_cuda_type_names() -> None:
+    """The two places of megatron's distributed optimizer that accept a float32 tensor by its CUDA type name
+    (``optimizer/distrib_optimizer.py:466``, ``optimizer/clip_grads.py:174``) run under ``_cuda_type_names``."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as optimizer_module
+
+    optimizer_cls = distrib_optimizer.DistributedOptimizer
+    build = optimizer_cls.__dict__['_build_model_and_main_param_groups'].__func__
+    setattr(optimizer_cls, '_build_model_and_main_param_groups', classmethod(_cuda_type_names(build)))  # noqa: B010
+    clip = _cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    optimizer_module.clip_grad_by_total_norm_fp32 = clip  # imported by name there (line 52), called at 410, 420
+
+
+def _cuda_type_names(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` with ``Tensor.type()`` (no argument) naming a CPU tensor's type as its CUDA twin's
+    (``'torch.FloatTensor'`` -> ``'torch.cuda.FloatTensor'``) while it runs; restored after, even on error.
+    ``Tensor.type`` is torch's own, patched for the call's duration: megatron's optimizer runs on one thread."""
+    plain = torch.Tensor.type
+
+    def cuda_named(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None and not kwargs and self.device.type == 'cpu':
+            return plain(self).replace('torch.', 'torch.cuda.', 1)
+        return plain(self, dtype, non_blocking, **kwargs)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        torch.Tensor.type = cuda_named  # type: ignore[assignment,method-assign]
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.type = plain  # type: ignore[method-assign]
+
+    return call
 
 
 def allow_sequence_parallel_norms() -> None:

@@ -91,6 +91,9 @@ class MegatronParallel(ModelParallel):
         self.ep_size: int = ps.get_expert_model_parallel_world_size()
         #: Set by the model: its input embedding is tied to its output layer, on different stages.
         self.tied_across_stages = False
+        #: Set by the model: the full model steps under megatron's DDP and distributed optimizer, whose
+        #: buffers (not ``param.grad``) hold the window's gradients.
+        self.distributed_optimizer = False
         #: Whether this rank's sums stand for its data shard (see the module docstring).
         self.representative = self.tp_rank == 0 and self.pp_rank == 0
         self._representatives = self._gather_representatives()
@@ -271,7 +274,12 @@ class MegatronParallel(ModelParallel):
         dist.gather_object(mine, gathered, dst=0)
         if gathered is None:
             return {}
-        return {'megatron_slices': dict(gathered), 'layout': self._layout()}
+        # The first rank of each slice's data-parallel replicas (its data-parallel rank 0): the one holding
+        # the distributed optimizer's gathered state; the replicas' states are equal otherwise.
+        slices: dict[str, Any] = {}
+        for coordinates, slice_state in gathered:
+            slices.setdefault(coordinates, slice_state)
+        return {'megatron_slices': slices, 'layout': self._layout()}
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """This rank's own optimizer state from a checkpoint's (the layout must be the one it was saved at)."""
@@ -291,8 +299,13 @@ class MegatronParallel(ModelParallel):
     def gather_window(self, group: TrainGroup) -> Window:
         """The accumulation window (``ModelParallel.gather_window``); split models save at a step
         boundary, where the window is empty: gradients of slices are not gathered."""
-        if not self.model_parallel:
+        if not self.model_parallel and not self.distributed_optimizer:
             return super().gather_window(group)
+        if self.distributed_optimizer and bool(group.pending_items):
+            raise StateError(
+                "the full model holds gradients waiting for a step, in megatron's grad buffers (distributed_optimizer"
+                '=True): save with save_optimizer=True after clip_grad_and_step'
+            )
         pending = any(p.grad is not None for p in group.params) and not group.grads_normalized
         if pending:
             raise StateError(

@@ -46,7 +46,7 @@ from twinkle.infra.runtime import get_runtime
 from twinkle.model import multi_lora
 from twinkle.model.loading import Precision, default_precision, resolve_device
 from twinkle.model.lora_adapter import check_name
-from twinkle.model.megatron import compat, convert, lora, state
+from twinkle.model.megatron import compat, convert, ddp, lora, state
 from twinkle.model.megatron.checkpointer import HFCheckpoint, MegatronCheckpointer
 from twinkle.model.megatron.layout import MegatronParallel, mark_tp_partial
 from twinkle.model.megatron.pipeline import Stage, receive_hidden, share_logits, stage_logits
@@ -189,6 +189,14 @@ class MegatronModel(TransformersModel):
     between layers split along the sequence over the tensor-parallel ranks (less activation memory).
     A mixture of experts trains under tensor parallel only so (megatron's ``moe_layer.py`` refuses it
     otherwise): None turns it on there and leaves it off elsewhere.
+
+    ``distributed_optimizer`` (full-parameter training, ``dp_size`` > 1): megatron's
+    ``DistributedDataParallel`` and distributed optimizer (ZeRO-1, ``twinkle.model.megatron.ddp``): each
+    data-parallel rank holds the optimizer state of 1/dp of the weights, the gradients are reduce-scattered
+    and the updated weights all-gathered; the numbers are those without it. ``set_optimizer`` then takes
+    ``AdamW``, ``Adam`` or ``SGD`` (megatron builds them). Adapters keep the project's own per-adapter
+    reduction, and are refused here: adapters come and go while the model trains, each with its own
+    optimizer and step, while megatron's DDP wraps one fixed set of parameters, built once, into its buffers.
     """
 
     def __init__(
@@ -202,6 +210,7 @@ class MegatronModel(TransformersModel):
         dtype: torch.dtype | None = None,
         seed: int = 0,
         sequence_parallel: bool | None = None,
+        distributed_optimizer: bool = False,
     ):
         if model_id is None and config is None:
             raise ConfigurationError('MegatronModel needs model_id= (a checkpoint) or config= (random weights)')
@@ -212,6 +221,8 @@ class MegatronModel(TransformersModel):
         # init draws per layer held): adapters drawn next get the same numbers whatever the layout.
         with torch.random.fork_rng(devices=[]):
             self._build(model_id, config, mesh, device, mixed_precision, dtype, seed, sequence_parallel)
+        #: megatron's ``DistributedDataParallel`` around the ``GPTModel`` (``distributed_optimizer=True``), else None.
+        self.ddp: Any = self._distribute() if distributed_optimizer else None
 
     def _build(
         self,
@@ -272,6 +283,25 @@ class MegatronModel(TransformersModel):
         assert isinstance(checkpointer, MegatronCheckpointer)  # _assemble built it from the class given
         self._megatron_checkpointer = checkpointer
 
+    @property
+    def _megatron_parallel(self) -> MegatronParallel:
+        assert isinstance(self._parallel, MegatronParallel)  # _build made it
+        return self._parallel
+
+    def _distribute(self) -> Any:
+        """megatron's DDP and distributed optimizer for the full model (``distributed_optimizer=True``)."""
+        parallel = self._megatron_parallel
+        if parallel.dp_size < 2:
+            raise ConfigurationError(
+                f'distributed_optimizer=True shards the optimizer state over the data-parallel ranks, and this mesh '
+                f'has dp_size={parallel.dp_size} (tp_size={parallel.tp_size}, pp_size={parallel.pp_size}): '
+                'give it dp_size >= 2, or leave distributed_optimizer=False'
+            )
+        wrapped = ddp.wrap(self.mcore.gpt)
+        self._stepper = ddp.DistributedOptimizerStepper(self._parallel, wrapped)
+        parallel.distributed_optimizer = True
+        return wrapped
+
     # ---- adapters -----------------------------------------------------------------------------
     def add_adapter_to_model(
         self,
@@ -286,6 +316,12 @@ class MegatronModel(TransformersModel):
         ``'all-linear'``), or a saved adapter directory (peft's files, from this model or from
         the Hugging Face one). Every rank calls it."""
         check_name(adapter_name)
+        if self.ddp is not None:
+            raise ConfigurationError(
+                f"adapter {adapter_name!r}: this MegatronModel trains the full model under megatron's distributed "
+                'optimizer (distributed_optimizer=True), which wraps its fixed set of weights; adapters keep the '
+                'per-adapter reduction: build the model with distributed_optimizer=False to add adapters'
+            )
         if adapter_name in self.groups:
             raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {self.adapter_names}')
         if value_head:
