@@ -45,13 +45,10 @@ from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.runtime import get_runtime
 from twinkle.model import multi_lora
 from twinkle.model.loading import Precision, default_precision, resolve_device
-from twinkle.model.lora_adapter import check_name
 from twinkle.model.megatron import compat, convert, ddp, lora, state
 from twinkle.model.megatron.checkpointer import HFCheckpoint, MegatronCheckpointer
 from twinkle.model.megatron.layout import MegatronParallel, mark_tp_partial
 from twinkle.model.megatron.pipeline import Stage, receive_hidden, share_logits, stage_logits
-from twinkle.model.passes import check_positive
-from twinkle.model.train_group import FULL, TrainGroup
 from twinkle.model.transformers import TransformersModel
 from twinkle.utils.logger import get_logger
 
@@ -279,9 +276,6 @@ class MegatronModel(TransformersModel):
         # The runner, metrics and checkpoints read a causal LM's forward and config, which McoreCausalLM has.
         self.model = self.mcore  # type: ignore[assignment]
         self._assemble(device, mixed_precision, None, MegatronCheckpointer)
-        checkpointer = self._checkpointer
-        assert isinstance(checkpointer, MegatronCheckpointer)  # _assemble built it from the class given
-        self._megatron_checkpointer = checkpointer
 
     @property
     def _megatron_parallel(self) -> MegatronParallel:
@@ -315,42 +309,28 @@ class MegatronModel(TransformersModel):
         peft ``LoraConfig`` with Hugging Face target names (``q_proj`` ... ``down_proj``,
         ``'all-linear'``), or a saved adapter directory (peft's files, from this model or from
         the Hugging Face one). Every rank calls it."""
-        check_name(adapter_name)
         if self.ddp is not None:
             raise ConfigurationError(
                 f"adapter {adapter_name!r}: this MegatronModel trains the full model under megatron's distributed "
                 'optimizer (distributed_optimizer=True), which wraps its fixed set of weights; adapters keep the '
                 'per-adapter reduction: build the model with distributed_optimizer=False to add adapters'
             )
-        if adapter_name in self.groups:
-            raise ConfigurationError(f'adapter {adapter_name!r} already exists; adapters: {self.adapter_names}')
-        if value_head:
-            raise ConfigurationError('MegatronModel has no value heads yet: train a critic on TransformersModel')
-        check_positive('gradient_accumulation_steps', gradient_accumulation_steps)
-        weights_dir = None
-        if isinstance(config_or_dir, str):
-            weights_dir = Path(resolve_model(config_or_dir))
-            config_or_dir = PeftConfig.from_pretrained(str(weights_dir))
-        if not isinstance(config_or_dir, LoraConfig):
-            raise ConfigurationError(f'expected a peft LoraConfig or an adapter directory; got {config_or_dir!r}')
-        lora.add_adapter(self.mcore.gpt, adapter_name, multi_lora.spec_from_peft(config_or_dir, self.model))
-        params = self._stage_adapter_parameters(adapter_name)
-        self.groups.pop(FULL, None)
-        group = TrainGroup(
-            name=adapter_name,
-            params=params,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            config=config_or_dir,
+        super().add_adapter_to_model(
+            adapter_name, config_or_dir, gradient_accumulation_steps=gradient_accumulation_steps, value_head=value_head
         )
-        self.groups[adapter_name] = group
-        if weights_dir is not None:
-            try:
-                self._megatron_checkpointer.load_adapter_weights(group, weights_dir)
-            except BaseException:
-                self.remove_adapter(adapter_name)
-                raise
-        self._parallel.adapter_added(group)
-        self._runner.forget_mode()
+
+    def _check_value_head(self, adapter_name: str, value_head: bool) -> None:
+        if value_head:
+            raise ConfigurationError(
+                f'adapter {adapter_name!r}: MegatronModel has no value heads yet: train a critic on TransformersModel'
+            )
+
+    def _inject_adapter(self, adapter_name: str, config: PeftConfig) -> list[nn.Parameter]:
+        """The adapter's layers on megatron's parallel linears and experts (``lora``); this stage's parameters."""
+        if not isinstance(config, LoraConfig):
+            raise ConfigurationError(f'expected a peft LoraConfig or an adapter directory; got {config!r}')
+        lora.add_adapter(self.mcore.gpt, adapter_name, multi_lora.spec_from_peft(config, self.model))
+        return self._stage_adapter_parameters(adapter_name)
 
     def _stage_adapter_parameters(self, adapter_name: str) -> list[nn.Parameter]:
         """The adapter's parameters on this rank; ``ConfigurationError`` (the adapter removed) on
