@@ -83,6 +83,9 @@ def refusals(mesh: DeviceMesh | None, model: MegatronModel | None, out: Path) ->
         attempts['adapter'] = lambda: model.add_adapter_to_model('a', LoraConfig(r=2, target_modules='all-linear'))
         attempts['optimizer'] = lambda: model.set_optimizer('RMSprop', lr=1e-3)
         attempts['argument'] = lambda: model.set_optimizer('AdamW', lr=1e-3, amsgrad=True)
+        attempts['dtype'] = lambda: MegatronModel(
+            model_id=assets.tiny_model(MODEL), device_mesh=mesh, distributed_optimizer=True, dtype=torch.bfloat16
+        )
     for name, attempt in attempts.items():
         try:
             attempt()
@@ -122,6 +125,37 @@ def resumed(mesh: DeviceMesh, model: MegatronModel, out: Path) -> dict[str, Any]
     return {'continued': continued, 'resumed': resumed_loss, 'weights_diff': diff, 'optim_step': counters['optim_step']}
 
 
+def from_step_zero(mesh: DeviceMesh, out: Path) -> dict[str, Any]:
+    """A checkpoint saved before the first step (an optimizer with no state yet), restored by a model that
+    has stepped since and holds gradients of other rows in megatron's buffers: its next step against a
+    new model's first (the restore drops both the optimizer's state and the pending gradients)."""
+    rows = my_rows(mesh)
+    other_rows = [{'input_ids': [7, 300, 9, 41, 11, 5], 'labels': [-100, 300, 9, 41, 11, 5]}]
+
+    def fresh() -> MegatronModel:
+        model = MegatronModel(model_id=assets.tiny_model(MODEL), device_mesh=mesh, distributed_optimizer=True)
+        model.set_optimizer('AdamW', **ADAMW)
+        return model
+
+    model = fresh()
+    path = model.save('step-0', str(out), save_optimizer=True)
+    model.forward_backward(inputs=rows)
+    model.clip_grad_and_step(max_grad_norm=MAX_NORM)
+    model.forward_backward(inputs=other_rows)  # pending when the checkpoint comes back
+    model.resume_from_checkpoint(path)
+    model.forward_backward(inputs=rows)
+    model.clip_grad_and_step(max_grad_norm=MAX_NORM)
+    first = fresh()
+    first.forward_backward(inputs=rows)
+    first.clip_grad_and_step(max_grad_norm=MAX_NORM)
+    pairs = zip(
+        convert.export_hf_state_dict(model.model.gpt).values(),
+        convert.export_hf_state_dict(first.model.gpt).values(),
+        strict=True,
+    )
+    return {'weights_diff': max((a - b).abs().max().item() for a, b in pairs)}
+
+
 def main(out: Path, layout: str) -> None:
     mesh = DeviceMesh.from_sizes(device_type='cpu', dp_size=2) if layout == 'dp2' else None
     twinkle.initialize(mode='local', global_device_mesh=mesh, seed=0)
@@ -140,6 +174,7 @@ def main(out: Path, layout: str) -> None:
         results['refused'] = refusals(mesh, model, out)
         assert mesh is not None
         results['resume'] = resumed(mesh, model, out)
+        results['step_zero'] = from_step_zero(mesh, out)
     if distributed.is_main():
         for name, tensors in weights.items():
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f'{name}-weights.safetensors'))

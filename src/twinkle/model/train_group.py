@@ -181,6 +181,9 @@ class TrainGroup:
     pending_items: torch.Tensor | int = 0
     grads_normalized: bool = False
     last_grad_norm: float | None = None  # from clip_grad_norm, before clipping
+    # Called as the window closes: a backend whose gradients live outside ``param.grad`` (megatron's
+    # grad buffers under its distributed optimizer) drops them there too.
+    on_close: Callable[[], None] | None = None
     _done_at: int = -1
     _done: set[str] = field(default_factory=set)
 
@@ -227,6 +230,8 @@ class TrainGroup:
         alone) steps each window on its own gradient, divided by its own item count."""
         for param in self.params:
             param.grad = None
+        if self.on_close is not None:
+            self.on_close()
         self.pending_items = 0
         self.grads_normalized = False
 

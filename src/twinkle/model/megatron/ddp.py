@@ -48,12 +48,16 @@ from twinkle.utils.logger import get_logger
 
 logger = get_logger()
 #: The optimizers ``set_optimizer`` takes under megatron's distributed optimizer, with the arguments each
-#: takes: megatron builds torch's ``AdamW``, ``Adam`` and ``SGD`` (``optimizer/__init__.py``) from them.
+#: takes: megatron builds torch's ``AdamW`` and ``Adam`` (``optimizer/__init__.py``) from them. Its SGD is
+#: not offered: megatron builds it without the state initializer its distributed optimizer asserts
+#: (``optimizer/__init__.py:617``, ``distrib_optimizer.py:688``), and saves moments SGD does not have.
 MEGATRON_OPTIMIZERS: dict[str, tuple[str, ...]] = {
     'AdamW': ('lr', 'betas', 'eps', 'weight_decay'),
     'Adam': ('lr', 'betas', 'eps', 'weight_decay'),
-    'SGD': ('lr', 'momentum', 'weight_decay'),
 }
+#: ``MegatronOptimizerView.state_dict`` of an optimizer that has not stepped: megatron's own ``state_dict``
+#: asserts one step count among the (empty) states (``distrib_optimizer.py:837``).
+FRESH = 'fresh'
 #: The key of a distributed optimizer's state in a checkpoint (``MegatronOptimizerView.state_dict``).
 STATE_KEY = 'megatron_distributed_optimizer'
 
@@ -99,8 +103,6 @@ def optimizer_config(name: str, kwargs: dict[str, Any]) -> Any:
         'clip_grad': 0.0,  # clip_grad_norm clips, with the norm it returns
         'params_dtype': torch.float32,
     }
-    if name == 'SGD':
-        return OptimizerConfig(optimizer='sgd', sgd_momentum=float(values['momentum']), **common)
     beta1, beta2 = values['betas']
     return OptimizerConfig(
         optimizer='adam',
@@ -149,7 +151,9 @@ class MegatronOptimizerView(Optimizer):
         """The whole optimizer state, on data-parallel rank 0 (every rank calls it: a gather over the
         data-parallel ranks): per chained optimizer, megatron's rank-independent state (parameter groups,
         step) and the parameter state of every shard (``get_parameter_state_dp_zero``: the moments, on the
-        CPU; None on the other data-parallel ranks)."""
+        CPU; None on the other data-parallel ranks). ``FRESH`` before its first step, when it holds none."""
+        if not any(inner.state for inner in self.inner_optimizers):
+            return {STATE_KEY: FRESH}
         return {
             STATE_KEY: [
                 {'common': inner.state_dict(), 'param_state': inner.get_parameter_state_dp_zero()}
@@ -161,8 +165,12 @@ class MegatronOptimizerView(Optimizer):
         """``state_dict``'s state into this rank's shards (every rank calls it: data-parallel rank 0's
         ``param_state`` is scattered over the data-parallel ranks, ``load_parameter_state_from_dp_zero``)."""
         saved = state_dict.get(STATE_KEY)
+        if saved == FRESH:  # saved before its first step: as a new optimizer
+            for inner in self.inner_optimizers:
+                inner.state.clear()
+            return
         if not isinstance(saved, list) or len(saved) != len(self.chained):
-            found = "a torch optimizer's" if saved is None else f"{len(saved)} chained optimizers'"
+            found = f"{len(saved)} chained optimizers'" if isinstance(saved, list) else "a torch optimizer's"
             raise CheckpointError(
                 f"the checkpoint holds {found} state; this model's distributed optimizer chains "
                 f'{len(self.chained)}: resume with the distributed_optimizer it was saved with'
@@ -217,6 +225,17 @@ class DistributedOptimizerStepper(Stepper):
         super().__init__(parallel)
         self.ddp = ddp
 
+    def watch(self, group: TrainGroup) -> None:
+        """Make ``group``'s window end (a step, ``zero_grad``, a resume or restore) drop megatron's
+        gradients too: they are in its grad buffers and the optimizer's shards, not in ``param.grad``."""
+
+        def drop() -> None:
+            self.ddp.zero_grad_buffer()
+            if isinstance(group.optimizer, MegatronOptimizerView):
+                group.optimizer.megatron.zero_grad()
+
+        group.on_close = drop
+
     def set_optimizer(self, group: TrainGroup, optimizer_cls: str | type[Optimizer], kwargs: dict[str, Any]) -> None:
         name = optimizer_cls if isinstance(optimizer_cls, str) else optimizer_cls.__name__
         kwargs.setdefault('lr', DEFAULT_LR)
@@ -236,7 +255,9 @@ class DistributedOptimizerStepper(Stepper):
 
     def clip_grad_norm(self, group: TrainGroup, max_grad_norm: float, norm_type: float = 2.0) -> float | None:
         if norm_type != 2.0:
-            raise StateError(f"megatron's distributed optimizer clips by the 2-norm; got norm_type={norm_type}")
+            raise ConfigurationError(
+                f"megatron's distributed optimizer clips by the 2-norm (norm_type=2.0); got norm_type={norm_type}"
+            )
         if not group.at_boundary('clip'):
             return None
         started = time.perf_counter()
@@ -285,10 +306,7 @@ class DistributedOptimizerStepper(Stepper):
         return optimizer
 
     def _close(self, group: TrainGroup) -> None:
-        """The window's end: megatron's grad buffers and the shards' gradients zeroed."""
-        self.ddp.zero_grad_buffer()
-        if isinstance(group.optimizer, MegatronOptimizerView):
-            group.optimizer.megatron.zero_grad()
+        """The window's end (``watch`` made it drop megatron's gradients too)."""
         group.close_window()
 
     def _view(self, group: TrainGroup, wanted_by: str) -> MegatronOptimizerView:

@@ -20,10 +20,14 @@ state between its steps (the routing map, the permutation); the real dispatch th
 of it again, so the hidden states are dispatched exactly as without adapters. The ordinals come out
 in the order the experts will see their tokens; split by ``tokens_per_expert`` as ``SequentialMLP``
 splits its input, they tell each expert's linears which adapter each of its tokens takes. This asks
-nothing of megatron but the dispatcher's public steps, so it holds for any dispatcher and any
-expert-parallel layout (checked here: the all-gather dispatcher, EP=2, TP=2 with sequence parallel).
-Padding rows (``McoreCausalLM`` pads under expert parallel) carry None in the assignment, hence
-ordinal -1: they are routed like any token (the router sees no mask) and go through the base alone.
+nothing of megatron but the dispatcher's public steps, for the two dispatchers whose steps take any
+tensor and keep no state the real dispatch does not set again: ``allgather`` (checked here: EP=2, TP=2
+with sequence parallel) and ``alltoall`` (megatron's choice on GPUs; read against its source, not run
+here: it builds a CUDA stream). ``flex`` (DeepEP, bf16 of the hidden width), ``moe_shared_expert_overlap``
+and ``moe_permute_fusion`` (Transformer Engine's kernels) are refused by name. In a mixed pass the
+padding rows (``McoreCausalLM`` pads under expert parallel) carry None in the assignment, hence ordinal
+-1: they are routed like any token (the router sees no mask) and go through the base alone; with one
+adapter for the whole batch they take it, and their outputs are dropped either way.
 
 **Expert tensor parallel** (the experts' linears split over ``expert_tensor_parallel_size`` ranks,
 which get every token, and whose outputs megatron's combine sums): ``linear_fc1``'s A is whole on each
@@ -181,12 +185,33 @@ def expert_layers(model: nn.Module, decoder_layers: Mapping[str, int]) -> dict[s
                 '(the local layer spec without grouped GEMM, moe_grouped_gemm=False)'
             )
         config = moe.config
+        _check_dispatch(path, config)
         local = moe.experts.num_local_experts
         first = moe.experts.ep_group.rank() * local
         found[path] = ExpertLayer(
             path, index, config.num_moe_experts, first, local, config.hidden_size, config.moe_ffn_hidden_size
         )
     return found
+
+
+#: The token dispatchers the adapter ordinals go through (see the module docstring).
+DISPATCHERS = ('allgather', 'alltoall')
+
+
+def _check_dispatch(path: str, config: Any) -> None:
+    """``ConfigurationError`` unless ``config`` dispatches tokens in a way the ordinals can follow."""
+    dispatcher = getattr(config, 'moe_token_dispatcher_type', 'allgather')
+    if dispatcher not in DISPATCHERS:
+        raise ConfigurationError(
+            f'{path}: LoRA on megatron experts follows the tokens through the {list(DISPATCHERS)} token '
+            f'dispatchers; this model uses moe_token_dispatcher_type={dispatcher!r}'
+        )
+    fused = [flag for flag in ('moe_shared_expert_overlap', 'moe_permute_fusion') if getattr(config, flag, False)]
+    if fused:
+        raise ConfigurationError(
+            f'{path}: LoRA on megatron experts needs {fused} off (they dispatch through fused kernels the '
+            'adapter ordinals cannot follow)'
+        )
 
 
 def select_stacks(layers: list[ExpertLayer], spec: LoraSpec) -> list[tuple[ExpertLayer, str]]:

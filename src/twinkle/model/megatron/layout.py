@@ -303,8 +303,10 @@ class MegatronParallel(ModelParallel):
             return super().gather_window(group)
         if self.distributed_optimizer and bool(group.pending_items):
             raise StateError(
-                "the full model holds gradients waiting for a step, in megatron's grad buffers (distributed_optimizer"
-                '=True): save with save_optimizer=True after clip_grad_and_step'
+                f'the full model holds gradients of {int(group.pending_items)} loss items waiting for a step '
+                f'(micro step {group.micro_step}, gradient_accumulation_steps={group.gradient_accumulation_steps}) '
+                "in megatron's grad buffers (distributed_optimizer=True), which a checkpoint does not keep: save at a "
+                'step boundary, after clip_grad_and_step'
             )
         pending = any(p.grad is not None for p in group.params) and not group.grads_normalized
         if pending:

@@ -49,6 +49,7 @@ from twinkle.model.megatron import compat, convert, ddp, lora, state
 from twinkle.model.megatron.checkpointer import HFCheckpoint, MegatronCheckpointer
 from twinkle.model.megatron.layout import MegatronParallel, mark_tp_partial
 from twinkle.model.megatron.pipeline import Stage, receive_hidden, share_logits, stage_logits
+from twinkle.model.train_group import FULL
 from twinkle.model.transformers import TransformersModel
 from twinkle.utils.logger import get_logger
 
@@ -191,7 +192,7 @@ class MegatronModel(TransformersModel):
     ``DistributedDataParallel`` and distributed optimizer (ZeRO-1, ``twinkle.model.megatron.ddp``): each
     data-parallel rank holds the optimizer state of 1/dp of the weights, the gradients are reduce-scattered
     and the updated weights all-gathered; the numbers are those without it. ``set_optimizer`` then takes
-    ``AdamW``, ``Adam`` or ``SGD`` (megatron builds them). Adapters keep the project's own per-adapter
+    ``AdamW`` or ``Adam`` (megatron builds them). Adapters keep the project's own per-adapter
     reduction, and are refused here: adapters come and go while the model trains, each with its own
     optimizer and step, while megatron's DDP wraps one fixed set of parameters, built once, into its buffers.
     """
@@ -291,8 +292,17 @@ class MegatronModel(TransformersModel):
                 f'has dp_size={parallel.dp_size} (tp_size={parallel.tp_size}, pp_size={parallel.pp_size}): '
                 'give it dp_size >= 2, or leave distributed_optimizer=False'
             )
+        if self.mcore.dtype != torch.float32:
+            # Its float32 main weights are copies taken when the optimizer is built: weights loaded after
+            # set_optimizer would be overwritten by the next step (optimizer/distrib_optimizer.py:401).
+            raise ConfigurationError(
+                f'distributed_optimizer=True holds the weights in float32 here; got dtype={self.mcore.dtype}: '
+                "leave dtype unset (bf16 compute comes from mixed_precision='bf16')"
+            )
         wrapped = ddp.wrap(self.mcore.gpt)
-        self._stepper = ddp.DistributedOptimizerStepper(self._parallel, wrapped)
+        stepper = ddp.DistributedOptimizerStepper(self._parallel, wrapped)
+        stepper.watch(self.groups[FULL])
+        self._stepper = stepper
         parallel.distributed_optimizer = True
         return wrapped
 
