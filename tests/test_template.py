@@ -406,4 +406,4 @@ def test_set_template_by_name_class_or_instance(self_cognition_path: str, tiny_m
     assert dataset.set_template(instance).template is instance
     with pytest.raises(ConfigurationError, match='cannot be applied'):
         dataset.set_template(instance, max_length=3)
-    assert TEMPLATES.names() == ['Qwen3_5Template', 'Template']
+    assert TEMPLATES.names() == ['Qwen3_5Template', 'Template', 'VisionTemplate']

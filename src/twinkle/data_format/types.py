@@ -57,6 +57,12 @@ class InputFeature(TypedDict):
     #: How many rows ``PackingDataset`` packed into this one; its ``advantages``, ``old_logps`` and
     #: ``ref_logps``, when it carries them, hold one entry per packed row, in order.
     packed_rows: NotRequired[int]
+    #: A row with images (``VisionTemplate``): 1 on each image token, else 0 (one per token); every
+    #: image's patches in order, ``[patches, channels * patch volume]`` (a tensor, or its nested
+    #: lists after a round trip through Arrow); each image's (temporal, height, width) patches.
+    mm_token_type_ids: NotRequired[list[int]]
+    pixel_values: NotRequired[Any]
+    image_grid_thw: NotRequired[list[list[int]]]
     advantages: NotRequired[Any]
     old_logps: NotRequired[Any]
     ref_logps: NotRequired[Any]

@@ -69,8 +69,24 @@ def _concatenate(rows: list[InputFeature]) -> InputFeature:
     for name in RL_ROW_FIELDS:  # RL loss inputs follow their rows, one entry per row
         if all(name in row for row in rows):
             packed[name] = [row[name] for row in fields]
+    if any('image_grid_thw' in row for row in rows):  # images follow their rows, in row order
+        packed.update(_images(rows))
     # Every key set above is a field of InputFeature: PACKED_FIELDS, RL_ROW_FIELDS and the three named.
     return cast(InputFeature, packed)
+
+
+def _images(rows: list[InputFeature]) -> dict[str, Any]:
+    """The packed rows' images (``VisionTemplate``'s fields): the vision tower fills the packed
+    sequence's image tokens image by image, so each row's images come in the order of its tokens."""
+    import torch
+
+    return {
+        'mm_token_type_ids': [k for row in rows for k in row.get('mm_token_type_ids', [0] * len(row['input_ids']))],
+        'image_grid_thw': [grid for row in rows for grid in row.get('image_grid_thw', [])],
+        'pixel_values': torch.cat(
+            [torch.as_tensor(row['pixel_values'], dtype=torch.float32) for row in rows if 'pixel_values' in row]
+        ),
+    }
 
 
 class PackingDataset(Sequence[InputFeature]):

@@ -229,6 +229,9 @@ def save_adapter(
     if stacks:
         config.target_parameters = stacks
         config.target_modules = multi_lora.adapter_linear_paths(model, group.name) or None
+    elif config.target_modules == 'all-linear' and multi_lora.has_vision_tower(model):
+        # peft's 'all-linear' takes the vision tower too; twinkle's the language model only.
+        config.target_modules = multi_lora.adapter_linear_paths(model, group.name)
     config.inference_mode = True
     config.save_pretrained(str(directory))
 

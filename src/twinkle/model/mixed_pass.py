@@ -39,6 +39,7 @@ from twinkle.model.passes import (
 )
 from twinkle.model.runner import ModelRunner
 from twinkle.model.train_group import FULL, Batch, Outputs, Pending, TrainGroup
+from twinkle.processor.base import split_rows
 
 
 def forward_backward_mixed(
@@ -181,7 +182,7 @@ def _forward(
         outputs = runner.outputs(batch, hidden_state=any(head is not None for head in heads))
     # split, not slices: a slice's backward would write into zeros the size of all the logits
     sizes = [len(features[i]) for i in calls]
-    columns = {k: torch.split(v, sizes) for k, v in batch.items()}
+    columns = split_rows(batch, sizes)  # each call's rows, with their own images
     pieces = {k: torch.split(v, sizes, dim=1 if k == 'router_logits' else 0) for k, v in outputs.items()}
     parts: list[Part | None] = []
     for j, head in enumerate(heads):
@@ -189,7 +190,7 @@ def _forward(
         if head is not None and sizes[j]:
             with torch.no_grad() if forward_only else contextlib.nullcontext():
                 part['values'] = head(pieces['hidden_state'][j])
-        parts.append(({k: v[j] for k, v in columns.items()}, part) if sizes[j] else None)
+        parts.append((columns[j], part) if sizes[j] else None)
     return parts, outputs['logits']
 
 

@@ -155,12 +155,38 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     return head.base_layer if isinstance(head, MultiLoraLinear) else head
 
 
+#: Submodules that hold a vision-language model's vision tower and its projector (Qwen-VL's
+#: ``model.visual``, LLaVA's ``vision_tower`` and ``multi_modal_projector``, ...).
+VISION_MODULES = frozenset({'visual', 'vision_tower', 'vision_model', 'multi_modal_projector', 'mm_projector'})
+
+
+def is_vision_path(path: str) -> bool:
+    """Whether a module path lies in a vision tower or its projector (``VISION_MODULES``)."""
+    return not VISION_MODULES.isdisjoint(path.split('.'))
+
+
+def has_vision_tower(model: nn.Module) -> bool:
+    """Whether ``model`` holds a vision tower (a module named in ``VISION_MODULES``)."""
+    return any(path.rsplit('.', 1)[-1] in VISION_MODULES for path, _ in model.named_modules())
+
+
 def resolve_targets(model: nn.Module, target_modules: tuple[str, ...] | str) -> list[str]:
-    """Paths of the linear layers ``target_modules`` names (see ``LoraSpec``), in module order."""
+    r"""Paths of the linear layers ``target_modules`` names (see ``LoraSpec``), in module order.
+
+    ``'all-linear'`` is every linear layer of the language model: not the output head, and on a
+    vision-language model not the vision tower or its merger (``VISION_MODULES``), which stay
+    frozen as the pretrained encoder they are (peft's own 'all-linear' adapts those too). To adapt
+    the tower, name its layers: a pattern (``r'model\.visual\..*'``, or ``r'.*(q_proj|...|qkv)'``
+    for both) or leaf names (``['qkv', 'proj', 'linear_fc1', 'linear_fc2']`` on Qwen's tower); the
+    saved adapter lists the exact layers, so plain peft loads it the same either way."""
     layers = _linear_layers(model)
     if target_modules == 'all-linear':
         head = _output_head(model)
-        paths = [p for p, m in layers.items() if m is not head and getattr(m, 'base_layer', None) is not head]
+        paths = [
+            p
+            for p, m in layers.items()
+            if m is not head and getattr(m, 'base_layer', None) is not head and not is_vision_path(p)
+        ]
         if not paths:
             raise ConfigurationError('target_modules="all-linear" found no linear layer besides the output head')
         return paths

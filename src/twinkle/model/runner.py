@@ -10,20 +10,22 @@ one ``ModelRunner``, not each other.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
 
 from twinkle.data_format import InputFeature, ModelOutput
-from twinkle.errors import DataError, StateError
+from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.loss import LossOutput
 from twinkle.metric import ExpertLoad
 from twinkle.model import multi_lora, router
 from twinkle.model.base import Inputs
 from twinkle.model.loading import Precision
+from twinkle.model.lora_adapter import RowAssignment
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.passes import (
     accumulate,
@@ -37,11 +39,13 @@ from twinkle.model.passes import (
     with_logps,
 )
 from twinkle.model.train_group import FULL, Batch, Outputs, Pending, TrainGroup
-from twinkle.template import Template
+from twinkle.template import Template, VisionTemplate
 from twinkle.wire import FEATURE_FIELDS
 
 #: Row fields that hold one value per token, as ``input_ids`` does (the wire checks the same).
-ALIGNED_FIELDS = tuple(field for field in FEATURE_FIELDS if field != 'input_ids')
+ALIGNED_FIELDS = (*(field for field in FEATURE_FIELDS if field != 'input_ids'), 'mm_token_type_ids')
+#: Batch fields a vision-language model's forward takes besides the tokens (``InputProcessor``'s).
+IMAGE_INPUTS = ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
 
 
 class ModelRunner:
@@ -82,7 +86,9 @@ class ModelRunner:
         if self._template is None:
             if self.model_id is None:
                 raise StateError('this model was built from a config: call set_template(...) first')
-            self._template = Template(self.model_id)
+            # A vision-language model's rows may hold images: its template runs the image processor.
+            vision = getattr(self.model.config, 'vision_config', None) is not None
+            self._template = VisionTemplate(self.model_id) if vision else Template(self.model_id)
         return self._template
 
     def features(self, group: TrainGroup, inputs: Inputs) -> list[InputFeature]:
@@ -163,7 +169,15 @@ class ModelRunner:
             k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch
         }
         sequence = self.parallel.sequence  # Ulysses: this rank runs its slice of the sequence
-        if sequence is not None:
+        if 'pixel_values' in batch:
+            if sequence is not None:
+                raise ConfigurationError(
+                    'rows with images cannot be split over a Ulysses sequence group (ulysses_size > 1)'
+                )
+            _tower_rows(self.model)
+            model_inputs |= {k: batch[k] for k in IMAGE_INPUTS}
+            model_inputs['position_ids'] = mrope_positions(self.model, batch)
+        elif sequence is not None:
             model_inputs = sequence.split(batch, self.model.config)
         extra = {'output_hidden_states': True} if hidden_state else {}
         with self._autocast(), router.replay_routing(self.model, batch.get('routed_experts')):
@@ -308,4 +322,74 @@ class ModelRunner:
         return group
 
 
-__all__ = ['ALIGNED_FIELDS', 'ModelRunner']
+def _tower_rows(model: torch.nn.Module) -> None:
+    """The vision tower runs on image patches, not on batch rows: an adapter on the tower works
+    when one adapter takes every row (its layers are given that one name for any patch count),
+    but not in a pass that sends rows through several adapters."""
+    for path, layer in multi_lora.multi_lora_layers(model).items():
+        names = layer.assignment.names if layer.assignment is not None else None
+        if not (multi_lora.is_vision_path(path) and layer.adapters and names is not None):
+            continue
+        if len(set(names)) > 1:
+            raise ConfigurationError(
+                f'adapters {sorted(layer.adapters)} adapt the vision tower ({path}), so their image rows '
+                f"cannot share a pass with other adapters' rows ({sorted(set(map(str, names)))}); run them alone"
+            )
+        layer.assignment = RowAssignment.from_names(names[0])
+
+
+def _linear_attention(model: torch.nn.Module) -> bool:
+    """Whether the language model has linear-attention layers (Qwen3.5's gated deltanet)."""
+    config = getattr(model, 'config', None)
+    text = getattr(config, 'text_config', config)
+    return 'linear_attention' in (getattr(text, 'layer_types', None) or ())
+
+
+def mrope_positions(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """The position ids of a batch with images, ``[4, rows, positions]``: the text positions the
+    batch carries (which restart at each packed row, so transformers masks attention to each),
+    then Qwen's multimodal RoPE positions (temporal, height, width), computed by the model's own
+    ``get_rope_index`` for each sequence alone: each padded row, and each row packed into a
+    padding-free one, with its own images. A packed row thus gets exactly the positions it gets
+    unpacked; transformers, given a packed row whole, would count on from the row before it (the
+    same attention, RoPE being relative, but not the same numbers)."""
+    get_rope_index: Any = getattr(getattr(model, 'model', model), 'get_rope_index', None)
+    if not callable(get_rope_index):
+        raise ConfigurationError(
+            f'{type(model).__name__} takes no images (no get_rope_index): rows with images need a VLM'
+        )
+    ids, kinds = batch['input_ids'], batch['mm_token_type_ids']
+    text = batch.get('position_ids')
+    if text is None:
+        text = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    mask = batch.get('attention_mask')
+    grids = list(batch['image_grid_thw'])
+    out = torch.zeros(3, *ids.shape, dtype=torch.long, device=ids.device)
+    used = 0
+    for row in range(ids.shape[0]):
+        real = mask[row].bool() if mask is not None else torch.ones_like(ids[row], dtype=torch.bool)
+        columns = real.nonzero()[:, 0]
+        positions = text[row, columns]
+        starts = [0, *(torch.nonzero(positions[1:] <= positions[:-1])[:, 0] + 1).tolist(), len(columns)]
+        if len(starts) > 2 and _linear_attention(model):  # more than one sequence in the row
+            raise ConfigurationError(
+                f'{type(model).__name__} has linear-attention layers, whose state would run from one packed row '
+                'into the next (transformers separates packed rows there only under flash attention): train rows '
+                'with images padded, InputProcessor(padding_free=False), not packed'
+            )
+        for start, stop in itertools.pairwise(starts):
+            cols = columns[start:stop]
+            kind = kinds[row, cols]
+            images = int((kind[0] == 1) + ((kind[1:] == 1) & (kind[:-1] != 1)).sum())  # runs of image tokens
+            if used + images > len(grids):
+                raise DataError(f'the batch has {len(grids)} images but more runs of image tokens in its rows')
+            grid = torch.stack(grids[used : used + images]) if images else None
+            found, _ = get_rope_index(ids[row, cols][None], kind[None], image_grid_thw=grid)
+            out[:, row, cols] = found[:, 0]
+            used += images
+    if used != len(grids):
+        raise DataError(f'the batch has {len(grids)} images but {used} runs of image tokens in its rows')
+    return torch.cat([text[None], out])
+
+
+__all__ = ['ALIGNED_FIELDS', 'ModelRunner', 'mrope_positions']

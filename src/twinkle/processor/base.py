@@ -12,14 +12,18 @@ from twinkle.errors import DataError, one_of
 from twinkle.registry import Registry
 
 #: The per-token fields of an ``InputFeature`` that a batch carries.
-TokenField = Literal['input_ids', 'labels', 'attention_mask', 'position_ids', 'completion_mask']
+TokenField = Literal['input_ids', 'labels', 'attention_mask', 'position_ids', 'completion_mask', 'mm_token_type_ids']
 #: The value that pads each of them but ``input_ids`` (padded with the tokenizer's pad token).
 _PAD_VALUES: dict[TokenField, int] = {
     'labels': IGNORE_INDEX,
     'attention_mask': 0,
     'position_ids': 0,
     'completion_mask': 0,
+    'mm_token_type_ids': 0,
 }
+#: A batch's image fields: every row's image patches, in row order ([patches, patch values]), each
+#: image's (t, h, w) grid ([images, 3]), and how many images each batch row holds ([rows]).
+IMAGE_FIELDS = ('pixel_values', 'image_grid_thw', 'image_counts')
 
 
 class InputProcessor:
@@ -49,6 +53,11 @@ class InputProcessor:
                     f'batch row {index} is not encoded: it has fields {sorted(feature)}, '
                     "but 'input_ids' and 'labels' are needed (call dataset.encode() or set a template)"
                 )
+        if any('mm_token_type_ids' in f for f in features):  # text rows beside image rows: no image token
+            features = [
+                f if 'mm_token_type_ids' in f else {**f, 'mm_token_type_ids': [0] * len(f['input_ids'])}
+                for f in features
+            ]
         fields = [name for name in get_args(TokenField) if all(name in f for f in features)]
         batch = self._pack(features, fields) if self.padding_free else self._pad(features, fields, pad_token_id)
         if not self.padding_free and 'position_ids' in batch and _restarts(batch, features, self.padding_side):
@@ -59,7 +68,31 @@ class InputProcessor:
             )
         if any('routed_experts' in f for f in features):
             batch['routed_experts'] = self._routed_experts(features, batch['input_ids'].shape[-1])
+        if any('pixel_values' in f for f in features):
+            batch.update(self._images(features))
         return batch
+
+    def _images(self, features: Sequence[InputFeature]) -> dict[str, torch.Tensor]:
+        """The rows' images (``IMAGE_FIELDS``), row after row: the model's vision tower fills each
+        row's image tokens with the next image's features, in this order."""
+        pixels, grids, counts = [], [], []
+        for index, feature in enumerate(features):
+            grid = torch.as_tensor(feature.get('image_grid_thw', []), dtype=torch.long).reshape(-1, 3)
+            values = torch.as_tensor(feature['pixel_values'], dtype=torch.float32) if len(grid) else None
+            patches = int(grid.prod(-1).sum())
+            if values is not None and (values.ndim != 2 or len(values) != patches):
+                raise DataError(
+                    f'batch row {index} has pixel_values of shape {tuple(values.shape)}; its image_grid_thw '
+                    f'{grid.tolist()} needs {patches} patch rows'
+                )
+            if values is not None:
+                pixels.append(values)
+            grids.append(grid)
+            counts.append(len(grid))
+        if not pixels:
+            raise DataError("the batch's rows carry pixel_values but no image_grid_thw")
+        image_counts = torch.tensor([sum(counts)] if self.padding_free else counts, dtype=torch.long)
+        return {'pixel_values': torch.cat(pixels), 'image_grid_thw': torch.cat(grids), 'image_counts': image_counts}
 
     def _routed_experts(self, features: Sequence[InputFeature], width: int) -> torch.Tensor:
         """The rows' recorded experts laid out as their tokens are: [rows, positions, layers, K]
@@ -120,6 +153,25 @@ class InputProcessor:
         positions = [f.get('position_ids', range(len(f['input_ids']))) for f in features]
         batch['position_ids'] = torch.cat([torch.as_tensor(p, dtype=torch.long) for p in positions])[None]
         return batch
+
+
+def split_rows(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+    """A collated (padded) batch cut into consecutive parts of ``sizes`` rows, each part with its
+    own rows' images (``image_counts`` says how many each row holds): what the mixed pass hands
+    each adapter's loss, which may run the part through the model again (a reference forward).
+    ``torch.split``, not slices: a slice's backward would write into zeros the size of the whole."""
+    token_fields = {k: torch.split(v, list(sizes)) for k, v in batch.items() if k not in IMAGE_FIELDS}
+    parts: list[dict[str, torch.Tensor]] = [{k: v[j] for k, v in token_fields.items()} for j in range(len(sizes))]
+    if 'image_counts' not in batch:
+        return parts
+    counts = torch.split(batch['image_counts'], list(sizes))
+    images = [int(c.sum()) for c in counts]
+    grids = torch.split(batch['image_grid_thw'], images)
+    pixels = torch.split(batch['pixel_values'], [int(g.prod(-1).sum()) for g in grids])
+    for part, count, grid, values in zip(parts, counts, grids, pixels, strict=True):
+        if len(grid):
+            part.update(pixel_values=values, image_grid_thw=grid, image_counts=count)
+    return parts
 
 
 def _restarts(batch: dict[str, torch.Tensor], features: Sequence[InputFeature], side: str) -> bool:

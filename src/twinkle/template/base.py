@@ -41,6 +41,10 @@ class Template:
         # feature['labels'] holds the ids of 'hello<|im_end|>' at the positions that predict them
     """
 
+    #: Whether rows may hold image parts (``VisionTemplate``); this one refuses them rather than
+    #: render image tokens with no pixels behind them.
+    takes_images = False
+
     def __init__(
         self,
         model_id: str,
@@ -145,6 +149,8 @@ class Template:
         if not isinstance(messages, list) or not messages:
             raise DataError(f"'messages' must be a non-empty list of {{'role', 'content'}} dicts; got {messages!r}")
         messages = _checked(messages)
+        if not self.takes_images:
+            _refuse_images(messages)
         if self.default_system is not None and messages[0]['role'] != 'system':
             messages.insert(0, {'role': 'system', 'content': self.default_system})
         return messages
@@ -250,6 +256,19 @@ def _checked(messages: Sequence[Any]) -> list[Message]:
         if message['role'] not in _ROLES:
             raise DataError(f'message {index} has role {message["role"]!r}; accepted roles are {list(_ROLES)}')
     return [{k: v for k, v in m.items() if v is not None} for m in messages]  # type: ignore[misc]
+
+
+def _refuse_images(messages: list[Message]) -> None:
+    for index, message in enumerate(messages):
+        content: Any = message['content']
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, Mapping) and (
+                part.get('type') in ('image', 'image_url') or {'image', 'image_url'} & set(part)
+            ):
+                raise DataError(
+                    f"message {index} holds an image part, which this template cannot encode: use 'VisionTemplate' "
+                    "(model.set_template('VisionTemplate') or dataset.set_template('VisionTemplate', model_id=...))"
+                )
 
 
 def _tools(row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
