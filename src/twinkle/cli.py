@@ -7,13 +7,14 @@ action functions, and list it in ``COMMANDS``.
 
     twinkle assets list
     twinkle assets model [NAME]
-    twinkle assets dataset NAME [--split SPLIT] [--out FILE]
+    twinkle assets dataset NAME [--split SPLIT] [--out FILE]   (an image dataset: its images beside FILE)
     twinkle export CHECKPOINT [--merge] [--base MODEL] --out DIR [--push-to-hub hf://org/name]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from collections.abc import Callable
@@ -52,17 +53,40 @@ def assets_model(args: argparse.Namespace) -> int:
 
 
 def assets_dataset(args: argparse.Namespace) -> int:
-    """Build dataset ``args.name`` if needed; print its file, or copy it to ``args.out``."""
+    """Build dataset ``args.name`` if needed; print its file, or copy it to ``args.out``.
+
+    An image dataset's rows name their pictures by paths relative to the JSONL's folder, so the
+    copy brings them along: each picture a row names lands at the same relative path beside
+    ``args.out``, and the copied rows stay byte-identical. A copy is then a folder the user owns,
+    that can move or be shared whole; absolute paths into the cache would break when it is cleared
+    or the file leaves this machine."""
     from twinkle.assets import dataset
 
-    path = dataset(args.name, args.split)
+    path = Path(dataset(args.name, args.split))
     if args.out is None:
         print(path)
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(path, args.out)
+    for relative in image_files(path):
+        target = args.out.parent / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path.parent / relative, target)
     print(args.out)
     return 0
+
+
+def image_files(jsonl: Path) -> list[str]:
+    """The relative image paths the rows of ``jsonl`` name (Qwen-VL image parts), in row order, once each."""
+    seen: dict[str, None] = {}
+    for line in filter(str.strip, jsonl.read_text(encoding='utf-8').splitlines()):
+        for message in json.loads(line).get('messages') or []:
+            content = message.get('content')
+            for part in content if isinstance(content, list) else []:
+                image = part.get('image') if part.get('type') == 'image' else None
+                if isinstance(image, str) and not Path(image).is_absolute():
+                    seen[image] = None
+    return list(seen)
 
 
 def add_assets_parser(commands: Subparsers) -> None:
@@ -80,7 +104,9 @@ def add_assets_parser(commands: Subparsers) -> None:
     data = actions.add_parser('dataset', help='build a dataset if needed and print its JSONL file')
     data.add_argument('name', help='dataset name, see `twinkle assets list`')
     data.add_argument('--split', default='train', help='split name (default: train)')
-    data.add_argument('--out', type=Path, default=None, help='write a copy of the file here')
+    data.add_argument(
+        '--out', type=Path, default=None, help="write a copy of the file here (an image dataset's images beside it)"
+    )
     data.set_defaults(run=assets_dataset)
 
 
@@ -108,13 +134,18 @@ def add_export_parser(commands: Subparsers) -> None:
         'export',
         help='write a checkpoint as a merged Hugging Face model (--merge) or a peft adapter',
         description='Write CHECKPOINT (a folder model.save wrote) to --out: with --merge the base model with '
-        'the adapter merged in (safetensors, config, tokenizer; plain transformers loads it), without it '
-        'the peft adapter and tokenizer, less the training state.',
+        "the adapter merged in (safetensors, config, tokenizer; plain transformers loads it as the base's class), "
+        "without it the peft adapter and tokenizer, less the training state. A vision-language base's "
+        'processor files (image and video processors, chat template) are kept in either.',
     )
     parser.add_argument('checkpoint', help='the checkpoint folder')
     parser.add_argument('--out', required=True, type=Path, help='a new or empty folder to write')
     parser.add_argument('--merge', action='store_true', help='merge the adapter into its base model')
-    parser.add_argument('--base', default=None, help='the base model to merge into (default: the adapter names it)')
+    parser.add_argument(
+        '--base',
+        default=None,
+        help='the base model to merge into, and whose processor files to keep (default: the adapter names it)',
+    )
     parser.add_argument('--dtype', default='auto', choices=list(DTYPES), help="merged weights' type (default: auto)")
     parser.add_argument(
         '--push-to-hub', metavar='HUB_ID', help='then upload the folder to hf://org/name or ms://org/name'

@@ -2,10 +2,19 @@
 
 ``export_checkpoint(checkpoint, out, merge=True)`` writes a merged Hugging Face model: the base
 model with the adapter folded into its weights by peft (``merge_and_unload``), saved as
-safetensors with its config and the tokenizer, so that plain ``AutoModelForCausalLM`` loads it
-and gives the logits of base plus adapter. With ``merge=False`` it writes the peft adapter
+safetensors with its config and the tokenizer, so that plain transformers loads it as the base's
+own class and gives the logits of base plus adapter: ``AutoModelForCausalLM`` for a text model,
+``AutoModelForImageTextToText`` for a vision-language one (``Qwen3_5ForConditionalGeneration``,
+vision tower included). With ``merge=False`` it writes the peft adapter
 (``adapter_config.json``, ``adapter_model.safetensors``, the tokenizer) without twinkle's
 training state. Either way the folder appears whole or not at all.
+
+A vision-language base's processor files (``PROCESSOR_FILES``: the image and video processors'
+configs, and the chat template if the tokenizer brought none) are copied from the base into
+either export, since a checkpoint keeps only the tokenizer's: the exported folder then serves as
+the original does (``AutoImageProcessor``, ``AutoProcessor``, the chat template with image parts).
+An unmerged export copies them when the base is on this machine (an embedded model, a folder or a
+hub cache), and does not download a base for them.
 
 ``twinkle export CHECKPOINT [--merge] --out DIR`` runs it from the command line.
 
@@ -31,7 +40,7 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from twinkle.errors import CheckpointError, ConfigurationError, HubUnavailableError, one_of
+from twinkle.errors import CheckpointError, ConfigurationError, HubUnavailableError, TwinkleError, one_of
 from twinkle.hub import is_offline, parse_hub_id, resolve_model
 from twinkle.model import checkpoint as ckpt
 from twinkle.model.expert_lora import EXPERT_PARAMETERS, peft_stack_prefix
@@ -46,6 +55,10 @@ TRAINING_FILES = (
     ckpt.RNG_STATE,
     ckpt.ACCUMULATION,
 )
+#: A processor's files beside the tokenizer's: what ``AutoProcessor`` and ``AutoImageProcessor`` read.
+PROCESSOR_FILES = ('preprocessor_config.json', 'video_preprocessor_config.json', 'processor_config.json')
+#: Where a chat template may be kept besides ``tokenizer_config.json`` (transformers 5 writes the first).
+CHAT_TEMPLATE_FILES = ('chat_template.jinja', 'chat_template.json')
 DTYPES: dict[str, torch.dtype | str] = {
     'auto': 'auto',
     'float32': torch.float32,
@@ -86,29 +99,68 @@ def export_checkpoint(
             _merge(source, staging, base_model or _adapter_base(source), DTYPES[dtype])
         else:
             _copy_weights(source, staging)
+            base = base_model or (_named_base(source) if is_adapter else None)
+            base_dir = _local_base(base) if base else None
+            if base_dir is not None:
+                _copy_processor_files(base_dir, staging)
     return destination
 
 
-def _adapter_base(adapter: Path) -> str:
+def _named_base(adapter: Path) -> str | None:
+    """The base model the adapter's config names, if any."""
     base = json.loads((adapter / ADAPTER_CONFIG).read_text()).get('base_model_name_or_path')
+    return str(base) if base else None
+
+
+def _adapter_base(adapter: Path) -> str:
+    base = _named_base(adapter)
     if not base:
         raise CheckpointError(f'the adapter at {str(adapter)!r} names no base model; pass base_model (--base)')
-    return str(base)
+    return base
 
 
 def _merge(adapter: Path, staging: Path, base_model: str, dtype: torch.dtype | str) -> None:
-    """The base model with ``adapter`` merged by peft, saved with the tokenizer in ``staging``."""
+    """The base model with ``adapter`` merged by peft, saved with the tokenizer and processor
+    files in ``staging``. The base loads as the class its config names (``auto_model_class``): a
+    vision-language checkpoint as its conditional-generation class, whose module names the
+    adapter's keys (``model.language_model...``) were trained on."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from twinkle import assets
+    from twinkle.model.loading import auto_model_class
 
-    base_dir = assets.tiny_model(base_model) if base_model in assets.MODELS else resolve_model(base_model)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    base_dir = Path(assets.tiny_model(base_model) if base_model in assets.MODELS else resolve_model(base_model))
+    base = auto_model_class(AutoConfig.from_pretrained(base_dir)).from_pretrained(base_dir, dtype=dtype)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.save_pretrained(str(staging), safe_serialization=True)
-    tokenizer_dir = adapter if _has_tokenizer(adapter) else Path(base_dir)
+    tokenizer_dir = adapter if _has_tokenizer(adapter) else base_dir
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(staging))
+    _copy_processor_files(base_dir, staging)
+
+
+def _local_base(base_model: str) -> Path | None:
+    """The folder of ``base_model`` if it is on this machine (an embedded model, a folder, a hub
+    cache), else None: an adapter export reads only its processor files, not worth a download."""
+    from twinkle import assets
+
+    if base_model in assets.MODELS:
+        return Path(assets.tiny_model(base_model))
+    try:
+        return Path(resolve_model(base_model, offline=True))
+    except TwinkleError:
+        return None
+
+
+def _copy_processor_files(base_dir: Path, staging: Path) -> None:
+    """The base's ``PROCESSOR_FILES`` that ``staging`` lacks, and its chat template when the
+    tokenizer saved none (the trained one's template, if it has one, is the one to keep)."""
+    names = [name for name in PROCESSOR_FILES if not (staging / name).exists()]
+    if not any((staging / name).exists() for name in CHAT_TEMPLATE_FILES):
+        names += CHAT_TEMPLATE_FILES
+    for name in names:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, staging / name)
 
 
 def _copy_weights(source: Path, staging: Path) -> None:

@@ -93,7 +93,9 @@ class ModelHost(RequestChecks):
             )
         self.device = self.model.device
         self.vocab_size = model_vocab_size(self.model.model)
-        self.context: int | None = getattr(self.model.model.config, 'max_position_embeddings', None)
+        # A vision-language model keeps it on its text config; a text model's is its own config.
+        text_config = self.model.model.config.get_text_config()
+        self.context: int | None = getattr(text_config, 'max_position_embeddings', None)
         self.architecture: str | None = (getattr(self.model.model.config, 'architectures', None) or [None])[0]
         self._sampler: TorchSampler | None = None
         self._sampler_adapters = SavedAdapters(
