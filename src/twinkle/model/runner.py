@@ -22,7 +22,7 @@ from twinkle.data_format import InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.loss import LossOutput
 from twinkle.metric import ExpertLoad
-from twinkle.model import multi_lora, router
+from twinkle.model import multi_lora, packed_recurrence, router
 from twinkle.model.base import Inputs
 from twinkle.model.loading import Precision
 from twinkle.model.lora_adapter import RowAssignment
@@ -180,6 +180,7 @@ class ModelRunner:
         elif sequence is not None:
             model_inputs = sequence.split(batch, self.model.config)
         extra = {'output_hidden_states': True} if hidden_state else {}
+        model_inputs |= packed_recurrence.model_kwargs(self.model, batch)
         with self._autocast(), router.replay_routing(self.model, batch.get('routed_experts')):
             if self.router is None or not router_logits:
                 out = self.model(**model_inputs, **extra, use_cache=False)
@@ -338,13 +339,6 @@ def _tower_rows(model: torch.nn.Module) -> None:
         layer.assignment = RowAssignment.from_names(names[0])
 
 
-def _linear_attention(model: torch.nn.Module) -> bool:
-    """Whether the language model has linear-attention layers (Qwen3.5's gated deltanet)."""
-    config = getattr(model, 'config', None)
-    text = getattr(config, 'text_config', config)
-    return 'linear_attention' in (getattr(text, 'layer_types', None) or ())
-
-
 def mrope_positions(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """The position ids of a batch with images, ``[4, rows, positions]``: the text positions the
     batch carries (which restart at each packed row, so transformers masks attention to each),
@@ -371,12 +365,6 @@ def mrope_positions(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         columns = real.nonzero()[:, 0]
         positions = text[row, columns]
         starts = [0, *(torch.nonzero(positions[1:] <= positions[:-1])[:, 0] + 1).tolist(), len(columns)]
-        if len(starts) > 2 and _linear_attention(model):  # more than one sequence in the row
-            raise ConfigurationError(
-                f'{type(model).__name__} has linear-attention layers, whose state would run from one packed row '
-                'into the next (transformers separates packed rows there only under flash attention): train rows '
-                'with images padded, InputProcessor(padding_free=False), not packed'
-            )
         for start, stop in itertools.pairwise(starts):
             cols = columns[start:stop]
             kind = kinds[row, cols]

@@ -28,7 +28,7 @@ from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss
 from twinkle.metric import METRICS, Metric, TrainMetric
-from twinkle.model import mixed_pass, multi_lora
+from twinkle.model import mixed_pass, multi_lora, packed_recurrence
 from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, TwinkleModel
 from twinkle.model.checkpointer import Checkpointer, Restored, existing_checkpoint
 from twinkle.model.loading import (
@@ -102,6 +102,7 @@ class TransformersModel(TwinkleModel):
         )
         self.model.to(device)  # type: ignore[arg-type]  # transformers wraps to() in functools.wraps: self is not bound
         self._parallel.shard_experts(self.model)
+        packed_recurrence.attach(self.model)  # packed rows kept apart in linear-attention layers too
         self._parallel.split_sequences(self.model, moe=model_router(self.model.config, None) is not None)
         if gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
