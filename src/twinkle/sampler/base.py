@@ -20,6 +20,7 @@ from twinkle.data_format import (
 )
 from twinkle.errors import DataError, StateError
 from twinkle.registry import Registry
+from twinkle.sampler.images import PromptImages, prompt_images, with_images
 from twinkle.template import TEMPLATES, Template
 from twinkle.template.base import encoded_feature
 
@@ -38,6 +39,8 @@ class Prompt:
     input_ids: list[int]
     messages: list[Message] | None = None
     user_data: Any = None
+    #: Its images (a vision-language model's prompt encoded by ``VisionTemplate``), else None.
+    images: PromptImages | None = None
 
 
 @dataclass
@@ -134,11 +137,13 @@ class Sampler(ABC):
             if feature is None:
                 raise DataError(f'prompt {index} is over max_length and the template drops it')
             ids = feature['input_ids']
+            row = {**row, **feature}  # the images VisionTemplate encoded
         else:
             raise DataError(f"prompt {index} needs 'input_ids' or 'messages'; it has fields {sorted(row)}")
         if not ids:
             raise DataError(f'prompt {index} has no tokens')
-        return Prompt(input_ids=ids, messages=list(messages) if messages else None, user_data=row.get('user_data'))
+        messages = list(messages) if messages else None
+        return Prompt(ids, messages, row.get('user_data'), images=prompt_images(index, row, ids))
 
     def _responses(
         self,
@@ -166,7 +171,9 @@ class Sampler(ABC):
             tokens=completion.tokens,
             logprobs=completion.logprobs,
             decoded=decoded,
-            new_input_feature=training_feature(prompt, completion.tokens, decoded, completion.routed_experts),
+            new_input_feature=with_images(
+                training_feature(prompt, completion.tokens, decoded, completion.routed_experts), prompt.images
+            ),
             weight_version=self.weight_version,
         )
 

@@ -24,8 +24,9 @@ from twinkle.hub import resolve_model
 from twinkle.model import multi_lora, router
 from twinkle.model.loading import load_causal_lm, resolve_device
 from twinkle.sampler.base import SAMPLERS, AdapterChoice, Completion, Prompt, PromptLogprobs, Sampler, row_seed
+from twinkle.sampler.images import PromptImages, check_takes_images, decode_positions, image_prefill, takes_images
 from twinkle.sampler.logits import choose, processed_scores
-from twinkle.template import Template
+from twinkle.template import Template, VisionTemplate
 from twinkle.utils.weights import canonical_name, vocab_size
 
 
@@ -44,6 +45,11 @@ class TorchSampler(Sampler):
     ``adapter_name`` picks a LoRA adapter added with ``add_adapter`` or received by a weight
     sync; without it the sampler uses the adapter the last sync installed, else the base model.
     ``max_batch_size`` caps the sequences decoded together (all of a call by default).
+
+    A vision-language model (``tiny-qwen3.5-vl``, a ``Qwen3_5ForConditionalGeneration``) takes prompts
+    with images: its template is the ``VisionTemplate``, the prefill gets the pixels and Qwen's
+    multimodal RoPE positions (``twinkle.sampler.images``), and each sampled sequence's
+    ``new_input_feature`` carries the images, so the trainer scores it as it was sampled.
     """
 
     def __init__(
@@ -183,11 +189,20 @@ class TorchSampler(Sampler):
         _frozen(self.model)
 
     # ---- sampling -------------------------------------------------------------------------------
+    @property
+    def template(self) -> Template:
+        """The template ``set_template`` set, else the model's: the ``VisionTemplate`` for a model with a
+        vision tower (its prompts may hold images), the text ``Template`` otherwise."""
+        if self._template is None and self.model_id is not None and takes_images(self.model):
+            self._template = VisionTemplate(self.model_id)
+        return super().template
+
     def _complete(
         self, prompts: list[Prompt], params: SamplingParams, adapter_name: AdapterChoice
     ) -> tuple[list[Completion], list[PromptLogprobs]]:
         adapter = self._resolve_adapter(adapter_name)
         rows = [prompt.input_ids for prompt in prompts for _ in range(params.num_samples)]
+        images = [prompt.images for prompt in prompts for _ in range(params.num_samples)]
         seeds = [row_seed(params.seed, p.input_ids, j) for p in prompts for j in range(params.num_samples)]
         want_prompt = params.prompt_logprobs or params.topk_prompt_logprobs > 0
         completions: list[Completion] = []
@@ -195,7 +210,8 @@ class TorchSampler(Sampler):
         size = self.max_batch_size or len(rows)
         with self._sampling_with(adapter):
             for start in range(0, len(rows), size):
-                batch = _Generation(self, rows[start : start + size], seeds[start : start + size], params, want_prompt)
+                part = slice(start, start + size)
+                batch = _Generation(self, rows[part], images[part], seeds[part], params, want_prompt)
                 completions += batch.run()
                 prompt_info += batch.prompt_logprobs
         return completions, prompt_info
@@ -232,7 +248,9 @@ class TorchSampler(Sampler):
 
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
         vocab = vocab_size(self.model)
-        context = getattr(self.model.config, 'max_position_embeddings', None)
+        # A vision-language config keeps the language model's context in its text config.
+        context = getattr(self.model.config.get_text_config(), 'max_position_embeddings', None)
+        check_takes_images(self.model, [index for index, prompt in enumerate(prompts) if prompt.images is not None])
         for token in params.stop_token_ids:
             if token >= vocab:
                 raise ConfigurationError(f'stop token id {token} is outside the vocabulary [0, {vocab})')
@@ -260,6 +278,7 @@ class _Generation:
 
     sampler: TorchSampler
     rows: list[list[int]]
+    images: list[PromptImages | None]
     seeds: list[int | None]
     params: SamplingParams
     want_prompt: bool
@@ -280,14 +299,7 @@ class _Generation:
         ids, mask = _left_pad(self.rows, sampler.template.pad_token_id, device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=model.config)
-        logits = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if self.want_prompt else 1,
-        ).logits
+        logits, deltas = self._prefill(ids, mask, positions, cache)
         if self.want_prompt:
             self.prompt_logprobs = _prompt_logprobs(logits, ids, mask, self.params.topk_prompt_logprobs)
         routes = _Routes(recorder, self.rows)
@@ -311,6 +323,7 @@ class _Generation:
                 index = torch.tensor(keep, device=device)
                 _keep_rows(cache, index)
                 tokens, mask, next_pos = tokens[index], mask[index], next_pos[index]
+                deltas = deltas[index] if deltas is not None else None
                 seen = seen[index] if seen is not None else None
                 generators = [generators[j] for j in keep] if generators is not None else None
                 active = [active[j] for j in keep]
@@ -320,7 +333,7 @@ class _Generation:
             logits = model(
                 input_ids=tokens[:, None],
                 attention_mask=mask,
-                position_ids=next_pos[:, None],
+                position_ids=decode_positions(next_pos[:, None], deltas),
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
@@ -328,6 +341,27 @@ class _Generation:
             next_pos = next_pos + 1
         routes.finish(out)
         return out
+
+    def _prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompts' forward into ``cache``: its logits (every position's with ``want_prompt``, else
+        the last), and with images each row's multimodal RoPE delta for the decode steps."""
+        model = self.sampler.model
+        inputs: dict[str, torch.Tensor] = {'position_ids': positions}
+        deltas = None
+        images = image_prefill(model, self.images, ids, mask, positions)
+        if images is not None:
+            inputs, deltas = images.model_inputs, images.deltas
+        logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if self.want_prompt else 1,
+            **inputs,
+        ).logits
+        return logits, deltas
 
     def _record(self, out: list[Completion], active: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Append each active row's token with its raw-logit logprob (one device sync)."""

@@ -287,6 +287,12 @@ class vLLMSampler(Sampler):
         return self._zero
 
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        with_images = [index for index, prompt in enumerate(prompts) if prompt.images is not None]
+        if with_images:  # the engine would get the image tokens without their pixels
+            raise ConfigurationError(
+                f'prompts {with_images} hold images, which vLLMSampler does not pass to vLLM yet; sample them '
+                'with TorchSampler'
+            )
         if params.return_routed_experts:
             raise ConfigurationError(
                 'return_routed_experts (routing replay) is recorded by TorchSampler; vLLMSampler does not pass '
