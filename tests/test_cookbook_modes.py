@@ -110,8 +110,10 @@ def grpo_one(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> l
 def test_grpo_recipe_in_one_process_logs_each_step(grpo_one):
     # The sampler had the trainer's weights (a sync before each sampling step), so the policy
     # ratio is 1 and the first step's loss is 0: the advantages of each group sum to 0, and
-    # there is no KL yet to the base model the adapter starts equal to.
-    assert grpo_one[0]['loss'] == pytest.approx(0.0, abs=1e-6) and grpo_one[0]['kl'] == pytest.approx(0.0, abs=1e-6)
+    # there is no KL yet to the base model the adapter starts equal to. Up to float32 rounding: the
+    # sampler's logprobs come from a KV-cached decode, the trainer's from one forward (-6e-8 here on
+    # an idle machine, 2.3e-6 seen once in a fresh clone).
+    assert grpo_one[0]['loss'] == pytest.approx(0.0, abs=1e-5) and grpo_one[0]['kl'] == pytest.approx(0.0, abs=1e-5)
     assert grpo_one[-1]['kl'] > 0.0  # the adapter moved
 
 
