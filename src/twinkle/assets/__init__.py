@@ -19,8 +19,8 @@ Typical use (``path`` is a normal Hugging Face folder)::
 """
 
 from twinkle.assets.cache import twinkle_home
+from twinkle.assets.catalog import MODELS, tiny_model
 from twinkle.assets.data import DATASETS, dataset, dataset_splits
 from twinkle.assets.images import resolve_images
-from twinkle.assets.models import MODELS, tiny_model
 
 __all__ = ['DATASETS', 'MODELS', 'dataset', 'dataset_splits', 'resolve_images', 'tiny_model', 'twinkle_home']

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from twinkle.assets import tokenizer as tok
 from twinkle.assets.cache import build_asset
-from twinkle.assets.vlm import VLM_RECIPES, vlm_dir_name, write_vlm
 from twinkle.errors import UnknownNameError
 
 if TYPE_CHECKING:
@@ -70,16 +69,16 @@ MODEL_RECIPES: dict[str, ModelRecipe] = {
         128, 2, 4, 2, 32, 96, family='qwen3_5_moe', num_experts=8, experts_per_token=2, shared_expert_size=128
     ),
 }
-#: The embedded models: the causal LMs above, then the vision-language models of ``vlm.py``.
-MODELS: tuple[str, ...] = (*MODEL_RECIPES, *VLM_RECIPES)
+#: The embedded causal LMs (``twinkle.assets.catalog.MODELS`` adds the vision-language models).
+TEXT_MODELS: tuple[str, ...] = tuple(MODEL_RECIPES)
 #: The embedded models whose MLPs are mixtures of experts.
 MOE_MODELS: tuple[str, ...] = tuple(name for name, r in MODEL_RECIPES.items() if r.num_experts)
 
 
 def recipe(name: str) -> ModelRecipe:
-    """The recipe of model ``name``; raises ``UnknownNameError`` listing ``MODELS``."""
+    """The recipe of causal LM ``name``; raises ``UnknownNameError`` listing ``TEXT_MODELS``."""
     if name not in MODEL_RECIPES:
-        raise UnknownNameError('model', name, MODELS)
+        raise UnknownNameError('model', name, TEXT_MODELS)
     return MODEL_RECIPES[name]
 
 
@@ -226,21 +225,9 @@ def model_dir_name(name: str) -> str:
     return f'{name}-v{MODEL_VERSION}.{tok.TOKENIZER_VERSION}'
 
 
-def tiny_model(name: str = 'tiny-qwen3') -> str:
-    """Path of a local Hugging Face folder with model ``name`` and its tokenizer.
-
-    Built on first use under ``twinkle_home()/assets/models`` and reused after. Load it with
-    ``AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer.from_pretrained(path)``
-    (a VLM, ``tiny-qwen3.5-vl`` or ``tiny-qwen3-vl``, with ``AutoModelForImageTextToText``).
-
-    >>> from twinkle.assets import tiny_model
-    >>> tiny_model('gpt-2')
-    Traceback (most recent call last):
-    ...
-    twinkle.errors.UnknownNameError: Unknown model 'gpt-2'. Valid model names are: [...]
-    """
-    if name in VLM_RECIPES:  # a vision tower in front of a language model (``vlm.py``)
-        return str(build_asset('models', vlm_dir_name(name), lambda tmp: write_vlm(name, tmp)))
+def text_model(name: str) -> str:
+    """Path of the local Hugging Face folder of causal LM ``name``, built on first use
+    (``twinkle.assets.tiny_model`` takes the vision-language models too)."""
     recipe(name)  # fail on an unknown name before touching the cache
     folder = build_asset('models', model_dir_name(name), lambda tmp: write_model(name, tmp))
     return str(folder)

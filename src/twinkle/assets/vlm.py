@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from twinkle.assets import models
 from twinkle.assets import tokenizer as tok
+from twinkle.assets.cache import build_asset
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -104,8 +106,6 @@ def vlm_config(name: str) -> PretrainedConfig:
     """The composite config (text and vision) of VLM ``name`` (no weights are built)."""
     import transformers
 
-    from twinkle.assets import models
-
     r = VLM_RECIPES[name]
     # Any: the composite configs take extra fields (initializer_range) their signatures leave out.
     classes: dict[str, tuple[Any, Any]] = {
@@ -140,8 +140,6 @@ def build_vlm(name: str) -> PreTrainedModel:
     (the vision tower's biases start at zero, as Qwen initialises them)."""
     import torch
     import transformers
-
-    from twinkle.assets import models
 
     r = VLM_RECIPES[name]
     model: PreTrainedModel = getattr(transformers, r.architecture)(vlm_config(name)).float()
@@ -246,8 +244,6 @@ def write_processor(folder: Path) -> None:
 
 def processor_dir() -> Path:
     """The cached tokenizer and processor files the VLMs share, built on first use."""
-    from twinkle.assets.cache import build_asset
-
     return build_asset('tokenizers', TOKENIZER_VLM_NAME, write_processor)
 
 
@@ -272,3 +268,8 @@ def write_vlm(name: str, folder: Path) -> None:
 def vlm_dir_name(name: str) -> str:
     """Cache folder name of VLM ``name``: its recipe version and the tokenizer's."""
     return f'{name}-v{VLM_VERSION}.{tok.TOKENIZER_VERSION}'
+
+
+def vlm_model(name: str) -> str:
+    """Path of the local Hugging Face folder of VLM ``name``, built on first use."""
+    return str(build_asset('models', vlm_dir_name(name), lambda tmp: write_vlm(name, tmp)))
