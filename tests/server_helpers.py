@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -93,3 +94,19 @@ def background_server(
     background = BackgroundServer(config)
     with background as url:
         yield url, keys, background
+
+
+class Gate:
+    """A job that holds the worker until ``open``; requests submitted meanwhile wait together."""
+
+    def __init__(self, scheduler: Any, wait_s: float = 120):
+        self.entered, self.opened, self.wait_s = threading.Event(), threading.Event(), wait_s
+        scheduler.submit('gatekeeper', self._hold)
+        assert self.entered.wait(wait_s)
+
+    def _hold(self) -> None:
+        self.entered.set()
+        self.opened.wait(self.wait_s)
+
+    def open(self) -> None:
+        self.opened.set()

@@ -10,7 +10,6 @@ tenants, run one request at a time.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +18,7 @@ import httpx
 import pytest
 import torch
 from peft import LoraConfig
-from server_helpers import background_server
+from server_helpers import Gate, background_server
 
 from twinkle.errors import DataError
 from twinkle.utils.memory import can_release_memory
@@ -49,22 +48,6 @@ ROWS = {'alice': _rows(1, [12, 7]), 'bob': _rows(2, [25]), 'carol': _rows(3, [9,
 def server(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, dict[str, str], Any]]:
     with background_server(tmp_path_factory.mktemp('mixed'), tiny_model_dir, tenants=tuple(TENANTS)) as running:
         yield running
-
-
-class Gate:
-    """A job that holds the worker until ``open``; requests submitted meanwhile wait together."""
-
-    def __init__(self, scheduler: Any):
-        self.entered, self.opened = threading.Event(), threading.Event()
-        scheduler.submit('gatekeeper', self._hold)
-        assert self.entered.wait(WAIT_S)
-
-    def _hold(self) -> None:
-        self.entered.set()
-        self.opened.wait(WAIT_S)
-
-    def open(self) -> None:
-        self.opened.set()
 
 
 def _models(url: str, keys: dict[str, str]) -> dict[str, MultiLoraTransformersModel]:

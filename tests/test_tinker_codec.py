@@ -26,6 +26,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 from twinkle.data_format import SampledSequence, SampleResponse
 from twinkle.errors import DataError
 from twinkle.server.execution import tinker_codec as codec
+from twinkle.server.execution.images import IMAGE_SLOT, ImageSlot
 from twinkle.server.execution.tinker_codec import forward_backward_output, parse_forward_backward, sample_response
 
 # --------------------------------------------------------------------------- helpers
@@ -248,17 +249,42 @@ def test_unknown_content_encoding():
     _assert_data_error(b'', "'gzip'", 'zstd', content_encoding='gzip')
 
 
+def test_a_dmel_chunk_is_refused_naming_the_datum_and_chunk():
+    chunks = [types.EncodedTextChunk(tokens=[1, 2]), types.DmelChunk(dmel=b'\x00\x01')]
+    datums = [_datum([1]), types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={})]
+    _assert_data_error(_request(datums).SerializeToString(), 'datum 1', 'chunk 1', "'dmel'", 'encoded_text and image')
+
+
+def test_an_image_chunk_takes_its_expected_tokens_as_slots_and_keeps_its_bytes():
+    image = types.ImageChunk(data=b'\x89PNG-bytes', format='png', expected_tokens=3)
+    chunks = [types.EncodedTextChunk(tokens=[7, 8]), image, types.EncodedTextChunk(tokens=[9])]
+    datum = types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={'target_tokens': [0] * 6})
+    (decoded,) = parse_forward_backward(_request([datum]).SerializeToString()).data
+    assert decoded.tokens == [7, 8, IMAGE_SLOT, IMAGE_SLOT, IMAGE_SLOT, 9]
+    assert decoded.images == (ImageSlot(b'\x89PNG-bytes', start=2, length=3),)
+
+
 @pytest.mark.parametrize(
-    ('chunk', 'kind'),
+    ('image', 'fragment'),
     [
-        (types.ImageChunk(data=b'\x89PNG', format='png', expected_tokens=4), 'image'),
-        (types.DmelChunk(dmel=b'\x00\x01'), 'dmel'),
+        (types.ImageChunk(data=b'x', format='png'), 'needs expected_tokens >= 1'),
+        (types.ImageChunk(data=b'x', format='png', expected_tokens=0), 'needs expected_tokens >= 1'),
     ],
 )
-def test_non_text_chunk(chunk, kind):
-    chunks = [types.EncodedTextChunk(tokens=[1, 2]), chunk]
-    datums = [_datum([1]), types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={})]
-    _assert_data_error(_request(datums).SerializeToString(), 'datum 1', 'chunk 1', repr(kind), 'encoded_text')
+def test_an_image_chunk_without_its_token_count_is_refused(image, fragment):
+    chunks = [types.EncodedTextChunk(tokens=[1]), image]
+    datum = types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs={})
+    _assert_data_error(_request([datum]).SerializeToString(), 'datum 0 model_input chunk 1', fragment)
+
+
+def test_an_image_chunk_of_another_format_or_with_override_dimensions_is_refused():
+    message = _request([_datum([1])])
+    chunk = message.data[0].model_input.add()
+    chunk.image.data, chunk.image.format, chunk.image.expected_tokens = b'x', 'gif', 2
+    _assert_data_error(message.SerializeToString(), "image format 'gif' is not accepted", "['png', 'jpeg']")
+    chunk.image.format = 'png'
+    chunk.image.override_dimensions.width = 8
+    _assert_data_error(message.SerializeToString(), 'override_dimensions is not supported')
 
 
 def test_empty_chunk():

@@ -109,6 +109,10 @@ Int = Annotated[int, BeforeValidator(_whole)]
 #: Integers of a request (token ids, labels): ``2`` or ``2.0``; validation stops at the first bad one.
 Ints = Annotated[list[int], Field(fail_fast=True), BeforeValidator(_whole_numbers)]
 
+#: An image of a row or prompt: the bytes of its file (PNG, JPEG...) as a base64 data URL. The
+#: server decodes it; paths and remote URLs are not taken (a server reads no client's path).
+ImageURL = Annotated[str, Field(pattern=r'^data:image/[A-Za-z0-9.+-]+;base64,[A-Za-z0-9+/=\s]*$')]
+
 #: An adapter or checkpoint name (the server's store checks it, and that a checkpoint's is not one of
 #: its reserved folder names).
 NAME_PATTERN = '^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$'
@@ -127,9 +131,10 @@ MESSAGE: dict[str, JsonValue] = {
 }
 #: The fields of a run's ``lora``.
 LORA_NAMES: dict[str, JsonValue] = {'enum': [name for name in sorted(LORA_FIELDS)]}
-#: A prompt has its token ids or its messages.
+#: A prompt has its token ids or its messages; its images go with its token ids.
 PROMPT: dict[str, JsonValue] = {
-    'anyOf': [{'required': [name], 'properties': {name: {'type': 'array'}}} for name in ('input_ids', 'messages')]
+    'anyOf': [{'required': [name], 'properties': {name: {'type': 'array'}}} for name in ('input_ids', 'messages')],
+    'dependentRequired': {'images': ['input_ids']},
 }
 #: The name of a figure of the trainer's own.
 FIGURE_NAME: dict[str, JsonValue] = {'pattern': f'^{_FIGURE_NAME.pattern}$', 'not': {'enum': list(RESERVED_FIGURES)}}
@@ -317,6 +322,9 @@ class InputRow(Wire):
     attention_mask: Ints | None = None
     position_ids: Ints | None = None
     completion_mask: Ints | None = None
+    #: A vision-language model's row: its images in order, one per run of image pad tokens in
+    #: ``input_ids`` (as many pads as the image has merged patches, as ``VisionTemplate`` encodes).
+    images: list[ImageURL] | None = Field(None, min_length=1, fail_fast=True)
 
     @model_validator(mode='after')
     def _aligned(self) -> InputRow:
@@ -347,6 +355,8 @@ class Prompt(Wire):
         None, min_length=1, fail_fast=True, json_schema_extra={'items': MESSAGE}
     )
     tools: list[FiniteObject] | None = Field(None, fail_fast=True)
+    #: A vision-language model's prompt given as ``input_ids``: its images, as ``InputRow.images``.
+    images: list[ImageURL] | None = Field(None, min_length=1, fail_fast=True)
 
     @field_validator('messages')
     @classmethod
@@ -363,6 +373,8 @@ class Prompt(Wire):
             raise ValueError("a prompt needs 'input_ids' or 'messages'")
         if any(t < 0 for t in self.input_ids or []):
             raise ValueError('input_ids must be token ids >= 0')
+        if self.images is not None and self.input_ids is None:
+            raise ValueError("a prompt's images go with its input_ids (image pad tokens expanded), not with messages")
         return self
 
 

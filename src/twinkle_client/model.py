@@ -34,6 +34,7 @@ from twinkle.wire import (
     parse_twinkle_path,
 )
 from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
+from twinkle_client.images import sent_images
 
 #: A row of ``inputs``: its ``FEATURE_FIELDS`` (lists, tensors or arrays of ints) are sent, other keys stay here.
 Row = Mapping[str, object]
@@ -288,10 +289,18 @@ def _name(spec: object) -> str:
     raise ConfigurationError(f'a server component is named by a string; got {spec!r}')
 
 
-def _rows(inputs: Row | Iterable[Row]) -> list[dict[str, list[int]]]:
-    """The rows' InputFeature fields as lists of ints (from lists, tensors or arrays); other keys stay here."""
+def _rows(inputs: Row | Iterable[Row]) -> list[dict[str, object]]:
+    """The rows' InputFeature fields as lists of ints (from lists, tensors or arrays), and a row
+    with images (encoded by ``VisionTemplate``) its images as data URLs; other keys stay here."""
     rows = [inputs] if isinstance(inputs, Mapping) else list(inputs)
-    return [{key: _ints(key, row[key]) for key in FEATURE_FIELDS if key in row} for row in rows]
+    out: list[dict[str, object]] = []
+    for index, row in enumerate(rows):
+        fields: dict[str, object] = {key: _ints(key, row[key]) for key in FEATURE_FIELDS if key in row}
+        images = sent_images(index, row)
+        if images is not None:
+            fields['images'] = images
+        out.append(fields)
+    return out
 
 
 def _ints(key: str, values: object) -> list[int]:

@@ -32,6 +32,7 @@ from twinkle.data_format.sampling import StopReason
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.wire import PROMPT_FIELDS, Sample, SampleWeights
 from twinkle_client.client import PREFIX, TwinkleClient, build, default_client
+from twinkle_client.images import sent_images
 from twinkle_client.model import MultiLoraTransformersModel, Row
 
 if TYPE_CHECKING:  # a type only: twinkle.template imports transformers, which the client does not need
@@ -148,6 +149,12 @@ def _prompt_json(index: int, row: object) -> dict[str, object]:
     if not isinstance(row, Mapping):
         raise DataError(f'prompt {index} must be a dict with input_ids or messages; got {type(row).__name__}')
     prompt = {key: row[key] for key in PROMPT_FIELDS if key in row}
+    images = sent_images(index, row)
+    if images is not None:  # encoded by VisionTemplate: its token ids and the image files, not its messages
+        if 'input_ids' not in prompt:
+            raise DataError(f'prompt {index} has images but no input_ids: encode it with the VisionTemplate')
+        prompt.pop('messages', None)
+        prompt['images'] = images
     if 'input_ids' in prompt:
         prompt['input_ids'] = [int(token) for token in prompt['input_ids']]
     if 'messages' in prompt:

@@ -52,6 +52,15 @@ class Limits(BaseModel):
     max_body_bytes: int = Field(64 * 2**20, gt=0)
     #: Bytes in the body of any other request (runs, sessions, checkpoints); past it, 413.
     max_other_body_bytes: int = Field(2**20, gt=0)
+    #: Images in one forward_backward, forward or sampling request (a vision-language model's);
+    #: past it, 400 naming the count.
+    max_images_per_request: int = Field(64, gt=0)
+    #: Encoded bytes (PNG, JPEG...) of one image; past it, 400 naming the row and the image.
+    max_image_bytes: int = Field(8 * 2**20, gt=0)
+    #: Pixels (width x height) of one image, read from its header before it is decoded (a
+    #: decompression bomb stops here); past it, 400 naming the row and the image. The default is
+    #: the most Qwen's image processors keep (16,384 patches of 28 x 28) times four.
+    max_image_pixels: int = Field(4 * 16_384 * 28 * 28, gt=0)
     #: Seconds a request body may stop arriving before the server answers 408 and hangs up.
     body_read_timeout_s: float = Field(30.0, gt=0)
     #: Seconds a connection may go without a request head (a new one, one between requests, or one

@@ -32,27 +32,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from twinkle.data_format import IGNORE_INDEX, InputFeature, Message, Trajectory
+from twinkle.data_format.images import ACCEPTED_IMAGES, has_images, image_value, is_image_part
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError
 from twinkle.template.base import TEMPLATES, Template, _tools, encoded_feature
 
-#: What an image part may hold, for error messages.
-ACCEPTED_IMAGES = (
-    "{'type': 'image', 'image': <a local path, bytes or a PIL.Image>} or "
-    "{'type': 'image_url', 'image_url': {'url': 'data:image/...;base64,...'}} (a data URL or a local path)"
-)
 IMAGE_PAD = '<|image_pad|>'
-
-
-def is_image_part(part: object) -> bool:
-    """Whether a content part is an image (what the VLM chat templates render as one)."""
-    if not isinstance(part, Mapping):
-        return False
-    return part.get('type') in ('image', 'image_url') or 'image' in part or 'image_url' in part
-
-
-def has_images(messages: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether any message's content holds an image part."""
-    return any(isinstance(m.get('content'), list) and any(is_image_part(p) for p in m['content']) for m in messages)
 
 
 @TEMPLATES.register
@@ -180,7 +164,8 @@ def split_images(messages: list[Any]) -> tuple[list[Message], list[Any]]:
         parts: list[Any] = []
         for p_index, part in enumerate(content):
             if is_image_part(part):
-                pictures.append(load_image(_image_value(part, m_index, p_index), f'message {m_index}, part {p_index}'))
+                where = f'message {m_index}, part {p_index}'
+                pictures.append(load_image(image_value(part, where), where))
                 parts.append({'type': 'image'})
             else:
                 parts.append(part)
@@ -188,19 +173,6 @@ def split_images(messages: list[Any]) -> tuple[list[Message], list[Any]]:
         rendered = ''.join(str(p.get('text', '')) for p in parts) if text_only else parts
         out.append(cast(Message, {**message, 'content': rendered}))  # checked by Template._messages
     return out, pictures
-
-
-def _image_value(part: Mapping[str, Any], m_index: int, p_index: int) -> Any:
-    if 'image' in part and part['image'] is not None:
-        return part['image']
-    url = part.get('image_url')
-    if isinstance(url, Mapping):
-        url = url.get('url')
-    if url is None:
-        raise DataError(
-            f'message {m_index}, part {p_index} is an image part with no image; accepted: {ACCEPTED_IMAGES}'
-        )
-    return url
 
 
 def load_image(value: Any, where: str) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +26,7 @@ from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, check_optimizer_args, ch
 from twinkle.processor import PROCESSORS
 from twinkle.registry import Registry
 from twinkle.server.config import ServerConfig
+from twinkle.server.execution.images import ImageRows, Images, ImageSlot, data_url_bytes
 from twinkle.template import TEMPLATES, Template
 from twinkle.wire import LORA_FIELDS, OPERATIONS, Configure
 
@@ -48,6 +49,8 @@ class RequestChecks:
     vocab_size: int
     context: int | None
     device: torch.device
+    #: A vision-language model's: how its rows' images are checked and decoded (else None).
+    image_rows: ImageRows | None = None
 
     def check_adapter(self, lora: Mapping[str, Json]) -> None:
         """Known LoRA fields and a rank within the limit (room on the model is the service's
@@ -87,10 +90,11 @@ class RequestChecks:
         checked: known parameters with valid values, prompt token ids in the vocabulary, and
         (for prompts given as token ids; ``messages`` are counted once encoded, on the worker)
         each prompt plus ``max_tokens`` within the model context and the request within the
-        token limit."""
+        token limit; a prompt's ``images`` decoded into its pixels."""
         params = SamplingParams.from_dict(sampling_params)
         self.check_sampling_params(params)
-        prompts = [_prompt(index, row, self.vocab_size) for index, row in enumerate(inputs)]
+        self.check_image_count(inputs)
+        prompts = [self.with_images(f'prompt {i}', _prompt(i, row, self.vocab_size)) for i, row in enumerate(inputs)]
         self.check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
         return prompts, params
 
@@ -133,16 +137,45 @@ class RequestChecks:
 
     def features(self, inputs: list[JsonObject]) -> list[InputFeature]:
         """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
-        labels in the vocabulary, and the request's token total within the limit."""
+        labels in the vocabulary, the request's token total within the limit, and a row's
+        ``images`` decoded into its pixels (``ImageRows.attach``)."""
         features, total = [], 0
+        self.check_image_count(inputs)
         for index, row in enumerate(inputs):
             feature = _feature(index, row, self.vocab_size)
             total += len(feature['input_ids'])
-            features.append(feature)
+            features.append(self.with_images(f'input row {index}', feature))
         limit = self.config.limits.max_tokens_per_request
         if total > limit:
             raise DataError(f'the request holds {total} tokens, over the limit of {limit} per request')
         return features
+
+    def check_image_count(self, rows: list[JsonObject], count: int | None = None) -> None:
+        """The images of a request's rows or prompts (or ``count`` of them): a model that takes
+        them, within the limit."""
+        count = sum(len(row.get('images') or ()) for row in rows) if count is None else count
+        if count == 0:
+            return
+        if self.image_rows is None:
+            raise DataError(f'the request holds {count} images, but this model takes no images (a text model)')
+        self.image_rows.check_count(count)
+
+    def image_row(self, where: str, tokens: list[int], slots: Sequence[ImageSlot]) -> JsonObject:
+        """A Tinker datum's or prompt's tokens as a row, its image chunks (``slots``) made the image
+        pad id and the images' pixels (the request's image count is the caller's to check)."""
+        if not slots:
+            return {'input_ids': tokens}
+        if self.image_rows is None:
+            raise DataError(f'{where} holds {len(slots)} image chunks, but this model takes no images (a text model)')
+        return self.image_rows.fill(where, tokens, slots)
+
+    def with_images(self, where: str, row: Any) -> Any:
+        """``row`` with its ``images`` (data URLs) made pixels, grids and image token types."""
+        urls = row.get('images')
+        if not urls or self.image_rows is None:  # no images, or none allowed (check_image_count refused them)
+            return row
+        data = [data_url_bytes(f'{where} image {j}', url) for j, url in enumerate(urls)]
+        return self.image_rows.attach(where, {k: v for k, v in row.items() if k != 'images'}, data)
 
 
 #: The registry of the component each ``twinkle.wire.Configure`` field names.
@@ -254,6 +287,10 @@ class SavedWeightsSampler(Protocol):
 
     def sampler_adapter(self, directory: Path, shown_as: str | None = None) -> str: ...
 
+    def check_image_count(self, rows: list[JsonObject], count: int | None = None) -> None: ...
+
+    def image_row(self, where: str, tokens: list[int], slots: Sequence[ImageSlot]) -> JsonObject: ...
+
     def generate(
         self, prompts: list[JsonObject], params: SamplingParams, adapter: str | None, weight_version: int = 0
     ) -> list[SampleResponse]: ...
@@ -282,15 +319,39 @@ def sample_saved(
     prompts = [encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
     adapter = None if weights is None else sampler.sampler_adapter(weights.directory, weights.shown_as)
     version = 0 if weights is None else weights.version
-    return [asdict(response) for response in sampler.generate(prompts, params, adapter, version)]
+    return responses_json(sampler.generate(prompts, params, adapter, version), inputs)
+
+
+def responses_json(responses: list[SampleResponse], inputs: list[JsonObject]) -> list[JsonObject]:
+    """The responses to ``inputs`` (the request's prompts, as the wire checked them) as JSON. A
+    prompt with images gives each sequence's ``new_input_feature`` the prompt's ``images`` (data
+    URLs) for its pixels, so the row trains as the wire takes it (``twinkle.wire.InputRow``)."""
+    out = []
+    for response, prompt in zip(responses, inputs, strict=True):
+        data = asdict(response)
+        for sequence in data['sequences']:
+            feature = sequence['new_input_feature']
+            if feature.pop('pixel_values', None) is not None:
+                feature.pop('image_grid_thw', None)
+                feature.pop('mm_token_type_ids', None)
+                feature['images'] = prompt['images']
+        out.append(data)
+    return out
 
 
 def sample_prompt(
-    sampler: SavedWeightsSampler, prompt: list[int], params: SamplingParams, weights: SavedWeights | None
+    sampler: SavedWeightsSampler,
+    prompt: list[int],
+    params: SamplingParams,
+    weights: SavedWeights | None,
+    images: Images = (),
 ) -> SampleResponse:
-    """Sample one prompt of token ids (checked) from the base model (``weights`` None) or saved weights."""
+    """Sample one prompt of token ids (checked; its image chunks ``images`` made pixels) from the
+    base model (``weights`` None) or saved weights."""
+    sampler.check_image_count([], count=len(images))
+    row = sampler.image_row('the prompt', prompt, images)
     adapter = None if weights is None else sampler.sampler_adapter(weights.directory, weights.shown_as)
-    return sampler.generate([{'input_ids': prompt}], params, adapter)[0]
+    return sampler.generate([row], params, adapter)[0]
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from twinkle.errors import TwinkleError
 from twinkle.model.checkpointer import Restored
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.checks import Json, JsonObject, RequestChecks, SavedWeights
+from twinkle.server.execution.images import Images
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
 
 if TYPE_CHECKING:
@@ -63,8 +64,11 @@ class SamplingHost(Protocol):
 
     def check_sampling_params(self, params: SamplingParams) -> None: ...
 
-    def sample_ids(self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None) -> SampleResponse:
-        """Sample a prompt of token ids from the base model (``weights`` None) or saved weights."""
+    def sample_ids(
+        self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None, images: Images = ()
+    ) -> SampleResponse:
+        """Sample a prompt of token ids (with its image chunks, ``images``) from the base model
+        (``weights`` None) or saved weights."""
         ...
 
     def sample_weights(
@@ -210,8 +214,10 @@ class ForwardingHost(RequestChecks):
     ) -> list[JsonObject]:
         return cast('list[JsonObject]', self.forward('sample_weights', inputs, sampling_params, weights))
 
-    def sample_ids(self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None) -> SampleResponse:
-        return cast('SampleResponse', self.forward('sample_ids', prompt, params, weights))
+    def sample_ids(
+        self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None, images: Images = ()
+    ) -> SampleResponse:
+        return cast('SampleResponse', self.forward('sample_ids', prompt, params, weights, images))
 
     def forget_sampler_weights(self, directory: Path) -> None:
         self.forward('forget_sampler_weights', directory)

@@ -27,6 +27,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.execution.adapter_pool import AdapterOptions, AdapterPool
 from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.host import Host, Json, JsonObject, Outcome, SamplingHost
+from twinkle.server.execution.images import Images
 from twinkle.server.execution.model_host import is_mixable, request_tokens
 from twinkle.server.execution.run_files import KIND_FOLDERS, run_dir
 from twinkle.server.execution.sampler_group import SamplerGroup, saved_weights
@@ -369,11 +370,16 @@ class ModelGroup:
         return self.sampling_host.sample_weights(inputs, sampling_params, saved_weights(directory, shown_as))
 
     def sample_ids(
-        self, prompt: list[int], params: SamplingParams, directory: Path | None, shown_as: str | None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        directory: Path | None,
+        shown_as: str | None,
+        images: Images = (),
     ) -> SampleResponse:
-        """Sample a prompt of token ids from the base model or saved weights, on the sampler if the
-        model has one (worker thread)."""
-        return self.sampling_host.sample_ids(prompt, params, saved_weights(directory, shown_as))
+        """Sample a prompt of token ids (with its image chunks) from the base model or saved
+        weights, on the sampler if the model has one (worker thread)."""
+        return self.sampling_host.sample_ids(prompt, params, saved_weights(directory, shown_as), images)
 
     def sample_chat(self, request: ChatRequest) -> ChatReply:
         """An OpenAI-style completion of the base model or saved weights (worker thread)."""

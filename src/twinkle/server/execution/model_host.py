@@ -15,7 +15,6 @@ import math
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import TypedDict, cast
 
@@ -45,11 +44,13 @@ from twinkle.server.execution.checks import (
     SavedWeights,
     check_name,
     encoded_prompt,
+    responses_json,
     sample_prompt,
     sample_saved,
     shown_to_tenant,
 )
 from twinkle.server.execution.host import AdapterRequest, Footprint, Json, JsonObject, Outcome
+from twinkle.server.execution.images import ImageRows, Images
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
 from twinkle.server.execution.vllm_sampling import VllmSampling, samples_on_vllm
 from twinkle.template import TEMPLATES
@@ -97,6 +98,7 @@ class ModelHost(RequestChecks):
         text_config = self.model.model.config.get_text_config()
         self.context: int | None = getattr(text_config, 'max_position_embeddings', None)
         self.architecture: str | None = (getattr(self.model.model.config, 'architectures', None) or [None])[0]
+        self.image_rows = ImageRows.of(self.model_id, config.limits)
         self._sampler: TorchSampler | None = None
         self._sampler_adapters = SavedAdapters(
             SAMPLER_PREFIX,
@@ -386,7 +388,7 @@ class ModelHost(RequestChecks):
             responses = self.generate(prompts, params, None)
         else:
             responses = self.generate(prompts, params, self._current(adapter), weight_version=group.optim_step)
-        return [asdict(response) for response in responses]
+        return responses_json(responses, inputs)
 
     def _current(self, adapter: str) -> str:
         """The adapter to sample a run's weights as they are now: its own (torch), or on the vLLM
@@ -405,9 +407,12 @@ class ModelHost(RequestChecks):
         prompt, as a dict."""
         return sample_saved(self, self.sampler().template, inputs, sampling_params, weights)
 
-    def sample_ids(self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None) -> SampleResponse:
-        """Sample a prompt of token ids from the base model (``weights`` None) or saved weights."""
-        return sample_prompt(self, prompt, params, weights)
+    def sample_ids(
+        self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None, images: Images = ()
+    ) -> SampleResponse:
+        """Sample a prompt of token ids (with its image chunks, ``images``) from the base model
+        (``weights`` None) or saved weights."""
+        return sample_prompt(self, prompt, params, weights, images)
 
     def generate(
         self, prompts: list[JsonObject], params: SamplingParams, adapter: str | None, weight_version: int = 0

@@ -56,6 +56,7 @@ from twinkle.server.execution.host import (
     JsonObject,
     Outcome,
 )
+from twinkle.server.execution.images import ImageRows
 from twinkle.server.execution.model_host import Described, ModelHost, weights_footprint
 from twinkle.server.execution.vllm_sampling import samples_on_vllm
 
@@ -329,6 +330,7 @@ class MultiRankHost(ForwardingHost):
         self.vocab_size = described['vocab_size']
         self.context = described['context']
         self.architecture = described['architecture']
+        self.image_rows = ImageRows.of(self.model_id, config.limits)
         self._lora_targets: dict[tuple[bool, bool, bool], list[str]] = described['lora_targets']
         self._expert_targets: list[str] = described['expert_targets']
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ray.exceptions import RayTaskError
 from twinkle.server.config import RaySettings, ServerConfig
 from twinkle.server.execution.host import Forwarded, ForwardingHost
+from twinkle.server.execution.images import ImageRows
 from twinkle.server.execution.model_host import Described, ModelHost
 
 #: Calls the actor runs at once: the compute of the worker thread and the chores beside it.
@@ -54,6 +55,7 @@ class RemoteHost(ForwardingHost):
         self.vocab_size = described['vocab_size']
         self.context = described['context']
         self.architecture = described['architecture']
+        self.image_rows = ImageRows.of(self.model_id, config.limits)
         self.pid = described['pid']
         self._targets: dict[tuple[bool, bool, bool], list[str]] = {}
         self._expert_targets: list[str] | None = None

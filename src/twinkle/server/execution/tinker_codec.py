@@ -7,8 +7,11 @@ Request, ``ForwardBackwardRequest`` -> :class:`ForwardBackwardCall`:
 - the body may be zstd-compressed (``Content-Encoding: zstd``); it must hold exactly one frame;
 - ``loss_fn_config_v2`` (a number or a text per key) wins over the legacy float-only
   ``loss_fn_config``, which the SDK fills as well for the numbers;
-- a datum's tokens are its ``model_input`` chunks concatenated; only ``encoded_text`` chunks
-  (little-endian int32 ids) are supported, ``image`` and ``dmel`` chunks are rejected;
+- a datum's tokens are its ``model_input`` chunks concatenated: ``encoded_text`` chunks
+  (little-endian int32 ids), and ``image`` chunks (a PNG or JPEG file with its
+  ``expected_tokens``), each held as that many ``IMAGE_SLOT`` tokens and an :class:`ImageSlot`
+  that the host fills with the model's image pad id and the image's pixels
+  (``twinkle.server.execution.images``); ``dmel`` chunks are rejected;
 - each ``loss_fn_inputs`` tensor is dense bytes or sparse CSR (values in the tensor's dtype,
   ``crow_indices`` and ``col_indices`` int64), with a dtype and a shape. Both decode to a dense
   torch tensor. As the SDK's own decoder does, INT32 widens to int64 and BFLOAT16 to float32, so
@@ -47,6 +50,7 @@ from tinker.types.topk_logprobs import MASK_LOGPROB
 
 from twinkle.data_format import SampledSequence, SampleResponse, TokenLogprob
 from twinkle.errors import DataError
+from twinkle.server.execution.images import IMAGE_SLOT, ImageSlot
 
 #: Largest decompressed ``forward_backward`` body; a zstd bomb stops here.
 MAX_BODY_BYTES = 1 << 28
@@ -79,6 +83,10 @@ class Span:
     length: int
 
 
+#: The image formats an image chunk may name (the Tinker SDK's ``ImageChunk.format``).
+IMAGE_FORMATS = ('png', 'jpeg')
+
+
 @dataclass(frozen=True)
 class Datum:
     """One training example: the input token ids and the loss inputs, dense float32 or int64;
@@ -88,6 +96,8 @@ class Datum:
     loss_fn_inputs: dict[str, torch.Tensor]
     model_input_spans: list[Span] | None = None
     loss_fn_input_spans: list[Span] | None = None
+    #: Its image chunks, in order (their positions in ``tokens`` hold ``IMAGE_SLOT``).
+    images: tuple[ImageSlot, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -183,9 +193,9 @@ def _datum(index: int, datum: pb.Datum, max_sparse_elements: int) -> Datum:
         name: _tensor(tensor, f'datum {index} loss_fn_inputs[{name!r}]', max_sparse_elements)
         for name, tensor in datum.loss_fn_inputs.items()
     }
-    tokens = _tokens(index, datum.model_input)
+    tokens, images = _tokens(index, datum.model_input)
     if not datum.model_input_spans and not datum.loss_fn_input_spans:
-        return Datum(tokens=tokens, loss_fn_inputs=inputs)
+        return Datum(tokens=tokens, loss_fn_inputs=inputs, images=images)
     if not datum.model_input_spans or not datum.loss_fn_input_spans:
         raise DataError(
             f'datum {index} has only one of model_input_spans and loss_fn_input_spans; send both or neither'
@@ -197,6 +207,7 @@ def _datum(index: int, datum: pb.Datum, max_sparse_elements: int) -> Datum:
         loss_fn_inputs=inputs,
         model_input_spans=_spans(index, 'model_input_spans', datum.model_input_spans, len(tokens)),
         loss_fn_input_spans=_spans(index, 'loss_fn_input_spans', datum.loss_fn_input_spans, target_count),
+        images=images,
     )
 
 
@@ -220,16 +231,41 @@ def _spans(index: int, field: str, spans: Sequence[pb.ProvenanceSpan], positions
     return decoded
 
 
-def _tokens(index: int, chunks: Sequence[pb.Chunk]) -> list[int]:
-    """The ``encoded_text`` chunks' token ids, concatenated."""
+def _tokens(index: int, chunks: Sequence[pb.Chunk]) -> tuple[list[int], tuple[ImageSlot, ...]]:
+    """The chunks' token ids concatenated, an image chunk's as ``IMAGE_SLOT`` s, and the images."""
     tokens: list[int] = []
+    images: list[ImageSlot] = []
     for position, chunk in enumerate(chunks):
         kind = chunk.WhichOneof('chunk')
         where = f'datum {index} model_input chunk {position}'
-        if kind != 'encoded_text':
-            raise DataError(f'{where} is {kind or "empty"!r}; only encoded_text chunks are supported')
-        tokens += _frombuffer(chunk.encoded_text.tokens, np.dtype('<i4'), f'{where} tokens').tolist()
-    return tokens
+        if kind == 'image':
+            expected = chunk.image.expected_tokens if chunk.image.HasField('expected_tokens') else None
+            override = chunk.image.HasField('override_dimensions')
+            slot = image_slot(where, chunk.image.data, chunk.image.format, expected, len(tokens), override)
+            images.append(slot)
+            tokens += [IMAGE_SLOT] * slot.length
+        elif kind == 'encoded_text':
+            tokens += _frombuffer(chunk.encoded_text.tokens, np.dtype('<i4'), f'{where} tokens').tolist()
+        else:
+            raise DataError(f'{where} is {kind or "empty"!r}; accepted: encoded_text and image chunks')
+    return tokens, tuple(images)
+
+
+def image_slot(
+    where: str, data: bytes, image_format: str, expected: int | None, start: int, override: bool
+) -> ImageSlot:
+    """An image chunk at token ``start``, checked: a known format, its ``expected_tokens`` given
+    (the tokens it takes; the host checks them against the image), no ``override_dimensions``."""
+    if image_format not in IMAGE_FORMATS:
+        raise DataError(f'{where}: image format {image_format!r} is not accepted; accepted: {list(IMAGE_FORMATS)}')
+    if expected is None or expected < 1:
+        raise DataError(
+            f'{where}: an image chunk needs expected_tokens >= 1 (the tokens the image takes, as the '
+            f"model's image processor counts them); got {expected}"
+        )
+    if override:
+        raise DataError(f'{where}: override_dimensions is not supported; resize the image before sending it')
+    return ImageSlot(bytes(data), start, expected)
 
 
 def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:

@@ -10,8 +10,8 @@ to :class:`~twinkle.loss.tinker.TinkerLoss` one entry per row. Gradients add up 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Protocol, cast
 
 import torch
 from tinker import types
@@ -22,7 +22,8 @@ from twinkle.loss.tinker import TinkerLoss
 from twinkle.model import AdapterCall, StepCall, StepResult, TransformersModel
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import JsonObject, Outcome
-from twinkle.server.execution.tinker_codec import ForwardBackwardCall, forward_backward_output
+from twinkle.server.execution.images import ImageSlot
+from twinkle.server.execution.tinker_codec import Datum, ForwardBackwardCall, forward_backward_output
 
 
 class LoraTargets(Protocol):
@@ -59,6 +60,10 @@ class TinkerTarget(Protocol):
     context: int | None
 
     def whole_request_share(self) -> float: ...
+
+    def check_image_count(self, rows: list[JsonObject], count: int | None = None) -> None: ...
+
+    def image_row(self, where: str, tokens: list[int], slots: Sequence[ImageSlot]) -> JsonObject: ...
 
 
 def forward_backward_many(
@@ -115,8 +120,9 @@ def datum_rows(
         raise DataError('forward_backward needs at least one datum')
     rows, total = [], 0
     inputs: dict[str, list[torch.Tensor]] = {}
+    host.check_image_count([], count=sum(len(datum.images) for datum in call.data))
     for index, datum in enumerate(call.data):
-        rows.append(_row(host, index, datum.tokens, datum.loss_fn_inputs))
+        rows.append(_row(host, index, datum))
         total += len(datum.tokens)
         for name, value in datum.loss_fn_inputs.items():
             if name != 'target_tokens':
@@ -130,7 +136,10 @@ def datum_rows(
     return rows, inputs
 
 
-def _row(host: TinkerTarget, index: int, tokens: list[int], inputs: Mapping[str, torch.Tensor]) -> InputFeature:
+def _row(host: TinkerTarget, index: int, datum: Datum) -> InputFeature:
+    """A datum as a row (its image chunks made pixels), checked: loss inputs as long as its
+    tokens, finite, and token ids and targets in the vocabulary."""
+    tokens, inputs = datum.tokens, datum.loss_fn_inputs
     length = len(tokens)
     if length == 0:
         raise DataError(f'datum {index} has no tokens')
@@ -144,11 +153,12 @@ def _row(host: TinkerTarget, index: int, tokens: list[int], inputs: Mapping[str,
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise DataError(f'datum {index}: loss input {name!r} holds NaN or infinite values')
     targets = inputs['target_tokens'].reshape(-1).long().tolist()
-    for what, ids in (('token id', tokens), ('target token', targets)):
+    row = host.image_row(f'datum {index}', list(tokens), datum.images)
+    for what, ids in (('token id', row['input_ids']), ('target token', targets)):
         bad = next((t for t in ids if not 0 <= t < host.vocab_size), None)
         if bad is not None:
             raise DataError(f'datum {index} has {what} {bad}, outside the vocabulary [0, {host.vocab_size})')
-    return {'input_ids': list(tokens), 'labels': targets}
+    return cast(InputFeature, {**row, 'labels': targets})
 
 
 def optim_steps(model: TransformersModel, requests: list[tuple[str, types.AdamParams]]) -> list[Outcome]:

@@ -35,6 +35,7 @@ from twinkle.server.execution.checks import (
     sample_prompt,
     sample_saved,
 )
+from twinkle.server.execution.images import Images
 from twinkle.template import Template
 
 #: The LoRA ranks vLLM can be started with; the engine takes the smallest that holds the server's limit.
@@ -146,8 +147,10 @@ class VllmSamplerHost(RequestChecks):
         """``ModelHost.sample_weights`` on the engine: the base model, or saved weights."""
         return sample_saved(self, self.sampling.template, inputs, sampling_params, weights)
 
-    def sample_ids(self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None) -> SampleResponse:
-        return sample_prompt(self, prompt, params, weights)
+    def sample_ids(
+        self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None, images: Images = ()
+    ) -> SampleResponse:
+        return sample_prompt(self, prompt, params, weights, images)
 
     def restart_if_dead(self) -> str | None:
         """Start the engine again if its process died; then what happened, else None."""

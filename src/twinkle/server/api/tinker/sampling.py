@@ -28,6 +28,7 @@ from twinkle.errors import DataError, NotFoundError
 from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, proto_result, router
 from twinkle.server.execution import tinker_codec as codec
+from twinkle.server.execution.images import IMAGE_SLOT, Images, ImageSlot
 from twinkle.server.execution.model_group import ModelGroup, bare
 from twinkle.server.store import Store, Tenant
 
@@ -73,13 +74,13 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
         if body.record_stability_info and session_id is None:
             raise DataError('record_stability_info needs a sampling_session_id: the records belong to its session')
         checkpoint = api.checkpoint(who, path, kinds=('sampler', 'training')) if path else None
-        prompt, params = _sample_request(body, api.settings.default_max_tokens)
+        prompt, params, images = _sample_request(body, api.settings.default_max_tokens)
         group.check_sampling_params(params)
         sequence_ids = [f'seq-{secrets.token_hex(8)}:{i}' for i in range(params.num_samples)]
 
         def sample() -> dict[str, str]:
             directory = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
-            response = group.sample_ids(prompt, params, directory, path)
+            response = group.sample_ids(prompt, params, directory, path, images)
             if body.record_stability_info and session_id is not None:
                 _record(service.store, who, session_id, prompt, sequence_ids, response)
             return proto_result(
@@ -122,9 +123,29 @@ def _sampling_target(
     return api.model_group(base_model), None
 
 
-def _sample_request(body: types.SampleRequest, default_max_tokens: int) -> tuple[list[int], SamplingParams]:
-    """The prompt's tokens and twinkle's sampling parameters (a ``ConfigurationError`` for bad
-    ones); features this server does not implement are refused, never ignored."""
+def _prompt_chunks(prompt: types.ModelInput) -> tuple[list[int], Images]:
+    """The prompt's token ids, an image chunk's as ``IMAGE_SLOT`` s, and its image chunks."""
+    tokens: list[int] = []
+    images: list[ImageSlot] = []
+    for position, chunk in enumerate(prompt.chunks):
+        if isinstance(chunk, types.EncodedTextChunk):
+            tokens += list(chunk.tokens)
+        elif isinstance(chunk, types.ImageChunk):
+            where = f'prompt chunk {position}'
+            images.append(codec.image_slot(where, chunk.data, chunk.format, chunk.expected_tokens, len(tokens), False))
+            tokens += [IMAGE_SLOT] * images[-1].length
+        else:
+            raise DataError(
+                f'prompt chunks of type {getattr(chunk, "type", None)!r} are not supported; accepted: '
+                'encoded_text and image chunks'
+            )
+    return tokens, tuple(images)
+
+
+def _sample_request(body: types.SampleRequest, default_max_tokens: int) -> tuple[list[int], SamplingParams, Images]:
+    """The prompt's tokens and image chunks, and twinkle's sampling parameters (a
+    ``ConfigurationError`` for bad ones); features this server does not implement are refused,
+    never ignored."""
     unsupported = {
         'prompt_alt_tokens_k': body.prompt_alt_tokens_k,
         'target_prompt_logprobs': body.target_prompt_logprobs is not None,
@@ -133,11 +154,7 @@ def _sample_request(body: types.SampleRequest, default_max_tokens: int) -> tuple
     refused = sorted(name for name, value in unsupported.items() if value)
     if refused:
         raise DataError(f'sampling options {refused} are not supported by this server')
-    tokens = []
-    for chunk in body.prompt.chunks:
-        if not isinstance(chunk, types.EncodedTextChunk):
-            raise DataError(f'prompt chunks of type {getattr(chunk, "type", None)!r} are not supported')
-        tokens += list(chunk.tokens)
+    tokens, images = _prompt_chunks(body.prompt)
     if not tokens:
         raise DataError('the prompt has no tokens')
     given = body.sampling_params
@@ -155,7 +172,7 @@ def _sample_request(body: types.SampleRequest, default_max_tokens: int) -> tuple
         prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
         topk_prompt_logprobs=body.topk_prompt_logprobs,
     )
-    return tokens, params
+    return tokens, params, images
 
 
 __all__ = ['sampling_router']

@@ -1,0 +1,165 @@
+"""Rows and prompts with images, as the service takes them from the native API (``images``: data
+URLs) and the Tinker API (``ImageChunk`` s): checked against the limits, decoded, and turned into
+what a vision-language model takes, by the model's own image processor.
+
+A row's ``input_ids`` already hold each image's pad tokens, one per merged patch, in one run per
+image (``VisionTemplate`` encodes them so; the Tinker codec writes ``expected_tokens`` of them per
+chunk). Here each image is
+
+1. held to the limits (``Limits.max_images_per_request``, ``max_image_bytes``, ``max_image_pixels``;
+   the pixel count is read from the file's header before the pixels are decoded);
+2. decoded to RGB (a file PIL cannot decode is a 400 naming it);
+3. run through the image processor, whose grid gives its token count, which must equal the length
+   of its run of pad tokens (``expected_tokens`` of a Tinker chunk is checked so).
+
+The row then has ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``, as the local
+``VisionTemplate`` gives them, and no label of a row is an image token or read off one
+(``IGNORE_INDEX``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from twinkle.data_format import IGNORE_INDEX
+from twinkle.errors import DataError
+from twinkle.server.config import Limits
+
+Json = Any
+#: The token an image chunk's positions hold (``tinker_codec``) until ``ImageRows.fill`` puts the
+#: model's image pad id there.
+IMAGE_SLOT = -1
+
+
+@dataclass(frozen=True)
+class ImageSlot:
+    """An image chunk of a Tinker datum or prompt: its file's bytes and the ``length`` token
+    positions from ``start`` it takes (its ``expected_tokens``)."""
+
+    data: bytes
+    start: int
+    length: int
+
+
+#: A Tinker prompt's image chunks, in order.
+Images = tuple[ImageSlot, ...]
+
+
+class ImageRows:
+    """The images of a vision-language model's rows: its image processor, its image pad token, the
+    limits. ``ImageRows.of`` gives None for a model that takes no images."""
+
+    def __init__(self, processor: Any, image_token_id: int, limits: Limits):
+        self.processor = processor
+        self.image_token_id = image_token_id
+        self.merge_size = int(processor.merge_size)
+        self.limits = limits
+
+    @classmethod
+    def of(cls, model_id: str, limits: Limits) -> ImageRows | None:
+        """The model's ``ImageRows``, or None when its folder has no image processor or its config
+        names no ``image_token_id`` (a text model)."""
+        from twinkle.hub import resolve_model
+
+        folder = Path(resolve_model(model_id))
+        config = folder / 'config.json'
+        if not (folder / 'preprocessor_config.json').is_file() or not config.is_file():
+            return None
+        token = json.loads(config.read_text(encoding='utf-8')).get('image_token_id')
+        if not isinstance(token, int):
+            return None
+        from twinkle.template.vision import load_image_processor
+
+        return cls(load_image_processor(str(folder)), token, limits)
+
+    def check_count(self, count: int) -> None:
+        """A request's images within ``max_images_per_request``."""
+        limit = self.limits.max_images_per_request
+        if count > limit:
+            raise DataError(f'the request holds {count} images, over the limit of {limit} per request')
+
+    def attach(self, where: str, row: dict[str, Json], images: Sequence[bytes]) -> dict[str, Json]:
+        """``row`` (``input_ids``, and ``labels`` if it is trained) with its images' pixels, grids and
+        image token types; ``where`` names it in errors (``'input row 2'``)."""
+        ids: list[int] = row['input_ids']
+        runs = _pad_runs(ids, self.image_token_id)
+        if len(runs) != len(images):
+            raise DataError(
+                f'{where} has {len(images)} images but {len(runs)} runs of image pad tokens '
+                f'(id {self.image_token_id}); '
+                'each image needs one run, as many pads as its merged patches'
+            )
+        pictures = [self._decode(f'{where} image {j}', data) for j, data in enumerate(images)]
+        pixels = self.processor(images=pictures, return_tensors='pt')
+        grids: list[list[int]] = pixels['image_grid_thw'].tolist()
+        for j, ((start, end), (t, h, w)) in enumerate(zip(runs, grids, strict=True)):
+            tokens = t * h * w // self.merge_size**2
+            if end - start != tokens:
+                raise DataError(
+                    f'{where} image {j} has {end - start} pad tokens, but the image is {tokens} tokens '
+                    f'(a grid of {t} x {h} x {w} patches, merged {self.merge_size} x {self.merge_size})'
+                )
+        kinds = [0] * len(ids)
+        for start, end in runs:
+            kinds[start:end] = [1] * (end - start)
+        out = {**row, 'pixel_values': pixels['pixel_values'], 'image_grid_thw': grids, 'mm_token_type_ids': kinds}
+        if 'labels' in row:  # pre-shifted: label j is token j + 1; none is an image token, none is read off one
+            touches = [a or b for a, b in zip(kinds, [*kinds[1:], 0], strict=True)]
+            out['labels'] = [IGNORE_INDEX if t else label for label, t in zip(row['labels'], touches, strict=True)]
+        return out
+
+    def fill(self, where: str, tokens: Sequence[int], slots: Sequence[ImageSlot]) -> dict[str, Json]:
+        """A Tinker datum's or prompt's row: ``tokens`` with each image chunk's slots holding the
+        image pad id, and the images attached (their ``expected_tokens`` checked)."""
+        ids = list(tokens)
+        for slot in slots:
+            ids[slot.start : slot.start + slot.length] = [self.image_token_id] * slot.length
+        return self.attach(where, {'input_ids': ids}, [slot.data for slot in slots])
+
+    def _decode(self, where: str, data: bytes) -> Any:
+        """An RGB PIL image of ``data``, within the byte and pixel limits."""
+        from PIL import Image, UnidentifiedImageError
+
+        limits = self.limits
+        if len(data) > limits.max_image_bytes:
+            raise DataError(f'{where} has {len(data)} bytes, over the limit of {limits.max_image_bytes} per image')
+        try:
+            with Image.open(io.BytesIO(data)) as image:  # reads the header only
+                width, height = image.size
+                if width * height <= limits.max_image_pixels:
+                    return image.convert('RGB')
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
+            raise DataError(f'{where} cannot be decoded as an image ({type(e).__name__})') from None
+        raise DataError(
+            f'{where} is {width} x {height} = {width * height} pixels, over the limit of '
+            f'{limits.max_image_pixels} per image'
+        )
+
+
+def data_url_bytes(where: str, url: str) -> bytes:
+    """The bytes of a base64 data URL (``twinkle.wire.ImageURL`` checked its form)."""
+    header, _, payload = url.partition(',')
+    try:
+        return base64.b64decode(payload, validate=False)
+    except (binascii.Error, ValueError):
+        raise DataError(f'{where}: the data URL ({header}) is not valid base64') from None
+
+
+def _pad_runs(ids: Sequence[int], pad: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` of each run of ``pad`` in ``ids``."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, token in enumerate([*ids, None]):
+        if token == pad and start is None:
+            start = i
+        elif token != pad and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
