@@ -304,6 +304,24 @@ def test_a_stream_of_image_rows_encodes_and_packs_with_its_images(
         assert len(sequence['pixel_values']) == 16 * sequence['packed_rows']
 
 
+def test_a_dataset_of_the_shapes_encodes_every_answer_as_its_text(vlm: str, tmp_path: Path) -> None:
+    # User contents are lists of parts and answers text, so datasets keeps them as its Json feature,
+    # which reads the answer "3" back as the number 3: the template takes it as the text it was.
+    from twinkle.dataset import Dataset, DatasetMeta
+
+    rows = resolve_images(dataset('shapes', 'train'))
+    counts = [row for row in rows if row['task'] == 'count'][:4]
+    path = tmp_path / 'counts.jsonl'
+    path.write_text('\n'.join(json.dumps(row) for row in counts))
+    loaded = Dataset(DatasetMeta(str(path)))
+    assert isinstance(loaded[0]['messages'][1]['content'], int)  # what datasets gives back
+    loaded.set_template('VisionTemplate', model_id=vlm)
+    loaded.encode()
+    template = VisionTemplate(vlm)
+    for row, raw in zip(loaded, counts, strict=True):
+        assert row['labels'] == template.encode(raw)['labels']
+
+
 # ---- training ---------------------------------------------------------------------------------------
 
 

@@ -249,13 +249,21 @@ class Template:
 
 
 def _checked(messages: Sequence[Any]) -> list[Message]:
-    """``messages`` with each one checked (a role and a content), ``None`` fields left out."""
+    """``messages`` with each one checked (a role and a content), ``None`` fields left out, and a
+    number as content made its text: when a column's contents are text in some rows and lists of
+    parts in others, ``datasets`` stores them as its ``Json`` feature, which reads the text ``"3"``
+    back as the number 3."""
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or 'role' not in message or 'content' not in message:
             raise DataError(f"message {index} needs 'role' and 'content'; got {message!r}")
         if message['role'] not in _ROLES:
             raise DataError(f'message {index} has role {message["role"]!r}; accepted roles are {list(_ROLES)}')
-    return [{k: v for k, v in m.items() if v is not None} for m in messages]  # type: ignore[misc]
+    return [{k: _text(v) if k == 'content' else v for k, v in m.items() if v is not None} for m in messages]  # type: ignore[misc]
+
+
+def _text(content: Any) -> Any:
+    """A content that ``datasets``' ``Json`` feature decoded to a number, as the text it was."""
+    return str(content) if isinstance(content, int | float) and not isinstance(content, bool) else content
 
 
 def _refuse_images(messages: list[Message]) -> None:
