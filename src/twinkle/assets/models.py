@@ -12,6 +12,7 @@ zero where the norm computes ``1 + weight``), so a model folder is the same byte
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -197,26 +198,30 @@ def build_model(name: str) -> PreTrainedModel:
 
 
 def write_model(name: str, folder: Path) -> None:
-    """Save model ``name`` as a Hugging Face folder, with its tokenizer files, into ``folder``.
+    """Save model ``name`` as a Hugging Face folder, with its tokenizer files, into ``folder``."""
+    model = build_model(name)
+    model.config.architectures = [type(model).__name__]
+    save_model_folder(model, folder, tok.tokenizer_dir(), tok.TOKENIZER_FILES)
+
+
+def save_model_folder(model: PreTrainedModel, folder: Path, source: Path, files: Sequence[str]) -> None:
+    """Write ``model`` into ``folder`` and copy its tokenizer (and processor) ``files`` from ``source``.
 
     Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (written directly:
-    the bytes ``save_pretrained`` writes, without its progress bar), tokenizer files.
+    the bytes ``save_pretrained`` writes, without its progress bar; the header metadata is fixed,
+    so the bytes are too), and ``files``.
     """
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    model = build_model(name)
-    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(folder)
     pad, eos = tok.TOKEN_IDS[tok.PAD_TOKEN], tok.TOKEN_IDS[tok.EOS_TOKEN]
     # transformers leaves GenerationConfig.__init__(**kwargs) unannotated.
     generation = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)  # type: ignore[no-untyped-call]
     generation.save_pretrained(folder)
-    # The header metadata is fixed, so the bytes are too.
     weights = {key: param.detach().contiguous() for key, param in model.named_parameters()}
     save_file(weights, str(folder / 'model.safetensors'), metadata={'format': 'pt'})
-    source = tok.tokenizer_dir()
-    for file in tok.TOKENIZER_FILES:
+    for file in files:
         shutil.copyfile(source / file, folder / file)
 
 

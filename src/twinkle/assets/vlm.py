@@ -22,7 +22,6 @@ need nothing more.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -249,20 +248,7 @@ def processor_dir() -> Path:
 
 def write_vlm(name: str, folder: Path) -> None:
     """Save VLM ``name`` as a Hugging Face folder, with its tokenizer and processor files."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
-    model = build_vlm(name)
-    model.config.save_pretrained(folder)
-    pad, eos = tok.TOKEN_IDS[tok.PAD_TOKEN], tok.TOKEN_IDS[tok.EOS_TOKEN]
-    # transformers leaves GenerationConfig.__init__(**kwargs) unannotated.
-    generation = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)  # type: ignore[no-untyped-call]
-    generation.save_pretrained(folder)
-    weights = {key: param.detach().contiguous() for key, param in model.named_parameters()}
-    save_file(weights, str(folder / 'model.safetensors'), metadata={'format': 'pt'})
-    source = processor_dir()
-    for file in (*tok.TOKENIZER_FILES, *VLM_FILES):
-        shutil.copyfile(source / file, folder / file)
+    models.save_model_folder(build_vlm(name), folder, processor_dir(), (*tok.TOKENIZER_FILES, *VLM_FILES))
 
 
 def vlm_dir_name(name: str) -> str:
