@@ -276,3 +276,15 @@ def test_tinker_samples_an_image_prompt_with_the_trainers_logprobs(server, sdk_c
     other = types.ImageChunk(data=blank.getvalue(), format='png', expected_tokens=chunks[1].expected_tokens)
     elsewhere = sampler.compute_logprobs(types.ModelInput(chunks=[chunks[0], other, full.chunks[2]])).result()
     assert max(abs(a - b) for a, b in zip(elsewhere[-len(tail) :], tail, strict=True)) > 1e-2
+
+
+def test_an_image_whose_pixels_do_not_decode_fails_its_request_naming_it(server, features):
+    # Its header reads (the route's checks pass, they read headers only); its pixels are cut short.
+    url, keys, _ = server
+    model = native(url, keys['bob'], seed=2)
+    [row] = _wire_rows(features[:1])
+    whole = base64.b64decode(row['images'][0].partition(',')[2])
+    cut = {**row, 'images': ['data:image/png;base64,' + base64.b64encode(whole[: len(whole) // 2]).decode()]}
+    with pytest.raises(DataError, match='input row 0 image 0 cannot be decoded as an image'):
+        model.forward_only(inputs=[cut])
+    assert model.forward_only(inputs=features[:1]).logps

@@ -74,9 +74,9 @@ class RequestChecks:
         if issubclass(spec, Configure):
             _check_component(spec, kwargs)
         if operation == 'sample':
-            self.sample_request(kwargs['inputs'], kwargs.get('sampling_params'))
+            self.sample_request(kwargs['inputs'], kwargs.get('sampling_params'), decode=False)
         elif 'inputs' in kwargs:
-            self.features(kwargs['inputs'])
+            self.features(kwargs['inputs'], decode=False)
         if operation == 'set_optimizer':  # lr=-1 or lr='fast': a 4xx now, not a failed future at the step
             options = {k: v for k, v in kwargs.items() if k != 'optimizer_cls'}
             check_optimizer_args(kwargs.get('optimizer_cls', 'AdamW'), options, self.device)
@@ -84,7 +84,7 @@ class RequestChecks:
             check_scheduler_args(kwargs['scheduler_cls'], {k: v for k, v in kwargs.items() if k != 'scheduler_cls'})
 
     def sample_request(
-        self, inputs: list[JsonObject], sampling_params: JsonObject | None
+        self, inputs: list[JsonObject], sampling_params: JsonObject | None, decode: bool = True
     ) -> tuple[list[JsonObject], SamplingParams]:
         """The prompts (``twinkle.wire.Prompt`` s) and parameters of a ``sample`` request,
         checked: known parameters with valid values, prompt token ids in the vocabulary, and
@@ -94,7 +94,9 @@ class RequestChecks:
         params = SamplingParams.from_dict(sampling_params)
         self.check_sampling_params(params)
         self.check_image_count(inputs)
-        prompts = [self.with_images(f'prompt {i}', _prompt(i, row, self.vocab_size)) for i, row in enumerate(inputs)]
+        prompts = [
+            self.with_images(f'prompt {i}', _prompt(i, row, self.vocab_size), decode) for i, row in enumerate(inputs)
+        ]
         self.check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
         return prompts, params
 
@@ -135,16 +137,17 @@ class RequestChecks:
                 f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
             )
 
-    def features(self, inputs: list[JsonObject]) -> list[InputFeature]:
+    def features(self, inputs: list[JsonObject], decode: bool = True) -> list[InputFeature]:
         """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
         labels in the vocabulary, the request's token total within the limit, and a row's
-        ``images`` decoded into its pixels (``ImageRows.attach``)."""
+        ``images`` decoded into its pixels (``ImageRows.attach``; ``decode=False``, where a request
+        is accepted: only checked from the files' headers, ``ImageRows.check``)."""
         features, total = [], 0
         self.check_image_count(inputs)
         for index, row in enumerate(inputs):
             feature = _feature(index, row, self.vocab_size)
             total += len(feature['input_ids'])
-            features.append(self.with_images(f'input row {index}', feature))
+            features.append(self.with_images(f'input row {index}', feature, decode))
         limit = self.config.limits.max_tokens_per_request
         if total > limit:
             raise DataError(f'the request holds {total} tokens, over the limit of {limit} per request')
@@ -169,13 +172,17 @@ class RequestChecks:
             raise DataError(f'{where} holds {len(slots)} image chunks, but this model takes no images (a text model)')
         return self.image_rows.fill(where, tokens, slots)
 
-    def with_images(self, where: str, row: Any) -> Any:
+    def with_images(self, where: str, row: Any, decode: bool = True) -> Any:
         """``row`` with its ``images`` (data URLs) made pixels, grids and image token types."""
         urls = row.get('images')
         if not urls or self.image_rows is None:  # no images, or none allowed (check_image_count refused them)
             return row
         data = [data_url_bytes(f'{where} image {j}', url) for j, url in enumerate(urls)]
-        return self.image_rows.attach(where, {k: v for k, v in row.items() if k != 'images'}, data)
+        bare = {k: v for k, v in row.items() if k != 'images'}
+        if not decode:  # where the request is accepted: the headers only; the worker decodes
+            self.image_rows.check(where, bare, data)
+            return row
+        return self.image_rows.attach(where, bare, data)
 
 
 #: The registry of the component each ``twinkle.wire.Configure`` field names.

@@ -23,7 +23,9 @@ import base64
 import binascii
 import io
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,27 +87,26 @@ class ImageRows:
         if count > limit:
             raise DataError(f'the request holds {count} images, over the limit of {limit} per request')
 
+    def check(self, where: str, row: dict[str, Json], images: Sequence[bytes]) -> None:
+        """What ``attach`` checks, from the files' headers alone (where a request is accepted, before
+        it is queued): one run of pads per image, each within the limits and as long as its tokens."""
+        runs = self._runs(where, row['input_ids'], len(images))
+        for j, ((start, end), data) in enumerate(zip(runs, images, strict=True)):
+            with self._open(f'{where} image {j}', data) as image:
+                width, height = image.size
+            patches = self.processor.get_number_of_image_patches(height, width, images_kwargs={})
+            self._check_tokens(f'{where} image {j}', end - start, patches // self.merge_size**2, None)
+
     def attach(self, where: str, row: dict[str, Json], images: Sequence[bytes]) -> dict[str, Json]:
         """``row`` (``input_ids``, and ``labels`` if it is trained) with its images' pixels, grids and
         image token types; ``where`` names it in errors (``'input row 2'``)."""
         ids: list[int] = row['input_ids']
-        runs = _pad_runs(ids, self.image_token_id)
-        if len(runs) != len(images):
-            raise DataError(
-                f'{where} has {len(images)} images but {len(runs)} runs of image pad tokens '
-                f'(id {self.image_token_id}); '
-                'each image needs one run, as many pads as its merged patches'
-            )
+        runs = self._runs(where, ids, len(images))
         pictures = [self._decode(f'{where} image {j}', data) for j, data in enumerate(images)]
         pixels = self.processor(images=pictures, return_tensors='pt')
         grids: list[list[int]] = pixels['image_grid_thw'].tolist()
-        for j, ((start, end), (t, h, w)) in enumerate(zip(runs, grids, strict=True)):
-            tokens = t * h * w // self.merge_size**2
-            if end - start != tokens:
-                raise DataError(
-                    f'{where} image {j} has {end - start} pad tokens, but the image is {tokens} tokens '
-                    f'(a grid of {t} x {h} x {w} patches, merged {self.merge_size} x {self.merge_size})'
-                )
+        for j, ((start, end), grid) in enumerate(zip(runs, grids, strict=True)):
+            self._check_tokens(f'{where} image {j}', end - start, math.prod(grid) // self.merge_size**2, grid)
         kinds = [0] * len(ids)
         for start, end in runs:
             kinds[start:end] = [1] * (end - start)
@@ -114,6 +115,22 @@ class ImageRows:
             touches = [a or b for a, b in zip(kinds, [*kinds[1:], 0], strict=True)]
             out['labels'] = [IGNORE_INDEX if t else label for label, t in zip(row['labels'], touches, strict=True)]
         return out
+
+    def _runs(self, where: str, ids: Sequence[int], images: int) -> list[tuple[int, int]]:
+        runs = _pad_runs(ids, self.image_token_id)
+        if len(runs) != images:
+            raise DataError(
+                f'{where} has {images} images but {len(runs)} runs of image pad tokens '
+                f'(id {self.image_token_id}); each image needs one run, as many pads as its merged patches'
+            )
+        return runs
+
+    def _check_tokens(self, where: str, pads: int, tokens: int, grid: list[int] | None) -> None:
+        if pads == tokens:
+            return
+        merge = self.merge_size
+        shape = f' (a grid of {" x ".join(map(str, grid))} patches, merged {merge} x {merge})' if grid else ''
+        raise DataError(f'{where} has {pads} pad tokens, but the image is {tokens} tokens{shape}')
 
     def fill(self, where: str, tokens: Sequence[int], slots: Sequence[ImageSlot]) -> dict[str, Json]:
         """A Tinker datum's or prompt's row: ``tokens`` with each image chunk's slots holding the
@@ -125,22 +142,32 @@ class ImageRows:
 
     def _decode(self, where: str, data: bytes) -> Any:
         """An RGB PIL image of ``data``, within the byte and pixel limits."""
+        with self._open(where, data) as image:
+            try:
+                return image.convert('RGB')
+            except (OSError, ValueError) as e:  # a header that reads and pixels that do not
+                raise DataError(f'{where} cannot be decoded as an image ({type(e).__name__})') from None
+
+    @contextmanager
+    def _open(self, where: str, data: bytes) -> Iterator[Any]:
+        """The PIL image of ``data``, its header read (not its pixels), within the byte and pixel limits."""
         from PIL import Image, UnidentifiedImageError
 
         limits = self.limits
         if len(data) > limits.max_image_bytes:
             raise DataError(f'{where} has {len(data)} bytes, over the limit of {limits.max_image_bytes} per image')
         try:
-            with Image.open(io.BytesIO(data)) as image:  # reads the header only
-                width, height = image.size
-                if width * height <= limits.max_image_pixels:
-                    return image.convert('RGB')
+            image = Image.open(io.BytesIO(data))
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
             raise DataError(f'{where} cannot be decoded as an image ({type(e).__name__})') from None
-        raise DataError(
-            f'{where} is {width} x {height} = {width * height} pixels, over the limit of '
-            f'{limits.max_image_pixels} per image'
-        )
+        with image:
+            width, height = image.size
+            if width * height > limits.max_image_pixels:
+                raise DataError(
+                    f'{where} is {width} x {height} = {width * height} pixels, over the limit of '
+                    f'{limits.max_image_pixels} per image'
+                )
+            yield image
 
 
 def data_url_bytes(where: str, url: str) -> bytes:
