@@ -15,6 +15,12 @@ the logprob of every sampled token (plus the top ``k`` with ``logprobs=k``), ``s
 - **Adapters** are vLLM LoRA adapters (``engine_args={'enable_lora': True}``): ``adapter_name``
   may name one adapter for every prompt, or one per prompt (``None`` for the base model), so
   several adapters sample in one call.
+- **Images** (a vision-language model's prompts, as ``TorchSampler`` takes them) reach vLLM as
+  pictures with one pad token per image, which vLLM's processor turns back into the same pixels
+  and tokens (``pictures``, ``collapse_images``); ``limit_mm_per_prompt`` caps them per prompt, and
+  adapters on the vision tower are refused (vLLM's LoRA adapts the language model only). vLLM's
+  Qwen3-VL and Qwen3.5 code needs torchvision, which vLLM's CPU build lacks: there the sampler
+  refuses those models, naming the import error.
 
 Weights come from a trainer through ``CheckpointEngineManager.sync_weights``:
 ``merge_and_sync=True`` reloads the merged weights into the running engine in place
@@ -35,13 +41,15 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
+import re
 import shutil
 import tempfile
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +63,8 @@ from twinkle.data_format import SamplingParams, TokenLogprob
 from twinkle.errors import ConfigurationError, DataError, MissingExtraError, SequenceTooLongError, UnknownNameError
 from twinkle.hub import resolve_model
 from twinkle.sampler.base import SAMPLERS, AdapterChoice, Completion, Prompt, PromptLogprobs, Sampler, row_seed
+from twinkle.sampler.images import PromptImages
+from twinkle.template import Template, VisionTemplate
 from twinkle.utils.weights import canonical_name
 
 if TYPE_CHECKING:
@@ -70,6 +80,20 @@ CPU_KV_CACHE_BYTES = 2**30
 WORKER_EXTENSION = 'twinkle.sampler.vllm_worker.WeightReloader'
 #: The peft keys of an adapter file start with this; the module path follows.
 _PEFT_PREFIX = 'base_model.model.'
+#: Images one prompt may hold when ``engine_args`` set no ``limit_mm_per_prompt`` (vLLM sizes its
+#: encoder cache for this many).
+DEFAULT_IMAGES_PER_PROMPT = 8
+#: Weights of a vision tower (Qwen-VL's ``model.visual``, and the names other VLMs give theirs).
+_TOWER = re.compile(r'(^|\.)(visual|vision_tower|vision_model)\.')
+#: How far a prompt's ``pixel_values`` may be from those of the 8-bit picture rebuilt from them.
+PIXEL_TOL = 1e-4
+#: Why vLLM's CPU build cannot load Qwen3-VL and Qwen3.5 code here, added to the import error.
+TORCHVISION_NOTE = (
+    "vLLM's Qwen3-VL code, which its Qwen3.5 code imports, imports transformers' torchvision image processor, "
+    "and no torchvision loads beside the CPU torch that vLLM's CPU build runs on (PyPI's wheels are built for "
+    "CUDA torch and fail with 'operator torchvision::nms does not exist'); sample this model with TorchSampler "
+    "(images included), or with vLLM's CUDA build, which ships torchvision"
+)
 
 
 @dataclass
@@ -104,8 +128,20 @@ class vLLMSampler(Sampler):
         path = resolve_model(model_id)
         self.model_id = model_id
         cpu = _on_cpu()
-        self.engine_args = engine_arguments(path, engine_args, device_mesh, cpu=cpu)
-        self.llm = vllm.LLM(**self.engine_args)
+        config = _model_config(path)
+        #: Whether the model has a vision tower: its prompts may hold images.
+        self.takes_images = 'vision_config' in config
+        self.engine_args = engine_arguments(path, engine_args, device_mesh, cpu=cpu, vision=self.takes_images)
+        architectures = config.get('architectures') or []
+        if self.takes_images and _torchvision_error() is not None:  # vLLM's VLM code commonly needs it
+            check_model_code(architectures, None)
+        try:
+            self.llm = vllm.LLM(**self.engine_args)
+        except Exception as error:  # vLLM reports model code it cannot import as 'failed to be inspected'
+            check_model_code(architectures, error)
+            raise
+        #: Images one prompt may hold (``limit_mm_per_prompt``); 0 for a text model.
+        self.max_images = image_limit(self.engine_args)
         model_config = self.llm.llm_engine.model_config
         self.vocab_size: int = model_config.get_vocab_size()
         self.context: int = model_config.max_model_len
@@ -142,6 +178,8 @@ class vLLMSampler(Sampler):
             )
         directory = Path(resolve_model(config_or_dir))
         config = json.loads((directory / 'adapter_config.json').read_text())
+        with safe_open(str(directory / 'adapter_model.safetensors'), 'pt') as f:
+            refuse_tower(adapter_name, f.keys())
         self._install(adapter_name, directory, owned=False, rank=int(config.get('r', 0)))
 
     def load_adapter_weights(
@@ -150,6 +188,7 @@ class vLLMSampler(Sampler):
         """Install ``weights`` (peft state-dict names, as ``get_peft_model_state_dict`` gives them)
         as the adapter's new version; ``config`` is needed the first time. Requests of earlier
         calls used the earlier version; the next ``sample`` uses this one."""
+        refuse_tower(adapter_name, weights)
         if config is None:
             if adapter_name not in self._adapters:
                 raise UnknownNameError('adapter', adapter_name, self.adapter_names or ['(none: pass config=)'])
@@ -225,19 +264,33 @@ class vLLMSampler(Sampler):
         return len(given)
 
     def reset_prefix_cache(self) -> None:
+        """Drop cached prompt prefixes, and with a vision tower the images' encoder outputs: both
+        were computed with the weights before a sync (vLLM's engine died of an encoder cache miss
+        when only the prefixes were dropped after a reload, tests/vllm_engine/test_vllm_images.py)."""
         self.llm.reset_prefix_cache()
+        if self.takes_images:
+            self.llm.llm_engine.reset_encoder_cache()
 
     # ---- sampling -------------------------------------------------------------------------------
+    @property
+    def template(self) -> Template:
+        """The template ``set_template`` set, else the model's: the ``VisionTemplate`` for a model with a
+        vision tower (its prompts may hold images), the text ``Template`` otherwise."""
+        if self._template is None and self.model_id is not None and self.takes_images:
+            self._template = VisionTemplate(self.model_id)
+        return super().template
+
     def _complete(
         self, prompts: list[Prompt], params: SamplingParams, adapter_name: AdapterChoice
     ) -> tuple[list[Completion], list[PromptLogprobs]]:
         """``adapter_name``: one adapter for every row, or a list with one per row (``None``: the
         base model); by default the adapter the last weight sync installed, else the base model."""
         loras = self._lora_requests(adapter_name, len(prompts))
+        inputs = [self._engine_input(index, prompt) for index, prompt in enumerate(prompts)]
         requests, row_params, row_loras = [], [], []
-        for prompt, lora in zip(prompts, loras, strict=True):
+        for prompt, request, lora in zip(prompts, inputs, loras, strict=True):
             for j in range(params.num_samples):
-                requests.append({'prompt_token_ids': prompt.input_ids})
+                requests.append(dict(request))
                 row_params.append(vllm_params(params, row_seed(params.seed, prompt.input_ids, j)))
                 row_loras.append(lora)
         outputs = self.llm.generate(
@@ -249,6 +302,25 @@ class vLLMSampler(Sampler):
             [prompt_logprobs(output, params.topk_prompt_logprobs) for output in outputs] if want_prompt else []
         )
         return completions, prompt_info
+
+    def _engine_input(self, index: int, prompt: Prompt) -> dict[str, Any]:
+        """vLLM's prompt for ``prompt``. With images: each image's run of pad tokens as one pad
+        (vLLM's processor expands each to the image's tokens again) and the images as the 8-bit
+        pictures their ``pixel_values`` were made from (vLLM takes pictures and makes the pixels
+        itself; the same picture gives the same pixels)."""
+        if prompt.images is None:
+            return {'prompt_token_ids': prompt.input_ids}
+        template = self.template
+        if not isinstance(template, VisionTemplate):
+            raise ConfigurationError(
+                f'prompt {index} holds images; the sampler template is a {type(template).__name__}, which has no '
+                'image processor: set a VisionTemplate (set_template(VisionTemplate))'
+            )
+        processor = template.image_processor
+        return {
+            'prompt_token_ids': collapse_images(index, prompt.input_ids, prompt.images, processor.merge_size),
+            'multi_modal_data': {'image': pictures(index, prompt.images, processor)},
+        }
 
     def _lora_requests(self, adapter_name: AdapterChoice, rows: int) -> list[Any]:
         """The LoRA request of each prompt. Base-model rows beside adapter rows get an adapter
@@ -287,12 +359,7 @@ class vLLMSampler(Sampler):
         return self._zero
 
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
-        with_images = [index for index, prompt in enumerate(prompts) if prompt.images is not None]
-        if with_images:  # the engine would get the image tokens without their pixels
-            raise ConfigurationError(
-                f'prompts {with_images} hold images, which vLLMSampler does not pass to vLLM yet; sample them '
-                'with TorchSampler'
-            )
+        check_image_counts(prompts, self.max_images, self.takes_images)
         if params.return_routed_experts:
             raise ConfigurationError(
                 'return_routed_experts (routing replay) is recorded by TorchSampler; vLLMSampler does not pass '
@@ -348,11 +415,12 @@ def import_vllm() -> Any:
 
 
 def engine_arguments(
-    path: str, engine_args: Mapping[str, Any] | None, device_mesh: DeviceMesh | None, cpu: bool
+    path: str, engine_args: Mapping[str, Any] | None, device_mesh: DeviceMesh | None, cpu: bool, vision: bool = False
 ) -> dict[str, Any]:
     """``vllm.LLM``'s keyword arguments: ``engine_args`` over twinkle's defaults (raw logprobs;
     with LoRA, ``DEFAULT_MAX_LORAS`` slots; on a CPU, a KV cache of ``CPU_KV_CACHE_BYTES``; the
-    worker extension that reloads synced weights) and the model's folder.
+    worker extension that reloads synced weights; for a ``vision`` model, ``DEFAULT_IMAGES_PER_PROMPT``
+    images and no videos per prompt) and the model's folder.
 
     >>> engine_arguments('/m', {'enable_lora': True}, None, cpu=True)['max_loras']
     4
@@ -383,7 +451,58 @@ def engine_arguments(
         args.setdefault('tensor_parallel_size', device_mesh.tp_size)
     if cpu and 'kv_cache_memory_bytes' not in args and 'VLLM_CPU_KVCACHE_SPACE' not in os.environ:
         args['kv_cache_memory_bytes'] = CPU_KV_CACHE_BYTES
+    if vision:  # twinkle's prompts hold no videos: vLLM then profiles no video inputs either
+        args['limit_mm_per_prompt'] = {'image': DEFAULT_IMAGES_PER_PROMPT, 'video': 0} | dict(
+            args.get('limit_mm_per_prompt') or {}
+        )
     return {'model': path, 'tokenizer': path, **args}
+
+
+def image_limit(args: Mapping[str, Any]) -> int:
+    """The images one prompt may hold under ``limit_mm_per_prompt`` (a count, or vLLM's
+    ``{'count': n, ...}``); 0 when it names none.
+
+    >>> image_limit({'limit_mm_per_prompt': {'image': {'count': 3, 'width': 64}}})
+    3
+    """
+    limit = dict(args.get('limit_mm_per_prompt') or {}).get('image', 0)
+    return int(limit['count'] if isinstance(limit, Mapping) else limit)
+
+
+def _model_config(path: str) -> dict[str, Any]:
+    """The model's ``config.json`` (empty where the folder has none)."""
+    file = Path(path) / 'config.json'
+    config: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+    return config
+
+
+def check_model_code(architectures: Iterable[str], error: Exception | None) -> None:
+    """Import vLLM's code for each architecture, which vLLM does in a subprocess or a worker that
+    reports only that the architecture 'failed to be inspected', and raise ``MissingExtraError``
+    with the import error of the first that fails, from ``error`` (what vLLM raised, if it was
+    started); none fails: return."""
+    from vllm import ModelRegistry
+
+    for architecture in architectures:
+        module = getattr(ModelRegistry.models.get(architecture), 'module_name', None)
+        if module is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except (ImportError, OSError, RuntimeError) as failure:
+            note = f'; {TORCHVISION_NOTE}' if 'torchvision' in str(failure) else ''
+            raise MissingExtraError(
+                f'vLLM cannot load its code for {architecture} ({module}): {type(failure).__name__}: {failure}{note}'
+            ) from error
+
+
+def _torchvision_error() -> str | None:
+    """Why ``torchvision`` does not load here (``None``: it loads)."""
+    try:
+        importlib.import_module('torchvision')
+    except (ImportError, OSError, RuntimeError) as error:
+        return f'{type(error).__name__}: {error}'
+    return None
 
 
 def _on_cpu() -> bool:
@@ -409,6 +528,18 @@ def checkpoint_sources(path: Path) -> dict[str, str]:
 
 
 # ---- adapters on disk ---------------------------------------------------------------------------
+def refuse_tower(adapter_name: str, keys: Iterable[str]) -> None:
+    """Refuse an adapter with weights on the vision tower: vLLM's LoRA adapts the language model's
+    layers, and would serve such an adapter with its tower part left out."""
+    tower = sorted(key for key in keys if _TOWER.search(key))
+    if tower:
+        raise ConfigurationError(
+            f'adapter {adapter_name!r} adapts the vision tower ({len(tower)} weights, e.g. {tower[0]!r}); vLLM '
+            "serves LoRA on the language model's layers only: sample it with TorchSampler, sync merged weights "
+            "(merge_and_sync=True), or train the language model's layers only (target_modules='all-linear')"
+        )
+
+
 def adapter_config_json(config: PeftConfig, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The ``adapter_config.json`` vLLM reads for ``weights`` trained with ``config``: its rank,
     alpha and rsLoRA flag, and the modules the weights actually hold (a config may say
@@ -443,6 +574,82 @@ def write_adapter(directory: Path, config: Mapping[str, Any], weights: Mapping[s
         tensors[name] = tensor.detach().to('cpu', torch.float32, copy=True).contiguous()
     save_file(tensors, str(directory / 'adapter_model.safetensors'))
     (directory / 'adapter_config.json').write_text(json.dumps(dict(config)))
+
+
+# ---- images --------------------------------------------------------------------------------------
+def check_image_counts(prompts: Iterable[Prompt], limit: int, takes_images: bool) -> None:
+    """Refuse prompts with images for a model without a vision tower, and prompts with more images
+    than the engine's ``limit_mm_per_prompt`` (vLLM sized its encoder cache for that many)."""
+    counted = [(index, len(p.images.image_grid_thw)) for index, p in enumerate(prompts) if p.images is not None]
+    if counted and not takes_images:
+        raise ConfigurationError(
+            f'prompts {[index for index, _ in counted]} hold images but the sampler model has no vision tower; '
+            'sample them from a vision-language model (a config with a vision_config, e.g. tiny-qwen3-vl)'
+        )
+    for index, count in counted:
+        if count > limit:
+            raise DataError(
+                f'prompt {index} has {count} images, over the engine limit of {limit} per prompt; build the '
+                f"sampler with engine_args={{'limit_mm_per_prompt': {{'image': {count}}}}} or more"
+            )
+
+
+def collapse_images(index: int, input_ids: list[int], images: PromptImages, merge_size: int) -> list[int]:
+    """``input_ids`` with each image's run of tokens as its first token alone (what vLLM's
+    processor expands), checking each run against the count its grid gives: ``t * h * w // merge_size**2``."""
+    out: list[int] = []
+    runs: list[int] = []
+    previous = 0
+    for token, kind in zip(input_ids, images.mm_token_type_ids, strict=True):
+        if kind != 1:
+            out.append(token)
+        elif previous != 1:
+            out.append(token)
+            runs.append(1)
+        else:
+            runs[-1] += 1
+        previous = kind
+    expected = [t * h * w // merge_size**2 for t, h, w in images.image_grid_thw]
+    if runs != expected:
+        raise DataError(
+            f'prompt {index} has runs of {runs} image tokens for image grids {images.image_grid_thw}, which take '
+            f'{expected} tokens (t * h * w // {merge_size}**2)'
+        )
+    return out
+
+
+def pictures(index: int, images: PromptImages, processor: Any) -> list[Any]:
+    """Each image of a prompt as the RGB ``PIL.Image`` its ``pixel_values`` were made from, undoing the
+    image processor's normalisation and Qwen-VL's patch order. The picture is 8-bit: the pixels it
+    gives again must be the prompt's (within ``PIXEL_TOL``), else the prompt is refused, since vLLM
+    would see other pixels than the trainer."""
+    from PIL import Image
+
+    patch, frames, merge = int(processor.patch_size), int(processor.temporal_patch_size), int(processor.merge_size)
+    scale = float(processor.rescale_factor) if processor.do_rescale else 1.0
+    normal = processor.do_normalize
+    mean = torch.tensor(processor.image_mean if normal else [0.0] * 3, dtype=torch.float64).view(3, 1, 1)
+    std = torch.tensor(processor.image_std if normal else [1.0] * 3, dtype=torch.float64).view(3, 1, 1)
+    out, first = [], 0
+    for number, (t, h, w) in enumerate(images.image_grid_thw):
+        rows = images.pixel_values[first : first + t * h * w].double()
+        first += t * h * w
+        if t != 1:
+            raise DataError(
+                f'prompt {index}, image {number} has grid {[t, h, w]}: a picture has t = 1 (t > 1 is a video)'
+            )
+        # rows: (h/m, w/m, m, m) patches of (channels, frames, patch, patch) values.
+        grid = rows.reshape(h // merge, w // merge, merge, merge, 3, frames, patch, patch)
+        planes = grid.permute(4, 5, 0, 2, 6, 1, 3, 7).reshape(3, frames, h * patch, w * patch)
+        values = ((planes[:, 0] * std + mean) / scale).round().clamp(0, 255)
+        gap = float((((values * scale - mean) / std)[:, None] - planes).abs().max())
+        if gap > PIXEL_TOL:
+            raise DataError(
+                f'prompt {index}, image {number}: its pixel_values are not those of an 8-bit picture (off by '
+                f"{gap:.3g}): vLLM makes the pixels from pictures, so it takes images the model's image processor made"
+            )
+        out.append(Image.fromarray(values.permute(1, 2, 0).to(torch.uint8).numpy()))
+    return out
 
 
 # ---- parameters and outputs ---------------------------------------------------------------------
