@@ -31,7 +31,7 @@ from twinkle.model import TransformersModel, multi_lora
 from twinkle.sampler import vLLMSampler
 from twinkle.sampler.base import Prompt
 from twinkle.sampler.images import prompt_images
-from twinkle.sampler.vllm_sampler import check_image_counts, collapse_images, pictures, refuse_tower
+from twinkle.sampler.vllm_images import check_image_counts, collapse_images, pictures, refuse_tower
 from twinkle.template import VisionTemplate
 
 pytest.importorskip('vllm')
