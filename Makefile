@@ -20,7 +20,7 @@ MEGATRON_CORE ?= megatron-core==0.19.2
 # megatron-core's pipeline schedules import triton unconditionally (transformer/moe/ops/paged_stash.py); torch 2.13's own pin.
 TRITON ?= triton==3.7.1
 
-.PHONY: setup browser train grpo agent test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs \
+.PHONY: setup browser train grpo agent vlm test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs \
 	setup-megatron test-megatron bench-megatron
 
 setup: $(VENV)/.installed
@@ -44,6 +44,9 @@ grpo: setup  ## GRPO from scratch on the embedded tiny model: watch the reward r
 
 agent: setup  ## a multi-turn agent (guess the number) from scratch on the embedded tiny model: watch the reward rise
 	$(PY) cookbook/agent_guess_number.py
+
+vlm: setup  ## images: LoRA SFT of the embedded tiny VLM on picture captions (loss falls), then GRPO on their colours (reward rises)
+	$(PY) cookbook/vlm_shapes.py
 
 # Playwright's own browser download needs a network this machine lacks: the dashboard's browser test drives Debian's
 # chromium, installed here with apt-get when missing (as root, as CI runs; elsewhere install it yourself).

@@ -1,0 +1,66 @@
+"""The image recipe (``cookbook/vlm_shapes.py``, issue 32 point 8) run through its own ``run``
+with few steps: SFT on the captions lowers the loss by a margin that seeds 0-2 keep and ``lr=0``
+misses; the GRPO loop samples image prompts, scores and steps. (A reliable rise of the GRPO
+reward within a test's budget is not shown yet: 16 steps of seed 0 gave 0.180 -> 0.176.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from twinkle.assets.images import COLOURS
+from twinkle.errors import ConfigurationError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def recipe() -> ModuleType:
+    spec = importlib.util.spec_from_file_location('vlm_shapes', ROOT / 'cookbook' / 'vlm_shapes.py')
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules['vlm_shapes'] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+vlm = recipe()
+
+
+def answer(completion: str, colour: str) -> dict[str, object]:
+    return {'messages': [{'role': 'assistant', 'content': completion}], 'user_data': {'answer': colour}}
+
+
+def test_the_colour_reward_pays_only_for_the_true_colour_alone() -> None:
+    rows = [
+        answer('A red square.', 'red'),
+        answer('red', 'red'),
+        answer('A blue square.', 'red'),
+        answer('A red or blue square.', 'red'),  # hedging does not pay
+        answer('A reddish square.', 'red'),  # not the word
+        answer('The digit 5 in', 'red'),
+    ]
+    assert vlm.ColourReward()(rows) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert set(COLOURS) == {'red', 'green', 'blue', 'yellow', 'purple', 'orange'}
+
+
+def test_an_unknown_phase_is_refused_naming_the_accepted_ones() -> None:
+    with pytest.raises(ConfigurationError, match=r"phase 'rl' is not one of \('sft', 'grpo', 'both'\)"):
+        vlm.run(vlm.Config(phase='rl'))
+
+
+def test_sft_lowers_the_loss_and_the_grpo_loop_runs_on_image_prompts() -> None:
+    config = vlm.Config(sft_steps=30, grpo_steps=3, prompts_per_step=4, seed=0)
+    history = vlm.run(config)
+    assert len(history.losses) == 30 and len(history.rewards) == 3 and len(history.accuracy) == 2
+    first, last = vlm.summary(history.losses, window=5)
+    # The untrained model's loss is about ln(4104) = 8.3 on each caption token; after 30 steps the
+    # captions' words are learnt and only the colour and shape stay uncertain. Seeds 0, 1, 2 gave
+    # 6.47 -> 1.50, 6.41 -> 1.58, 6.35 -> 1.33; lr=0 gave 8.58 -> 8.68.
+    assert first > 5.0 and last < first - 3.0, history.losses
+    # Each step's reward is a mean of 0/1 scores over 4 pictures x 8 answers.
+    assert all(0.0 <= r <= 1.0 and (r * 32).is_integer() for r in history.rewards), history.rewards
