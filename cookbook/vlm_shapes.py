@@ -38,9 +38,8 @@ from peft import LoraConfig
 from twinkle import assets, get_logger
 from twinkle.advantage import GRPOAdvantage
 from twinkle.assets.images import COLOURS
-from twinkle.assets.vlm import VISION_TOKENS
 from twinkle.checkpoint_engine import CheckpointEngineManager
-from twinkle.data_format import SampledSequence, SamplingParams, Trajectory
+from twinkle.data_format import SamplingParams, Trajectory
 from twinkle.errors import ConfigurationError
 from twinkle.model import TransformersModel
 from twinkle.reward import Reward
@@ -134,10 +133,9 @@ def grpo(model: TransformersModel, config: Config, history: History) -> None:
     manager.sync_weights(merge_and_sync=False)
     history.accuracy.append(held_out_accuracy(sampler, config))
     logger.info(f'grpo held-out accuracy before: {history.accuracy[0]:.3f}')
-    vision = set(sampler.template.tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)))
     for step in range(1, config.grpo_steps + 1):
         prompts = [colour_prompt(row) for row in random.sample(rows, config.prompts_per_step)]
-        history.rewards.append(grpo_step(model, sampler, prompts, config, step, vision))
+        history.rewards.append(grpo_step(model, sampler, prompts, config, step))
         logger.info(f'grpo step {step:3d}  reward {history.rewards[-1]:.3f}')
         manager.sync_weights(merge_and_sync=False)
     history.accuracy.append(held_out_accuracy(sampler, config))
@@ -150,7 +148,6 @@ def grpo_step(
     prompts: list[dict[str, Any]],
     config: Config,
     step: int,
-    vision: set[int],
 ) -> float:
     """Sample a group per prompt, score it, and take one GRPO step; the mean reward."""
     params = SamplingParams(
@@ -162,10 +159,9 @@ def grpo_step(
     )
     groups = [response.sequences for response in sampler.sample(prompts, params)]
     rewards = [REWARD([seq.new_input_feature for seq in group]) for group in groups]
-    kept = [(group, scores) for group, scores in zip(groups, rewards, strict=True) if text_only(group, vision)]
-    sequences = [seq for group, _ in kept for seq in group]
-    flat = [score for _, scores in kept for score in scores]
-    advantages = GRPOAdvantage()(flat, num_generations=config.group_size, scale='group').tolist() if kept else []
+    sequences = [seq for group in groups for seq in group]
+    flat = [score for scores in rewards for score in scores]
+    advantages = GRPOAdvantage()(flat, num_generations=config.group_size, scale='group').tolist()
     if any(advantages):  # when every group scored alike there is no signal, and AdamW's momentum would still move
         model.forward_backward(
             inputs=[seq.new_input_feature for seq in sequences],
@@ -182,13 +178,6 @@ def held_out_accuracy(sampler: TorchSampler, config: Config) -> float:
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
     sequences = [response.sequences[0] for response in sampler.sample([colour_prompt(r) for r in rows], params)]
     return sum(REWARD([seq.new_input_feature for seq in sequences])) / len(sequences)
-
-
-def text_only(group: list[SampledSequence], vision: set[int]) -> bool:
-    """Whether no sequence of ``group`` sampled a vision token. A random-weight model does, now
-    and then (5 of its 4104 ids), and the trainer cannot score an ``<|image_pad|>`` with no
-    picture behind it, so such a group sits the step out."""
-    return not any(vision.intersection(seq.tokens) for seq in group)
 
 
 def run(config: Config) -> History:

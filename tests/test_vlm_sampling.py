@@ -230,3 +230,25 @@ def test_image_prompts_that_cannot_be_sampled_are_refused_before_any_compute(
         sampler.sample({**row, 'image_grid_thw': [[1, 4, 4], [1, 4, 4]]})
     with pytest.raises(DataError, match=r"prompt 0 has pixel_values but no \['image_grid_thw'\]"):
         sampler.sample({key: value for key, value in row.items() if key != 'image_grid_thw'})
+
+
+def test_image_and_video_pads_are_never_sampled(shapes: list[dict[str, Any]]) -> None:
+    # A completion holding a pad would be a row whose pads have no pixels, which the trainer
+    # refuses; the head is pushed to prefer the pads, and the sampler still takes other tokens.
+    path = tiny_model('tiny-qwen3.5-vl')
+    sampler = TorchSampler(path, device='cpu')
+    pads = torch.tensor([IMAGE_PAD, IMAGE_PAD + 1])  # <|image_pad|>, <|video_pad|>
+
+    def prefer_pads(module: torch.nn.Module, args: Any, logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_add(-1, pads, torch.full((*logits.shape[:-1], 2), 50.0))
+
+    handle = sampler.model.lm_head.register_forward_hook(prefer_pads)
+    try:
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(max_tokens=6, temperature=temperature, seed=3, num_samples=2, ignore_eos=True)
+            seqs = sequences(sampler.sample(prompts(shapes), params))
+            assert all(len(seq.tokens) == 6 and not set(seq.tokens) & set(pads.tolist()) for seq in seqs)
+            # The logprobs are the raw ones: the pads kept their (near 1) probability in them.
+            assert all(lp < -20 for seq in seqs for lp in seq.token_logprobs)
+    finally:
+        handle.remove()

@@ -71,6 +71,17 @@ def takes_images(model: PreTrainedModel) -> bool:
     return getattr(model.config, 'vision_config', None) is not None
 
 
+def placeholder_ids(model: PreTrainedModel) -> list[int]:
+    """A vision-language model's image and video pad token ids: placeholders for pixels, never
+    sampled (a completion holding one would be a row whose pads have no pixels: the trainer's
+    forward refuses it). Empty for a text model."""
+    if not takes_images(model):
+        return []
+    config = model.config
+    ids = (getattr(config, name, None) for name in ('image_token_id', 'video_token_id'))
+    return sorted({int(token) for token in ids if isinstance(token, int)})
+
+
 def check_takes_images(model: PreTrainedModel, prompts_with_images: Sequence[int]) -> None:
     """Refuse image prompts for a model without a vision tower (before any compute)."""
     if prompts_with_images and not takes_images(model):

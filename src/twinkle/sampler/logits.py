@@ -3,15 +3,22 @@ then greedy or seeded sampling. Pure functions of tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from twinkle.data_format import SamplingParams
 
 
-def processed_scores(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
+def processed_scores(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, never: Sequence[int] = ()
+) -> torch.Tensor:
     """The float32 scores ``[rows, vocab]`` to sample from. ``seen`` marks, per row, the tokens
-    already in the prompt or completion (for ``repetition_penalty``)."""
+    already in the prompt or completion (for ``repetition_penalty``); ``never`` are token ids never
+    chosen (a vision-language model's image pads)."""
     scores = logits.float()
+    if never:
+        scores = scores.index_fill(-1, torch.tensor(never, device=scores.device), float('-inf'))
     if params.repetition_penalty != 1.0 and seen is not None:
         penalized = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
         scores = torch.where(seen, penalized, scores)

@@ -24,7 +24,14 @@ from twinkle.hub import resolve_model
 from twinkle.model import multi_lora, router
 from twinkle.model.loading import load_causal_lm, resolve_device
 from twinkle.sampler.base import SAMPLERS, AdapterChoice, Completion, Prompt, PromptLogprobs, Sampler, row_seed
-from twinkle.sampler.images import PromptImages, check_takes_images, decode_positions, image_prefill, takes_images
+from twinkle.sampler.images import (
+    PromptImages,
+    check_takes_images,
+    decode_positions,
+    image_prefill,
+    placeholder_ids,
+    takes_images,
+)
 from twinkle.sampler.logits import choose, processed_scores
 from twinkle.template import Template, VisionTemplate
 from twinkle.utils.weights import canonical_name, vocab_size
@@ -307,13 +314,14 @@ class _Generation:
         logits = logits[:, -1]
         seen = _seen(ids, mask, logits.shape[-1]) if params.repetition_penalty != 1.0 else None
         generators = _generators(self.seeds, device)
+        never = placeholder_ids(model)  # image pads are never sampled
         stop_ids, stop_strings = sampler._stop_ids(params), params.stop_strings
         window = 4 * max((len(s) for s in stop_strings), default=0) + 4
         out = [Completion(tokens=[], logprobs=[], stop_reason='length') for _ in self.rows]
         active = list(range(len(self.rows)))
         next_pos = positions[:, -1] + 1
         for step in range(params.max_tokens):
-            tokens = choose(processed_scores(logits, params, seen), params, generators)
+            tokens = choose(processed_scores(logits, params, seen, never), params, generators)
             self._record(out, active, logits, tokens)
             finished = {row for row in active if self._finished(out[row], stop_ids, stop_strings, window)}
             if step == params.max_tokens - 1 or len(finished) == len(active):
