@@ -51,10 +51,12 @@ def test_the_colour_reward_pays_only_for_the_true_colour_alone() -> None:
 def test_an_unknown_phase_is_refused_naming_the_accepted_ones() -> None:
     with pytest.raises(ConfigurationError, match=r"phase 'rl' is not one of \('sft', 'grpo', 'both'\)"):
         vlm.run(vlm.Config(phase='rl'))
+    with pytest.raises(ConfigurationError, match=r"sft_task 'digits' is not one of \('colour', 'caption'\)"):
+        vlm.run(vlm.Config(sft_task='digits'))
 
 
 def test_sft_lowers_the_loss_and_the_grpo_loop_runs_on_image_prompts() -> None:
-    config = vlm.Config(sft_steps=30, grpo_steps=3, prompts_per_step=4, seed=0)
+    config = vlm.Config(sft_task='caption', sft_steps=30, grpo_steps=3, prompts_per_step=4, seed=0)
     history = vlm.run(config)
     assert len(history.losses) == 30 and len(history.rewards) == 3 and len(history.accuracy) == 2
     first, last = vlm.summary(history.losses, window=5)
