@@ -45,7 +45,7 @@ grpo: setup  ## GRPO from scratch on the embedded tiny model: watch the reward r
 agent: setup  ## a multi-turn agent (guess the number) from scratch on the embedded tiny model: watch the reward rise
 	$(PY) cookbook/agent_guess_number.py
 
-vlm: setup  ## images: LoRA SFT of the embedded tiny VLM on picture captions (loss falls), then GRPO on their colours (reward rises)
+vlm: setup  ## images: LoRA SFT of the embedded tiny VLM on its pictures' colours (loss falls), then GRPO on them (reward, ~2 min)
 	$(PY) cookbook/vlm_shapes.py
 
 # Playwright's own browser download needs a network this machine lacks: the dashboard's browser test drives Debian's
