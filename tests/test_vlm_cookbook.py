@@ -56,13 +56,13 @@ def test_an_unknown_phase_is_refused_naming_the_accepted_ones() -> None:
 
 
 def test_sft_lowers_the_loss_and_the_grpo_loop_runs_on_image_prompts() -> None:
-    config = vlm.Config(sft_task='caption', sft_steps=30, grpo_steps=3, prompts_per_step=4, seed=0)
+    config = vlm.Config(sft_task='caption', sft_steps=24, grpo_steps=1, prompts_per_step=2, group_size=4, seed=0)
     history = vlm.run(config)
-    assert len(history.losses) == 30 and len(history.rewards) == 3 and len(history.accuracy) == 2
+    assert len(history.losses) == 24 and len(history.rewards) == 1 and len(history.accuracy) == 2
     first, last = vlm.summary(history.losses, window=5)
-    # The untrained model's loss is about ln(4104) = 8.3 on each caption token; after 30 steps the
-    # captions' words are learnt and only the colour and shape stay uncertain. Seeds 0, 1, 2 gave
-    # 6.47 -> 1.50, 6.41 -> 1.58, 6.35 -> 1.33; lr=0 gave 8.58 -> 8.68.
+    # The untrained model's loss is about ln(4104) = 8.3 on each caption token; after 24 steps the
+    # captions' words are learnt and only the colour and shape stay uncertain. Seed 0 gave
+    # 6.47 -> 1.53 (at 30 steps seeds 0, 1, 2 gave 6.47 -> 1.50, 6.41 -> 1.58, 6.35 -> 1.33; lr=0 gave 8.58 -> 8.68).
     assert first > 5.0 and last < first - 3.0, history.losses
-    # Each step's reward is a mean of 0/1 scores over 4 pictures x 8 answers.
-    assert all(0.0 <= r <= 1.0 and (r * 32).is_integer() for r in history.rewards), history.rewards
+    # The step's reward is a mean of 0/1 scores over 2 pictures x 4 answers.
+    assert all(0.0 <= r <= 1.0 and (r * 8).is_integer() for r in history.rewards), history.rewards
