@@ -134,7 +134,7 @@ LORA_NAMES: dict[str, JsonValue] = {'enum': [name for name in sorted(LORA_FIELDS
 #: A prompt has its token ids or its messages; its images go with its token ids.
 PROMPT: dict[str, JsonValue] = {
     'anyOf': [{'required': [name], 'properties': {name: {'type': 'array'}}} for name in ('input_ids', 'messages')],
-    'dependentRequired': {'images': ['input_ids']},
+    'dependentSchemas': {'images': {'required': ['input_ids'], 'properties': {'input_ids': {'type': 'array'}}}},
 }
 #: The name of a figure of the trainer's own.
 FIGURE_NAME: dict[str, JsonValue] = {'pattern': f'^{_FIGURE_NAME.pattern}$', 'not': {'enum': list(RESERVED_FIGURES)}}
