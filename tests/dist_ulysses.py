@@ -39,6 +39,9 @@ SCENARIOS: dict[str, tuple[str, str, bool, str, bool]] = {
     'qwen3.5-checkpointed': ('tiny-qwen3.5', 'dp', True, 'ce', True),
     # One key/value head for 2 ranks: repeated to scatter; every weight trained.
     'gqa-one-kv-head': ('config', 'dp', False, 'ce', False),
+    # The output layer fused (``fused_output=True``): each rank scores its slice of the sequence.
+    'qwen3-grpo-packed-fused': ('tiny-qwen3', 'dp', True, 'grpo', False),
+    'qwen3.5-dp-fused': ('tiny-qwen3.5', 'dp', False, 'ce', False),
 }
 GLOBAL_BATCH = 4
 STEPS = 3
@@ -97,6 +100,7 @@ def rl_inputs(batch: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[s
 def train(scenario: str, data: list[dict[str, Any]], mesh: DeviceMesh | None) -> dict[str, Any]:
     name, _, packed, loss, checkpointing = SCENARIOS[scenario]
     model = build(name, mesh, packed, checkpointing)
+    model.fused_output = scenario.endswith('-fused')
     if loss == 'grpo':
         model.set_loss('GRPOLoss', epsilon=0.2)
     losses, norms = [], []

@@ -73,6 +73,24 @@ def test_outputs_hold_the_whole_sequence(runs: tuple[dict, dict], scenario: str)
     assert torch.allclose(got, want, rtol=TOLERANCE, atol=1e-4)
 
 
+# One process runs each scenario without a mesh, so its 'qwen3.5-fsdp' is the plain run.
+@pytest.mark.parametrize(
+    ('fused', 'unfused'), [('qwen3-grpo-packed-fused', 'qwen3-grpo-packed'), ('qwen3.5-dp-fused', 'qwen3.5-fsdp')]
+)
+def test_the_fused_output_layer_under_ulysses_gives_one_unfused_process_s_numbers(
+    runs: tuple[dict, dict], fused: str, unfused: str
+) -> None:
+    """Each rank runs the fused output layer on its slice and the ranks gather label logprobs
+    (not logits): the losses, gradient norms and metrics of one process without it."""
+    one, two = runs[0][unfused], runs[1][fused]
+    assert_close(two['losses'], one['losses'])
+    assert_close(two['grad_norms'], one['grad_norms'])
+    assert sorted(two['metrics']) == sorted(one['metrics'])
+    assert_close(
+        [two['metrics'][k] for k in sorted(one['metrics'])], [one['metrics'][k] for k in sorted(one['metrics'])]
+    )
+
+
 def test_packed_rows_have_an_odd_width_so_ulysses_pads_them(runs: tuple[dict, dict]) -> None:
     widths = {name: result['logits_shape'][1] for name, result in runs[0].items() if name.endswith('packed')}
     assert widths and all(width % 2 == 1 for width in widths.values()), widths

@@ -12,11 +12,17 @@ right).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import torch
 
+from twinkle.data_format import IGNORE_INDEX
 from twinkle.registry import Registry
+
+#: What a loss reads of the model's output layer: the whole ``logits`` ``[batch, seq, vocab]``, or
+#: only each label token's log-probability (``logps`` ``[batch, seq]``), with the entropy of each
+#: position's distribution too for ``'logps+entropy'``.
+OutputReads = Literal['logits', 'logps', 'logps+entropy']
 
 
 @dataclass
@@ -43,6 +49,20 @@ class Loss:
     #: A loss that sets ``needs_values`` reads ``outputs['values']`` ``[batch, seq]``: it trains a
     #: critic, an adapter with a value head (``add_adapter_to_model(..., value_head=True)``).
     needs_values: bool = False
+    #: What the loss reads of the output layer (``OutputReads``). A loss that reads no more than
+    #: the labels' ``logps`` lets a model built with ``fused_output=True`` compute them in chunks of
+    #: tokens, without the ``[batch, seq, vocab]`` logits (``twinkle.model.fused_output``): then
+    #: ``outputs`` holds ``logps`` (with gradient, 0 at ignored labels), ``hits`` (the label is the
+    #: argmax) and, for ``'logps+entropy'``, ``entropy``, and no ``logits``.
+    output_reads: ClassVar[OutputReads] = 'logits'
+
+    @property
+    def reads(self) -> OutputReads:
+        """``output_reads``, or the whole logits for a loss that ignores another label id than
+        ``IGNORE_INDEX`` (the fused output layer drops that one only)."""
+        if getattr(self, 'ignore_index', IGNORE_INDEX) != IGNORE_INDEX:
+            return 'logits'
+        return self.output_reads
 
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **kwargs: Any) -> LossOutput:
         raise NotImplementedError

@@ -23,6 +23,8 @@ class CrossEntropyLoss(Loss):
     mean loss of ``ln 2`` and a sum of ``3 ln 2``.
     """
 
+    output_reads = 'logps'
+
     def __init__(self, reduction: Literal['mean', 'sum'] = 'mean', ignore_index: int = IGNORE_INDEX):
         if reduction not in ('mean', 'sum'):
             raise one_of('CrossEntropyLoss reduction', reduction, ['mean', 'sum'])
@@ -32,17 +34,28 @@ class CrossEntropyLoss(Loss):
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **kwargs: Any) -> LossOutput:
         if kwargs:
             raise ConfigurationError(f'CrossEntropyLoss takes no loss arguments; got {sorted(kwargs)}')
-        logits, labels = outputs['logits'], inputs['labels']
-        if logits.shape[:-1] != labels.shape:
-            raise DataError(f'logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}')
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(),
-            labels.reshape(-1),
-            ignore_index=self.ignore_index,
-            reduction='sum',
-        )
+        labels = inputs['labels']
+        loss = self._summed(outputs, labels)
         if self.reduction == 'mean':
             count = (labels != self.ignore_index).sum()
         else:
             count = torch.ones((), dtype=torch.long, device=labels.device)
         return LossOutput(loss=loss, num_items=count)
+
+    def _summed(self, outputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross entropy: of the fused output layer's label logprobs (``outputs['logps']``,
+        0 at ignored labels), else of the logits."""
+        if 'logps' in outputs:
+            if outputs['logps'].shape != labels.shape:
+                raise DataError(f'logps {tuple(outputs["logps"].shape)} do not match labels {tuple(labels.shape)}')
+            logps: torch.Tensor = outputs['logps']
+            return -logps.sum()
+        logits = outputs['logits']
+        if logits.shape[:-1] != labels.shape:
+            raise DataError(f'logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}')
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction='sum',
+        )

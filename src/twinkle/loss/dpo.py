@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from twinkle.data_format import IGNORE_INDEX
 from twinkle.errors import ConfigurationError, DataError, StateError, one_of
 from twinkle.loss.base import LOSSES, Loss, LossOutput
-from twinkle.loss.rl import TokenGrid, check_loss_kwargs, is_finite_number, reference_logps, token_grid
+from twinkle.loss.rl import TokenGrid, check_loss_kwargs, is_finite_number, output_grid, reference_logps
 
 DPOType = Literal['sigmoid', 'ipo', 'hinge']
 
@@ -64,6 +64,8 @@ class DPOLoss(Loss):
     implicit reward margins ``beta * h``).
     """
 
+    output_reads = 'logps'
+
     loss_inputs = ('ref_logps', 'ref_chosen_logps', 'ref_rejected_logps')
 
     def __init__(
@@ -94,7 +96,7 @@ class DPOLoss(Loss):
 
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **kwargs: Any) -> LossOutput:
         check_loss_kwargs('DPOLoss', kwargs, self.loss_inputs)
-        grid = token_grid(inputs, outputs['logits'], self.ignore_index)
+        grid = output_grid(inputs, outputs, self.ignore_index)
         num_sequences = grid.num_sequences
         if num_sequences % 2:
             raise DataError(

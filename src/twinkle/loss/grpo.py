@@ -65,10 +65,10 @@ from twinkle.loss.rl import (
     RolloutWeights,
     check_loss_kwargs,
     is_finite_number,
+    output_entropy,
+    output_grid,
     reference_logps,
     sequence_sum,
-    token_entropy,
-    token_grid,
 )
 
 LossType = Literal['grpo', 'token_mean', 'drgrpo']
@@ -121,6 +121,8 @@ class GRPOLoss(Loss):
     them into per-token means.
     """
 
+    output_reads = 'logps+entropy'
+
     loss_inputs = ('advantages', 'old_logps', 'ref_logps', 'proximal_logps')
     #: The ``loss_type`` when none is given: the aggregation of the paper a class is named for.
     default_loss_type: ClassVar[LossType] = 'grpo'
@@ -165,7 +167,7 @@ class GRPOLoss(Loss):
             'sequences': (batch.counts > 0).sum(),
             'clipped': (clipped_BS & batch.mask).sum(),
             'ratio': (ratio_BS.detach() * batch.mask).sum(),
-            'entropy': token_entropy(outputs['logits'], batch.mask).sum(),
+            'entropy': output_entropy(outputs, batch.mask).sum(),
             **batch.sampler_metrics,
         }
         if batch.ref_logps is not None:
@@ -182,7 +184,7 @@ class GRPOLoss(Loss):
         check_loss_kwargs(name, kwargs, self.loss_inputs)
         if kwargs.get('advantages') is None:
             raise DataError(f'{name} needs advantages=: one number per sequence (or per completion token)')
-        grid = token_grid(inputs, outputs['logits'], self.ignore_index)
+        grid = output_grid(inputs, outputs, self.ignore_index)
         advantages_BS = grid.align(kwargs['advantages'], 'advantages')
         sampler = kwargs.get('old_logps')
         sampler_BS = None if sampler is None else grid.align(sampler, 'old_logps', allow_scalar=False)

@@ -25,9 +25,9 @@ from twinkle.loss.rl import (
     TokenGrid,
     check_loss_kwargs,
     is_finite_number,
+    output_grid,
     reference_logps,
     sequence_index,
-    token_grid,
 )
 
 CPOType = Literal['sigmoid', 'hinge']
@@ -67,6 +67,8 @@ class KTOLoss(Loss):
     and ``batches`` (1: the mean z0 over calls is ``kl / batches``).
     """
 
+    output_reads = 'logps'
+
     loss_inputs = ('kto_labels', 'z0', 'ref_logps')
     needs_reference = True
 
@@ -101,7 +103,7 @@ class KTOLoss(Loss):
                 f'KTOLoss(beta={self.beta}) needs reference logprobs: train a LoRA adapter (the reference is the '
                 'base model with the adapter off) or pass ref_logps='
             )
-        grid = token_grid(inputs, outputs['logits'], self.ignore_index)
+        grid = output_grid(inputs, outputs, self.ignore_index)
         device = grid.mask.device
         r_N = grid.sequence_sum(grid.logps) - grid.sequence_sum(grid.align(ref, 'ref_logps', allow_scalar=False))
         desirable = torch.tensor([label is True for label in labels], device=device)
@@ -182,6 +184,8 @@ class SimPOLoss(Loss):
     ``metrics``: ``pairs``, ``reward_accuracy`` and ``margin`` (sum of ``beta * (avg_w - avg_l)``).
     """
 
+    output_reads = 'logps'
+
     def __init__(self, beta: float = 2.0, gamma: float = 0.5, ignore_index: int = IGNORE_INDEX):
         self.beta = _positive('SimPOLoss beta', beta)
         if not is_finite_number(gamma) or gamma < 0:
@@ -218,6 +222,8 @@ class ORPOLoss(Loss):
     ``metrics``: ``pairs``, ``reward_accuracy`` and ``margin`` (sum of the log odds ratios).
     """
 
+    output_reads = 'logps'
+
     def __init__(self, beta: float = 0.1, ignore_index: int = IGNORE_INDEX):
         self.beta = _positive('ORPOLoss beta', beta)
         self.ignore_index = ignore_index
@@ -248,6 +254,8 @@ class CPOLoss(Loss):
 
     ``metrics``: ``pairs``, ``reward_accuracy`` and ``margin`` (sum of ``beta * h``).
     """
+
+    output_reads = 'logps'
 
     def __init__(
         self, beta: float = 0.1, alpha: float = 1.0, loss_type: CPOType = 'sigmoid', ignore_index: int = IGNORE_INDEX
@@ -299,7 +307,7 @@ def _paired_grid(name: str, inputs: dict[str, torch.Tensor], outputs: dict[str, 
         raise DataError(
             f'{name} needs interleaved (chosen, rejected) pairs; the batch has {num_sequences} sequences, an odd number'
         )
-    return token_grid(inputs, outputs['logits'], ignore_index)
+    return output_grid(inputs, outputs, ignore_index)
 
 
 def _num_sequences(inputs: dict[str, torch.Tensor]) -> int:

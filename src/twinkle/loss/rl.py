@@ -196,6 +196,27 @@ def token_grid(
     return TokenGrid(token_logps(logits_BSV, labels_BS, ignore_index), mask_BS, sequence_index(inputs))
 
 
+def output_grid(
+    inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, Any], ignore_index: int = IGNORE_INDEX
+) -> TokenGrid:
+    """``token_grid`` of a forward's ``outputs``: the label logprobs the fused output layer
+    computed (``outputs['logps']``, see ``Loss.output_reads``), else those of its ``logits``."""
+    if 'logps' not in outputs:
+        return token_grid(inputs, outputs['logits'], ignore_index)
+    labels_BS = inputs['labels']
+    logps_BS = outputs['logps']
+    if logps_BS.shape != labels_BS.shape:
+        raise DataError(f'logps {tuple(logps_BS.shape)} do not match labels {tuple(labels_BS.shape)}')
+    return TokenGrid(logps_BS, labels_BS != ignore_index, sequence_index(inputs))
+
+
+def output_entropy(outputs: Mapping[str, Any], mask_BS: torch.Tensor) -> torch.Tensor:
+    """``token_entropy`` of a forward's ``outputs``: the fused output layer's (detached), else the logits'."""
+    if 'entropy' in outputs:
+        return torch.where(mask_BS, outputs['entropy'].detach(), 0.0)
+    return token_entropy(outputs['logits'], mask_BS)
+
+
 def reference_logps(kwargs: Mapping[str, Any], outputs: Mapping[str, Any]) -> Any:
     """The reference model's log-probabilities: ``ref_logps=`` when given, else the model's
     ``outputs['ref_logps']`` (the base model with the adapter off), else ``None``."""

@@ -55,7 +55,7 @@ import torch
 from twinkle.data_format import IGNORE_INDEX
 from twinkle.errors import ConfigurationError, DataError, UnknownNameError
 from twinkle.loss.base import LOSSES, Loss, LossOutput
-from twinkle.loss.rl import LOG_RATIO_LIMIT, check_loss_kwargs, is_finite_number, token_grid
+from twinkle.loss.rl import LOG_RATIO_LIMIT, check_loss_kwargs, is_finite_number, output_grid
 
 
 class LossTerms(NamedTuple):
@@ -374,6 +374,8 @@ class TinkerLoss(Loss):
     Example: ``TinkerLoss('ppo', {'clip_low_threshold': 0.9, 'clip_high_threshold': 1.1})``.
     """
 
+    output_reads = 'logps'
+
     def __init__(self, loss_fn: str, config: Mapping[str, float] | None = None, ignore_index: int = IGNORE_INDEX):
         self.spec = tinker_loss_spec(loss_fn)
         self.loss_fn = loss_fn
@@ -388,7 +390,7 @@ class TinkerLoss(Loss):
     def __call__(self, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], **loss_inputs: Any) -> LossOutput:
         given = {name: value for name, value in loss_inputs.items() if value is not None}
         check_inputs(self.loss_fn, given)
-        grid = token_grid(inputs, outputs['logits'], self.ignore_index)
+        grid = output_grid(inputs, outputs, self.ignore_index)
         flat = {name: grid.align(value, name, allow_scalar=False)[grid.mask] for name, value in given.items()}
         seq_T = grid.seq_index[grid.mask]
         if 'target_tokens' in flat:

@@ -38,6 +38,8 @@ class ValueLoss(Loss):
     whose clipped branch is the larger one).
     """
 
+    output_reads = 'logps'
+
     needs_values = True
     loss_inputs = ('returns', 'old_values')
 

@@ -36,7 +36,10 @@ class Accuracy(RatioMetric):
     def accumulate(self, *, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], loss: LossOutput | None) -> None:
         labels = inputs['labels']
         mask = labels != self.ignore_index
-        logits = outputs['logits'].detach()
-        label_logits = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        hits = (label_logits >= logits.amax(-1)) & mask
+        if 'hits' in outputs:  # the fused output layer counted them (no logits)
+            hits = outputs['hits'] & mask
+        else:
+            logits = outputs['logits'].detach()
+            label_logits = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            hits = (label_logits >= logits.amax(-1)) & mask
         self.add({'hits': hits.sum(), 'tokens': mask.sum()})

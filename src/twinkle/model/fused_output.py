@@ -62,6 +62,8 @@ class TokenLogprobs(NamedTuple):
     logps: torch.Tensor
     #: ``[N]``: the entropy of the token's distribution (``None`` unless asked for).
     entropy: torch.Tensor | None
+    #: ``[N]`` bool, no gradient: the label's logit is the largest (ties count), what ``Accuracy`` counts.
+    hits: torch.Tensor
 
 
 def fused_token_logprobs(
@@ -92,10 +94,10 @@ def fused_token_logprobs(
     """
     _check_inputs(hidden, weight, labels, bias, lora, chunk_size, temperature)
     lora_a, lora_b, scale = (lora.a, lora.b, float(lora.scale)) if lora is not None else (None, None, 0.0)
-    logps, entropy = _FusedTokenLogprobs.apply(  # type: ignore[no-untyped-call]  # torch leaves apply untyped
+    logps, entropy, hits = _FusedTokenLogprobs.apply(  # type: ignore[no-untyped-call]  # torch leaves apply untyped
         hidden, weight, bias, lora_a, lora_b, labels, scale, float(temperature), chunk_size, with_entropy
     )
-    return TokenLogprobs(logps, entropy if with_entropy else None)
+    return TokenLogprobs(logps, entropy if with_entropy else None, hits)
 
 
 def _check_inputs(
@@ -162,22 +164,23 @@ class _Head:
 
 
 def _forward_chunk(head: _Head, x_cH: torch.Tensor, y_c: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
-    """``(logp, lse, entropy)`` of one chunk, float32 ``[c]`` each (entropy empty when not asked)."""
+    """``(logp, lse, entropy, hit)`` of one chunk, ``[c]`` each (entropy empty when not asked)."""
     z_cV, _ = head.logits(x_cH)
     # logsumexp by hand, shifting z in place, so the chunk holds two [c, V] buffers at most.
     max_c = z_cV.amax(dim=-1)
     shifted_cV = z_cV.sub_(max_c[:, None])
     target_c = shifted_cV.gather(1, y_c[:, None]).squeeze(1)
+    hit_c = target_c >= 0  # the label's logit minus the largest
     if not with_entropy:  # one [c, V] buffer: exp in place
         log_sum_c = shifted_cV.exp_().sum(dim=-1).log_()
-        return target_c - log_sum_c, max_c + log_sum_c, max_c.new_empty(0)
+        return target_c - log_sum_c, max_c + log_sum_c, max_c.new_empty(0), hit_c
     log_sum_c = torch.exp(shifted_cV).sum(dim=-1).log_()
     logp_c, lse_c = target_c - log_sum_c, max_c + log_sum_c
     # entropy = -sum_j p_j log p_j over log p = z - lse (in place) and p = exp(log p): subtracting
     # lse first keeps a peaked distribution's small entropy exact, where lse - sum_j p_j z_j cancels.
     logp_cV = shifted_cV.sub_(log_sum_c[:, None])
     entropy_c = -torch.exp(logp_cV).mul_(logp_cV).sum(dim=-1)
-    return logp_c, lse_c, entropy_c
+    return logp_c, lse_c, entropy_c, hit_c
 
 
 def _grad_logits(
@@ -249,7 +252,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         rows_n = (labels != IGNORE_INDEX).nonzero().squeeze(1)
         y_n = labels.index_select(0, rows_n).long()
@@ -261,10 +264,10 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             _forward_chunk(head, x_nH[i : i + chunk_size], y_n[i : i + chunk_size], with_entropy)
             for i in range(0, len(rows_n), chunk_size)
         ]
-        logp_n, lse_n, entropy_n = (
+        logp_n, lse_n, entropy_n, hit_n = (
             (torch.cat(p) for p in zip(*parts, strict=True))
             if parts
-            else (hidden.new_empty(0, dtype=torch.float32),) * 3
+            else (*(hidden.new_empty(0, dtype=torch.float32),) * 3, hidden.new_empty(0, dtype=torch.bool))
         )
         ctx.save_for_backward(x_nH, y_n, rows_n, lse_n, entropy_n, weight, bias, lora_a, lora_b)
         ctx.meta = (hidden.shape, hidden.dtype, scale, temperature, chunk_size, with_entropy)
@@ -273,10 +276,14 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         out_entropy = logp_n.new_zeros(n)
         if with_entropy:
             out_entropy.index_copy_(0, rows_n, entropy_n)
-        return out_logps, out_entropy
+        out_hits = hit_n.new_zeros(n).index_copy_(0, rows_n, hit_n)
+        ctx.mark_non_differentiable(out_hits)
+        return out_logps, out_entropy, out_hits
 
     @staticmethod
-    def backward(ctx: Any, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
+    def backward(
+        ctx: Any, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_hits: Any
+    ) -> tuple[Any, ...]:
         x_nH, y_n, rows_n, lse_n, entropy_n, weight, bias, lora_a, lora_b = ctx.saved_tensors
         hidden_shape, hidden_dtype, scale, temperature, chunk_size, with_entropy = ctx.meta
         head = _Head(weight, bias, lora_a, lora_b, scale, temperature)

@@ -120,7 +120,8 @@ Part = tuple[Batch, Outputs]
 @dataclass
 class _Pass:
     """The kept calls of a pass: their groups, rows and (batch, outputs) parts (None where this
-    rank holds none of a call's rows), and the logits of the whole forward (None if none ran)."""
+    rank holds none of a call's rows), and the first forward's logits (its label logprobs on the
+    fused output layer; None if none ran): a rank with no loss backpropagates zeros through them."""
 
     groups: list[TrainGroup]
     features: list[list[InputFeature]]
@@ -172,14 +173,16 @@ def _forward(
     forward_only: bool,
 ) -> tuple[list[Part | None], torch.Tensor]:
     """One forward of the rows of ``calls`` (indices into ``groups`` and ``features``), laid out
-    call after call: each call's part (None for one with no rows) and the batch's logits."""
+    call after call: each call's part (None for one with no rows) and the batch's logits (its
+    label logprobs where the calls' losses run on the fused output layer, ``runner.fused_reads``)."""
     flat = [row for i in calls for row in features[i]]
     names = [groups[i].name for i in calls for _ in features[i]]
     batch = runner.collate(groups[calls[0]], flat)
     multi_lora.assign_rows(runner.model, names)
     heads = [groups[i].value_head for i in calls]
+    fused = None if forward_only else runner.fused_reads([groups[i].loss for i in calls])
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        outputs = runner.outputs(batch, hidden_state=any(head is not None for head in heads))
+        outputs = runner.outputs(batch, hidden_state=any(head is not None for head in heads), fused=fused)
     # split, not slices: a slice's backward would write into zeros the size of all the logits
     sizes = [len(features[i]) for i in calls]
     columns = split_rows(batch, sizes)  # each call's rows, with their own images
@@ -191,7 +194,7 @@ def _forward(
             with torch.no_grad() if forward_only else contextlib.nullcontext():
                 part['values'] = head(pieces['hidden_state'][j])
         parts.append((columns[j], part) if sizes[j] else None)
-    return parts, outputs['logits']
+    return parts, outputs['logps' if fused else 'logits']
 
 
 #: Calls of different lengths share a forward while padding them to its length costs at most this

@@ -20,9 +20,9 @@ from transformers import PreTrainedModel
 
 from twinkle.data_format import InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError
-from twinkle.loss import LossOutput
+from twinkle.loss import Loss, LossOutput
 from twinkle.metric import ExpertLoad
-from twinkle.model import multi_lora, packed_recurrence, router
+from twinkle.model import multi_lora, output_layer, packed_recurrence, router
 from twinkle.model.base import Inputs
 from twinkle.model.loading import Precision
 from twinkle.model.lora_adapter import RowAssignment
@@ -77,6 +77,10 @@ class ModelRunner:
         self.router = model_router
         self._template: Template | None = None
         self._mode: bool | None = None  # the train/eval mode prepare last set on every module
+        #: Whether training passes whose losses read only the labels' logprobs run the output
+        #: layer fused, in chunks of tokens, without the logits (``output_layer``; the model's
+        #: ``fused_output`` switch).
+        self.fused_output = False
 
     # ---- rows ---------------------------------------------------------------------------------
     def template_for(self, group: TrainGroup) -> Template:
@@ -148,23 +152,50 @@ class ModelRunner:
         self._mode = None
 
     def run(
-        self, group: TrainGroup, rows: Sequence[InputFeature], training: bool, lora: bool = True
+        self,
+        group: TrainGroup,
+        rows: Sequence[InputFeature],
+        training: bool,
+        lora: bool = True,
+        fused: output_layer.FusedReads | None = None,
     ) -> tuple[Batch, Outputs]:
-        """The group's rows through the model (``lora=False``: the base model alone)."""
+        """The group's rows through the model (``lora=False``: the base model alone; ``fused``: see ``outputs``)."""
         self.parallel.check_trainable(training and group.name == FULL)
         self.prepare(training)
         batch = self.collate(group, rows)
         multi_lora.assign_rows(self.model, group.name if lora and group.name != FULL else None)
         head = group.value_head if lora else None
-        outputs = self.outputs(batch, hidden_state=head is not None)
+        outputs = self.outputs(batch, hidden_state=head is not None, fused=fused)
         if head is not None:
             outputs['values'] = head(outputs.pop('hidden_state'))
         return batch, outputs
 
-    def outputs(self, batch: Batch, router_logits: bool = True, hidden_state: bool = False) -> Outputs:
+    def fused_reads(self, losses: Sequence[Loss]) -> output_layer.FusedReads | None:
+        """What a training pass of these losses computes on the fused output layer, or None where
+        it needs the logits: the switch is off, a loss reads the logits, or the head cannot run
+        fused (``output_layer.fusable``). Under Ulysses each rank scores its slice of the sequence
+        and the ranks gather ``[rows, positions]`` values, not logits."""
+        reads = {loss.reads for loss in losses}
+        if not self.fused_output or 'logits' in reads:
+            return None
+        if not output_layer.fusable(self.model):
+            return None
+        return 'logps+entropy' if 'logps+entropy' in reads else 'logps'
+
+    def outputs(
+        self,
+        batch: Batch,
+        router_logits: bool = True,
+        hidden_state: bool = False,
+        fused: output_layer.FusedReads | None = None,
+    ) -> Outputs:
         """The batch's ``logits`` and, on a mixture of experts, its ``router_logits`` per row
         ([layers, rows, positions, experts]), through the adapters the rows are assigned to;
-        with ``hidden_state``, the last hidden state too (``[rows, positions, hidden]``, for a value head)."""
+        with ``hidden_state``, the last hidden state too (``[rows, positions, hidden]``, for a value head).
+
+        ``fused``: no logits; the labels' ``logps``, ``hits`` and, for ``'logps+entropy'``, ``entropy``
+        (``[rows, positions]``) from the fused output layer (``output_layer.head_outputs``). The model
+        then projects no position (``logits_to_keep`` empty) and hands back its last hidden states."""
         model_inputs: dict[str, object] = {
             k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch
         }
@@ -179,16 +210,22 @@ class ModelRunner:
             model_inputs['position_ids'] = mrope_positions(self.model, batch)
         elif sequence is not None:
             model_inputs = sequence.split(batch, self.model.config)
-        extra = {'output_hidden_states': True} if hidden_state else {}
+        extra: dict[str, object] = {'output_hidden_states': True} if hidden_state or fused else {}
+        if fused:
+            extra['logits_to_keep'] = torch.empty(0, dtype=torch.long, device=self.device)
         model_inputs |= packed_recurrence.model_kwargs(self.model, batch)
         with self._autocast(), router.replay_routing(self.model, batch.get('routed_experts')):
             if self.router is None or not router_logits:
                 out = self.model(**model_inputs, **extra, use_cache=False)
-                outputs = {'logits': out.logits}
+                outputs = {}
             else:
                 out = self.model(**model_inputs, **extra, use_cache=False, output_router_logits=True)
-                rows = len(batch['input_ids'])
-                outputs = {'logits': out.logits, 'router_logits': router.per_row(out.router_logits, rows)}
+                outputs = {'router_logits': router.per_row(out.router_logits, len(batch['input_ids']))}
+            if fused:
+                labels = batch['labels'] if sequence is None else sequence.local_labels(batch['labels'])
+                outputs |= output_layer.head_outputs(self.model, out.hidden_states[-1], labels, fused)
+            else:
+                outputs['logits'] = out.logits
         if hidden_state:
             outputs['hidden_state'] = out.hidden_states[-1]
         if sequence is not None:  # the whole sequence's, as one process has them
@@ -251,8 +288,9 @@ class ModelRunner:
         """Forward, loss and backward of the rows, in chunks of ``micro_batch_size`` (one micro
         step either way); a NaN or infinite loss raises ``DataError`` before its backward."""
         started, sums = time.perf_counter(), []
+        fused = self.fused_reads([group.loss])
         for rows, chunk_inputs in chunks(features, micro_batch_size, loss_inputs):
-            batch, outputs = self.run(group, rows, training=True)
+            batch, outputs = self.run(group, rows, training=True, fused=fused)
             loss = self.loss_value(group, batch, outputs, chunk_inputs)
             check_finite(group, loss, self.parallel.sum_)  # before the metrics and the gradients see it
             if self.parallel.row_share:  # a Ulysses group counts its metrics and rows once
@@ -293,9 +331,11 @@ class ModelRunner:
         reference of GRPO and DPO, at the cost of one forward pass and no extra weights."""
         # The base model, then back to the rows the training forward used: gradient
         # checkpointing recomputes those layers during backward.
+        # The fused layer here needs only the switch and the head (no loss reads the logits).
+        fused: output_layer.FusedReads | None = 'logps' if self.fused_reads([]) else None
         with torch.no_grad(), multi_lora.row_adapters(self.model, None):
-            logits = self.outputs(batch, router_logits=False)['logits']
-        return label_logps(logits, batch['labels'])
+            outputs = self.outputs(batch, router_logits=False, fused=fused)
+        return outputs['logps'] if fused else label_logps(outputs['logits'], batch['labels'])
 
     def _router_loss(self, batch: Batch, outputs: Outputs, loss: LossOutput) -> LossOutput:
         """The experts' load into ``outputs`` for the metrics and, where the loss trains (its

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask, sdpa_mask
 
+from twinkle.data_format import IGNORE_INDEX
 from twinkle.errors import ConfigurationError
 from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
@@ -126,6 +127,12 @@ class Ulysses:
             'position_ids': positions[:, piece],
             'attention_mask': {'full_attention': full, 'linear_attention': recurrent},
         }
+
+    def local_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``[rows, positions]`` labels, padded as ``split`` pads the tokens
+        (the padding trained on nothing): what the fused output layer scores on this rank."""
+        extra = -(-labels.shape[1] // self.size) * self.size - labels.shape[1]
+        return _own_slice(F.pad(labels, (0, extra), value=IGNORE_INDEX), self)
 
     def gather(self, local: torch.Tensor, width: int) -> torch.Tensor:
         """The whole sequence's ``[rows, positions, ...]`` from every rank's slice, cut back to
