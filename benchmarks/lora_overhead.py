@@ -166,10 +166,10 @@ class RawLoop:
 class TwinkleLoop:
     """The same training through ``TransformersModel``."""
 
-    def __init__(self, model_dir: str, settings: Settings):
+    def __init__(self, model_dir: str, settings: Settings, **model_kwargs: Any):
         self.max_grad_norm = settings.max_grad_norm
         self.model = TransformersModel(
-            model_id=model_dir, device=settings.device, mixed_precision=settings.mixed_precision
+            model_id=model_dir, device=settings.device, mixed_precision=settings.mixed_precision, **model_kwargs
         )
         torch.manual_seed(settings.seed)  # the same LoRA A matrices as RawLoop
         self.model.add_adapter_to_model('default', lora_config(settings))

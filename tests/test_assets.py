@@ -180,7 +180,7 @@ def test_unknown_model_lists_valid_names(home: Path) -> None:
     with pytest.raises(UnknownNameError, match=r"Unknown model 'gpt-2'.*small-qwen3.*tiny-qwen3"):
         tiny_model('gpt-2')
     assert MODELS == (
-        'tiny-qwen3', 'small-qwen3', 'tiny-qwen3.5', 'tiny-qwen3-moe', 'tiny-qwen3.5-moe',
+        'tiny-qwen3', 'small-qwen3', 'wide-qwen3', 'tiny-qwen3.5', 'tiny-qwen3-moe', 'tiny-qwen3.5-moe',
         'tiny-qwen3.5-vl', 'tiny-qwen3-vl',
     )  # fmt: skip
 

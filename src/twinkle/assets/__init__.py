@@ -4,8 +4,9 @@ Everything is generated deterministically on first use into ``twinkle_home()/ass
 ``cache.py`` for the layout) and reused after; two builds give byte-identical files.
 
 >>> from twinkle.assets import DATASETS, MODELS
->>> MODELS
-('tiny-qwen3', 'small-qwen3', 'tiny-qwen3.5', 'tiny-qwen3-moe', 'tiny-qwen3.5-moe', 'tiny-qwen3.5-vl', 'tiny-qwen3-vl')
+>>> MODELS  # doctest: +NORMALIZE_WHITESPACE
+('tiny-qwen3', 'small-qwen3', 'wide-qwen3', 'tiny-qwen3.5', 'tiny-qwen3-moe', 'tiny-qwen3.5-moe',
+ 'tiny-qwen3.5-vl', 'tiny-qwen3-vl')
 >>> DATASETS
 ('self-cognition', 'gsm8k', 'shapes')
 

@@ -1,12 +1,16 @@
 """Embedded causal LMs with random weights in the seeds' families, for tests and benchmarks without a hub.
 
 ``tiny-qwen3`` (about 0.9M parameters) is for unit and end-to-end tests; ``small-qwen3``
-(about 25.7M) for benchmarks. ``tiny-qwen3.5`` has Qwen3.5's hybrid layers (gated-deltanet linear
-attention beside full attention); ``tiny-qwen3-moe`` and ``tiny-qwen3.5-moe`` are mixtures of
-experts (fused 3-D expert weights, a top-k router; Qwen3.5-MoE adds a gated shared expert). All
-share the embedded tokenizer. Weights are drawn from a seeded generator as Qwen initialises them
-(normal(0, initializer_range) matrices, expert stacks and router; RMSNorm scales of one, or of
-zero where the norm computes ``1 + weight``), so a model folder is the same bytes on every build.
+(about 25.7M) for benchmarks. ``wide-qwen3`` (about 187M) has Qwen3's full vocabulary (151,936
+outputs, tied to the embedding as Qwen3-0.6B ties them) on two layers of Qwen3-0.6B's width, so
+the output layer's share of a step is that of a real model (the small vocabulary of the others
+hides it); its inputs are still the embedded tokenizer's 4,096 ids. ``tiny-qwen3.5`` has
+Qwen3.5's hybrid layers (gated-deltanet linear attention beside full attention);
+``tiny-qwen3-moe`` and ``tiny-qwen3.5-moe`` are mixtures of experts (fused 3-D expert weights, a
+top-k router; Qwen3.5-MoE adds a gated shared expert). All share the embedded tokenizer. Weights
+are drawn from a seeded generator as Qwen initialises them (normal(0, initializer_range) matrices,
+expert stacks and router; RMSNorm scales of one, or of zero where the norm computes
+``1 + weight``), so a model folder is the same bytes on every build.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ MODEL_VERSION = 2  # bump when the config or weight recipe below changes
 # +-3 however the hidden state turns, so the loss cannot fall far below 6 whatever LoRA learns;
 # at 0.1 the head can express confident predictions, as a trained model's does.
 LM_HEAD_STD = 0.1
+
+#: Qwen3's vocabulary (embedding rows and head outputs; its tokenizer has 151,669 tokens).
+QWEN3_VOCAB_SIZE = 151_936
 
 #: Model families the recipes build: transformers' causal-LM classes by family.
 FAMILIES = ('qwen3', 'qwen3_moe', 'qwen3_5', 'qwen3_5_moe')
@@ -58,11 +65,18 @@ class ModelRecipe:
     experts_per_token: int = 0
     # Qwen3.5-MoE's shared expert width.
     shared_expert_size: int = 0
+    # Rows of the embedding and outputs of the head: 0 for the tokenizer's size; more, as Qwen pads
+    # its vocabulary past its tokenizer, to give the output layer a real model's width.
+    vocab_size: int = 0
+    # One matrix for the embedding and the head (Qwen3 up to 4B ties them).
+    tie_word_embeddings: bool = False
 
 
 MODEL_RECIPES: dict[str, ModelRecipe] = {
     'tiny-qwen3': ModelRecipe(128, 2, 4, 2, 32, 384),
     'small-qwen3': ModelRecipe(512, 8, 8, 4, 64, 1408),
+    # Qwen3-0.6B's width, vocabulary and tied head on 2 of its 28 layers.
+    'wide-qwen3': ModelRecipe(1024, 2, 16, 8, 128, 3072, vocab_size=QWEN3_VOCAB_SIZE, tie_word_embeddings=True),
     # Layers: linear attention, then full attention (Qwen3.5 alternates them 3:1).
     'tiny-qwen3.5': ModelRecipe(128, 2, 4, 2, 32, 384, family='qwen3_5'),
     'tiny-qwen3-moe': ModelRecipe(128, 2, 4, 2, 32, 96, family='qwen3_moe', num_experts=8, experts_per_token=2),
@@ -83,14 +97,15 @@ def recipe(name: str) -> ModelRecipe:
     return MODEL_RECIPES[name]
 
 
-def _shared_settings() -> dict[str, Any]:
-    """Config fields every family shares: the tokenizer's ids and lengths, fp32, untied head."""
+def _shared_settings(r: ModelRecipe) -> dict[str, Any]:
+    """Config fields every family shares: the tokenizer's ids and lengths, fp32; the vocabulary
+    (the tokenizer's unless the recipe widens it) and the head's tying are the recipe's."""
     return {
-        'vocab_size': tok.VOCAB_SIZE,
+        'vocab_size': r.vocab_size or tok.VOCAB_SIZE,
         'max_position_embeddings': tok.MODEL_MAX_LENGTH,
         'initializer_range': 0.02,
         'rms_norm_eps': 1e-6,
-        'tie_word_embeddings': False,
+        'tie_word_embeddings': r.tie_word_embeddings,
         'bos_token_id': tok.TOKEN_IDS[tok.PAD_TOKEN],
         'eos_token_id': tok.TOKEN_IDS[tok.EOS_TOKEN],
         'pad_token_id': tok.TOKEN_IDS[tok.PAD_TOKEN],
@@ -113,7 +128,7 @@ def qwen3_config(name: str) -> Qwen3Config:
         num_key_value_heads=r.num_key_value_heads,
         head_dim=r.head_dim,
         rope_parameters={'rope_type': 'default', 'rope_theta': 1_000_000.0},
-        **_shared_settings(),
+        **_shared_settings(r),
     )
 
 
@@ -151,7 +166,7 @@ def model_config(name: str) -> PretrainedConfig:
         'qwen3_5_moe': transformers.Qwen3_5MoeTextConfig,
     }[r.family]
     # transformers' lazy module attributes are Any to mypy, so the class is too.
-    config: PretrainedConfig = config_class(**shape, **_shared_settings())
+    config: PretrainedConfig = config_class(**shape, **_shared_settings(r))
     return config
 
 
@@ -159,7 +174,8 @@ def init_weights(model: PreTrainedModel, seed: int) -> None:
     """Fill every parameter from one seeded stream, in ``named_parameters`` order.
 
     Matrices and stacks (projections, the embedding, expert weights, the router, the short
-    convolution) ~ normal(0, initializer_range), the output head ~ normal(0, LM_HEAD_STD); vectors
+    convolution) ~ normal(0, initializer_range), an untied output head ~ normal(0, LM_HEAD_STD) (a
+    tied one is the embedding, listed once, under the embedding's name); vectors
     keep the constant their module starts with (RMSNorm scales of one, or of zero where the norm
     computes ``1 + weight``; gated deltanet's ``dt_bias`` of one), and gated deltanet's ``A_log``
     spans log 1 .. log 16 evenly (the range Qwen3.5 draws it from). Independent of transformers'
