@@ -77,13 +77,15 @@ def _assert_same(unfused: TransformersModel, fused: TransformersModel, names: li
     return got
 
 
-@pytest.mark.parametrize('layout', ['padded', 'packed', 'micro'])
+@pytest.mark.parametrize('layout', ['padded', 'packed', 'packed-by-switch', 'micro'])
 @pytest.mark.parametrize('adapter', ['head', 'body'])
 def test_cross_entropy_fused_equals_unfused(base: TransformersModel, layout: str, adapter: str) -> None:
     unfused, fused = _pair(base)
     for model in (unfused, fused):
         if layout == 'packed':
             model.set_processor('InputProcessor', padding_free=True, adapter_name=adapter)
+        else:
+            model.padding_free = layout == 'packed-by-switch'  # False: the rows padded
     kwargs = {'micro_batch_size': 1} if layout == 'micro' else {}
     want = unfused.forward_backward(inputs=ROWS, adapter_name=adapter, **kwargs).loss
     got = fused.forward_backward(inputs=ROWS, adapter_name=adapter, **kwargs).loss

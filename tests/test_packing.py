@@ -18,6 +18,7 @@ from twinkle.dataloader import DataLoader
 from twinkle.dataset import IterableDataset, PackedStream, PackingDataset
 from twinkle.dataset.packing import first_fit_decreasing, pack
 from twinkle.errors import DataError
+from twinkle.loss import CrossEntropyLoss
 from twinkle.model import AdapterCall, TransformersModel
 
 TOL = 1e-5
@@ -85,6 +86,7 @@ def test_a_packed_batch_gives_the_loss_and_gradients_of_the_rows_padded(name):
 
 def test_gradient_accumulation_over_packed_batches_stays_exact():
     padded, packed = model(), model()
+    padded.padding_free = False  # rows padded, as an adapter with its own padded processor has them
     for trainer in (padded, packed):
         trainer.groups['a'].gradient_accumulation_steps = 2
         trainer.set_optimizer('AdamW', lr=1e-2, adapter_name='a')
@@ -117,8 +119,44 @@ def test_attention_never_crosses_from_one_packed_row_into_another():
 
 def test_packed_rows_need_the_padding_free_collator():
     trainer = model()
+    trainer.padding_free = False
     with pytest.raises(DataError, match=r'position_ids restart.*padding_free=True'):
         trainer.forward_backward(inputs=pack(rows(), 48), adapter_name='a')
+    trainer.padding_free = True  # forward_backward packs, so packed rows train
+    assert trainer.forward_backward(inputs=pack(rows(), 48), adapter_name='a').loss > 0
+
+
+class ShapeRecorder(CrossEntropyLoss):
+    """Cross entropy that records the shape of the logits it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __call__(self, inputs, outputs, **kwargs):
+        self.shapes.append(tuple(outputs['logits'].shape[:2]))
+        return super().__call__(inputs, outputs, **kwargs)
+
+
+def test_padding_free_packs_forward_backward_and_gives_the_padded_numbers():
+    """With ``padding_free`` an adapter without a processor of its own has its ``forward_backward``
+    rows packed into one row (no padding computed), with the padded rows' loss and gradients;
+    ``forward`` keeps the rows padded."""
+    default, padded = model(), model()
+    assert not padded.padding_free and not default.groups['a'].processor_set  # off by default
+    default.padding_free = True
+    recorders = {}
+    for trainer in (default, padded):
+        recorders[id(trainer)] = ShapeRecorder()
+        trainer.set_loss(recorders[id(trainer)], adapter_name='a')
+    batch = rows(5)
+    loss = padded.forward_backward(inputs=batch, adapter_name='a').loss
+    assert default.forward_backward(inputs=batch, adapter_name='a').loss == pytest.approx(loss, rel=TOL)
+    assert recorders[id(default)].shapes == [(1, sum(LENGTHS))]
+    assert recorders[id(padded)].shapes == [(len(LENGTHS), max(LENGTHS))]
+    for got, want in zip(grads(default), grads(padded), strict=True):
+        assert torch.allclose(got, want, rtol=TOL, atol=TOL * float(want.abs().max()))
+    assert default.forward(inputs=batch, adapter_name='a').logits.shape[:2] == (len(LENGTHS), max(LENGTHS))
 
 
 def test_a_data_loader_takes_a_packing_dataset():

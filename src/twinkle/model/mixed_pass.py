@@ -107,7 +107,7 @@ BatchKey = tuple[type, str, int]
 def batch_key(runner: ModelRunner, group: TrainGroup) -> BatchKey | None:
     """``TransformersModel.batch_key``: the adapter's collation (processor, padding side, pad
     token); None for rows that cannot be mixed (packed rows, the full model)."""
-    processor = group.processor
+    processor = runner.processor(group)
     if group.name == FULL or processor.padding_free:
         return None
     return (type(processor), processor.padding_side, runner.template_for(group).pad_token_id)

@@ -39,6 +39,7 @@ from twinkle.model.passes import (
     with_logps,
 )
 from twinkle.model.train_group import FULL, Batch, Outputs, Pending, TrainGroup
+from twinkle.processor import InputProcessor
 from twinkle.template import Template, VisionTemplate
 from twinkle.wire import FEATURE_FIELDS
 
@@ -46,6 +47,8 @@ from twinkle.wire import FEATURE_FIELDS
 ALIGNED_FIELDS = (*(field for field in FEATURE_FIELDS if field != 'input_ids'), 'mm_token_type_ids')
 #: Batch fields a vision-language model's forward takes besides the tokens (``InputProcessor``'s).
 IMAGE_INPUTS = ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
+#: The collation ``forward_backward`` uses on a model that packs (``ModelRunner.padding_free``).
+PACKED = InputProcessor(padding_free=True)
 
 
 class ModelRunner:
@@ -81,6 +84,9 @@ class ModelRunner:
         #: layer fused, in chunks of tokens, without the logits (``output_layer``; the model's
         #: ``fused_output`` switch).
         self.fused_output = False
+        #: Whether ``forward_backward`` packs the rows of an adapter without a processor of its own
+        #: into one padding-free row (the model's ``padding_free`` switch): no compute on padding.
+        self.padding_free = False
 
     # ---- rows ---------------------------------------------------------------------------------
     def template_for(self, group: TrainGroup) -> Template:
@@ -131,10 +137,19 @@ class ModelRunner:
                 bad = low if low < 0 else high
                 raise DataError(f'input row {index} has token id {bad}, outside the vocabulary [0, {vocab})')
 
-    def collate(self, group: TrainGroup, rows: Sequence[InputFeature]) -> Batch:
+    def processor(self, group: TrainGroup, packs: bool = False) -> InputProcessor:
+        """The group's processor; the rows packed into one row instead when the pass ``packs``
+        (``forward_backward``, whose caller reads only the loss), the switch ``padding_free`` is
+        on and no processor was set for the group (``TrainGroup.processor_set``)."""
+        if packs and self.padding_free and not group.processor_set:
+            return PACKED
+        return group.processor
+
+    def collate(self, group: TrainGroup, rows: Sequence[InputFeature], packs: bool = False) -> Batch:
         """The rows as one batch on the model's device, by the group's processor and pad token."""
         pad = self.template_for(group).pad_token_id
-        return {k: v.to(self.device, non_blocking=True) for k, v in group.processor(rows, pad).items()}
+        batch = self.processor(group, packs)(rows, pad)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     # ---- the forward ----------------------------------------------------------------------------
     def prepare(self, training: bool) -> None:
@@ -158,11 +173,13 @@ class ModelRunner:
         training: bool,
         lora: bool = True,
         fused: output_layer.FusedReads | None = None,
+        packs: bool = False,
     ) -> tuple[Batch, Outputs]:
-        """The group's rows through the model (``lora=False``: the base model alone; ``fused``: see ``outputs``)."""
+        """The group's rows through the model (``lora=False``: the base model alone; ``fused``: see
+        ``outputs``; ``packs``: see ``processor``)."""
         self.parallel.check_trainable(training and group.name == FULL)
         self.prepare(training)
-        batch = self.collate(group, rows)
+        batch = self.collate(group, rows, packs)
         multi_lora.assign_rows(self.model, group.name if lora and group.name != FULL else None)
         head = group.value_head if lora else None
         outputs = self.outputs(batch, hidden_state=head is not None, fused=fused)
@@ -290,7 +307,7 @@ class ModelRunner:
         started, sums = time.perf_counter(), []
         fused = self.fused_reads([group.loss])
         for rows, chunk_inputs in chunks(features, micro_batch_size, loss_inputs):
-            batch, outputs = self.run(group, rows, training=True, fused=fused)
+            batch, outputs = self.run(group, rows, training=True, fused=fused, packs=True)
             loss = self.loss_value(group, batch, outputs, chunk_inputs)
             check_finite(group, loss, self.parallel.sum_)  # before the metrics and the gradients see it
             if self.parallel.row_share:  # a Ulysses group counts its metrics and rows once

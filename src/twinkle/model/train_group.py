@@ -168,6 +168,9 @@ class TrainGroup:
     loss: Loss = field(default_factory=CrossEntropyLoss)
     template: Template | None = None
     processor: InputProcessor = field(default_factory=InputProcessor)
+    # Whether ``set_processor`` chose ``processor``: if not, ``forward_backward`` may pack the rows
+    # instead (``ModelRunner.processor``).
+    processor_set: bool = False
     train_metrics: list[Metric] = field(default_factory=lambda: [LossMetric(), Accuracy()])
     eval_metrics: list[Metric] = field(default_factory=lambda: [LossMetric(), Accuracy()])
     stats: TrainMetric = field(default_factory=TrainMetric)
