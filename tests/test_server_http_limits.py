@@ -19,6 +19,7 @@ from server_helpers import background_server
 
 from twinkle.server.api.request_limits import TOKEN_ROUTES
 from twinkle.server.config import Limits
+from twinkle.server.store import Store
 
 #: Seconds a test socket waits for an answer or a close; the server's own timeouts are 0.5 s.
 PATIENCE_S = 30.0
@@ -196,3 +197,39 @@ def test_the_token_routes_are_routes_of_the_app(server):
     assert '/twinkle/v1/runs/{run_id}/ops/forward_backward' in native_ops
     others = {'/api/v1/forward_backward', '/api/v1/asample', '/v1/chat/completions', '/v1/completions'}
     assert tokens - native_ops == others
+
+
+@pytest.mark.parametrize(
+    ('method', 'path', 'body'),
+    [
+        ('POST', OPS_PATH, {}),  # the middleware's check before the body, then the route's
+        ('POST', '/api/v1/forward_backward', {}),  # and Tinker's check before it parses the body
+        ('GET', '/twinkle/v1/runs', None),  # no body: the route's check alone
+    ],
+)
+def test_a_request_looks_its_key_up_once(server, monkeypatch, method, path, body):
+    url, keys, background = server
+    db = background.app.state.service.store.db
+    lookups, query = [], db.query
+
+    def counted(sql, params=()):
+        if 'FROM tenants WHERE key_hash' in sql:
+            lookups.append(sql)
+        return query(sql, params)
+
+    monkeypatch.setattr(db, 'query', counted)
+    answer = httpx.request(method, f'{url}{path}', json=body, headers={'X-API-Key': keys['alice']}, timeout=PATIENCE_S)
+    assert answer.status_code in (200, 400, 404, 422), answer.text  # answered as alice: not a 401
+    assert len(lookups) == 1
+
+
+def test_a_key_removed_while_the_server_runs_is_refused_from_the_next_request_on(server):
+    # As `twinkle-server keys add/remove` does it: another connection to the server's database.
+    url, _, background = server
+    with Store(background.app.state.service.config.db_path) as store:
+        _, key = store.tenants.add('carol')
+        headers = {'X-API-Key': key}
+        assert httpx.get(f'{url}/twinkle/v1/runs', headers=headers, timeout=PATIENCE_S).status_code == 200
+        assert store.tenants.remove('carol')
+    answer = httpx.get(f'{url}/twinkle/v1/runs', headers=headers, timeout=PATIENCE_S)
+    assert answer.status_code == 401 and answer.json()['detail'] == 'unknown API key'

@@ -604,4 +604,8 @@ def test_marking_a_future_running_is_not_synced_alone_and_leaves_later_writes_sy
     assert store.futures.get(tenant.id, record.id).status == 'running'
     assert store.db.query('PRAGMA synchronous')[0][0] == 2  # FULL again for every later write
     assert store.futures.fail_unfinished('restarted') == 1  # what a restart does with it, as with a pending one
+    done = store.futures.create(tenant.id, None, 'forward_backward')  # created and finished unsynced too
+    assert store.futures.finish(done.id, {'loss': 1.5})
+    assert store.db.query('PRAGMA synchronous')[0][0] == 2
+    assert store.futures.get(tenant.id, done.id).result == {'loss': 1.5}
     store.close()

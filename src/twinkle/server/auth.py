@@ -26,6 +26,9 @@ KEY_PREFIX = 'tml-'
 _HASHED = re.compile(r'sha256:([0-9a-f]{64})')
 #: Keys a caller brings must be as unguessable as ours, since they are only hashed with SHA-256.
 MIN_KEY_LENGTH = 32
+#: Where a request's ASGI scope keeps the tenant its key names (None: no tenant has it) once looked
+#: up, so that ``HttpLimits`` and the routes' ``key_holder`` look it up once between them.
+TENANT_KEY = 'twinkle.tenant'
 
 
 def new_api_key() -> str:

@@ -18,6 +18,12 @@ from twinkle.server.config import ServerConfig
 
 #: Seconds ``BackgroundServer.stop`` waits for the server thread: its adapters are saved first.
 STOP_TIMEOUT_S = 30.0
+#: Seconds a thread that wants the GIL waits before the one holding it must let go, in the process
+#: ``serve`` runs (CPython's default: 0.005). The event loop answers requests while the worker thread
+#: and the store's threads run Python; at 5 ms a small request waits for them (get_train_configs'
+#: round trip fell from 9.4 to 6.9 ms with 0.5 ms, on 2 cores shared with other work). Not set for
+#: ``BackgroundServer``, whose process is the caller's.
+SWITCH_INTERVAL_S = 0.0005
 
 
 def load_config(args: argparse.Namespace) -> ServerConfig:
@@ -44,6 +50,7 @@ def serve(config: ServerConfig, log_level: str = 'info') -> None:
     from twinkle.server.app import create_app
 
     options = uvicorn_options(config.limits)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level, **options)
 
 

@@ -7,19 +7,26 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from twinkle.errors import UnauthorizedError
-from twinkle.server.auth import key_from_headers
+from twinkle.server.auth import TENANT_KEY, key_from_headers
 from twinkle.server.service import Service
 from twinkle.server.store import Tenant
 
 
 def key_holder(request: Request) -> Tenant:
     """The tenant whose API key the request carries (``Authorization: Bearer <key>`` or
-    ``X-API-Key: <key>``); 401 without a known one. A route may call it before it reads the body."""
+    ``X-API-Key: <key>``); 401 without a known one. A route may call it before it reads the body.
+
+    The key is looked up once per request: what ``HttpLimits`` or an earlier call found is kept in
+    the request's scope (``TENANT_KEY``). Only within one request: a key removed while the server
+    runs (``twinkle-server keys remove``, from another process) is refused from the next request on."""
     key = key_from_headers(request.headers)
     if not key:
         raise UnauthorizedError('missing API key: send "Authorization: Bearer <key>" or "X-API-Key: <key>"')
-    service: Service = request.app.state.service
-    found = service.store.tenants.for_key(key)
+    if TENANT_KEY in request.scope:
+        found: Tenant | None = request.scope[TENANT_KEY]
+    else:
+        service: Service = request.app.state.service
+        found = request.scope[TENANT_KEY] = service.store.tenants.for_key(key)
     if found is None:
         raise UnauthorizedError('unknown API key')
     return found

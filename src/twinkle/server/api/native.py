@@ -65,7 +65,8 @@ Page = Annotated[int, Query(ge=0, lt=SQLITE_INT_LIMIT)]
 def native_router(service: Service) -> APIRouter:
     """The routes of the native API over ``service``."""
     router = APIRouter(prefix=PREFIX, tags=['native'], responses=error_responses(400, 401, 404, 409, 422, 429))
-    _run_routes(router, service)
+    # Routes are matched in order, twice a request: the ones every step calls come first.
+    _future_routes(router, service)
     for name, spec in OPERATIONS.items():
         router.add_api_route(
             f'/runs/{{run_id}}/ops/{name}',
@@ -77,9 +78,9 @@ def native_router(service: Service) -> APIRouter:
             summary=f'Queue {name} on the run',
         )
     _unknown_operation_route(router, service)
+    _run_routes(router, service)
     _checkpoint_routes(router, service)
     _sample_route(router, service)
-    _future_routes(router, service)
     return router
 
 
@@ -290,8 +291,10 @@ def _future_routes(router: APIRouter, service: Service) -> None:
         record = service.store.futures.get(who.id, future_id)
         if record is None:
             raise NotFoundError(f'request {future_id!r} not found')
+        if record.finished or wait <= 0:  # a finished future never changes: nothing to wait for or read again
+            return record.model_dump()
         job = service.job(future_id)
-        if job is not None and wait > 0:
+        if job is not None:
             await wait_job(job, min(wait, MAX_WAIT_S))
             record = service.store.futures.get(who.id, future_id) or record
         return record.model_dump()

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from twinkle.server.api.errors import answer_framework_error
-from twinkle.server.auth import key_from_headers
+from twinkle.server.auth import TENANT_KEY, key_from_headers
 from twinkle.server.config import Limits
 
 #: Routes whose bodies carry tokens and take up to ``max_body_bytes``: the native operations
@@ -94,7 +94,7 @@ class _Request:
         self.withheld = False  # the app was shown an empty body in place of this one
 
     async def serve(self) -> None:
-        known = self.body_done or (self.key is not None and self.middleware.tenant_for_key(self.key) is not None)
+        known = self.body_done or (self.key is not None and self.tenant() is not None)
         receive = self.receive if known else self.empty_body  # unknown: the route's key check answers 401
         try:
             await self.middleware.app(self.scope, receive, self.send)
@@ -103,6 +103,13 @@ class _Request:
                 raise
         if self.refusal is not None and not self.started:
             await self.answer(self.refusal)
+
+    def tenant(self) -> object | None:
+        """The tenant of the request's key, looked up once: kept in the scope under ``TENANT_KEY``
+        for the routes' key check (``deps.key_holder``), which then makes no second lookup."""
+        tenant = self.middleware.tenant_for_key(self.key) if self.key is not None else None
+        self.scope[TENANT_KEY] = tenant
+        return tenant
 
     async def receive(self) -> Message:
         """The next chunk of the body, counted against the cap and waited for at most the timeout."""

@@ -7,8 +7,9 @@ share one connection and its lock (``database.py``); the schema and its migratio
 run once when the store opens.
 
 Every write is its own transaction, committed with ``synchronous=FULL`` in WAL mode before the method
-returns, so a row the server has acknowledged survives a ``kill -9`` (and a power cut); the one
-exception, a future marked running, is synced by the next write, and a restart fails it anyway. Every read is
+returns, so a row the server has acknowledged survives a ``kill -9`` (and a power cut); the exceptions,
+a future's writes and a run's step figures, survive a ``kill -9`` too (a WAL commit is in the file once
+it returns) and are synced by the next durable write (``futures.py``, ``history.py``). Every read is
 scoped by tenant: another tenant's run, checkpoint or future reads as None, exactly like one that does
 not exist, so the server answers 404 for both and leaks nothing.
 

@@ -2,6 +2,12 @@
 
 A future is written pending, moved to running, then finished once (done or failed); a finished future
 never changes again, so a worker that completes late cannot overwrite what the client was told.
+
+A future's own writes are committed without an fsync (``durable=False``): a WAL commit survives the
+server's death (``kill -9``) all the same, and only an operating-system crash or a power cut may lose
+the last ones, as it loses the model's state they describe; the next durable commit syncs them. Two
+fsyncs on every request's path cost more than a small request itself. A save settles its future in
+the durable transaction of its checkpoint's row (``Store.transaction``), which decides for both.
 """
 
 from __future__ import annotations
@@ -59,14 +65,15 @@ class Futures(Aggregate):
             self._db.execute(
                 "INSERT INTO futures (id, tenant_id, run_id, op, status, created_at) VALUES (?, ?, ?, ?, 'pending', ?)",
                 (future.id, tenant_id, run_id, op, future.created_at),
+                durable=False,
             )
         except sqlite3.IntegrityError as exc:
             raise StateError(f'Tenant {tenant_id!r} has no run {run_id!r} to start {op!r} on') from exc
         return future
 
     def set_running(self, future_id: str) -> bool:
-        """Move a pending future to running; False if it was not pending. Not synced to disk on its
-        own: after a crash, ``fail_unfinished`` fails a running future as it does a pending one."""
+        """Move a pending future to running; False if it was not pending. After a crash,
+        ``fail_unfinished`` fails a running future as it does a pending one."""
         sql = "UPDATE futures SET status = 'running' WHERE id = ? AND status = 'pending'"
         return self._db.execute(sql, (future_id,), durable=False) > 0
 
@@ -91,7 +98,8 @@ class Futures(Aggregate):
             'UPDATE futures SET status = ?, result_json = ?, error = ?, category = ?, finished_at = ? '
             "WHERE id = ? AND status IN ('pending', 'running')"
         )
-        return self._db.execute(sql, (status, result_json, error, category, self._db.clock(), future_id)) > 0
+        values = (status, result_json, error, category, self._db.clock(), future_id)
+        return self._db.execute(sql, values, durable=False) > 0
 
     def get(self, tenant_id: str, future_id: str) -> FutureRecord | None:
         rows = self._db.query('SELECT * FROM futures WHERE id = ? AND tenant_id = ?', (future_id, tenant_id))

@@ -14,7 +14,6 @@ seq_id)`` gets the request id it got the first time. A Tinker model is a run of 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -175,8 +174,8 @@ class TinkerAPI:
         if group.queued(who.id) >= limit:  # per model, as the native API's queue limit
             raise QueueFullError(who.name, limit, retry_after_s=2.0)
         if run_id is not None:
-            await asyncio.to_thread(service.touch, run_id)  # an active run is not idle
-        record = await asyncio.to_thread(service.store.futures.create, who.id, run_id, operation)
+            await service.touch(run_id)  # an active run is not idle
+        record = service.store.futures.create(who.id, run_id, operation)  # no fsync (futures.py): on the loop
         if key is not None:
             requests[key] = record.id
             if len(requests) > REMEMBERED_REQUESTS:
