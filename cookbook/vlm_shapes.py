@@ -11,14 +11,21 @@ learns, from the image tokens, which colour word to write. GRPO needs the first:
 and frozen, and after 80 steps on the captions a model answers the colour questions at chance
 (1 in 6), where RL finds no signal (measured in docs/images.md, "A recipe").
 
-Phase 2, GRPO: the same adapter on the colour questions. ``TorchSampler`` samples ``--group-size``
-answers per picture; the reward is 1 when the answer names the picture's colour (the row's
-``answer``) and no other colour, else 0. Group-normalised advantages and GRPO's clipped
-policy-gradient loss raise the right colour's probability; the adapter is synced to the sampler
-after each step. The mean reward is printed each step, and the greedy accuracy on the test split's
-colour questions before and after.
+Phase 2, GRPO: the same adapter on ``--grpo-pool`` colour questions (the first 32 pictures of the
+train split). ``TorchSampler`` samples ``--group-size`` answers per picture; the reward is 1 when
+the answer names the picture's colour (the row's ``answer``) and no other colour, else 0.
+Group-normalised advantages and GRPO's clipped policy-gradient loss raise the right colour's
+probability; the adapter is synced to the sampler after each step. The mean reward is printed each
+step, and the greedy accuracy on the test split's colour questions before and after.
 
-    python cookbook/vlm_shapes.py                        # both phases, about 2 minutes on 2 idle cores
+After 40 SFT steps the model answers about as well as chance (1 in 6 colours), so GRPO starts
+with a low reward and room to rise. Measured (10-step means of the reward, steps 1-10 and 71-80):
+seed 0 0.32 -> 0.53, seed 1 0.20 -> 0.49; on all 164 pictures (``--grpo-pool 0``) seed 0 rose
+0.20 -> 0.43 while the same draws at ``--grpo-lr 0`` stayed at 0.21-0.28, but seeds 1 and 2 did
+not rise within 80 steps: with a random frozen tower a picture's colour is learnt picture by
+picture, which a small pool repeats often enough.
+
+    python cookbook/vlm_shapes.py                        # both phases, about 1 minute on 2 idle cores
     python cookbook/vlm_shapes.py --phase sft --sft-task caption --sft-steps 80
     python cookbook/vlm_shapes.py --seed 1 --output run.json   # the per-step log as JSON
 """
@@ -57,14 +64,15 @@ SFT_TASKS = ('colour', 'caption')
 class Config:
     phase: str = 'both'
     sft_task: str = 'colour'  # or 'caption'
-    sft_steps: int = 150
+    sft_steps: int = 40
     sft_batch_size: int = 8
     sft_lr: float = 2e-3
-    grpo_steps: int = 40
+    grpo_steps: int = 80
+    grpo_pool: int = 32  # GRPO's prompts: the first this many colour questions of the train split (0: all 164)
     prompts_per_step: int = 8
     group_size: int = 8
     max_tokens: int = 10
-    grpo_lr: float = 1e-3
+    grpo_lr: float = 5e-4
     lora_rank: int = 16
     temperature: float = 1.0
     top_k: int = 8  # sample among the 8 likeliest tokens: the untrained tail is noise, the colours are in the top
@@ -128,7 +136,7 @@ def sft(model: TransformersModel, config: Config, history: History) -> None:
 def grpo(model: TransformersModel, config: Config, history: History) -> None:
     """GRPO on the colour questions, sampling from a ``TorchSampler`` synced to the adapter; the
     greedy accuracy on the held-out colour questions before and after."""
-    rows = shapes('colour')
+    rows = shapes('colour')[: config.grpo_pool or None]
     model.set_optimizer('AdamW', lr=config.grpo_lr)
     model.set_loss('GRPOLoss', epsilon=0.2, beta=0.0)
     sampler = TorchSampler(assets.tiny_model(config.model), device='cpu')
