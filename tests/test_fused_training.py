@@ -225,3 +225,43 @@ def test_the_switch_refuses_a_non_bool(base: TransformersModel) -> None:
     model = copy.deepcopy(base)
     with pytest.raises(ConfigurationError, match="fused_output must be True or False; got 'yes'"):
         model.fused_output = 'yes'  # type: ignore[assignment]
+
+
+def test_a_head_lora_with_dropout_runs_unfused_even_after_an_evaluation_pass(tiny_model_dir: str) -> None:
+    # forward_only leaves the model in eval mode, where dropout is off: the choice of the fused
+    # layer is made after the training pass has set train mode, so the head's dropout is kept.
+    model = TransformersModel(model_id=tiny_model_dir, device='cpu', fused_output=True)
+    model.add_adapter_to_model('drop', LoraConfig(r=4, target_modules=['lm_head'], lora_dropout=0.1))
+    recorder = _Recorder('logps')
+    model.set_loss(recorder, adapter_name='drop')
+    model.forward_only(inputs=ROWS, adapter_name='drop')
+    model.forward_backward(inputs=ROWS, adapter_name='drop')
+    assert 'logits' in recorder.seen[-1] and 'logps' not in recorder.seen[-1]
+
+
+def test_models_whose_logits_are_more_than_the_projection_run_unfused() -> None:
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from twinkle.model.output_layer import fusable
+
+    sizes = {'vocab_size': 64, 'hidden_size': 16, 'intermediate_size': 32, 'num_hidden_layers': 1}
+    heads = {'num_attention_heads': 2, 'num_key_value_heads': 1, 'head_dim': 8}
+    assert fusable(Qwen3ForCausalLM(Qwen3Config(**sizes, **heads)))
+    capped = Gemma2ForCausalLM(Gemma2Config(**sizes, **heads, final_logit_softcapping=30.0))
+    assert not fusable(capped)  # Gemma caps its logits after the head: the fused layer would not
+    assert fusable(Gemma2ForCausalLM(Gemma2Config(**sizes, **heads, final_logit_softcapping=None)))
+
+
+def test_bf16_weights_without_autocast_and_a_float32_head_lora(tiny_model_dir: str) -> None:
+    # Adapters on a bf16 base are float32 (as peft makes them): the fused layer runs the LoRA in
+    # its own dtype, as the unfused layer does.
+    losses = []
+    for fused in (False, True):
+        model = TransformersModel(
+            model_id=tiny_model_dir, device='cpu', dtype=torch.bfloat16, mixed_precision='no', fused_output=fused
+        )
+        torch.manual_seed(0)
+        model.add_adapter_to_model('head', ADAPTERS['head'])
+        losses.append(model.forward_backward(inputs=ROWS, adapter_name='head').loss)
+        assert all(p.dtype == torch.float32 and p.grad is not None for p in model.groups['head'].params)
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)

@@ -53,7 +53,8 @@ class Loss:
     #: the labels' ``logps`` lets a model built with ``fused_output=True`` compute them in chunks of
     #: tokens, without the ``[batch, seq, vocab]`` logits (``twinkle.model.fused_output``): then
     #: ``outputs`` holds ``logps`` (with gradient, 0 at ignored labels), ``hits`` (the label is the
-    #: argmax) and, for ``'logps+entropy'``, ``entropy``, and no ``logits``.
+    #: argmax) and, for ``'logps+entropy'``, ``entropy``, and no ``logits``. It is inherited: a
+    #: subclass of such a loss that reads the logits sets ``output_reads = 'logits'`` again.
     output_reads: ClassVar[OutputReads] = 'logits'
 
     @property

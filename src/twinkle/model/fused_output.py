@@ -153,7 +153,8 @@ class _Head:
             z_cV.add_(self.bias.float())
         u_cr = None
         if self.lora_a is not None and self.lora_b is not None:
-            u_cr = x_cH @ self.lora_a.T
+            # In the LoRA's own dtype, as the unfused layer runs it (float32 adapters on a bf16 base).
+            u_cr = x_cH.to(self.lora_a.dtype) @ self.lora_a.T
             if z_cV.dtype == u_cr.dtype:
                 z_cV.addmm_(u_cr, self.lora_b.T, alpha=self.scale)
             else:
@@ -227,8 +228,8 @@ def _backward_chunk(
     if acc.bias is not None:
         acc.bias.add_(grad_cV.sum(dim=0))
     if head.lora_a is not None and head.lora_b is not None and u_cr is not None:
-        gb_cr = g_cV @ head.lora_b
-        grad_x_cH.add_(gb_cr @ head.lora_a, alpha=head.scale)
+        gb_cr = grad_cV.to(head.lora_b.dtype) @ head.lora_b
+        grad_x_cH.add_((gb_cr @ head.lora_a).to(grad_x_cH.dtype), alpha=head.scale)
         if acc.lora_a is not None:
             acc.lora_a.addmm_(gb_cr.float().T, x32_cH, alpha=head.scale)
         if acc.lora_b is not None:

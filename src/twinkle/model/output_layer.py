@@ -23,10 +23,20 @@ from twinkle.model.multi_lora import MultiLoraLinear
 FusedReads = Literal['logps', 'logps+entropy']
 
 
+#: Config fields of models whose logits are more than the head's projection of the last hidden
+#: states (Gemma's soft cap, Cohere's scale, Granite's divisor, Falcon-H1's and MiniCPM3's
+#: multipliers): the fused layer would train on other numbers, so such a model runs unfused.
+LOGIT_TRANSFORMS = ('final_logit_softcapping', 'logit_scale', 'logits_scaling', 'lm_head_multiplier')
+
+
 def fusable(model: nn.Module) -> bool:
-    """Whether the model's head can run fused: a plain linear layer (or one wrapped for LoRA) whose
-    weight is a whole tensor on this process, with no LoRA dropout on the head (the fused layer
-    applies none)."""
+    """Whether the model's head can run fused: its logits are the head's projection of the last
+    hidden state (no ``LOGIT_TRANSFORMS``, the final norm inside ``hidden_states[-1]``), the head a
+    plain linear layer (or one wrapped for LoRA) whose weight is a whole tensor on this process,
+    with no LoRA dropout on the head (the fused layer applies none; the model's train or eval mode
+    must be set first)."""
+    if not _plain_logits(getattr(model, 'config', None)):
+        return False
     head = _head(model)
     if isinstance(head, MultiLoraLinear):
         if any(adapter.active_dropout for adapter in map(head.adapter, head.adapters)):
@@ -59,15 +69,17 @@ def head_outputs(
     # Under autocast the head runs in autocast's dtype, as the unfused head would; the fused
     # function's backward recomputes the logits, so it gets its tensors cast already, not autocast.
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    weight = _cast(base.weight, dtype)  # once: every group of rows shares the cast head
+    bias = None if base.bias is None else _cast(base.bias, dtype)
     parts: list[tuple[torch.Tensor | None, dict[str, torch.Tensor]]] = []
     for lora, idx in _row_groups(layer, rows):
         x_BSH, y_BS = (hidden_BSH, labels_BS) if idx is None else (hidden_BSH[idx], labels_BS[idx])
         with torch.autocast(device, enabled=False):
             out = fused_token_logprobs(
                 _cast(x_BSH.reshape(-1, hidden), dtype),
-                _cast(base.weight, dtype),
+                weight,
                 y_BS.reshape(-1),
-                bias=None if base.bias is None else _cast(base.bias, dtype),
+                bias=bias,
                 lora=None if lora is None else HeadLora(_cast(lora.a, dtype), _cast(lora.b, dtype), lora.scale),
                 chunk_size=chunk_size,
                 with_entropy=with_entropy,
@@ -77,6 +89,19 @@ def head_outputs(
     if len(parts) == 1 and parts[0][0] is None:
         return parts[0][1]
     return {key: _scatter_rows(labels_BS, [(idx, found[key]) for idx, found in parts]) for key in parts[0][1]}
+
+
+def _plain_logits(config: object) -> bool:
+    """Whether a model of ``config`` (or of its text config) computes its logits as the head's
+    projection of ``hidden_states[-1]`` and nothing more."""
+    for part in (config, getattr(config, 'text_config', None)):
+        if part is None:
+            continue
+        if any(getattr(part, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+            return False
+        if getattr(part, 'tie_last_hidden_states', True) is False:  # hidden_states[-1] before the final norm
+            return False
+    return True
 
 
 def _head(model: nn.Module) -> nn.Module | None:

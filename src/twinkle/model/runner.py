@@ -305,6 +305,8 @@ class ModelRunner:
         """Forward, loss and backward of the rows, in chunks of ``micro_batch_size`` (one micro
         step either way); a NaN or infinite loss raises ``DataError`` before its backward."""
         started, sums = time.perf_counter(), []
+        self.parallel.check_trainable(group.name == FULL)
+        self.prepare(training=True)  # the mode (LoRA dropout) and the shards fused_reads looks at
         fused = self.fused_reads([group.loss])
         for rows, chunk_inputs in chunks(features, micro_batch_size, loss_inputs):
             batch, outputs = self.run(group, rows, training=True, fused=fused, packs=True)
