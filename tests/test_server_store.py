@@ -604,8 +604,20 @@ def test_marking_a_future_running_is_not_synced_alone_and_leaves_later_writes_sy
     assert store.futures.get(tenant.id, record.id).status == 'running'
     assert store.db.query('PRAGMA synchronous')[0][0] == 2  # FULL again for every later write
     assert store.futures.fail_unfinished('restarted') == 1  # what a restart does with it, as with a pending one
+    statements: list[str] = []
+    store.db._connection().set_trace_callback(statements.append)
     done = store.futures.create(tenant.id, None, 'forward_backward')  # created and finished unsynced too
     assert store.futures.finish(done.id, {'loss': 1.5})
+    store.db._connection().set_trace_callback(None)
+    writes = [
+        s.split(' ', 2)[0] + ' ' + s.split(' ', 2)[1]
+        for s in statements
+        if s.startswith(('PRAGMA sync', 'INSERT', 'UPDATE'))
+    ]
+    assert writes == [
+        'PRAGMA synchronous=NORMAL', 'INSERT INTO', 'PRAGMA synchronous=FULL',
+        'PRAGMA synchronous=NORMAL', 'UPDATE futures', 'PRAGMA synchronous=FULL',
+    ]  # fmt: skip
     assert store.db.query('PRAGMA synchronous')[0][0] == 2
     assert store.futures.get(tenant.id, done.id).result == {'loss': 1.5}
     store.close()
