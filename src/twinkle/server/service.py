@@ -177,7 +177,9 @@ class Service:
         """Queue ``fn`` on ``group``'s worker as the job of a future: a new one recorded for
         ``run_id``, or ``future_id`` (recorded already). With ``batch`` it may share a pass with
         other tenants' jobs. An ``internal`` job (the server's own, such as releasing an idle
-        adapter) is not held to the tenant's queue limit."""
+        adapter) is not held to the tenant's queue limit. Routes call it on the event loop: the
+        future's row is committed without an fsync (``store/futures.py``), in less time than a hop to
+        a thread and back would take."""
         if future_id is None:
             future_id = self.store.futures.create(tenant.id, run_id, operation).id
         try:
@@ -189,19 +191,6 @@ class Service:
             raise
         self.queued.set(self.queued_jobs())
         return job
-
-    async def submit_async(
-        self,
-        tenant: Tenant,
-        group: ModelGroup,
-        run_id: str | None,
-        operation: str,
-        fn: Callable[[], object],
-        batch: Batchable | None = None,
-    ) -> Job:
-        """``submit`` from a route, on the event loop: the future's row is committed without an
-        fsync (``store/futures.py``), in less time than a hop to a thread and back would take."""
-        return self.submit(tenant, group, run_id, operation, fn, batch)
 
     def job(self, job_id: str) -> Job | None:
         """The job of a future, on whichever group runs it (None once forgotten)."""

@@ -107,7 +107,7 @@ def _run_routes(router: APIRouter, service: Service) -> None:
         def add() -> None:
             group.add_run(run, body.lora, gradient_accumulation_steps=body.gradient_accumulation_steps, seed=body.seed)
 
-        job = await service.submit_async(who, group, run.id, 'create_run', add)
+        job = service.submit(who, group, run.id, 'create_run', add)
         await wait_job(job, None)
         if job.error is not None:
             service.store.runs.set_status(run.id, 'deleted')
@@ -155,7 +155,7 @@ def _operation_endpoint(
             sampler = group.sampler
             if not kwargs.get('base_model', False):
                 sampler.weights_of(run)  # a 409 now if the run has none yet
-            future = await service.submit_async(who, group, run_id, name, lambda: sampler.sample_run(run, kwargs))
+            future = service.submit(who, group, run_id, name, lambda: sampler.sample_run(run, kwargs))
             return FutureAccepted(future_id=future.id)
 
         def compute() -> JsonValue:
@@ -165,7 +165,7 @@ def _operation_endpoint(
             return result
 
         batch = group.mixable(run, name, kwargs)
-        return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, name, compute, batch)).id)
+        return FutureAccepted(future_id=service.submit(who, group, run_id, name, compute, batch).id)
 
     signature = inspect.signature(operation)
     body = signature.parameters['body'].replace(annotation=spec)
@@ -200,7 +200,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
             return group.save_checkpoint(run, 'training', body.name, answer, save_optimizer=body.save_optimizer)
 
-        return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'save', write)).id)
+        return FutureAccepted(future_id=service.submit(who, group, run_id, 'save', write).id)
 
     @router.post('/runs/{run_id}/load', status_code=202, response_model=FutureAccepted)
     async def load(run_id: str, body: LoadRequest, who: Who) -> FutureAccepted:
@@ -215,7 +215,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
             group.load(run, Path(now.path), body.load_optimizer, body.path)
             return now.twinkle_path
 
-        return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'load', read)).id)
+        return FutureAccepted(future_id=service.submit(who, group, run_id, 'load', read).id)
 
     @router.post('/runs/{run_id}/sync_sampler', status_code=202, response_model=FutureAccepted)
     async def sync_sampler(run_id: str, who: Who) -> FutureAccepted:
@@ -230,7 +230,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
             return group.save_checkpoint(run, 'sampler', SYNC_NAME, answer, save_optimizer=False)
 
-        return FutureAccepted(future_id=(await service.submit_async(who, group, run_id, 'sync_sampler', write)).id)
+        return FutureAccepted(future_id=service.submit(who, group, run_id, 'sync_sampler', write).id)
 
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
@@ -281,7 +281,7 @@ def _sample_route(router: APIRouter, service: Service) -> None:
             folder = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
             return group.sample_weights(inputs, body.sampling_params, folder, path)
 
-        return FutureAccepted(future_id=(await service.submit_async(who, group, None, 'sample', run)).id)
+        return FutureAccepted(future_id=service.submit(who, group, None, 'sample', run).id)
 
 
 # ---- futures --------------------------------------------------------------------------------------

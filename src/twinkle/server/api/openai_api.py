@@ -462,7 +462,7 @@ async def sampled(
         weights = SavedWeights(service.folder_now(who, checkpoint, body.model), body.model)
         return group.sample_chat(replace(request, weights=weights))
 
-    job = await service.submit_async(who, group, None, operation, sample)
+    job = service.submit(who, group, None, operation, sample)
     await wait_job(job, None)
     if job.error is not None:
         raise job.error
