@@ -21,11 +21,14 @@ aggregation (``loss_type='grpo'``: each sequence's token mean, averaged over the
   float32 log-softmax gathered at the labels, the reference's the same way from a second forward
   under ``disable_adapter()`` and ``no_grad()``, ratio, clipped surrogate, k3 KL, entropy,
   backward, clip, AdamW step.
-* one row per twinkle variant of ``--switches`` (default: all four): ``lora_overhead.TwinkleLoop``
+* one row per twinkle variant of ``--switches`` (default: all six): ``lora_overhead.TwinkleLoop``
   (for GRPO ``TwinkleGRPOLoop``: ``set_loss('GRPOLoss', epsilon=0.2, beta=0.04)``,
   ``add_metric('GRPOMetric')``) with the keywords ``VARIANTS`` gives the variant: ``plain``
   (``fused_output=False, padding_free=False``), ``fused`` (the fused output layer alone),
-  ``packed`` (padding-free alone: the batch's rows packed into one row) and ``both``. A keyword
+  ``packed`` (padding-free alone: the batch's rows packed into one row), ``both`` (fused and
+  packed), ``compiled`` (``compile_layers=True`` alone: each decoder layer through
+  ``torch.compile``; the compiles happen in the warm-up step, whose time ``warmup_s`` records) and
+  ``all`` (the three switches). A keyword
   ``TransformersModel.__init__`` does not take yet makes the row "n/a (switch missing)" rather
   than an error.
 
@@ -109,6 +112,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'fused': {'fused_output': True, 'padding_free': False},
     'packed': {'fused_output': False, 'padding_free': True},
     'both': {'fused_output': True, 'padding_free': True},
+    'compiled': {'fused_output': False, 'padding_free': False, 'compile_layers': True},
+    'all': {'fused_output': True, 'padding_free': True, 'compile_layers': True},
 }
 #: The training steps ``--loss`` can name, and how the output names them.
 LOSSES = ('sft', 'grpo')

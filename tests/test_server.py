@@ -211,3 +211,28 @@ def test_bad_requests_get_a_4xx_that_names_the_problem_and_the_server_keeps_serv
     assert error.value.category == 'user'
     assert model.forward_backward(inputs=batches[0]).loss > 0
     assert httpx.get(f'{url}/healthz').status_code == 200
+
+
+def test_a_compute_request_sent_with_wait_is_answered_with_its_result_in_one_round_trip(server, batches):
+    url, keys, _ = server
+    client = TwinkleClient(url, keys['bob'])
+    model = MultiLoraTransformersModel(client=client)
+    run_id = model.add_adapter_to_model('waited', lora(4))
+    ops = f'/twinkle/v1/runs/{run_id}/ops'
+    sent: list[str] = []
+    client.http.event_hooks['request'].append(lambda request: sent.append(f'{request.method} {request.url.path}'))
+    configs = model.get_train_configs()
+    assert run_id in configs and sent == [f'POST {ops}/get_train_configs']  # no poll of the future followed
+    answer = client.http.post(f'{ops}/forward_backward', params={'wait': 30}, json={'inputs': batches[0]})
+    assert answer.status_code == 202
+    future = answer.json()['future']
+    assert future['id'] == answer.json()['future_id'] and future['status'] == 'done'
+    assert future['result']['loss'] > 0
+    # A request that fails as it runs is answered with its error; without wait, with the id alone.
+    failed = client.http.post(f'{ops}/calculate_loss', params={'wait': 30}, json={})  # no forward_only to score
+    assert failed.json()['future']['status'] == 'failed' and failed.json()['future']['category'] == 'user'
+    assert failed.json()['future']['error'].startswith('StateError: calculate_loss() needs a forward_only() first')
+    assert client.http.post(f'{ops}/get_train_configs', json={}).json()['future'] is None
+    for wait in ('-1', 'nan', 'soon'):
+        refused = client.http.post(f'{ops}/get_train_configs', params={'wait': wait}, json={})
+        assert refused.status_code == 422 and 'wait' in refused.text, (wait, refused.text)

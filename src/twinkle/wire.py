@@ -280,12 +280,6 @@ class Deleted(Answer):
     deleted: bool
 
 
-class FutureAccepted(Answer):
-    """A compute request was queued; ``GET /twinkle/v1/futures/{future_id}`` follows it."""
-
-    future_id: str
-
-
 class FutureInfo(Answer):
     id: str
     tenant_id: str
@@ -299,6 +293,15 @@ class FutureInfo(Answer):
     category: str | None = None
     created_at: float
     finished_at: float | None = None
+
+
+class FutureAccepted(Answer):
+    """A compute request was queued; ``GET /twinkle/v1/futures/{future_id}`` follows it. A request
+    sent with ``?wait=`` seconds is answered once its future settles or the wait ends: ``future``
+    is then the future as it stands (settled: its result or error, with no poll to follow)."""
+
+    future_id: str
+    future: FutureInfo | None = None
 
 
 class ServerInfo(Answer):

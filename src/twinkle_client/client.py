@@ -32,6 +32,9 @@ from twinkle.wire import (
 )
 
 PREFIX = '/twinkle/v1'
+#: Most seconds one request waits for a compute request to settle (the server's longest wait is
+#: 60 s); half the client's ``timeout`` when that is shorter.
+WAIT_S = 30.0
 Wire = TypeVar('Wire', bound=BaseModel)
 _default: TwinkleClient | None = None
 
@@ -88,6 +91,7 @@ class TwinkleClient:
             base_url=self.base_url, headers={'Authorization': f'Bearer {api_key}'}, timeout=timeout
         )
         self.max_retries = max_retries
+        self.wait_s = min(WAIT_S, timeout / 2)
 
     # ---- plumbing -------------------------------------------------------------------------------
     def request(
@@ -107,24 +111,31 @@ class TwinkleClient:
 
     def submit(self, path: str, body: BaseModel | dict[str, JsonValue]) -> str:
         """Queue a compute request (a ``twinkle.wire`` model, or its JSON); its future id."""
+        return self._post_compute(path, body, wait=0.0).future_id
+
+    def _post_compute(self, path: str, body: BaseModel | dict[str, JsonValue], wait: float) -> FutureAccepted:
+        """POST a compute request. With ``wait`` > 0 the server answers once the request settles
+        or ``wait`` seconds pass, with the future in the answer."""
         content = body.model_dump(mode='json') if isinstance(body, BaseModel) else body
-        return FutureAccepted.model_validate(self.request('POST', path, json=content)).future_id
+        params = {'wait': wait} if wait > 0 else None
+        return FutureAccepted.model_validate(self.request('POST', path, json=content, params=params))
 
     def result(self, future_id: str) -> JsonValue:
         """Wait for a compute request; its result, or ``RemoteError`` if it failed."""
         while True:
             record = FutureInfo.model_validate(
-                self.request('GET', f'{PREFIX}/futures/{future_id}', params={'wait': 30})
+                self.request('GET', f'{PREFIX}/futures/{future_id}', params={'wait': self.wait_s})
             )
-            if record.status == 'done':
-                return record.result
-            if record.status == 'failed':
-                message = record.error or 'the request failed'
-                named = re.match(r'(\w+): ', message)  # the server writes 'ClassName: message'
-                raise remote_error(message, 200, record.category or 'server', named[1] if named else None)
+            if (settled := _settled(record)) is not None:
+                return settled.result
 
     def call(self, path: str, body: BaseModel | dict[str, JsonValue]) -> JsonValue:
-        return self.result(self.submit(path, body))
+        """A compute request and its result: one round trip when it settles within ``wait_s``
+        (the request waits for it), polls of its future after that."""
+        accepted = self._post_compute(path, body, wait=self.wait_s)
+        if accepted.future is not None and (settled := _settled(accepted.future)) is not None:
+            return settled.result
+        return self.result(accepted.future_id)
 
     def close(self) -> None:
         self.http.close()
@@ -203,6 +214,17 @@ class TwinkleClient:
         if name is None:
             run_id_or_path, name = parse_twinkle_path(run_id_or_path)
         self.request('DELETE', f'{PREFIX}/runs/{run_id_or_path}/checkpoints/{name}')
+
+
+def _settled(record: FutureInfo) -> FutureInfo | None:
+    """``record`` if it is done, None while it runs; a failed one raises ``RemoteError``."""
+    if record.status == 'done':
+        return record
+    if record.status == 'failed':
+        message = record.error or 'the request failed'
+        named = re.match(r'(\w+): ', message)  # the server writes 'ClassName: message'
+        raise remote_error(message, 200, record.category or 'server', named[1] if named else None)
+    return None
 
 
 def init_twinkle_client(base_url: str, api_key: str, *, timeout: float = 120.0, max_retries: int = 20) -> TwinkleClient:

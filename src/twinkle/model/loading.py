@@ -73,6 +73,23 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     cast(Callable[[], None], model.enable_input_require_grads)()
 
 
+def compile_blocks(model: PreTrainedModel) -> int:
+    """Compile each of the model's repeated blocks (``_no_split_modules``: the decoder layers, and
+    a vision tower's blocks) in place with ``torch.compile`` (regional compilation: one block's
+    code serves every block of its class, so the first step compiles one layer, not the whole
+    model), with dynamic shapes, so that a new row length does not compile again. Parameter names,
+    adapters and checkpoints are unchanged. Returns how many blocks were compiled."""
+    names = set(getattr(model, '_no_split_modules', None) or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ConfigurationError(
+            f'{type(model).__name__} names no repeated blocks (_no_split_modules); load it with compile_layers=False'
+        )
+    for block in blocks:
+        block.compile(dynamic=True)
+    return len(blocks)
+
+
 def resolve_device(device: str | torch.device | None, mesh_device: torch.device | None = None) -> torch.device:
     """The given device, else the mesh's for this rank (``mesh_device``), else CUDA when there is one."""
     if device is None:
@@ -94,6 +111,7 @@ def default_precision(device: torch.device) -> Precision:
 __all__ = [
     'Precision',
     'auto_model_class',
+    'compile_blocks',
     'default_precision',
     'enable_gradient_checkpointing',
     'load_causal_lm',

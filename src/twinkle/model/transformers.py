@@ -33,6 +33,7 @@ from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, Twinkl
 from twinkle.model.checkpointer import Checkpointer, Restored, existing_checkpoint
 from twinkle.model.loading import (
     Precision,
+    compile_blocks,
     default_precision,
     enable_gradient_checkpointing,
     load_causal_lm,
@@ -89,6 +90,13 @@ class TransformersModel(TwinkleModel):
     default for now: a call run alone would then be packed while the same call in a mixed pass is
     padded, and in ``tests/test_server_mixed.py`` one tenant's numbers differed by 6.6e-5 between
     the two, beyond the mixed pass's 1e-5 promise (not yet explained).
+
+    ``compile_layers=True`` compiles each decoder layer with ``torch.compile`` (regional: one
+    layer's code serves all of them; dynamic shapes, so new row lengths do not compile again), in
+    place, so parameter names and checkpoints are unchanged. The first pass of each kind pays the
+    compile (a training pass, a ``no_grad`` pass, a pass with the adapters off for a KL
+    reference); the numbers equal eager ones to 1e-5. Off by default: see ``docs/training.md``,
+    "Compiled layers", for what it measured on the CPU.
     """
 
     def __init__(
@@ -106,6 +114,7 @@ class TransformersModel(TwinkleModel):
         router_aux_loss_coef: float | None = None,
         fused_output: bool = False,
         padding_free: bool = False,
+        compile_layers: bool = False,
         **from_pretrained_kwargs: Any,
     ):
         self.model_id = model_id
@@ -124,6 +133,11 @@ class TransformersModel(TwinkleModel):
         self._parallel.split_sequences(self.model, moe=model_router(self.model.config, None) is not None)
         if gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        if not isinstance(compile_layers, bool):
+            raise ConfigurationError(f'compile_layers must be True or False; got {compile_layers!r}')
+        self._compile_layers = compile_layers
+        if compile_layers:
+            compile_blocks(self.model)
         moe_router = model_router(self.model.config, router_aux_loss_coef)
         self._assemble(device, mixed_precision, moe_router, Checkpointer)
         self.fused_output = fused_output
@@ -184,6 +198,11 @@ class TransformersModel(TwinkleModel):
         if not isinstance(value, bool):
             raise ConfigurationError(f'padding_free must be True or False; got {value!r}')
         self._runner.padding_free = value
+
+    @property
+    def compile_layers(self) -> bool:
+        """Whether the decoder layers run compiled (set at construction; see the class docstring)."""
+        return self._compile_layers
 
     @property
     def mixed_precision(self) -> Precision:

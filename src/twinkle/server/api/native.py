@@ -6,7 +6,9 @@ token ids in the vocabulary, lengths). Each operation of ``twinkle.wire.OPERATIO
 route, ``POST /twinkle/v1/runs/{run_id}/ops/{name}``, with its own schema in ``/openapi.json``.
 A compute request is answered at once with a future id (202); ``GET /twinkle/v1/futures/{id}``
 returns its state, waiting up to ``wait`` seconds for it to finish without holding the event
-loop. A tenant sees only its own runs, checkpoints and futures: anything else is a 404.
+loop. A compute request sent with ``?wait=`` is answered when its future settles or the wait ends,
+with the future in the answer: a short request then costs one round trip, not two. A tenant sees
+only its own runs, checkpoints and futures: anything else is a 404.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from twinkle.server.api.errors import error_responses
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.execution.model_group import bare
 from twinkle.server.execution.sampler_group import SYNC_NAME, version_of
-from twinkle.server.execution.scheduler import wait_job
+from twinkle.server.execution.scheduler import Job, wait_job
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name, check_name
 from twinkle.wire import (
@@ -60,6 +62,8 @@ MAX_WAIT_S = 60.0
 #: Most steps one history request returns.
 MAX_HISTORY = 1000
 Page = Annotated[int, Query(ge=0, lt=SQLITE_INT_LIMIT)]
+#: Seconds a compute request's answer may wait for its future to settle (at most ``MAX_WAIT_S``).
+Wait = Annotated[float, Query(ge=0, allow_inf_nan=False)]
 
 
 def native_router(service: Service) -> APIRouter:
@@ -140,7 +144,7 @@ def _operation_endpoint(
 ) -> Callable[[str, Operation, Tenant], Awaitable[FutureAccepted]]:
     """The endpoint of operation ``name``, its body typed as ``spec`` for FastAPI and the schema."""
 
-    async def operation(run_id: str, body: Operation, who: Who) -> FutureAccepted:
+    async def operation(run_id: str, body: Operation, who: Who, wait: Wait = 0.0) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         group = service.group_of(run)
         kwargs = body.arguments()
@@ -156,7 +160,7 @@ def _operation_endpoint(
             if not kwargs.get('base_model', False):
                 sampler.weights_of(run)  # a 409 now if the run has none yet
             future = service.submit(who, group, run_id, name, lambda: sampler.sample_run(run, kwargs))
-            return FutureAccepted(future_id=future.id)
+            return await _accepted(service, who, future, wait)
 
         def compute() -> JsonValue:
             result: JsonValue = group.run(run, name, kwargs)
@@ -165,7 +169,7 @@ def _operation_endpoint(
             return result
 
         batch = group.mixable(run, name, kwargs)
-        return FutureAccepted(future_id=service.submit(who, group, run_id, name, compute, batch).id)
+        return await _accepted(service, who, service.submit(who, group, run_id, name, compute, batch), wait)
 
     signature = inspect.signature(operation)
     body = signature.parameters['body'].replace(annotation=spec)
@@ -189,7 +193,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     store = service.store
 
     @router.post('/runs/{run_id}/save', status_code=202, response_model=FutureAccepted)
-    async def save(run_id: str, body: SaveRequest, who: Who) -> FutureAccepted:
+    async def save(run_id: str, body: SaveRequest, who: Who, wait: Wait = 0.0) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         check_checkpoint_name(body.name)
         group = service.group_of(run)
@@ -200,10 +204,10 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
             return group.save_checkpoint(run, 'training', body.name, answer, save_optimizer=body.save_optimizer)
 
-        return FutureAccepted(future_id=service.submit(who, group, run_id, 'save', write).id)
+        return await _accepted(service, who, service.submit(who, group, run_id, 'save', write), wait)
 
     @router.post('/runs/{run_id}/load', status_code=202, response_model=FutureAccepted)
-    async def load(run_id: str, body: LoadRequest, who: Who) -> FutureAccepted:
+    async def load(run_id: str, body: LoadRequest, who: Who, wait: Wait = 0.0) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         source_run, name = parse_twinkle_path(body.path)
         checkpoint = _own_checkpoint(service, who, source_run, name, body.path)
@@ -215,10 +219,10 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
             group.load(run, Path(now.path), body.load_optimizer, body.path)
             return now.twinkle_path
 
-        return FutureAccepted(future_id=service.submit(who, group, run_id, 'load', read).id)
+        return await _accepted(service, who, service.submit(who, group, run_id, 'load', read), wait)
 
     @router.post('/runs/{run_id}/sync_sampler', status_code=202, response_model=FutureAccepted)
-    async def sync_sampler(run_id: str, who: Who) -> FutureAccepted:
+    async def sync_sampler(run_id: str, who: Who, wait: Wait = 0.0) -> FutureAccepted:
         """Save the run's adapter weights for sampling (no optimizer): what its samples come from
         on a server with a sampler group. The future's result: ``{path, weight_version}``."""
         run = await service.adapter_of(who, run_id)
@@ -230,7 +234,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
             return group.save_checkpoint(run, 'sampler', SYNC_NAME, answer, save_optimizer=False)
 
-        return FutureAccepted(future_id=service.submit(who, group, run_id, 'sync_sampler', write).id)
+        return await _accepted(service, who, service.submit(who, group, run_id, 'sync_sampler', write), wait)
 
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
@@ -260,7 +264,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 # ---- sampling without a run -----------------------------------------------------------------------
 def _sample_route(router: APIRouter, service: Service) -> None:
     @router.post('/sample', status_code=202, response_model=FutureAccepted)
-    async def sample(body: SampleWeights, who: Who) -> FutureAccepted:
+    async def sample(body: SampleWeights, who: Who, wait: Wait = 0.0) -> FutureAccepted:
         """Sample the base model, or a saved checkpoint's weights, without a training run."""
         group, path = service.group_named(body.base_model), body.model_path
         checkpoint: Checkpoint | None = None  # None: the base model
@@ -281,10 +285,20 @@ def _sample_route(router: APIRouter, service: Service) -> None:
             folder = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
             return group.sample_weights(inputs, body.sampling_params, folder, path)
 
-        return FutureAccepted(future_id=service.submit(who, group, None, 'sample', run).id)
+        return await _accepted(service, who, service.submit(who, group, None, 'sample', run), wait)
 
 
 # ---- futures --------------------------------------------------------------------------------------
+async def _accepted(service: Service, who: Tenant, job: Job, wait: float) -> FutureAccepted:
+    """The answer to a compute request: its future's id, and with ``wait`` > 0 the future itself as
+    it stands once it settled or ``wait`` seconds (at most ``MAX_WAIT_S``) passed."""
+    if wait <= 0:
+        return FutureAccepted(future_id=job.id)
+    await wait_job(job, min(wait, MAX_WAIT_S))
+    record = service.store.futures.get(who.id, job.id)
+    return FutureAccepted(future_id=job.id, future=None if record is None else FutureInfo(**record.model_dump()))
+
+
 def _future_routes(router: APIRouter, service: Service) -> None:
     @router.get('/futures/{future_id}', response_model=FutureInfo)
     async def get_future(future_id: str, who: Who, wait: float = 0.0) -> dict[str, JsonValue]:
