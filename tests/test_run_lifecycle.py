@@ -269,6 +269,8 @@ def test_runs_whose_last_request_was_a_forward_make_room_for_a_new_one(tmp_path)
         for name in ('a', 'b'):
             model.add_adapter_to_model(name, LORA, seed=1)
             model.forward_only(inputs=PROBE, adapter_name=name)  # evaluation: no gradient waits for a step
+        # The embedded model by its name, not the server's folder of it.
+        assert model.get_train_configs(adapter_name='a').startswith('model: tiny-qwen3\n')
         created = create_run(url, keys['alice'])
         assert created.status_code == 201, created.text  # before: 429, '... each holds gradients waiting ...'
         # 'a' went for it: its pending forward did not, and the error says to run it again.

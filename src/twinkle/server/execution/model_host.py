@@ -136,8 +136,15 @@ class ModelHost(RequestChecks):
             'lr_step': _model_call('lr_step', model.lr_step),
             'clip_grad_and_step': _model_call('clip_grad_and_step', model.clip_grad_and_step),
             'calculate_metric': _model_call('calculate_metric', model.calculate_metric),
-            'get_train_configs': _model_call('get_train_configs', model.get_train_configs),
+            'get_train_configs': self._train_configs,
         }
+
+    def _train_configs(self, adapter: str, **kwargs: Json) -> Json:
+        """The model's ``get_train_configs``, naming the base model as tenants name it (the
+        server's own folder of an embedded model is not theirs to see)."""
+        _check_scalars('get_train_configs', kwargs)
+        text = self.model.get_train_configs(adapter_name=adapter)
+        return text.replace(f'model: {self.model_id}', f'model: {self.config.base_model}', 1)
 
     # ---- adapters -------------------------------------------------------------------------------
     def add_adapter(
