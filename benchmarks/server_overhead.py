@@ -10,14 +10,18 @@ Three measurements, in one run:
 1. **Training step.** LoRA r=16, alpha=32, ``all-linear``, AdamW lr 1e-4, clipping at 1.0, on
    fixed batches of self-cognition rows encoded once (as ``lora_overhead.py``):
    ``forward_backward`` then ``clip_grad_and_step``, locally on ``TransformersModel`` and
-   remotely on ``MultiLoraTransformersModel`` (two requests, each one POST and one long-poll
-   GET for its future: the real client cost). Both adapters start from the same seed, so the
+   remotely on ``MultiLoraTransformersModel`` (two requests, each one POST that waits for its
+   future to settle, ``?wait=``: the real client cost). Both adapters start from the same seed, so the
    first-step losses must agree within 1e-4. After ``--warmup`` untimed steps each, the two
    take turns in blocks of ``--steps`` (local, remote, remote, local, ...) for ``--repeats``
    blocks; step ``k`` of either trains batch ``k``.
 2. **Small request.** The round trip of ``get_train_configs()`` through the client against the
    same local call, in alternating blocks of ``--calls``; beside them a bare ``GET /healthz``
-   (the HTTP floor) and the client's two legs of a compute request (``submit``, ``result``).
+   (the HTTP floor) and the same request as two round trips, the client's ``submit`` (a POST
+   answered with the future's id) then ``result`` (a GET of the future): what each call cost
+   before ``?wait=``. Beside them, in this process, what the server spends reading a
+   ``forward_backward`` body of the benchmark's rows as JSON (``json_ms_per_batch``: parsing and
+   validating it, as its route does; ``json_us_per_token`` per token of the batch).
 3. **Concurrent tenants.** Each of 1, 4 and 8 tenants (its own key, client and adapter) runs
    ``--tenant-steps`` training steps in its own thread, all started together; the total steps
    and tokens over the wall time, median over ``--tenant-rounds`` rounds (1, 4, 8, then 8, 4,
@@ -68,8 +72,10 @@ from lora_overhead import Settings as TrainingSettings
 from lora_overhead import environment as training_environment
 
 from twinkle import assets
+from twinkle.wire import OPERATIONS
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
+from twinkle_client.model import _rows as client_rows
 
 TARGET_OVERHEAD_PCT = 10.0
 SERVER_ENV = {'TWINKLE_OFFLINE': '1', 'HF_HUB_OFFLINE': '1'}
@@ -250,6 +256,20 @@ def small_request_latency(local: TwinkleLoop, remote: RemoteLoop, settings: Sett
     return times
 
 
+def json_cost(batch: Batch, calls: int = 200) -> dict[str, float]:
+    """Milliseconds the server spends reading ``batch`` as a ``forward_backward`` JSON body (the
+    route's parse and validation, then the arguments the host gets), median of ``calls``."""
+    spec = OPERATIONS['forward_backward']
+    body = json.dumps({'inputs': client_rows(batch)})  # the fields the client sends
+    times: list[float] = []
+    time_calls(lambda: spec.model_validate_json(body).arguments(), calls, times)
+    tokens = sum(len(row['input_ids']) for row in batch)
+    return {
+        'json_ms_per_batch': 1000 * statistics.median(times),
+        'json_us_per_token': 1e6 * statistics.median(times) / tokens,
+    }
+
+
 def summarize_latency(times: dict[str, list[float]]) -> dict[str, float]:
     medians = {f'{name}_ms': 1000 * statistics.median(values) for name, values in times.items()}
     return {**medians, 'added_ms': medians['remote_ms'] - medians['local_ms']}
@@ -385,8 +405,12 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f'2. small request (get_train_configs), {s["call_repeats"]} x {s["calls"]} calls per kind, median:')
     print(
         f'  local {small["local_ms"]:.2f} ms, remote {small["remote_ms"]:.2f} ms: {small["added_ms"]:+.2f} ms added'
-        f' (submit {small["submit_ms"]:.2f} + result {small["result_ms"]:.2f} ms;'
+        f' (as two round trips: submit {small["submit_ms"]:.2f} + result {small["result_ms"]:.2f} ms;'
         f' bare GET /healthz {small["healthz_ms"]:.2f} ms)'
+    )
+    print(
+        f'  reading a forward_backward body as JSON: {small["json_ms_per_batch"]:.2f} ms per batch,'
+        f' {small["json_us_per_token"]:.2f} us per token'
     )
     print(
         f'3. concurrent tenants, {s["tenant_steps"]} steps each, median of {s["tenant_rounds"]} rounds,'
@@ -451,7 +475,7 @@ def measure(settings: Settings, batches: list[Batch], model_dir: str, workdir: P
     return {
         'figures': {
             'training': summarize_training(traces),
-            'small_request': summarize_latency(latency),
+            'small_request': summarize_latency(latency) | json_cost(batches[0]),
             'concurrency': summarize_concurrency(runs),
         },
         'losses': {name: trace.losses for name, trace in traces.items()},
