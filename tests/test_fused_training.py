@@ -18,6 +18,7 @@ from peft import LoraConfig
 
 from twinkle.loss import Loss, LossOutput
 from twinkle.loss.tinker import TINKER_LOSSES
+from twinkle.metric import Metric
 from twinkle.model import AdapterCall, TransformersModel
 
 TOL = 1e-5
@@ -203,6 +204,48 @@ def test_the_fused_layer_hands_the_loss_no_logits_and_a_logits_loss_gets_them(ba
             assert seen['logits'][:2] == (len(ROWS), width) and 'logps' not in seen
     # forward() still returns the logits a caller asked for.
     assert fused.forward(inputs=ROWS, adapter_name='body').logits is not None
+
+
+class _TopLogit(Metric):
+    """A user's metric that reads the logits (it keeps ``Metric.reads_logits``'s True)."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+
+    def accumulate(self, *, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], loss: Any) -> None:
+        self.shapes.append(tuple(outputs['logits'].shape))
+
+    def calculate(self) -> dict[str, float]:
+        return {'top_logit_calls': float(len(self.shapes))}
+
+    def reset(self) -> None:
+        self.shapes = []
+
+
+def test_a_metric_that_reads_the_logits_gets_them_and_the_unfused_numbers(base: TransformersModel) -> None:
+    # An adapter whose metrics read the logits (a user's metric; Accuracy with its own ignore id)
+    # runs its training passes unfused, alone and in a mixed pass; the others stay fused.
+    unfused, fused = _pair(base)
+    top = _TopLogit()
+    fused.add_metric(top, adapter_name='body')
+    for model in (unfused, fused):
+        model.add_metric('Accuracy', ignore_index=-1, adapter_name='head')
+    assert fused._runner.fused_reads([fused.groups['body'].loss], fused.groups['body'].train_metrics) is None
+    assert fused._runner.fused_reads([fused.groups['head'].loss], fused.groups['head'].train_metrics) is None
+    fused.forward_backward(inputs=ROWS, adapter_name='body')
+    width = max(len(row['input_ids']) for row in ROWS)
+    assert top.shapes == [(len(ROWS), width, 4096)]
+    calls = [AdapterCall('head', ROWS[:2]), AdapterCall('body', ROWS[2:])]
+    unfused.forward_backward(inputs=ROWS, adapter_name='body')
+    for w, g in zip(unfused.forward_backward_mixed(calls), fused.forward_backward_mixed(calls), strict=True):
+        assert not isinstance(w, Exception) and not isinstance(g, Exception)
+        assert g.loss == pytest.approx(w.loss, abs=TOL)
+    assert len(top.shapes) == 2
+    for name in ('head', 'body'):
+        worst = max((g - e).abs().max().item() for g, e in zip(_grads(fused, name), _grads(unfused, name), strict=True))
+        assert worst <= TOL, (name, worst)
+    got, want = fused.calculate_metric(adapter_name='head'), unfused.calculate_metric(adapter_name='head')
+    assert got['accuracy'] == pytest.approx(want['accuracy'])
 
 
 def test_bf16_autocast_runs_the_fused_head_in_bf16(base: TransformersModel) -> None:

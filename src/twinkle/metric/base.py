@@ -22,6 +22,12 @@ from twinkle.registry import Registry
 
 
 class Metric:
+    def reads_logits(self) -> bool:
+        """Whether ``accumulate`` reads ``outputs['logits']``. A model with its fused output layer
+        on (``fused_output=True``) makes no logits in a training pass, so an adapter with a
+        metric that reads them runs its passes unfused; a metric that reads none says False."""
+        return True
+
     def accumulate(self, *args: Any, **values: Any) -> None:
         """Add one call's values. Each metric declares the keywords it takes (see the module
         docstring); ``*args: Any`` lets a subclass narrow this signature to its own."""

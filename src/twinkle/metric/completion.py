@@ -28,6 +28,9 @@ class CompletionRewardMetric(Metric):
     def __init__(self) -> None:
         self.reset()
 
+    def reads_logits(self) -> bool:
+        return False
+
     def accumulate(
         self,
         inputs: Any = None,

@@ -23,6 +23,9 @@ class ExpertLoad(Metric):
     def __init__(self) -> None:
         self.reset()
 
+    def reads_logits(self) -> bool:
+        return False
+
     def accumulate(self, *, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], loss: LossOutput | None) -> None:
         tokens = outputs.get('expert_tokens')
         if tokens is None:

@@ -45,6 +45,9 @@ class GRPOMetric(RatioMetric):
     extremes: ClassVar[dict[str, str]] = {'is_weight_min': 'min', 'is_weight_max': 'max'}
     seen: dict[str, torch.Tensor | float]
 
+    def reads_logits(self) -> bool:
+        return False
+
     def accumulate(self, *, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], loss: LossOutput | None) -> None:
         if loss is not None:
             self.add(loss.metrics)

@@ -16,6 +16,9 @@ class LossMetric(RatioMetric):
 
     ratios = (('loss', 'loss', 'items'),)
 
+    def reads_logits(self) -> bool:
+        return False
+
     def accumulate(self, *, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], loss: LossOutput | None) -> None:
         if loss is not None:
             self.add({'loss': loss.loss.float(), 'items': loss.num_items})
@@ -32,6 +35,9 @@ class Accuracy(RatioMetric):
     def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
         self.ignore_index = ignore_index
         super().__init__()
+
+    def reads_logits(self) -> bool:
+        return self.ignore_index != IGNORE_INDEX  # the fused layer counts hits at IGNORE_INDEX's mask only
 
     def accumulate(self, *, inputs: dict[str, torch.Tensor], outputs: dict[str, Any], loss: LossOutput | None) -> None:
         labels = inputs['labels']

@@ -36,6 +36,9 @@ class StalenessMetric(Metric):
     def __init__(self) -> None:
         self.reset()
 
+    def reads_logits(self) -> bool:
+        return False
+
     def accumulate(
         self,
         inputs: Any = None,

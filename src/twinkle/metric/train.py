@@ -18,6 +18,9 @@ class TrainMetric(Metric):
         self.steps = 0
         self.reset()
 
+    def reads_logits(self) -> bool:
+        return False
+
     def accumulate(
         self,
         *,

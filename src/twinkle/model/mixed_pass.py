@@ -180,7 +180,8 @@ def _forward(
     batch = runner.collate(groups[calls[0]], flat)
     multi_lora.assign_rows(runner.model, names)
     heads = [groups[i].value_head for i in calls]
-    fused = None if forward_only else runner.fused_reads([groups[i].loss for i in calls])
+    metrics = [metric for i in calls for metric in groups[i].train_metrics]
+    fused = None if forward_only else runner.fused_reads([groups[i].loss for i in calls], metrics)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         outputs = runner.outputs(batch, hidden_state=any(head is not None for head in heads), fused=fused)
     # split, not slices: a slice's backward would write into zeros the size of all the logits

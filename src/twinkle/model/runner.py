@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from twinkle.data_format import InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.loss import Loss, LossOutput
-from twinkle.metric import ExpertLoad
+from twinkle.metric import ExpertLoad, Metric
 from twinkle.model import multi_lora, output_layer, packed_recurrence, router
 from twinkle.model.base import Inputs
 from twinkle.model.loading import Precision
@@ -187,13 +187,14 @@ class ModelRunner:
             outputs['values'] = head(outputs.pop('hidden_state'))
         return batch, outputs
 
-    def fused_reads(self, losses: Sequence[Loss]) -> output_layer.FusedReads | None:
-        """What a training pass of these losses computes on the fused output layer, or None where
-        it needs the logits: the switch is off, a loss reads the logits, or the head cannot run
-        fused (``output_layer.fusable``). Under Ulysses each rank scores its slice of the sequence
-        and the ranks gather ``[rows, positions]`` values, not logits."""
+    def fused_reads(self, losses: Sequence[Loss], metrics: Sequence[Metric] = ()) -> output_layer.FusedReads | None:
+        """What a training pass of these losses, feeding these metrics, computes on the fused
+        output layer, or None where it needs the logits: the switch is off, a loss or a metric
+        reads the logits, or the head cannot run fused (``output_layer.fusable``). Under Ulysses
+        each rank scores its slice of the sequence and the ranks gather ``[rows, positions]``
+        values, not logits."""
         reads = {loss.reads for loss in losses}
-        if not self.fused_output or 'logits' in reads:
+        if not self.fused_output or 'logits' in reads or any(metric.reads_logits() for metric in metrics):
             return None
         if not output_layer.fusable(self.model):
             return None
@@ -307,7 +308,7 @@ class ModelRunner:
         started, sums = time.perf_counter(), []
         self.parallel.check_trainable(group.name == FULL)
         self.prepare(training=True)  # the mode (LoRA dropout) and the shards fused_reads looks at
-        fused = self.fused_reads([group.loss])
+        fused = self.fused_reads([group.loss], group.train_metrics)
         for rows, chunk_inputs in chunks(features, micro_batch_size, loss_inputs):
             batch, outputs = self.run(group, rows, training=True, fused=fused, packs=True)
             loss = self.loss_value(group, batch, outputs, chunk_inputs)
