@@ -93,6 +93,19 @@ def test_compile_layers_takes_a_bool(tiny_model_dir: str) -> None:
         TransformersModel(model_id=tiny_model_dir, device='cpu', compile_layers='yes')  # type: ignore[arg-type]
 
 
+def test_checkpointed_layers_do_not_compile_and_the_pair_is_refused(tiny_model_dir: str) -> None:
+    # What the refusal is for: transformers' checkpointed layers give dynamo no graph (they run eager).
+    model = TransformersModel(model_id=tiny_model_dir, device='cpu', gradient_checkpointing=True)
+    torch.manual_seed(0)
+    model.add_adapter_to_model('default', ADAPTER)
+    compile_blocks(model.model)
+    graphs = counters['stats']['unique_graphs']
+    model.forward_backward(inputs=_rows(4, [7, 5]))
+    assert counters['stats']['unique_graphs'] == graphs
+    with pytest.raises(ConfigurationError, match='do not combine: checkpointed layers run eager'):
+        TransformersModel(model_id=tiny_model_dir, device='cpu', compile_layers=True, gradient_checkpointing=True)
+
+
 def test_a_model_without_repeated_blocks_is_refused() -> None:
     with pytest.raises(ConfigurationError, match='Linear names no repeated blocks'):
         compile_blocks(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
