@@ -372,7 +372,12 @@ def bench_model(
         if missing := missing_switches(VARIANTS[variant]):
             rows[variant] = {'status': MISSING, 'missing': missing, 'keywords': VARIANTS[variant]}
             continue
-        row = loop_row(spawn(spec | {'loop': variant}, workdir, context))
+        try:
+            row = loop_row(spawn(spec | {'loop': variant}, workdir, context))
+        except RuntimeError as failed:  # a switch this model refuses: its row says why, the others run
+            reason = str(failed).strip().splitlines()[-1]
+            rows[variant] = {'status': 'failed', 'error': reason, 'keywords': VARIANTS[variant]}
+            continue
         rows[variant] = {'status': 'ok', 'keywords': VARIANTS[variant]} | row | compare(row, raw)
     return rows
 
@@ -382,6 +387,9 @@ def print_model(model: str, rows: dict[str, Any]) -> None:
     for name, row in rows.items():
         if row.get('status') == MISSING:
             print(f'    {name:8s} {MISSING}: {", ".join(row["missing"])}')
+            continue
+        if row.get('status') == 'failed':
+            print(f'    {name:8s} failed: {row["error"]}')
             continue
         line = (
             f'    {name:8s} {row["tokens_per_s"]:8.0f} tokens/s  step {row["median_step_s"]:6.2f} s  '

@@ -18,6 +18,7 @@ import torch
 from peft import LoraConfig
 from torch._dynamo.utils import counters
 
+from twinkle import assets
 from twinkle.errors import ConfigurationError
 from twinkle.model import TransformersModel
 from twinkle.model.loading import compile_blocks
@@ -104,6 +105,11 @@ def test_checkpointed_layers_do_not_compile_and_the_pair_is_refused(tiny_model_d
     assert counters['stats']['unique_graphs'] == graphs
     with pytest.raises(ConfigurationError, match='do not combine: checkpointed layers run eager'):
         TransformersModel(model_id=tiny_model_dir, device='cpu', compile_layers=True, gradient_checkpointing=True)
+
+
+def test_a_model_with_linear_attention_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match=r'has linear-attention layers, which torch\.compile fails'):
+        TransformersModel(model_id=assets.tiny_model('tiny-qwen3.5'), device='cpu', compile_layers=True)
 
 
 def test_a_model_without_repeated_blocks_is_refused() -> None:

@@ -79,6 +79,15 @@ def compile_blocks(model: PreTrainedModel) -> int:
     code serves every block of its class, so the first step compiles one layer, not the whole
     model), with dynamic shapes, so that a new row length does not compile again. Parameter names,
     adapters and checkpoints are unchanged. Returns how many blocks were compiled."""
+    config = getattr(model, 'config', None)
+    layer_types = getattr(config.get_text_config(), 'layer_types', None) if config is not None else None
+    if 'linear_attention' in (layer_types or []):
+        # sft_speed on tiny-qwen3.5: InductorError "cannot determine truth value of Relational" in the
+        # gated delta rule's padding to its chunk size, under dynamic shapes (torch 2.13).
+        raise ConfigurationError(
+            f'{type(model).__name__} has linear-attention layers, which torch.compile fails to compile with '
+            'dynamic shapes here; load it with compile_layers=False'
+        )
     names = set(getattr(model, '_no_split_modules', None) or [])
     blocks = [module for module in model.modules() if type(module).__name__ in names]
     if not blocks:
