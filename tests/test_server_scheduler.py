@@ -404,7 +404,7 @@ def test_a_job_that_can_share_waits_for_the_companions_of_its_last_pass(make_sch
 
 
 def test_the_wait_for_companions_ends_after_mix_wait_s_and_a_lone_tenant_does_not_wait(make_scheduler, gate):
-    wait_s = 2.0
+    wait_s = 1.0
     scheduler = make_scheduler(mix_wait_s=wait_s)
     gate.hold(scheduler)
 
@@ -414,14 +414,36 @@ def test_the_wait_for_companions_ends_after_mix_wait_s_and_a_lone_tenant_does_no
     pair = [submit('alice'), submit('bob')]
     gate.opened.set()
     assert all(job.wait(TIMEOUT) for job in pair) and pair[0].pass_size == 2
-    alone = submit('alice')  # bob sends nothing more: alice waits mix_wait_s, then runs alone
-    assert alone.wait(TIMEOUT) and alone.pass_size == 1
-    assert alone.started_at is not None and alone.started_at - alone.submitted_at >= wait_s
-    again = submit('alice')  # her last pass held one job: nothing to wait for
-    assert again.wait(TIMEOUT) and again.started_at is not None
-    assert again.started_at - again.submitted_at < wait_s
+    # bob sends nothing more: alice waits mix_wait_s, then runs alone, twice (bob was in one
+    # of her last two passes), then no more.
+    for waited in (True, True, False):
+        job = submit('alice')
+        assert job.wait(TIMEOUT) and job.pass_size == 1 and job.started_at is not None
+        assert (job.started_at - job.submitted_at >= wait_s) is waited
     plain = [scheduler.submit('carol', lambda: 'c'), scheduler.submit('dave', lambda: 'd')]
     assert all(job.wait(TIMEOUT) for job in plain)  # jobs that cannot share never wait
+
+
+def test_a_tenant_one_pass_behind_the_others_is_waited_for_and_joins_them(make_scheduler, gate):
+    # dave missed alice, bob and carol's pass and ran alone after it. Expecting only the tenants
+    # of the last pass (dave), the next one would start without dave again, keeping him one pass
+    # behind for good; expecting those of the last two, it waits for him.
+    scheduler = make_scheduler(mix_wait_s=1.0)
+    gate.hold(scheduler)
+
+    def submit(name: str) -> Job:
+        return scheduler.submit(name, lambda: name, batch=Batchable('fb', 1, name, lambda p: p))
+
+    trio = [submit(name) for name in ('alice', 'bob', 'carol')]
+    gate.opened.set()
+    assert all(job.wait(TIMEOUT) for job in trio) and trio[0].pass_size == 3
+    late = submit('dave')
+    assert late.wait(TIMEOUT) and late.pass_size == 1
+    step = [submit(name) for name in ('alice', 'bob', 'carol')]
+    time.sleep(0.1)  # dave's next request comes a little after the others'
+    step.append(submit('dave'))
+    assert all(job.wait(TIMEOUT) for job in step)
+    assert {job.pass_size for job in step} == {4}
 
 
 def test_mix_wait_must_not_be_negative():

@@ -3,8 +3,10 @@
 A shared training server steps many small adapters. One ``Optimizer.step()`` per adapter pays
 each optimizer's fixed cost every time: on a CPU torch steps Adam one tensor at a time in Python,
 on a GPU it launches a kernel per operation per optimizer. Stepping the adapters together runs
-each operation once over all their tensors: with torch's multi-tensor (``foreach``) kernels on
-an accelerator, in one single-tensor loop on the CPU (where torch has no multi-tensor kernels).
+each operation once over all their tensors: with torch's fused kernel where the optimizers were
+built with it (Adam's default here, ``optim.fused_by_default``), else with its multi-tensor
+(``foreach``) kernels on an accelerator and one single-tensor loop on the CPU (where torch has no
+multi-tensor kernels).
 
 The arithmetic per tensor is torch's own (its functional ``adam``, and the norms and scaling of
 ``clip_grad_norm_``), and the multi-tensor kernels compute each tensor on its own, so an adapter
@@ -30,14 +32,14 @@ FUSABLE = (Adam, AdamW)
 
 def fusable(optimizer: Optimizer | None) -> bool:
     """Whether ``step_together`` can run ``optimizer``'s next step: torch's ``Adam`` or ``AdamW``
-    with plain settings (no amsgrad, maximize, capturable, differentiable or fused kernel, a
-    number for ``lr``), no step hooks, and its state made by a first ``step()`` already."""
+    with plain settings (no amsgrad, maximize, capturable or differentiable, a number for
+    ``lr``), no step hooks, and its state made by a first ``step()`` already."""
     if optimizer is None or type(optimizer) not in FUSABLE:
         return False
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return False
     for group in optimizer.param_groups:
-        plain = not any(group.get(flag) for flag in ('amsgrad', 'maximize', 'capturable', 'differentiable', 'fused'))
+        plain = not any(group.get(flag) for flag in ('amsgrad', 'maximize', 'capturable', 'differentiable'))
         # foreach=False asks for torch's single-tensor kernels, which a GPU may round differently.
         if not plain or group.get('foreach') is False or isinstance(group['lr'], torch.Tensor):
             return False
@@ -105,14 +107,15 @@ class _Bucket:
 def step_together(optimizers: Sequence[Optimizer]) -> None:
     """One ``step()`` of each optimizer (each ``fusable``), as one multi-tensor Adam update per
     set of equal hyperparameters (usually one for all)."""
-    buckets: dict[tuple[float, float, float, float, float, bool], _Bucket] = {}
+    buckets: dict[tuple[float, float, float, float, float, bool, bool], _Bucket] = {}
     for optimizer in optimizers:
         if not fusable(optimizer):
             raise StateError(f'{type(optimizer).__name__} cannot be stepped together with others; see fusable()')
         for group in optimizer.param_groups:
             beta1, beta2 = group['betas']
             decoupled = bool(group.get('decoupled_weight_decay', type(optimizer) is AdamW))
-            key = (group['lr'], beta1, beta2, group['eps'], group['weight_decay'], decoupled)
+            fused = bool(group.get('fused'))  # its kernel: an adapter steps as it would alone
+            key = (group['lr'], beta1, beta2, group['eps'], group['weight_decay'], decoupled, fused)
             bucket = buckets.setdefault(key, _Bucket())
             for param in group['params']:
                 if param.grad is None:
@@ -124,10 +127,11 @@ def step_together(optimizers: Sequence[Optimizer]) -> None:
                 bucket.exp_avg_sqs.append(state['exp_avg_sq'])
                 bucket.steps.append(state['step'])
     with torch.no_grad():
-        for (lr, beta1, beta2, eps, weight_decay, decoupled), bucket in buckets.items():
+        for (lr, beta1, beta2, eps, weight_decay, decoupled, fused), bucket in buckets.items():
             adam(
                 bucket.params, bucket.grads, bucket.exp_avgs, bucket.exp_avg_sqs, [], bucket.steps,
-                foreach=_multi_tensor(bucket.params[0]), decoupled_weight_decay=decoupled, amsgrad=False,
+                foreach=not fused and _multi_tensor(bucket.params[0]), fused=fused or None,
+                decoupled_weight_decay=decoupled, amsgrad=False,
                 beta1=beta1, beta2=beta2,
                 lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
             )  # fmt: skip

@@ -131,9 +131,34 @@ _REFUSALS = (TypeError, ValueError, IndexError, KeyError, RuntimeError, Configur
 
 
 def build_optimizer(spec: str | type[Optimizer], params: list[Any], kwargs: dict[str, Any]) -> Optimizer:
+    """``spec(params, **kwargs)``, checked; Adam and AdamW take torch's fused kernel by default
+    (``fused_by_default``)."""
     cls = OPTIMIZERS.get(spec) if isinstance(spec, str) else _subclass(spec, Optimizer, 'optimizer')
     check_kwargs('optimizer', cls, kwargs, skip=('params',))
-    return _refused_or('optimizer', cls, kwargs, lambda args: cls(params, **args))
+    return _refused_or('optimizer', cls, kwargs, lambda args: cls(params, **fused_by_default(cls, params, args)))
+
+
+#: The optimizers whose fused kernel is their default here (torch's own default is another kernel).
+FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
+#: Arguments by which a caller chooses the kernel itself (``differentiable`` has no fused kernel).
+_KERNEL_CHOICES = ('foreach', 'fused', 'differentiable')
+
+
+def fused_by_default(cls: Callable[..., object], params: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with ``fused=True`` for Adam and AdamW over plain floating-point tensors on the
+    CPU or a GPU, unless the caller chose a kernel. torch's default kernel runs Adam's update as a
+    pass over the tensor per operation (about ten); the fused kernel makes one pass, the same
+    arithmetic: x5 faster on the CPU for 8 LoRA adapters of ``small-qwen3`` (124 against 24 ms,
+    ``benchmarks/multi_step.py``). Its rounding may differ from the default's in the last bit.
+    Sharded (DTensor) parameters keep torch's default."""
+    if cls not in FUSED_BY_DEFAULT or any(name in kwargs for name in _KERNEL_CHOICES):
+        return kwargs
+    tensors = [p for group in params for p in (group['params'] if isinstance(group, dict) else [group])]
+    plain = all(
+        type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point() and p.device.type in ('cpu', 'cuda')
+        for p in tensors
+    )
+    return {**kwargs, 'fused': True} if tensors and plain else kwargs
 
 
 def build_scheduler(spec: str | type[LRScheduler], optimizer: Optimizer, kwargs: dict[str, Any]) -> LRScheduler:
