@@ -29,6 +29,7 @@ Usage::
     .venv/bin/python benchmarks/mixed_tenants.py --rounds 5  # ~12 min on 2 CPU cores; results/mixed_tenants.json
     ... --model tiny-qwen3 --output /tmp/mixed_tiny.json   # a model too small to fill the device
     ... --ranks 2 --no-memory --output benchmarks/results/mixed_tenants_2ranks.json   # on a 2-rank group
+    ... --mix-wait-ms 30 0 --without-state-saves    # beside it: no wait, and no periodic state saves
 """
 
 from __future__ import annotations
@@ -76,13 +77,15 @@ class Settings:
     adapter_counts: list[int] = field(default_factory=lambda: [1, 8, 32])
     hot_optimizers: int = 4
     lora_r: int = 16
-    # The mixed server's mix_wait_ms (how long a request waits for the tenants its last pass
+    # The mixed server's mix_wait_ms (how long a request waits for the tenants its last two passes
     # held); the first value is the server default's row, the others are run beside it.
     mix_wait_ms: list[float] = field(default_factory=lambda: [30.0])
     # The model group of every server: worker ranks, and how many of them shard it with FSDP2
     # (1 rank: the model in the server's process, as by default).
     ranks: int = 1
     fsdp_size: int = 1
+    # Also a mixed server with save_state_every_steps: null (no periodic saves of each run's state).
+    without_state_saves: bool = False
     lora_alpha: int = 32
     lr: float = 1e-4
     # Seconds to wait for a server subprocess to answer /healthz.
@@ -156,8 +159,10 @@ def combined(model: MultiLoraTransformersModel, rows: list[list[dict]]) -> float
 
 def throughput(settings: Settings, workdir: Path, vocab: int) -> tuple[dict[str, list[float]], float]:
     """Wall seconds of each mode per counted round, and the mixed server's mean requests per pass."""
-    waits = {mixed_mode(settings, ms): ms for ms in settings.mix_wait_ms}
-    servers = {mode: Server(settings, workdir / f'mixed-{ms:g}', mix_wait_ms=ms) for mode, ms in waits.items()}
+    mixed = {mixed_mode(settings, ms): {'mix_wait_ms': ms} for ms in settings.mix_wait_ms}
+    if settings.without_state_saves:  # what the periodic saves of each run's state cost the mixed server
+        mixed['mixed_no_state_saves'] = {'mix_wait_ms': settings.mix_wait_ms[0], 'save_state_every_steps': None}
+    servers = {mode: Server(settings, workdir / mode, **config) for mode, config in mixed.items()}
     servers['single'] = Server(settings, workdir / 'single', mixed_batches=False)
     tokens = settings.tenants * settings.seq_len * settings.steps
     with contextlib.ExitStack() as stack:
@@ -167,10 +172,10 @@ def throughput(settings: Settings, workdir: Path, vocab: int) -> tuple[dict[str,
             for name in servers
         }
         one = tenant_model(urls['single'], servers['single'].add_key('combined'), settings)  # nothing to mix
-        times: dict[str, list[float]] = {mode: [] for mode in [*waits, 'one_adapter_at_a_time', 'one_tenant_combined']}
+        times: dict[str, list[float]] = {mode: [] for mode in [*mixed, 'one_adapter_at_a_time', 'one_tenant_combined']}
         for round_index in range(settings.rounds + 1):
             rows = [sequences(settings, vocab, 100 * round_index + t, settings.steps) for t in range(settings.tenants)]
-            seconds = {mode: concurrent(tenants[mode], rows) for mode in waits}
+            seconds = {mode: concurrent(tenants[mode], rows) for mode in mixed}
             seconds['one_adapter_at_a_time'] = concurrent(tenants['single'], rows)
             seconds['one_tenant_combined'] = combined(one, rows)
             label = 'warm-up' if round_index == 0 else f'round {round_index}'
@@ -178,7 +183,7 @@ def throughput(settings: Settings, workdir: Path, vocab: int) -> tuple[dict[str,
             if round_index:
                 for name, value in seconds.items():
                     times[name].append(value)
-        shares = {mode: {op: mean_pass_jobs(urls[mode], op) for op in STEP_OPERATIONS} for mode in waits}
+        shares = {mode: {op: mean_pass_jobs(urls[mode], op) for op in STEP_OPERATIONS} for mode in mixed}
         return times, shares
 
 
@@ -223,7 +228,8 @@ def adapter_bytes(settings: Settings, model_dir: str) -> dict[str, int]:
 
 def memory(settings: Settings, workdir: Path, limits_extra: dict[str, Any] | None = None) -> dict[int, float]:
     """Server RSS (MiB) after 0 and each of ``adapter_counts`` adapters, each trained one step."""
-    limits = {'max_adapters': max(settings.adapter_counts), **(limits_extra or {})}
+    most = max(settings.adapter_counts)  # one tenant holds them all: past its limit it would release its oldest
+    limits = {'max_adapters': most, 'max_adapters_per_tenant': most, **(limits_extra or {})}
     server = Server(settings, workdir, limits=limits)
     key = server.add_key('memory')
     rss: dict[int, float] = {}
@@ -307,11 +313,16 @@ def main() -> None:
     parser.add_argument('--ranks', type=int, default=Settings.ranks, help="every server's model group: ranks")
     parser.add_argument('--fsdp-size', type=int, default=Settings.fsdp_size, help='of those ranks, FSDP2 shards')
     parser.add_argument('--no-memory', action='store_true', help='throughput only (no memory servers)')
+    parser.add_argument(
+        '--without-state-saves', action='store_true',
+        help='also a mixed server without the periodic saves of each run state (save_state_every_steps: null)',
+    )  # fmt: skip
     parser.add_argument('--output', default='benchmarks/results/mixed_tenants.json')
     args = parser.parse_args()
     settings = Settings(
         model=args.model, device=args.device, steps=args.steps, rounds=args.rounds, tenants=args.tenants,
         mix_wait_ms=args.mix_wait_ms, ranks=args.ranks, fsdp_size=args.fsdp_size,
+        without_state_saves=args.without_state_saves,
     )  # fmt: skip
     model_dir = assets.tiny_model(settings.model)
     vocab = json.loads((Path(model_dir) / 'config.json').read_text())['vocab_size']

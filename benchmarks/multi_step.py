@@ -1,10 +1,13 @@
-"""Several adapters' optimizer steps: one by one against one multi-tensor update.
+"""Several adapters' optimizer steps: one by one against one multi-tensor update, and torch's
+default Adam kernel against the fused one.
 
-A shared server steps many small adapters. ``clip_grad_and_step`` per adapter (torch's own
-``clip_grad_norm_`` and ``AdamW.step``) is the baseline; ``clip_grad_and_step_many`` steps the
-same adapters together (``twinkle.model.multi_step``), with the same numbers bit for bit. Each
-round gives every adapter a gradient (one ``forward_backward``, not timed), then times the steps,
-alternating the two ways; the first round makes the optimizers' state and is not counted.
+A shared server steps many small adapters. ``clip_grad_and_step`` per adapter with torch's
+default AdamW kernel (``fused=False`` here, what ``torch.optim.AdamW(params)`` takes on the CPU)
+is the baseline. Beside it: the same one by one with the fused kernel (twinkle's default,
+``twinkle.model.optim.fused_by_default``), and ``clip_grad_and_step_many``, which steps the
+adapters together (``twinkle.model.multi_step``) with each kernel, with the numbers of one by one
+bit for bit. Each round gives every adapter a gradient (one ``forward_backward``, not timed), then
+times the steps of each way in turn; the first round makes the optimizers' state and is not counted.
 
 Usage::
 
@@ -29,13 +32,12 @@ from twinkle.model import StepCall, TransformersModel
 ROW = {'input_ids': list(range(5, 37)), 'labels': list(range(5, 37))}
 
 
-def build(model_name: str, adapters: int, rank: int) -> tuple[TransformersModel, list[str]]:
-    model = TransformersModel(assets.tiny_model(model_name), device='cpu')
-    names = [f'a{i}' for i in range(adapters)]
+def build(model: TransformersModel, adapters: int, rank: int, fused: bool) -> list[str]:
+    names = [f'{"fused" if fused else "default"}{i}' for i in range(adapters)]
     for name in names:
         model.add_adapter_to_model(name, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules='all-linear'))
-        model.set_optimizer('AdamW', lr=1e-4, adapter_name=name)
-    return model, names
+        model.set_optimizer('AdamW', lr=1e-4, adapter_name=name, fused=fused)
+    return names
 
 
 def gradients(model: TransformersModel, names: list[str]) -> None:
@@ -64,27 +66,37 @@ def main() -> None:
     parser.add_argument('--rounds', type=int, default=10)
     parser.add_argument('--output', default='benchmarks/results/multi_step.json')
     args = parser.parse_args()
-    model, names = build(args.model, args.adapters, args.rank)
-    gradients(model, names)
-    one_by_one(model, names)  # the optimizers' state: made by their first step
-    times: dict[str, list[float]] = {'one_by_one': [], 'together': []}
+    model = TransformersModel(assets.tiny_model(args.model), device='cpu')
+    kernels = {fused: build(model, args.adapters, args.rank, fused) for fused in (False, True)}
+    ways = {
+        'one_by_one': (one_by_one, kernels[False]),
+        'together': (together, kernels[False]),
+        'one_by_one_fused': (one_by_one, kernels[True]),
+        'together_fused': (together, kernels[True]),
+    }
+    for names in kernels.values():
+        gradients(model, names)
+        one_by_one(model, names)  # the optimizers' state: made by their first step
+    times: dict[str, list[float]] = {way: [] for way in ways}
     for round_index in range(args.rounds):
-        for way, run in (('one_by_one', one_by_one), ('together', together))[:: 1 if round_index % 2 else -1]:
+        for way, (run, names) in list(ways.items())[:: 1 if round_index % 2 else -1]:
             gradients(model, names)
             times[way].append(run(model, names))
     medians = {way: statistics.median(values) for way, values in times.items()}
-    params = sum(p.numel() for p in model.groups[names[0]].params)
+    params = sum(p.numel() for p in model.groups[kernels[True][0]].params)
     result = {
         'settings': vars(args),
         'environment': {'torch': torch.__version__, 'threads': torch.get_num_threads()},
         'parameters_per_adapter': params,
         'median_ms': {way: 1000 * value for way, value in medians.items()},
         'speedup_together': medians['one_by_one'] / medians['together'],
+        'speedup_vs_one_by_one': {way: medians['one_by_one'] / value for way, value in medians.items()},
         'seconds': times,
     }
     print(f'{args.adapters} adapters of rank {args.rank} on {args.model} ({params} parameters each), clip + step:')
-    print(f'  one by one: {1000 * medians["one_by_one"]:.1f} ms   together: {1000 * medians["together"]:.1f} ms')
-    print(f'  together is x{result["speedup_together"]:.2f} faster (median of {args.rounds} rounds)')
+    for way, value in medians.items():
+        print(f'  {way:17s} {1000 * value:6.1f} ms  x{result["speedup_vs_one_by_one"][way]:.2f}')
+    print(f"  (median of {args.rounds} rounds; x against one by one with torch's default kernel)")
     Path(args.output).write_text(json.dumps(result, indent=2) + '\n')
     print(f'wrote {args.output}')
 
