@@ -232,11 +232,11 @@ class ServerConfig(BaseModel):
     #: moment as one pass, each row through its own adapter (False: one adapter per pass).
     mixed_batches: bool = True
     #: With ``mixed_batches``: how long a request that can share a pass (or an optimizer update)
-    #: waits for the other tenants whose requests the last such pass held, when they are not all
-    #: there yet (their next requests are usually a round trip behind). 0: never wait. 30 by
-    #: default: 8 tenants on small-qwen3 reached x0.79 of one tenant's combined batch with it
-    #: against x0.64 without (medians of three runs of
-    #: ``benchmarks/mixed_tenants.py --mix-wait-ms 0 10 30``; 10 ms gave x0.71).
+    #: waits for the other tenants whose requests the last two such passes held, when they are not
+    #: all there yet (their next requests are usually a round trip behind). 0: never wait. 30 by
+    #: default: 8 tenants on small-qwen3 shared passes 7.9 to a pass with it against 4.9 without,
+    #: and reached x0.75 of one tenant's combined batch against x0.69
+    #: (``benchmarks/mixed_tenants.py --mix-wait-ms 30 0``; docs/benchmarks.md).
     mix_wait_ms: float = Field(30.0, ge=0, le=1000)
     #: When the model has had no request for this long, freed heap memory goes back to the
     #: operating system (glibc ``malloc_trim``), so a server's resident set follows what it holds
