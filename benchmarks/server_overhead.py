@@ -74,8 +74,7 @@ from lora_overhead import environment as training_environment
 from twinkle import assets
 from twinkle.wire import OPERATIONS
 from twinkle_client import TwinkleClient
-from twinkle_client.model import MultiLoraTransformersModel
-from twinkle_client.model import _rows as client_rows
+from twinkle_client.model import MultiLoraTransformersModel, wire_rows
 
 TARGET_OVERHEAD_PCT = 10.0
 SERVER_ENV = {'TWINKLE_OFFLINE': '1', 'HF_HUB_OFFLINE': '1'}
@@ -260,7 +259,7 @@ def json_cost(batch: Batch, calls: int = 200) -> dict[str, float]:
     """Milliseconds the server spends reading ``batch`` as a ``forward_backward`` JSON body (the
     route's parse and validation, then the arguments the host gets), median of ``calls``."""
     spec = OPERATIONS['forward_backward']
-    body = json.dumps({'inputs': client_rows(batch)})  # the fields the client sends
+    body = json.dumps({'inputs': wire_rows(batch)})  # the fields the client sends
     times: list[float] = []
     time_calls(lambda: spec.model_validate_json(body).arguments(), calls, times)
     tokens = sum(len(row['input_ids']) for row in batch)

@@ -233,6 +233,8 @@ def test_a_compute_request_sent_with_wait_is_answered_with_its_result_in_one_rou
     assert failed.json()['future']['status'] == 'failed' and failed.json()['future']['category'] == 'user'
     assert failed.json()['future']['error'].startswith('StateError: calculate_loss() needs a forward_only() first')
     assert client.http.post(f'{ops}/get_train_configs', json={}).json()['future'] is None
-    for wait in ('-1', 'nan', 'soon'):
+    for wait in ('-1', 'nan', 'soon'):  # on the compute request and on its future alike
         refused = client.http.post(f'{ops}/get_train_configs', params={'wait': wait}, json={})
+        assert refused.status_code == 422 and 'wait' in refused.text, (wait, refused.text)
+        refused = client.http.get(f'/twinkle/v1/futures/{future["id"]}', params={'wait': wait})
         assert refused.status_code == 422 and 'wait' in refused.text, (wait, refused.text)

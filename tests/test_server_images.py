@@ -122,9 +122,9 @@ def test_image_rows_of_two_tenants_in_one_pass_get_what_each_gets_alone(server, 
 
 
 def _wire_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from twinkle_client.model import _rows
+    from twinkle_client.model import wire_rows
 
-    return _rows(rows)
+    return wire_rows(rows)
 
 
 def test_a_sampled_image_prompt_trains_with_its_images_and_scores_as_sampled(server, vlm_dir, features):

@@ -140,14 +140,14 @@ class MultiLoraTransformersModel:
         **loss_inputs: object,
     ) -> ModelOutput:
         """``loss_inputs`` (``advantages``, ``old_logps``...) go to the run's loss by name."""
-        fields = {'inputs': _rows(inputs), 'micro_batch_size': micro_batch_size, 'loss_inputs': loss_inputs}
+        fields = {'inputs': wire_rows(inputs), 'micro_batch_size': micro_batch_size, 'loss_inputs': loss_inputs}
         result = _FORWARD.validate_python(self._op('forward_backward', adapter_name, **fields))
         return ModelOutput(loss=result['loss'], num_tokens=result['num_tokens'])
 
     def forward_only(
         self, *, inputs: Row | Iterable[Row], adapter_name: str | None = None, disable_lora: bool = False
     ) -> ModelOutput:
-        answer = self._op('forward_only', adapter_name, inputs=_rows(inputs), disable_lora=disable_lora)
+        answer = self._op('forward_only', adapter_name, inputs=wire_rows(inputs), disable_lora=disable_lora)
         result = _FORWARD.validate_python(answer)
         return ModelOutput(loss=result['loss'], num_tokens=result['num_tokens'], logps=result.get('logps'))
 
@@ -289,9 +289,10 @@ def _name(spec: object) -> str:
     raise ConfigurationError(f'a server component is named by a string; got {spec!r}')
 
 
-def _rows(inputs: Row | Iterable[Row]) -> list[dict[str, object]]:
-    """The rows' InputFeature fields as lists of ints (from lists, tensors or arrays), and a row
-    with images (encoded by ``VisionTemplate``) its images as data URLs; other keys stay here."""
+def wire_rows(inputs: Row | Iterable[Row]) -> list[dict[str, object]]:
+    """The rows as this client sends them: their InputFeature fields as lists of ints (from lists,
+    tensors or arrays), and a row with images (encoded by ``VisionTemplate``) its images as data
+    URLs; other keys stay here."""
     rows = [inputs] if isinstance(inputs, Mapping) else list(inputs)
     out: list[dict[str, object]] = []
     for index, row in enumerate(rows):

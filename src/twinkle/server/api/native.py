@@ -31,7 +31,7 @@ from twinkle.server.execution.model_group import bare
 from twinkle.server.execution.sampler_group import SYNC_NAME, version_of
 from twinkle.server.execution.scheduler import Job, wait_job
 from twinkle.server.service import Service
-from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name, check_name
+from twinkle.server.store import Checkpoint, FutureRecord, Run, Tenant, check_checkpoint_name, check_name
 from twinkle.wire import (
     OPERATIONS,
     CheckpointList,
@@ -141,7 +141,7 @@ def _run_routes(router: APIRouter, service: Service) -> None:
 # ---- operations ---------------------------------------------------------------------------------------
 def _operation_endpoint(
     service: Service, name: str, spec: type[Operation]
-) -> Callable[[str, Operation, Tenant], Awaitable[FutureAccepted]]:
+) -> Callable[[str, Operation, Tenant, float], Awaitable[FutureAccepted]]:
     """The endpoint of operation ``name``, its body typed as ``spec`` for FastAPI and the schema."""
 
     async def operation(run_id: str, body: Operation, who: Who, wait: Wait = 0.0) -> FutureAccepted:
@@ -294,14 +294,19 @@ async def _accepted(service: Service, who: Tenant, job: Job, wait: float) -> Fut
     it stands once it settled or ``wait`` seconds (at most ``MAX_WAIT_S``) passed."""
     if wait <= 0:
         return FutureAccepted(future_id=job.id)
-    await wait_job(job, min(wait, MAX_WAIT_S))
-    record = service.store.futures.get(who.id, job.id)
+    record = await _waited(service, who, job, wait)
     return FutureAccepted(future_id=job.id, future=None if record is None else FutureInfo(**record.model_dump()))
+
+
+async def _waited(service: Service, who: Tenant, job: Job, wait: float) -> FutureRecord | None:
+    """The tenant's future of ``job`` once the job settled or ``wait`` seconds (at most ``MAX_WAIT_S``) passed."""
+    await wait_job(job, min(wait, MAX_WAIT_S))
+    return service.store.futures.get(who.id, job.id)
 
 
 def _future_routes(router: APIRouter, service: Service) -> None:
     @router.get('/futures/{future_id}', response_model=FutureInfo)
-    async def get_future(future_id: str, who: Who, wait: float = 0.0) -> dict[str, JsonValue]:
+    async def get_future(future_id: str, who: Who, wait: Wait = 0.0) -> dict[str, JsonValue]:
         record = service.store.futures.get(who.id, future_id)
         if record is None:
             raise NotFoundError(f'request {future_id!r} not found')
@@ -309,8 +314,7 @@ def _future_routes(router: APIRouter, service: Service) -> None:
             return record.model_dump()
         job = service.job(future_id)
         if job is not None:
-            await wait_job(job, min(wait, MAX_WAIT_S))
-            record = service.store.futures.get(who.id, future_id) or record
+            record = await _waited(service, who, job, wait) or record
         return record.model_dump()
 
 
