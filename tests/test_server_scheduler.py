@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -380,18 +381,18 @@ def test_a_raising_on_idle_does_not_stop_the_worker(make_scheduler):
         Scheduler(idle_after_s=0)
 
 
+def submit_shareable(scheduler: Scheduler, name: str) -> Job:
+    """Tenant ``name``'s job that can share a pass of kind 'fb' (a pass returns its payloads, the names)."""
+    return scheduler.submit(name, lambda: name, batch=Batchable('fb', 1, name, lambda payloads: payloads))
+
+
 def test_a_job_that_can_share_waits_for_the_companions_of_its_last_pass(make_scheduler, gate):
     # alice, bob and carol shared a pass; alice's next job, first to arrive, waits for theirs
     # (up to mix_wait_s, here far longer than the test) instead of starting alone.
     scheduler = make_scheduler(mix_wait_s=60.0)
     gate.hold(scheduler)
 
-    def run_many(payloads: list[str]) -> list[Any]:
-        return payloads
-
-    def submit(name: str) -> Job:
-        return scheduler.submit(name, lambda: name, batch=Batchable('fb', 1, name, run_many))
-
+    submit = partial(submit_shareable, scheduler)
     first = [submit(name) for name in ('alice', 'bob', 'carol')]
     gate.opened.set()
     assert all(job.wait(TIMEOUT) for job in first) and {job.pass_size for job in first} == {3}
@@ -408,9 +409,7 @@ def test_the_wait_for_companions_ends_after_mix_wait_s_and_a_lone_tenant_does_no
     scheduler = make_scheduler(mix_wait_s=wait_s)
     gate.hold(scheduler)
 
-    def submit(name: str) -> Job:
-        return scheduler.submit(name, lambda: name, batch=Batchable('fb', 1, name, lambda p: p))
-
+    submit = partial(submit_shareable, scheduler)
     pair = [submit('alice'), submit('bob')]
     gate.opened.set()
     assert all(job.wait(TIMEOUT) for job in pair) and pair[0].pass_size == 2
@@ -431,9 +430,7 @@ def test_a_tenant_one_pass_behind_the_others_is_waited_for_and_joins_them(make_s
     scheduler = make_scheduler(mix_wait_s=1.0)
     gate.hold(scheduler)
 
-    def submit(name: str) -> Job:
-        return scheduler.submit(name, lambda: name, batch=Batchable('fb', 1, name, lambda p: p))
-
+    submit = partial(submit_shareable, scheduler)
     trio = [submit(name) for name in ('alice', 'bob', 'carol')]
     gate.opened.set()
     assert all(job.wait(TIMEOUT) for job in trio) and trio[0].pass_size == 3
@@ -455,9 +452,7 @@ def test_no_wait_for_companions_while_other_work_is_queued(make_scheduler, gate)
     scheduler = make_scheduler(mix_wait_s=60.0)
     gate.hold(scheduler)
 
-    def submit(name: str) -> Job:
-        return scheduler.submit(name, lambda: name, batch=Batchable('fb', 1, name, lambda p: p))
-
+    submit = partial(submit_shareable, scheduler)
     trio = [submit(name) for name in ('alice', 'bob', 'carol')]
     gate.opened.set()
     assert all(job.wait(TIMEOUT) for job in trio) and trio[0].pass_size == 3
