@@ -12,14 +12,16 @@ import json
 import pytest
 import torch
 from peft import LoraConfig
+from transformers import AutoConfig
 
 from twinkle import assets
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import IterableDataset, PackedStream, PackingDataset
 from twinkle.dataset.packing import first_fit_decreasing, pack
-from twinkle.errors import DataError
+from twinkle.errors import ConfigurationError, DataError
 from twinkle.loss import CrossEntropyLoss
 from twinkle.model import AdapterCall, TransformersModel
+from twinkle.model.runner import packs_by_default
 
 TOL = 1e-5
 LENGTHS = [40, 7, 23, 5, 31, 12, 9, 3, 18, 27, 6, 14]
@@ -143,7 +145,7 @@ def test_padding_free_packs_forward_backward_and_gives_the_padded_numbers():
     rows packed into one row (no padding computed), with the padded rows' loss and gradients;
     ``forward`` keeps the rows padded."""
     default, padded = model(), model()
-    assert not padded.padding_free and not default.groups['a'].processor_set  # off by default
+    assert not padded.padding_free and not default.groups['a'].processor_set  # off by default under sdpa
     default.padding_free = True
     recorders = {}
     for trainer in (default, padded):
@@ -157,6 +159,20 @@ def test_padding_free_packs_forward_backward_and_gives_the_padded_numbers():
     for got, want in zip(grads(default), grads(padded), strict=True):
         assert torch.allclose(got, want, rtol=TOL, atol=TOL * float(want.abs().max()))
     assert default.forward(inputs=batch, adapter_name='a').logits.shape[:2] == (len(LENGTHS), max(LENGTHS))
+
+
+def test_padding_free_is_on_by_default_under_flash_attention_only():
+    """Packing pays where the attention kernel takes each packed sequence on its own (flash
+    attention's variable-length kernels); under sdpa and eager a packed row is attended with a mask
+    over all its tokens, so the default leaves its rows padded."""
+    config = AutoConfig.from_pretrained(assets.tiny_model('tiny-qwen3'))
+    for kernel, packs in [('flash_attention_2', True), ('kernels-community/flash-attn3', True),
+                          ('sdpa', False), ('eager', False)]:  # fmt: skip
+        config._attn_implementation = kernel
+        assert packs_by_default(config) is packs, kernel
+    assert TransformersModel(assets.tiny_model('tiny-qwen3'), device='cpu', padding_free=True).padding_free
+    with pytest.raises(ConfigurationError, match=r"padding_free must be True or False; got 'yes'"):
+        TransformersModel(assets.tiny_model('tiny-qwen3'), device='cpu', padding_free='yes')  # type: ignore[arg-type]
 
 
 def test_a_data_loader_takes_a_packing_dataset():

@@ -201,6 +201,7 @@ def test_one_rank_in_the_server_process_trains_and_refuses_to_sample_without_a_s
         ({'ranks': 4, 'tp_size': 2, 'pp_size': 4}, r'= 8 \(tp_size=2, pp_size=4, fsdp_size=1\): ranks 8, 16, 24'),
         ({'ranks': 4, 'fsdp_size': 2}, r'backend: megatron has no FSDP \(fsdp_size=2\)'),
         ({'ranks': 2, 'tp_size': 2, 'sampler': 'vllm'}, r'cannot sample beside the model'),
+        ({'speed': {'fused_output': True}}, r"speed: \{'fused_output': True\} switches the transformers backend"),
     ],
 )
 def test_layouts_that_do_not_fit_are_refused_before_a_server_starts(options, message):

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.utils.generic import is_flash_attention_requested
 
 from twinkle.data_format import InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError
@@ -49,6 +50,15 @@ ALIGNED_FIELDS = (*(field for field in FEATURE_FIELDS if field != 'input_ids'), 
 IMAGE_INPUTS = ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
 #: The collation ``forward_backward`` uses on a model that packs (``ModelRunner.padding_free``).
 PACKED = InputProcessor(padding_free=True)
+
+
+def packs_by_default(config: PretrainedConfig) -> bool:
+    """Whether the model's rows are best packed (``padding_free``'s default): under a flash
+    attention kernel, which transformers gives each packed sequence's bounds from the restarting
+    ``position_ids`` (a packed row then costs what its tokens cost). Not under ``sdpa`` or
+    ``eager``: there a packed row is attended with a block-diagonal mask over all its tokens, and
+    packing ran x0.64-x1.06 of padding (``benchmarks/sft_speed.py``, docs/benchmarks.md)."""
+    return is_flash_attention_requested(config)
 
 
 class ModelRunner:

@@ -44,7 +44,7 @@ from twinkle.model.offload import OptimizerOffloader
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.passes import check_positive
 from twinkle.model.router import Router, model_router
-from twinkle.model.runner import ModelRunner
+from twinkle.model.runner import ModelRunner, packs_by_default
 from twinkle.model.stepping import Stepper, describe_optimizer
 from twinkle.model.train_group import FULL, TrainGroup
 from twinkle.model.value_head import has_saved_head, new_value_head
@@ -86,10 +86,10 @@ class TransformersModel(TwinkleModel):
     ``padding_free=True`` packs the rows of a ``forward_backward`` call into one row without
     padding, for an adapter that sets no processor of its own: no compute is spent on padding, and
     the loss and gradients are the padded ones (1e-5). ``forward``/``forward_only`` and the mixed
-    pass keep rows padded (their callers read per-row outputs; packed rows do not mix). Off by
-    default for now: a call run alone would then be packed while the same call in a mixed pass is
-    padded, and in ``tests/test_server_mixed.py`` one tenant's numbers differed by 6.6e-5 between
-    the two, beyond the mixed pass's 1e-5 promise (not yet explained).
+    pass keep rows padded (their callers read per-row outputs; packed rows do not mix). By default
+    (``None``) it is on where it pays, under a flash attention kernel (``attn_implementation``
+    ``'flash_attention_2'`` and its kin), and off under ``sdpa`` and ``eager``, where a packed row
+    needs a mask over all its tokens (``runner.packs_by_default``).
 
     ``compile_layers=True`` compiles each decoder layer with ``torch.compile`` (regional: one
     layer's code serves all of them; dynamic shapes, so new row lengths do not compile again), in
@@ -113,7 +113,7 @@ class TransformersModel(TwinkleModel):
         gradient_checkpointing: bool = False,
         router_aux_loss_coef: float | None = None,
         fused_output: bool = False,
-        padding_free: bool = False,
+        padding_free: bool | None = None,
         compile_layers: bool = False,
         **from_pretrained_kwargs: Any,
     ):
@@ -148,7 +148,7 @@ class TransformersModel(TwinkleModel):
         moe_router = model_router(self.model.config, router_aux_loss_coef)
         self._assemble(device, mixed_precision, moe_router, Checkpointer)
         self.fused_output = fused_output
-        self.padding_free = padding_free
+        self.padding_free = packs_by_default(self.model.config) if padding_free is None else padding_free
 
     def _assemble(
         self,

@@ -132,6 +132,11 @@ def check_layout(model: ServerConfig | ModelSettings) -> None:
             f'tp_size={model.tp_size} and pp_size={model.pp_size} are for backend: megatron; the transformers '
             'backend splits its ranks with fsdp_size (FSDP2) and data parallel'
         )
+    if model.backend == 'megatron' and model.speed != SpeedSettings():
+        raise ConfigurationError(
+            f'speed: {model.speed.model_dump(exclude_defaults=True)} switches the transformers backend; '
+            'backend: megatron takes none of them'
+        )
     per_replica = model.tp_size * model.pp_size * model.fsdp_size
     if model.ranks % per_replica:
         fits = ', '.join(str(per_replica * k) for k in range(1, 4))
@@ -187,6 +192,21 @@ class SamplerSettings(BaseModel):
         return self
 
 
+class SpeedSettings(BaseModel):
+    """A transformers model's speed switches, ``TransformersModel``'s of the same names
+    (docs/training.md): each tenant's numbers stay those of the switches off (1e-5)."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    #: The output layer and the loss in chunks of tokens: no ``[tokens, vocab]`` logits.
+    fused_output: bool = False
+    #: ``forward_backward`` packs a request's rows into one row; None: where the attention
+    #: kernel pays for it (flash attention), not under sdpa (``runner.packs_by_default``).
+    padding_free: bool | None = None
+    #: The decoder layers compiled (``torch.compile``, regional); the first pass of each kind compiles.
+    compile_layers: bool = False
+
+
 class ModelSettings(BaseModel):
     """Another base model the server hosts, on a model group of its own (``more_models``)."""
 
@@ -202,6 +222,7 @@ class ModelSettings(BaseModel):
     pp_size: int = Field(1, ge=1)
     dtype: Dtype = 'auto'
     sampler: SamplerSettings | None = None
+    speed: SpeedSettings = Field(default_factory=SpeedSettings)
 
 
 class ServerConfig(BaseModel):
@@ -292,6 +313,9 @@ class ServerConfig(BaseModel):
     #: ``{backend: vllm, device: cuda:1}`` a vLLM sampler group. None: a torch sampler on the
     #: model's worker, on the trainer's current weights.
     sampler: SamplerSettings | None = None
+    #: The model's speed switches (``SpeedSettings``; the transformers backend's):
+    #: ``{fused_output: true}`` keeps a real vocabulary's logits from filling memory.
+    speed: SpeedSettings = Field(default_factory=SpeedSettings)
     #: More base models, each on a model group of its own (its device or Ray actor, its worker
     #: thread, its adapters): a run names its base model, ``base_model`` above is the default.
     more_models: list[ModelSettings] = Field(default_factory=list)
@@ -323,6 +347,7 @@ class ServerConfig(BaseModel):
         first = ModelSettings(
             base_model=self.base_model, device=self.device, ray=self.ray, ranks=self.ranks, fsdp_size=self.fsdp_size,
             backend=self.backend, tp_size=self.tp_size, pp_size=self.pp_size, dtype=self.dtype, sampler=self.sampler,
+            speed=self.speed,
         )  # fmt: skip
         return [
             self.model_copy(

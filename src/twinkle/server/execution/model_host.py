@@ -470,7 +470,7 @@ def build_model(config: ServerConfig, model_id: str) -> TransformersModel:
     ``TransformersModel``, or ``MegatronModel``, imported only here (megatron-core is an extra:
     where it is missing, a ``ConfigurationError`` says how to install it)."""
     if config.backend == 'transformers':
-        return TransformersModel(model_id, device=config.device, dtype=base_dtype(config))
+        return TransformersModel(model_id, device=config.device, dtype=base_dtype(config), **config.speed.model_dump())
     from twinkle.model.megatron.model import MegatronModel, require_megatron
 
     require_megatron()
