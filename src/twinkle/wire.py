@@ -313,6 +313,49 @@ class ServerInfo(Answer):
     tenant: str
 
 
+class UsageFigures(Answer):
+    """What was used in a window (``GET /twinkle/v1/usage``), and what is stored now."""
+
+    #: Tokens of forward and forward_backward requests.
+    tokens_trained: int
+    #: Prompt tokens sampled from (once per prompt).
+    prompt_tokens_sampled: int
+    #: Tokens sampled.
+    tokens_sampled: int
+    #: Seconds of a model worker (a pass shared by several requests split evenly).
+    compute_seconds: float
+    checkpoints_saved: int
+    #: Checkpoints kept now, and their bytes.
+    checkpoints_stored: int
+    bytes_stored: int
+    #: The window's cost by the server's prices (null: a kind used is not priced).
+    cost_usd: float | None
+    #: A month's cost of keeping what is stored now (null: storage is not priced).
+    storage_usd_per_month: float | None
+
+
+class RunUsage(UsageFigures):
+    #: None: sampling without a run.
+    run_id: str | None
+    #: None: a run with checkpoints kept but no usage in the window.
+    base_model: str | None
+
+
+class TenantUsage(Answer):
+    tenant: str
+    runs: list[RunUsage]
+    total: UsageFigures
+
+
+class UsageReport(Answer):
+    """Usage in the UTC hours that start in ``[since, until)`` (unix seconds): the caller's, or
+    every tenant's for the admin key."""
+
+    since: float
+    until: float
+    tenants: list[TenantUsage]
+
+
 # ---- operations ---------------------------------------------------------------------------------------
 class InputRow(Wire):
     """One encoded row to train or score on: token ids with labels (``IGNORE_INDEX`` where not
@@ -645,9 +688,13 @@ __all__ = [
     'RunList',
     'RunRestore',
     'RunStep',
+    'RunUsage',
     'SampleWeights',
     'SaveRequest',
     'ServerInfo',
+    'TenantUsage',
+    'UsageFigures',
+    'UsageReport',
     'parse_checkpoint_path',
     'parse_twinkle_path',
 ]

@@ -28,6 +28,7 @@ from twinkle.wire import (
     RunList,
     RunRestore,
     RunStep,
+    UsageReport,
     parse_twinkle_path,
 )
 
@@ -167,6 +168,13 @@ class TwinkleClient:
                 return steps
             steps += page
             after = page[-1].step
+
+    def usage(self, since: float = 0.0, until: float | None = None) -> UsageReport:
+        """What this key's tenant used in the UTC hours that start in ``[since, until)`` (unix
+        seconds; ``until`` None: up to now), per run and in total, with the checkpoints it keeps
+        and the costs by the server's prices; with the admin key, every tenant's."""
+        params: dict[str, float] = {'since': since} if until is None else {'since': since, 'until': until}
+        return UsageReport.model_validate(self.request('GET', f'{PREFIX}/usage', params=params))
 
     def run_restores(self, run_id: str) -> list[RunRestore]:
         """The times the server brought the run back with less than it had, oldest first: a model

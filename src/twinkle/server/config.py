@@ -192,6 +192,26 @@ class SamplerSettings(BaseModel):
         return self
 
 
+class Pricing(BaseModel):
+    """What the metered usage costs, in US dollars (``twinkle.server.metering``); a price left None
+    is not priced, and a cost that needs it reads null."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    #: Per million tokens trained (forward and forward_backward).
+    training_per_million_tokens: float | None = Field(None, ge=0)
+    #: Per million prompt tokens sampled from (once per prompt).
+    sampling_prefill_per_million_tokens: float | None = Field(None, ge=0)
+    #: Per million tokens sampled.
+    sampling_sample_per_million_tokens: float | None = Field(None, ge=0)
+    #: Per hour of a model worker's time.
+    compute_per_hour: float | None = Field(None, ge=0)
+    #: Per checkpoint saved.
+    per_checkpoint: float | None = Field(None, ge=0)
+    #: Per gigabyte (10^9 bytes) of checkpoints kept for a month (720 hours).
+    storage_per_gigabyte_month: float | None = Field(None, ge=0)
+
+
 class SpeedSettings(BaseModel):
     """A transformers model's speed switches, ``TransformersModel``'s of the same names
     (docs/training.md): each tenant's numbers stay those of the switches off (1e-5)."""
@@ -316,6 +336,8 @@ class ServerConfig(BaseModel):
     #: The model's speed switches (``SpeedSettings``; the transformers backend's):
     #: ``{fused_output: true}`` keeps a real vocabulary's logits from filling memory.
     speed: SpeedSettings = Field(default_factory=SpeedSettings)
+    #: The prices of the metered usage (``GET /twinkle/v1/usage``, Tinker's billing routes).
+    pricing: Pricing = Field(default_factory=Pricing)
     #: More base models, each on a model group of its own (its device or Ray actor, its worker
     #: thread, its adapters): a run names its base model, ``base_model`` above is the default.
     more_models: list[ModelSettings] = Field(default_factory=list)

@@ -28,6 +28,7 @@ from twinkle.server.execution.placement import build_host
 from twinkle.server.execution.run_files import RELEASE_STATE, discard_unrecorded
 from twinkle.server.execution.sampler_group import SamplerGroup
 from twinkle.server.execution.scheduler import Batchable, Job
+from twinkle.server.metering import Meter
 from twinkle.server.rate_limit import RateLimiter
 from twinkle.server.store import Checkpoint, Run, Store, Tenant
 from twinkle.utils.logger import get_logger
@@ -69,6 +70,14 @@ class Service:
         self.requests = Counter('twinkle_requests', 'Compute requests', ['operation', 'status'], registry=self.registry)
         self.seconds = Histogram('twinkle_request_seconds', 'Compute time', ['operation'], registry=self.registry)
         self.queued = Gauge('twinkle_queued_requests', 'Requests waiting', registry=self.registry)
+        self.usage = Counter(
+            'twinkle_usage',
+            'Metered usage by tenant and kind: tokens trained, sampled and prompted, worker seconds, checkpoints',
+            ['tenant', 'kind'],
+            registry=self.registry,
+        )
+        #: The future id of each job to charge -> (tenant, run id, base model, meter).
+        self._meters: dict[str, tuple[Tenant, str | None, str, Meter]] = {}
         self.pass_jobs = Histogram(
             'twinkle_pass_jobs',
             'Requests in the pass that ran each request (1: alone; more: a pass shared by tenants)',
@@ -173,20 +182,25 @@ class Service:
         batch: Batchable | None = None,
         internal: bool = False,
         future_id: str | None = None,
+        meter: Meter | None = None,
     ) -> Job:
         """Queue ``fn`` on ``group``'s worker as the job of a future: a new one recorded for
         ``run_id``, or ``future_id`` (recorded already). With ``batch`` it may share a pass with
         other tenants' jobs. An ``internal`` job (the server's own, such as releasing an idle
         adapter) is not held to the tenant's queue limit. Routes call it on the event loop: the
         future's row is committed without an fsync (``store/futures.py``), in less time than a hop to
-        a thread and back would take."""
+        a thread and back would take. The tenant is charged its worker's seconds and, once it
+        succeeds, what ``meter`` counted (``twinkle.server.metering``); an internal job is not."""
         if future_id is None:
             future_id = self.store.futures.create(tenant.id, run_id, operation).id
+        if not internal:
+            self._meters[future_id] = (tenant, run_id, group.name, meter or Meter())
         try:
             job = group.scheduler_for(operation).submit(
                 tenant.id, fn, job_id=future_id, batch=batch, operation=operation, internal=internal
             )
         except QueueFullError as e:
+            self._meters.pop(future_id, None)
             self.store.futures.fail(future_id, str(e), 'user')
             raise
         self.queued.set(self.queued_jobs())
@@ -230,10 +244,29 @@ class Service:
                 message = f'{type(job.error).__name__}: the server failed; its log has the details of request {job.id}'
             self.store.futures.fail(job.id, message, category)
         self.requests.labels(operation, job.status).inc()
+        self._charge(job)
         if job.started_at and job.finished_at:
             self.seconds.labels(operation).observe(job.finished_at - job.started_at)
             self.pass_jobs.labels(operation).observe(job.pass_size)
         self.queued.set(self.queued_jobs())
+
+    def _charge(self, job: Job) -> None:
+        """Record what a finished job used: its share of its pass's seconds, and its meter's counts if it succeeded."""
+        charged = self._meters.pop(job.id, None)
+        if charged is None:
+            return
+        tenant, run_id, base_model, meter = charged
+        quantities = meter.quantities() if job.error is None else {}
+        if job.started_at and job.finished_at:
+            quantities['compute_seconds'] = (job.finished_at - job.started_at) / max(job.pass_size, 1)
+        try:
+            self.store.usage.add(tenant.id, run_id, meter.session_id, bare(base_model), quantities)
+        except Exception as error:  # a closing store: the usage is lost, the answer is not
+            logger.warning(f'the usage of request {job.id} was not recorded: {type(error).__name__}: {error}')
+            return
+        for kind, amount in quantities.items():
+            if amount:
+                self.usage.labels(tenant.name, kind).inc(amount)
 
     # ---- runs -----------------------------------------------------------------------------------
     async def adapter_of(self, tenant: Tenant, run_id: str) -> Run:

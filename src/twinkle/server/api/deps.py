@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from twinkle.errors import UnauthorizedError
-from twinkle.server.auth import TENANT_KEY, key_from_headers
+from twinkle.server.auth import TENANT_KEY, hash_key, key_from_headers
 from twinkle.server.service import Service
 from twinkle.server.store import Tenant
 
@@ -43,3 +44,13 @@ async def tenant_of(request: Request) -> Tenant:
 
 
 Who = Annotated[Tenant, Depends(tenant_of)]
+
+
+def is_admin(service: Service, request: Request) -> bool:
+    """Whether the request carries the server's admin key."""
+    configured, key = service.config.admin_api_key, key_from_headers(request.headers)
+    if configured is None or not key:
+        return False
+    hashed = configured.lower().startswith('sha256:')
+    expected = configured[len('sha256:') :].lower() if hashed else hash_key(configured)
+    return hmac.compare_digest(hash_key(key).encode(), expected.encode('utf-8', 'replace'))

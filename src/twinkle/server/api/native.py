@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, cast
@@ -24,14 +25,16 @@ from fastapi import APIRouter, Query, Request
 from pydantic import JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, UnknownNameError
-from twinkle.server.api.deps import Who
+from twinkle.server.api.deps import Who, is_admin, key_holder
 from twinkle.server.api.errors import error_responses
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.execution.model_group import bare
+from twinkle.server.execution.model_host import request_tokens
 from twinkle.server.execution.sampler_group import SYNC_NAME, version_of
 from twinkle.server.execution.scheduler import Job, wait_job
+from twinkle.server.metering import Meter, usage_report
 from twinkle.server.service import Service
-from twinkle.server.store import Checkpoint, FutureRecord, Run, Tenant, check_checkpoint_name, check_name
+from twinkle.server.store import HOUR_S, Checkpoint, FutureRecord, Run, Tenant, check_checkpoint_name, check_name
 from twinkle.wire import (
     OPERATIONS,
     CheckpointList,
@@ -50,11 +53,16 @@ from twinkle.wire import (
     SampleWeights,
     SaveRequest,
     ServerInfo,
+    UsageReport,
     parse_checkpoint_path,
     parse_twinkle_path,
 )
 
 PREFIX = '/twinkle/v1'
+#: The end of a usage window, unix seconds (None: the hour now included).
+Until = Annotated[float | None, Query(ge=0, allow_inf_nan=False)]
+#: Operations whose rows are charged as tokens trained (a forward pass over them, with or without a backward).
+TRAINING_OPERATIONS = ('forward_backward', 'forward_only')
 #: SQLite integers are 64-bit; a larger page size or offset must be a 422, not an overflow.
 SQLITE_INT_LIMIT = 2**63
 #: Longest ``wait`` of a future poll, in seconds.
@@ -85,6 +93,7 @@ def native_router(service: Service) -> APIRouter:
     _run_routes(router, service)
     _checkpoint_routes(router, service)
     _sample_route(router, service)
+    _usage_route(router, service)
     return router
 
 
@@ -159,17 +168,29 @@ def _operation_endpoint(
             sampler = group.sampler
             if not kwargs.get('base_model', False):
                 sampler.weights_of(run)  # a 409 now if the run has none yet
-            future = service.submit(who, group, run_id, name, lambda: sampler.sample_run(run, kwargs))
+            meter = Meter()
+
+            def sample() -> JsonValue:
+                responses = sampler.sample_run(run, kwargs)
+                meter.sampled_json(responses)
+                return cast(JsonValue, responses)
+
+            future = service.submit(who, group, run_id, name, sample, meter=meter)
             return await _accepted(service, who, future, wait)
+
+        meter = Meter(training_tokens=request_tokens(kwargs['inputs']) if name in TRAINING_OPERATIONS else 0)
 
         def compute() -> JsonValue:
             result: JsonValue = group.run(run, name, kwargs)
+            if name == 'sample':
+                meter.sampled_json(cast(list[dict[str, JsonValue]], result))
             if spec.setup:
                 service.remember_setup(run_id, name, kwargs)
             return result
 
         batch = group.mixable(run, name, kwargs)
-        return await _accepted(service, who, service.submit(who, group, run_id, name, compute, batch), wait)
+        job = service.submit(who, group, run_id, name, compute, batch, meter=meter)
+        return await _accepted(service, who, job, wait)
 
     signature = inspect.signature(operation)
     body = signature.parameters['body'].replace(annotation=spec)
@@ -204,7 +225,8 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
             return group.save_checkpoint(run, 'training', body.name, answer, save_optimizer=body.save_optimizer)
 
-        return await _accepted(service, who, service.submit(who, group, run_id, 'save', write), wait)
+        job = service.submit(who, group, run_id, 'save', write, meter=Meter(checkpoints=1))
+        return await _accepted(service, who, job, wait)
 
     @router.post('/runs/{run_id}/load', status_code=202, response_model=FutureAccepted)
     async def load(run_id: str, body: LoadRequest, who: Who, wait: Wait = 0.0) -> FutureAccepted:
@@ -234,7 +256,8 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
             return group.save_checkpoint(run, 'sampler', SYNC_NAME, answer, save_optimizer=False)
 
-        return await _accepted(service, who, service.submit(who, group, run_id, 'sync_sampler', write), wait)
+        job = service.submit(who, group, run_id, 'sync_sampler', write, meter=Meter(checkpoints=1))
+        return await _accepted(service, who, job, wait)
 
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
@@ -261,6 +284,20 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         return Deleted(deleted=True)
 
 
+# ---- usage ------------------------------------------------------------------------------------------
+def _usage_route(router: APIRouter, service: Service) -> None:
+    @router.get('/usage', response_model=UsageReport)
+    async def usage(
+        request: Request, since: Annotated[float, Query(ge=0, allow_inf_nan=False)] = 0.0, until: Until = None
+    ) -> JsonValue:
+        """What was used in the UTC hours that start in ``[since, until)`` (unix seconds; ``until``
+        by default the hour now), per run and in total, with the checkpoints stored now and the
+        costs by the server's prices. A tenant's key sees its own; the admin key every tenant's."""
+        tenant_id = None if is_admin(service, request) else key_holder(request).id
+        end = until if until is not None else time.time() + HOUR_S
+        return await asyncio.to_thread(usage_report, service.store, service.config.pricing, tenant_id, since, end)
+
+
 # ---- sampling without a run -----------------------------------------------------------------------
 def _sample_route(router: APIRouter, service: Service) -> None:
     @router.post('/sample', status_code=202, response_model=FutureAccepted)
@@ -281,11 +318,15 @@ def _sample_route(router: APIRouter, service: Service) -> None:
         inputs = [prompt.model_dump(exclude_none=True) for prompt in body.inputs]
         group.check_sample_request(inputs, body.sampling_params)  # a 4xx now, not a failed future
 
+        meter = Meter()
+
         def run() -> object:
             folder = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
-            return group.sample_weights(inputs, body.sampling_params, folder, path)
+            responses = group.sample_weights(inputs, body.sampling_params, folder, path)
+            meter.sampled_json(responses)
+            return responses
 
-        return await _accepted(service, who, service.submit(who, group, None, 'sample', run), wait)
+        return await _accepted(service, who, service.submit(who, group, None, 'sample', run, meter=meter), wait)
 
 
 # ---- futures --------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """The service's durable state in one SQLite file, one aggregate per attribute of ``Store``.
 
-``store.tenants`` (tenants and their API keys), ``store.runs``, ``store.checkpoints``, ``store.sessions``
-(Tinker sessions and their sampling sessions), ``store.futures``, ``store.history`` (each run's steps,
-each model's restarts) and ``store.sequences`` (Tinker's sampled sequences kept for ``stable_reinforce``)
-share one connection and its lock (``database.py``); the schema and its migrations are ``schema.py``,
-run once when the store opens.
+``store.tenants`` (tenants and their API keys), ``store.runs``, ``store.checkpoints``, ``store.sessions`` (Tinker
+sessions and their sampling sessions), ``store.futures``, ``store.history`` (each run's steps, each model's
+restarts), ``store.sequences`` (Tinker's sampled sequences kept for ``stable_reinforce``) and ``store.usage`` (what
+each tenant used, per hour) share one connection and its lock (``database.py``); the schema and its migrations are
+``schema.py``, run once when the store opens.
 
 Every write is its own transaction, committed with ``synchronous=FULL`` in WAL mode before the method
 returns, so a row the server has acknowledged survives a ``kill -9`` (and a power cut); the exceptions,
@@ -48,6 +48,7 @@ from twinkle.server.store.schema import SCHEMA_VERSION, migrate
 from twinkle.server.store.sequences import SEQUENCE_TTL_S, SampledRecord, SampledSequences
 from twinkle.server.store.sessions import SamplingSession, Session, Sessions
 from twinkle.server.store.tenants import Tenant, Tenants
+from twinkle.server.store.usage import HOUR_S, USAGE_KINDS, Usage, UsageRow
 from twinkle.wire import parse_checkpoint_path, parse_twinkle_path  # checkpoint paths are the wire's
 
 
@@ -70,6 +71,7 @@ class Store:
         self.futures = Futures(self.db)
         self.history = History(self.db)
         self.sequences = SampledSequences(self.db)
+        self.usage = Usage(self.db)
 
     def transaction(self) -> contextlib.AbstractContextManager[object]:
         """One transaction over every aggregate: the writes made inside it on this thread commit
@@ -92,12 +94,14 @@ __all__ = [
     'CHECKPOINT_KINDS',
     'ERROR_CATEGORIES',
     'FUTURE_STATUSES',
+    'HOUR_S',
     'RESERVED_CHECKPOINT_NAMES',
     'RUN_STATUSES',
     'SCHEMA_VERSION',
     'SEQUENCE_TTL_S',
     'TINKER_FOLDERS',
     'TWINKLE_FOLDERS',
+    'USAGE_KINDS',
     'Checkpoint',
     'Checkpoints',
     'FutureRecord',
@@ -113,6 +117,8 @@ __all__ = [
     'Store',
     'Tenant',
     'Tenants',
+    'Usage',
+    'UsageRow',
     'check_checkpoint_name',
     'check_name',
     'parse_checkpoint_path',

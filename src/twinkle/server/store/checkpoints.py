@@ -101,6 +101,19 @@ class Checkpoints(Aggregate):
         )
         return [_checkpoint(row) for row in rows]
 
+    def stored(self, tenant_id: str | None = None) -> dict[str, dict[str, tuple[int, int]]]:
+        """Checkpoints kept now and their bytes, by tenant and run: ``{tenant: {run: (count, bytes)}}``
+        (``tenant_id`` None: every tenant)."""
+        where, params = ('WHERE tenant_id = ?', (tenant_id,)) if tenant_id is not None else ('', ())
+        rows = self._db.query(
+            f'SELECT tenant_id, run_id, COUNT(*), SUM(size_bytes) FROM checkpoints {where} GROUP BY tenant_id, run_id',
+            params,
+        )
+        stored: dict[str, dict[str, tuple[int, int]]] = {}
+        for row in rows:
+            stored.setdefault(row[0], {})[row[1]] = (int(row[2]), int(row[3] or 0))
+        return stored
+
     def page(self, tenant_id: str, limit: int = 100, offset: int = 0) -> tuple[list[Checkpoint], int]:
         """One page of every checkpoint of the tenant, newest first, and how many there are in all."""
         rows = self._db.query(

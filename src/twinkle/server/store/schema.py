@@ -12,7 +12,7 @@ import re
 from twinkle.errors import StateError
 from twinkle.server.store.database import Database
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -130,6 +130,20 @@ CREATE TABLE IF NOT EXISTS sampled_sequences (
     last_used_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sampled_sequences_by_use ON sampled_sequences (last_used_at);
+-- What a tenant used, summed per UTC hour: tokens trained, prompt and sampled tokens, compute seconds
+-- and checkpoints saved, by run ('' for sampling without one), Tinker session ('' for none) and base
+-- model. No key to runs: a deleted run's usage stays the tenant's.
+CREATE TABLE IF NOT EXISTS usage (
+    tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+    run_id TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    kind TEXT NOT NULL CHECK (kind IN ('training', 'sampling_prefill', 'sampling_sample', 'compute_seconds',
+                                       'checkpoint')),
+    hour REAL NOT NULL,
+    quantity REAL NOT NULL,
+    PRIMARY KEY (tenant_id, hour, run_id, session_id, base_model, kind)
+);
 """
 
 
@@ -164,6 +178,7 @@ _MIGRATIONS = {
     ],
     6: _creating('run_restores'),
     7: _creating('sampled_sequences'),
+    8: _creating('usage'),
 }
 
 

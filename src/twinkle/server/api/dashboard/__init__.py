@@ -17,7 +17,6 @@ another host.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -27,11 +26,10 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import JsonValue
 
 from twinkle.errors import NotFoundError, UnauthorizedError
-from twinkle.server.api.deps import Who, key_holder
+from twinkle.server.api.deps import Who, is_admin, key_holder
 from twinkle.server.api.errors import error_responses
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.api.tinker.rest import delete_checkpoint
-from twinkle.server.auth import hash_key, key_from_headers
 from twinkle.server.execution.model_group import bare
 from twinkle.server.service import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint
@@ -40,16 +38,6 @@ STATIC = Path(__file__).parent / 'static'
 PREFIX = '/dashboard'
 Kind = Literal['training', 'sampler', 'external']
 JsonObject = dict[str, JsonValue]
-
-
-def is_admin(service: Service, request: Request) -> bool:
-    """Whether the request carries the server's admin key."""
-    configured, key = service.config.admin_api_key, key_from_headers(request.headers)
-    if configured is None or not key:
-        return False
-    hashed = configured.lower().startswith('sha256:')
-    expected = configured[len('sha256:') :].lower() if hashed else hash_key(configured)
-    return hmac.compare_digest(hash_key(key).encode(), expected.encode('utf-8', 'replace'))
 
 
 def dashboard_router(service: Service) -> APIRouter:
