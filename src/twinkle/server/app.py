@@ -28,6 +28,7 @@ from twinkle.server.api.openai_api import openai_router
 from twinkle.server.api.openai_completions import completions_router
 from twinkle.server.api.request_limits import HttpLimits
 from twinkle.server.api.tinker.base import TinkerAPI
+from twinkle.server.api.tinker.billing import billing_router
 from twinkle.server.api.tinker.rest import expire_checkpoints_periodically, rest_router
 from twinkle.server.api.tinker.sampling import sampling_router
 from twinkle.server.api.tinker.session import session_router
@@ -67,7 +68,7 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenants.for_key)
     tinker = TinkerAPI(service, TinkerState(config.tinker))
     app.state.tinker = tinker
-    for tinker_router in (session_router, training_router, sampling_router, rest_router):
+    for tinker_router in (session_router, training_router, sampling_router, rest_router, billing_router):
         app.include_router(tinker_router(tinker))
     app.include_router(openai_router(service))
     app.include_router(completions_router(service))

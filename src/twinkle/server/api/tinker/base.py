@@ -40,6 +40,7 @@ from twinkle.server.api.tinker.state import TinkerState
 from twinkle.server.execution.model_group import ModelGroup
 from twinkle.server.execution.scheduler import Batchable
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
+from twinkle.server.metering import Meter
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Session, Tenant, parse_checkpoint_path
 
@@ -163,9 +164,11 @@ class TinkerAPI:
         operation: str,
         fn: Callable[[], object],
         batch: Batchable | None = None,
+        meter: Meter | None = None,
     ) -> str:
         """Record a future for ``fn`` and start it on ``group``'s worker in its model's turn;
-        the future's id. With ``batch`` it may share a pass with other tenants' requests."""
+        the future's id. With ``batch`` it may share a pass with other tenants' requests; ``meter``
+        is what it is charged (``Service.submit``)."""
         service, requests = self.service, self.state.requests
         key = (who.id, run_id or '', seq_id) if seq_id is not None else None
         if key is not None and key in requests:
@@ -183,7 +186,7 @@ class TinkerAPI:
 
         def start() -> None:
             with contextlib.suppress(QueueFullError):  # enqueue failed the future with the reason
-                service.submit(who, group, run_id, operation, fn, batch, future_id=record.id)
+                service.submit(who, group, run_id, operation, fn, batch, future_id=record.id, meter=meter)
 
         def fail(message: str) -> None:
             service.store.futures.fail(record.id, message, 'user')

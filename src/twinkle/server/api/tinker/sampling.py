@@ -30,6 +30,7 @@ from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, proto_result, 
 from twinkle.server.execution import tinker_codec as codec
 from twinkle.server.execution.images import IMAGE_SLOT, Images, ImageSlot
 from twinkle.server.execution.model_group import ModelGroup, bare
+from twinkle.server.metering import Meter
 from twinkle.server.store import Store, Tenant
 
 
@@ -77,10 +78,12 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
         prompt, params, images = _sample_request(body, api.settings.default_max_tokens)
         group.check_sampling_params(params)
         sequence_ids = [f'seq-{secrets.token_hex(8)}:{i}' for i in range(params.num_samples)]
+        meter = Meter(session_id=session_id)
 
         def sample() -> dict[str, str]:
             directory = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
             response = group.sample_ids(prompt, params, directory, path, images)
+            meter.sampled([len(prompt)], [len(sequence.tokens) for sequence in response.sequences])
             if body.record_stability_info and session_id is not None:
                 _record(service.store, who, session_id, prompt, sequence_ids, response)
             return proto_result(
@@ -91,7 +94,7 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
                 )
             )
 
-        request_id = await api.accept(who, group, None, None, 'sample', sample)
+        request_id = await api.accept(who, group, None, None, 'sample', sample, meter=meter)
         return {'request_id': request_id, 'sample_sequence_ids': list(sequence_ids)}
 
 

@@ -32,6 +32,7 @@ from twinkle.server.api.tinker.base import PROTO, JsonObject, TinkerAPI, proto_r
 from twinkle.server.execution import tinker_codec as codec
 from twinkle.server.execution.model_group import ModelGroup, bare
 from twinkle.server.execution.tinker_compute import check_adam, lora_config
+from twinkle.server.metering import Meter
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name
 
@@ -160,7 +161,8 @@ def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
 
         operation = 'forward' if call.forward_only else 'forward_backward'
         batch = api.mixable(group, run, call)
-        request_id = await api.accept(who, group, run.id, call.seq_id, operation, compute, batch)
+        meter = Meter(training_tokens=sum(len(datum.tokens) for datum in call.data), session_id=run.session_id)
+        request_id = await api.accept(who, group, run.id, call.seq_id, operation, compute, batch, meter)
         return {'request_id': request_id, 'model_id': run.id}
 
     @routes.post('/optim_step')
@@ -177,7 +179,8 @@ def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
             return group.tinker_optim_step(run, params)
 
         batch = group.tinker_steppable(run, params)
-        request_id = await api.accept(who, group, run.id, body.seq_id, 'optim_step', compute, batch)
+        meter = Meter(session_id=run.session_id)
+        request_id = await api.accept(who, group, run.id, body.seq_id, 'optim_step', compute, batch, meter)
         return {'request_id': request_id, 'model_id': run.id}
 
 
@@ -200,7 +203,8 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
 
             return _save(service, run, name, 'training', expires, answer)
 
-        request_id = await api.accept(who, service.group_of(run), run.id, body.seq_id, 'save_weights', save)
+        saved, group = Meter(checkpoints=1, session_id=run.session_id), service.group_of(run)
+        request_id = await api.accept(who, group, run.id, body.seq_id, 'save_weights', save, meter=saved)
         return {'request_id': request_id, 'model_id': run.id}
 
     @routes.post('/save_weights_external')
@@ -218,7 +222,8 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
             return external.export_weights(service, run, name, expires, recipients, answer)
 
         group = service.group_of(run)
-        request_id = await api.accept(who, group, run.id, body.seq_id, 'save_weights_external', save)
+        saved = Meter(checkpoints=1, session_id=run.session_id)
+        request_id = await api.accept(who, group, run.id, body.seq_id, 'save_weights_external', save, meter=saved)
         return {'request_id': request_id, 'model_id': run.id}
 
     @routes.post('/save_weights_for_sampler')
@@ -253,7 +258,8 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
             return _save(service, run, name, 'sampler', expires, answer)
 
         group = service.group_of(run)
-        request_id = await api.accept(who, group, run.id, body.seq_id, 'save_weights_for_sampler', save)
+        saved = Meter(checkpoints=1, session_id=run.session_id)
+        request_id = await api.accept(who, group, run.id, body.seq_id, 'save_weights_for_sampler', save, meter=saved)
         return {'request_id': request_id, 'model_id': run.id}
 
     @routes.post('/load_weights')
