@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 from peft import LoraConfig
+from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
 from server_helpers import background_server
 from tinker import types
 
@@ -155,15 +156,30 @@ def datum(tokens: list[int]) -> types.Datum:
     )
 
 
-def test_tinker_billing_usage_answers_what_a_session_used(served, sdk_clients, tiny_model_dir):
+@pytest.fixture(scope='module')
+def tinker_session(served, module_sdk_clients, tiny_model_dir) -> dict[str, Any]:
+    """Carol's Tinker session: a forward_backward of 4 + 2 tokens, a step, sampler weights, and
+    two samples of a 4-token prompt."""
     url, _, background = served
     _, key = background.app.state.service.store.tenants.add('carol')
-    service = sdk_clients(url, key, user_metadata={'team': 'rl'})
+    service = module_sdk_clients(url, key, user_metadata={'team': 'rl'})
     client = service.create_lora_training_client(base_model=tiny_model_dir, rank=4).result()
     client.forward_backward([datum([11, 42, 7, 99, 5]), datum([3, 4, 5])], 'cross_entropy').result()
+    client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     sampler = client.save_weights_and_get_sampling_client('for-sampling').result()
     prompt = types.ModelInput.from_ints([5, 6, 7, 8])
     sampled = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=3)).result()
+    return {
+        'url': url,
+        'key': key,
+        'sampled': sampled,
+        'session': service.holder.get_session_id(),
+        'run': client.model_id,
+    }
+
+
+def test_tinker_billing_usage_answers_what_a_session_used(tinker_session):
+    url, key, sampled = tinker_session['url'], tinker_session['key'], tinker_session['sampled']
     hour = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
     window = [(hour - timedelta(hours=1)).isoformat(), (hour + timedelta(hours=1)).isoformat()]
     answer = tinker_cli(url, key, 'billing', 'usage', *window)
@@ -202,3 +218,38 @@ def test_a_bad_billing_window_is_a_400_that_says_why(served, starting_on, ending
         headers={'X-Api-Key': keys['alice']},
     )
     assert answer.status_code == 400 and message in answer.text
+
+
+def test_tinker_session_export_trace_writes_the_sessions_requests_as_a_perfetto_trace(tinker_session, tmp_path):
+    url, key = tinker_session['url'], tinker_session['key']
+    path = tmp_path / 'session.pftrace'
+    answer = tinker_cli(url, key, 'session', 'export-trace', tinker_session['session'], '--output', str(path))
+    assert answer['file_size_bytes'] == path.stat().st_size > 0
+    trace = Trace.FromString(path.read_bytes())
+    tracks = {p.track_descriptor.uuid: p.track_descriptor.name for p in trace.packet if p.HasField('track_descriptor')}
+    assert f'session {tinker_session["session"]}' in tracks.values()
+    assert tinker_session['run'] in tracks.values() and 'sampling' in tracks.values()
+    open_slices: dict[int, list[str]] = {}
+    names: list[str] = []
+    last = 0
+    for packet in trace.packet:
+        if not packet.HasField('track_event'):
+            continue
+        event = packet.track_event
+        assert packet.timestamp >= last  # one sequence, in time order
+        last = packet.timestamp
+        stack = open_slices.setdefault(event.track_uuid, [])
+        if event.type == TrackEvent.TYPE_SLICE_BEGIN:
+            assert stack or event.name != 'running'  # a running slice lies inside its request's
+            stack.append(event.name)
+            names.append(event.name)
+        else:
+            assert event.type == TrackEvent.TYPE_SLICE_END and stack
+            stack.pop()
+    assert all(not stack for stack in open_slices.values())  # every slice ended
+    for operation in ('create_model', 'forward_backward', 'optim_step', 'save_weights_for_sampler', 'sample'):
+        assert operation in names, (operation, names)
+    assert names.count('running') == len(names) - names.count('running')  # each request ran
+    link = tinker_cli(url, key, 'session', 'export-trace', tinker_session['session'], '--url-only')['url']
+    assert httpx.get(link.replace('signature=', 'signature=0')).status_code == 401
+    assert httpx.get(link).content == path.read_bytes()  # the same requests, all answered

@@ -404,7 +404,6 @@ def test_what_the_server_has_no_notion_of_is_refused_at_once(server, tenant, tin
     for call, message in [
         (lambda: rest.copy_weights(path, 'proj-1'), 'no projects'),
         (lambda: rest.assign_session_project(session_id, 'proj-1'), 'no projects'),
-        (lambda: rest.export_session_trace(session_id), 'export_session_trace'),
         (lambda: rest.search_sessions(types.SessionSearchRequest()), 'list_sessions'),
     ]:
         with pytest.raises(tinker.BadRequestError, match=message):

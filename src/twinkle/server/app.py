@@ -33,6 +33,7 @@ from twinkle.server.api.tinker.rest import expire_checkpoints_periodically, rest
 from twinkle.server.api.tinker.sampling import sampling_router
 from twinkle.server.api.tinker.session import session_router
 from twinkle.server.api.tinker.state import TinkerState
+from twinkle.server.api.tinker.trace import trace_router
 from twinkle.server.api.tinker.training import training_router
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import Host
@@ -68,7 +69,7 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenants.for_key)
     tinker = TinkerAPI(service, TinkerState(config.tinker))
     app.state.tinker = tinker
-    for tinker_router in (session_router, training_router, sampling_router, rest_router, billing_router):
+    for tinker_router in (session_router, training_router, sampling_router, rest_router, billing_router, trace_router):
         app.include_router(tinker_router(tinker))
     app.include_router(openai_router(service))
     app.include_router(completions_router(service))

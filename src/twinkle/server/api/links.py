@@ -71,6 +71,23 @@ def files_route(routes: APIRouter, service: Service) -> None:
         return FileResponse(path, filename=path.name, media_type='application/octet-stream')
 
 
+def signed_link(service: Service, request: Request, route: str, name: str) -> str:
+    """A link to ``route/name`` (under ``/api/v1``) that works without a key for ``LINK_TTL_S``;
+    its route checks it with ``check_signature``."""
+    expires = int(time.time()) + LINK_TTL_S
+    base = str(request.base_url).rstrip('/')
+    signature = _signature(service.link_key, route, name, expires)
+    return f'{base}/api/v1{route}/{name}?expires={expires}&signature={signature}'
+
+
+def check_signature(service: Service, route: str, name: str, expires: int, signature: str, remedy: str) -> None:
+    """A 401 that says what to do (``remedy``) unless ``signed_link`` made this link and it has not expired."""
+    expected = _signature(service.link_key, route, name, expires)
+    if not hmac.compare_digest(expected.encode(), signature.encode()) or expires < time.time():
+        raise UnauthorizedError(f'this link is altered or expired: {remedy}')
+
+
 def _signature(key: bytes, checkpoint_id: str, name: str, expires: int) -> str:
+    """The signature of a link to a checkpoint's file, or (``checkpoint_id`` a route) to another thing."""
     message = f'{checkpoint_id}\n{name}\n{expires}'.encode()
     return hmac.new(key, message, hashlib.sha256).hexdigest()

@@ -38,6 +38,10 @@ class FutureRecord(BaseModel, frozen=True):
     category: str | None
     created_at: float
     finished_at: float | None
+    #: When its job started on a worker (None: not yet, or never).
+    started_at: float | None = None
+    #: The Tinker session it belongs to (None: the native API's).
+    session_id: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -47,8 +51,8 @@ class FutureRecord(BaseModel, frozen=True):
 class Futures(Aggregate):
     """The futures table; a tenant reads only its own futures."""
 
-    def create(self, tenant_id: str, run_id: str | None, op: str) -> FutureRecord:
-        """A pending future of ``op`` on the tenant's run (None: on no run)."""
+    def create(self, tenant_id: str, run_id: str | None, op: str, session_id: str | None = None) -> FutureRecord:
+        """A pending future of ``op`` on the tenant's run (None: on no run), in a Tinker session or none."""
         future = FutureRecord(
             id=new_id('fut'),
             tenant_id=tenant_id,
@@ -60,11 +64,13 @@ class Futures(Aggregate):
             category=None,
             created_at=self._db.clock(),
             finished_at=None,
+            session_id=session_id,
         )
         try:
             self._db.execute(
-                "INSERT INTO futures (id, tenant_id, run_id, op, status, created_at) VALUES (?, ?, ?, ?, 'pending', ?)",
-                (future.id, tenant_id, run_id, op, future.created_at),
+                'INSERT INTO futures (id, tenant_id, run_id, op, status, created_at, session_id) '
+                "VALUES (?, ?, ?, ?, 'pending', ?, ?)",
+                (future.id, tenant_id, run_id, op, future.created_at, session_id),
                 durable=False,
             )
         except sqlite3.IntegrityError as exc:
@@ -74,8 +80,8 @@ class Futures(Aggregate):
     def set_running(self, future_id: str) -> bool:
         """Move a pending future to running; False if it was not pending. After a crash,
         ``fail_unfinished`` fails a running future as it does a pending one."""
-        sql = "UPDATE futures SET status = 'running' WHERE id = ? AND status = 'pending'"
-        return self._db.execute(sql, (future_id,), durable=False) > 0
+        sql = "UPDATE futures SET status = 'running', started_at = ? WHERE id = ? AND status = 'pending'"
+        return self._db.execute(sql, (self._db.clock(), future_id), durable=False) > 0
 
     def finish(self, future_id: str, result: Any) -> bool:  # Any: the operation's JSON answer
         """Store the JSON-encoded ``result`` of an unfinished future; False if it had already finished.
@@ -104,6 +110,15 @@ class Futures(Aggregate):
     def get(self, tenant_id: str, future_id: str) -> FutureRecord | None:
         rows = self._db.query('SELECT * FROM futures WHERE id = ? AND tenant_id = ?', (future_id, tenant_id))
         return _future(rows[0]) if rows else None
+
+    def of_session(self, session_id: str) -> list[FutureRecord]:
+        """The futures of a Tinker session, oldest first (its results left out: a trace reads the times)."""
+        rows = self._db.query(
+            'SELECT id, tenant_id, run_id, op, status, NULL AS result_json, error, category, created_at, finished_at, '
+            'started_at, session_id FROM futures WHERE session_id = ? ORDER BY created_at, rowid',
+            (session_id,),
+        )
+        return [_future(row) for row in rows]
 
     def fail_unfinished(self, reason: str) -> int:
         """At server start: fail every pending or running future as the server's fault; return how many.

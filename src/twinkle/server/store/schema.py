@@ -68,9 +68,13 @@ CREATE TABLE IF NOT EXISTS futures (
     category TEXT CHECK (category IN ('user', 'server')),
     created_at REAL NOT NULL,
     finished_at REAL,
+    -- When its job started on a worker (NULL: it has not), and the Tinker session it belongs to.
+    started_at REAL,
+    session_id TEXT,
     FOREIGN KEY (run_id, tenant_id) REFERENCES runs (id, tenant_id) ON DELETE CASCADE
 );
 CREATE INDEX IF NOT EXISTS futures_by_status ON futures (status);
+CREATE INDEX IF NOT EXISTS futures_by_session ON futures (session_id, created_at);
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
@@ -178,7 +182,12 @@ _MIGRATIONS = {
     ],
     6: _creating('run_restores'),
     7: _creating('sampled_sequences'),
-    8: _creating('usage'),
+    8: [
+        *_creating('usage'),
+        'ALTER TABLE futures ADD COLUMN started_at REAL',
+        'ALTER TABLE futures ADD COLUMN session_id TEXT',
+        'CREATE INDEX IF NOT EXISTS futures_by_session ON futures (session_id, created_at)',
+    ],
 }
 
 

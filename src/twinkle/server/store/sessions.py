@@ -57,6 +57,11 @@ class Sessions(Aggregate):
         rows = self._db.query('SELECT * FROM sessions WHERE id = ? AND tenant_id = ?', (session_id, tenant_id))
         return _session(rows[0]) if rows else None
 
+    def by_id(self, session_id: str) -> Session | None:
+        """The session of this id, whoever's (for a signed link, which names no tenant)."""
+        rows = self._db.query('SELECT * FROM sessions WHERE id = ?', (session_id,))
+        return _session(rows[0]) if rows else None
+
     def page(self, tenant_id: str, limit: int = 100, offset: int = 0) -> list[Session]:
         """One page of the tenant's sessions, newest first."""
         rows = self._db.query(

@@ -178,7 +178,8 @@ class TinkerAPI:
             raise QueueFullError(who.name, limit, retry_after_s=2.0)
         if run_id is not None:
             await service.touch(run_id)  # an active run is not idle
-        record = service.store.futures.create(who.id, run_id, operation)  # no fsync (futures.py): on the loop
+        session_id = meter.session_id if meter is not None else None
+        record = service.store.futures.create(who.id, run_id, operation, session_id)  # no fsync: on the loop
         if key is not None:
             requests[key] = record.id
             if len(requests) > REMEMBERED_REQUESTS:

@@ -356,11 +356,6 @@ def _refused_routes(router: APIRouter, store: Store) -> None:
         _own_session(store, who, session_id)
         raise ConfigurationError('assign_session_project is not supported: this server has no projects')
 
-    @router.get('/sessions/{session_id}/trace_export', include_in_schema=False)
-    async def trace_export(session_id: str, who: Who) -> None:
-        _own_session(store, who, session_id)
-        raise ConfigurationError('export_session_trace is not supported by this server; see its /metrics')
-
     @router.post('/sessions/search', include_in_schema=False)
     async def search_sessions(who: Who) -> None:
         raise ConfigurationError('search_sessions is not supported by this server: use list_sessions and get_session')

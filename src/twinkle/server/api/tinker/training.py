@@ -128,7 +128,7 @@ async def _create_run(
             service.store.runs.set_status(run.id, 'deleted')
             raise
 
-    return await api.accept(who, group, model_id, 0, 'create_model', create)
+    return await api.accept(who, group, model_id, 0, 'create_model', create, meter=Meter(session_id=session_id))
 
 
 def _check_optimizer(config: types.OptimizerConfig | None) -> None:
@@ -276,7 +276,8 @@ def _checkpoint_routes(routes: APIRouter, api: TinkerAPI) -> None:
             group.load(run, Path(now.path), body.optimizer, body.path)
             return {'path': body.path, 'model_id': run.id, 'type': 'load_weights'}
 
-        request_id = await api.accept(who, group, run.id, body.seq_id, 'load_weights', load)
+        loading = Meter(session_id=run.session_id)
+        request_id = await api.accept(who, group, run.id, body.seq_id, 'load_weights', load, meter=loading)
         return {'request_id': request_id, 'model_id': run.id}
 
 
