@@ -121,6 +121,11 @@ def test_a_tenant_watches_its_curves_grow_and_manages_its_checkpoints(server, br
     assert page.locator('#charts canvas').count() == 5  # loss, lr, grad norm, tokens/s, and the logged reward
     history = TwinkleClient(url, keys['alice']).run_history(run_id)
     assert page.text_content('#run-status') == f'8 steps recorded, last step {history[-1].step}'
+    # The usage table: the run's 8 steps of ROWS' tokens, as the tenant sent them, and its total.
+    trained = 8 * sum(len(row['input_ids']) for row in ROWS)
+    usage_cell = f'document.querySelector(\'#usage tr[data-key="{run_id}"] td:nth-child(2)\')?.textContent'
+    page.wait_for_function(f"{usage_cell} === '{trained}'", timeout=TIMEOUT_MS)
+    assert page.locator('#usage tr[data-key="total"]').count() == 1
 
     # A checkpoint: listed, downloaded through its signed link, published, then deleted.
     alice.save('ckpt-a')
@@ -180,6 +185,9 @@ def test_the_admin_key_sees_tenants_models_and_passes(server, browser, tmp_path)
     assert int(model[2]) >= 2  # adapters in memory: alice's and bob's
     page.wait_for_selector('#passes tbody tr', timeout=TIMEOUT_MS)
     assert 'forward_backward' in page.inner_text('#passes tbody')
+    page.wait_for_selector('#tenant-usage tbody tr[data-key="bob"]', timeout=TIMEOUT_MS)
+    usage = {row.split('\t')[0]: row.split('\t')[1:] for row in page.inner_text('#tenant-usage tbody').splitlines()}
+    assert set(usage) == {'alice', 'bob'} and int(usage['alice'][0]) > 0 and int(usage['bob'][0]) > 0
     assert page.text_content('#who') == 'admin'
     assert page.is_hidden('#sign-in') and page.is_hidden('#tenant-view')
     (tmp_path / 'admin.png').write_bytes(page.screenshot(full_page=True))

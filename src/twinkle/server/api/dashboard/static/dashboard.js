@@ -1,6 +1,6 @@
 // The twinkle dashboard: signs in with a key and calls the server's APIs with it (X-API-Key).
-// A tenant's key sees its own runs, their curves as they train, and its checkpoints; the admin
-// key sees tenants, queues, passes, adapters and restarts. Every value the server sends is shown
+// A tenant's key sees its own runs, their curves as they train, its checkpoints and its usage; the
+// admin key sees tenants, queues, passes, adapters, restarts and every tenant's usage. Every value the server sends is shown
 // as text (textContent), never as HTML.
 'use strict';
 
@@ -11,6 +11,7 @@ const FIGURES = [
   ['tokens_per_s', 'tokens / s'],
 ];
 const POLL_MS = 1000;
+const USAGE_DAYS = 30;
 const state = {
   key: sessionStorage.getItem('twinkle-key'), run: null, after: 0, figures: [], points: null, charts: {}, timers: [],
 };
@@ -63,6 +64,50 @@ function sizeText(bytes) {
   return `${bytes.toFixed(i ? 1 : 0)} ${units[i]}`;
 }
 
+// A table's rows, each [values...] or {key, values} (the key in the row's data-key).
+function fill(table, rows) {
+  const body = $(table).querySelector('tbody');
+  body.replaceChildren();
+  for (const entry of rows) {
+    const row = document.createElement('tr');
+    const values = Array.isArray(entry) ? entry : entry.values;
+    if (!Array.isArray(entry)) row.dataset.key = entry.key;
+    values.forEach((value) => cell(row, String(value)));
+    body.appendChild(row);
+  }
+}
+
+// ---- usage ----------------------------------------------------------------------------------------
+function usageCells(figures) {
+  const cost = figures.cost_usd === null ? 'not priced' : `$${figures.cost_usd.toFixed(4)}`;
+  return [
+    figures.tokens_trained, figures.tokens_sampled, figures.prompt_tokens_sampled,
+    `${figures.compute_seconds.toFixed(1)} s`, figures.checkpoints_stored, sizeText(figures.bytes_stored), cost,
+  ];
+}
+
+async function usage() {
+  return api('GET', '/twinkle/v1/usage', { since: Math.floor(Date.now() / 1000) - USAGE_DAYS * 86400 });
+}
+
+async function refreshUsage() {
+  const { tenants } = await usage();
+  const rows = [];
+  for (const tenant of tenants) {
+    for (const run of tenant.runs) {
+      const key = run.run_id ?? 'sampling';
+      rows.push({ key, values: [run.run_id ?? 'sampling without a run', ...usageCells(run)] });
+    }
+    rows.push({ key: 'total', values: ['total', ...usageCells(tenant.total)] });
+  }
+  fill('usage', rows);
+}
+
+async function refreshTenantUsage() {
+  const { tenants } = await usage();
+  fill('tenant-usage', tenants.map((t) => ({ key: t.tenant, values: [t.tenant, ...usageCells(t.total)] })));
+}
+
 // ---- signing in ---------------------------------------------------------------------------------
 async function signIn(key) {
   state.key = key;
@@ -74,12 +119,14 @@ async function signIn(key) {
     $('who').textContent = 'admin';
     $('admin-view').hidden = false;
     every(2 * POLL_MS, refreshAdmin);
+    every(5 * POLL_MS, refreshTenantUsage);
   } else {
     $('who').textContent = `tenant ${who.name}`;
     $('tenant-view').hidden = false;
     every(3 * POLL_MS, refreshRuns);
     every(POLL_MS, refreshHistory);
     every(3 * POLL_MS, refreshCheckpoints);
+    every(5 * POLL_MS, refreshUsage);
   }
 }
 
@@ -219,15 +266,6 @@ async function showLinks(path, name) {
 }
 
 // ---- the admin view ---------------------------------------------------------------------------------
-function fill(table, rows) {
-  const body = $(table).querySelector('tbody');
-  body.replaceChildren();
-  for (const values of rows) {
-    const row = document.createElement('tr');
-    values.forEach((value) => cell(row, String(value)));
-    body.appendChild(row);
-  }
-}
 
 async function refreshAdmin() {
   const overview = await api('GET', '/dashboard/api/admin');
