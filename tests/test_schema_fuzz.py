@@ -16,9 +16,12 @@ from __future__ import annotations
 import copy
 import os
 import re
+import time
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import httpx
 import pytest
@@ -47,6 +50,7 @@ PUBLIC = {
     'GET /metrics',
     'GET /api/v1/healthz',
     'GET /api/v1/external_weights_files/{checkpoint_id}/{name}',
+    'GET /api/v1/session_traces/{session_id}',
 }
 #: Requests per operation and generation mode (fitting the schema, and not).
 EXAMPLES = int(os.environ.get('TWINKLE_FUZZ_EXAMPLES', '2'))
@@ -132,6 +136,18 @@ def _tinker_prompt(body: dict, model: Model) -> dict:
     return body
 
 
+def _hour_window(query: dict, model: Model) -> dict:
+    """A billing window on UTC hours, starting in the past, at most 14 days long."""
+    hour = 3600 * (int(time.time()) // 3600)
+    start = hour - 3600 * (zlib.crc32(str(query.get('starting_on')).encode()) % 100)
+    length = 3600 * (1 + zlib.crc32(str(query.get('ending_before')).encode()) % (14 * 24))
+    stamp = lambda seconds: datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()  # noqa: E731
+    return {**query, 'starting_on': stamp(start), 'ending_before': stamp(start + length)}
+
+
+#: The same for the query of a GET.
+QUERY_RULES: dict[str, Callable[[dict, Model], dict]] = {'GET /api/v1/billing/usage/events': _hour_window}
+
 RULES: dict[str, Callable[[dict, Model], dict]] = {
     'POST /twinkle/v1/runs': _lora_in_limits,
     'POST /twinkle/v1/runs/{run_id}/ops/forward_backward': _rows_aligned,
@@ -154,6 +170,7 @@ def fuzz(
     """Problems found on ``operation``: what failed -> examples of it (the request and the answer)."""
     problems: dict[str, list[str]] = defaultdict(list)
     rule = RULES.get(operation.label) if mode is GenerationMode.POSITIVE else None
+    query_rule = QUERY_RULES.get(operation.label) if mode is GenerationMode.POSITIVE else None
     opaque = any(body.media_type in OPAQUE_BODIES for body in operation.body)
     checks = [check for check in CHECKS if not (opaque and check is positive_data_acceptance)]
 
@@ -169,6 +186,8 @@ def fuzz(
     def run(case: schemathesis.Case) -> None:
         if rule is not None:
             case.body = rule(copy.deepcopy(case.body), model)
+        if query_rule is not None:
+            case.query = query_rule(dict(case.query or {}), model)
         response = case.call(base_url=url, headers={'Authorization': f'Bearer {key}'}, timeout=REQUEST_TIMEOUT_S)
         try:
             case.validate_response(response, checks=checks)

@@ -119,6 +119,20 @@ def test_tenants_with_work_are_served_round_robin(make_scheduler, gate):
     assert order == ['A0', 'B0', 'C0', 'A1', 'B1', 'A2']
 
 
+def test_weighted_tenants_lead_passes_in_proportion_to_their_weights(make_scheduler, gate):
+    # Deficit round robin: weight 2 runs two in a row where weight 1 runs one, 0.5 one every other
+    # round; a tenant whose queue empties leaves the rotation, and its credit with it.
+    weights = {'A': 2.0, 'B': 1.0, 'C': 0.5, 'gatekeeper': 1.0}
+    scheduler, order = make_scheduler(weight_of=weights.__getitem__), []
+    gate.hold(scheduler)
+    for tenant, count in (('A', 6), ('B', 3), ('C', 2)):
+        for i in range(count):
+            scheduler.submit(tenant, recorder(order, f'{tenant}{i}'))
+    gate.opened.set()
+    assert scheduler.drain(TIMEOUT)
+    assert order == ['A0', 'A1', 'B0', 'A2', 'A3', 'B1', 'C0', 'A4', 'A5', 'B2', 'C1']
+
+
 def test_a_failing_job_fails_alone(make_scheduler, gate):
     scheduler, order = make_scheduler(), []
     gate.hold(scheduler)

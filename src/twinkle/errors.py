@@ -121,6 +121,15 @@ class RateLimitedError(BusyError):
         )
 
 
+class QuotaError(TwinkleError, PermissionError):
+    """A tenant holds what its quota allows (checkpoint bytes, runs): nothing frees with time alone;
+    the message says what to delete."""
+
+
+class DailyQuotaError(BusyError):
+    """A tenant used its tokens of the day (``tokens_per_day``); they renew at midnight UTC."""
+
+
 class CapacityError(BusyError):
     """The server holds as many adapters as it may; one frees up when a run is released."""
 

@@ -36,6 +36,8 @@ PREFIX = '/twinkle/v1'
 #: Most seconds one request waits for a compute request to settle (the server's longest wait is
 #: 60 s); half the client's ``timeout`` when that is shorter.
 WAIT_S = 30.0
+#: Longest ``Retry-After`` a 429 is retried after; a longer one (a daily quota spent) raises at once.
+MAX_RETRY_AFTER_S = 60.0
 Wire = TypeVar('Wire', bound=BaseModel)
 _default: TwinkleClient | None = None
 
@@ -98,13 +100,14 @@ class TwinkleClient:
     def request(
         self, method: str, path: str, *, json: JsonValue = None, params: Mapping[str, str | int | float] | None = None
     ) -> JsonValue:
-        """JSON in, JSON out; a 429 is retried after its ``Retry-After``; other errors raise
-        ``RemoteError`` with the server's message."""
+        """JSON in, JSON out; a 429 is retried after its ``Retry-After`` (up to
+        ``MAX_RETRY_AFTER_S``); other errors raise ``RemoteError`` with the server's message."""
         for _ in range(self.max_retries):
             response = self.http.request(method, path, json=json, params=params)
-            if response.status_code != 429:
+            retry_after = float(response.headers.get('Retry-After', '1'))
+            if response.status_code != 429 or retry_after > MAX_RETRY_AFTER_S:
                 break
-            time.sleep(float(response.headers.get('Retry-After', '1')))
+            time.sleep(retry_after)
         if response.status_code >= 400:
             raise remote_error(_detail(response), response.status_code, kind=_error_class(response))
         body: JsonValue = response.json()  # the server's JSON: the caller validates it with a wire model
@@ -155,6 +158,11 @@ class TwinkleClient:
 
     def get_training_run(self, run_id: str) -> TrainingRun:
         return RunInfo.model_validate(self.request('GET', f'{PREFIX}/runs/{run_id}'))
+
+    def delete_training_run(self, run_id: str) -> None:
+        """Delete a run: its adapter and the state the server kept for it; its checkpoints stay
+        (``delete_checkpoint`` each). It then no longer counts against the tenant's runs quota."""
+        self.request('DELETE', f'{PREFIX}/runs/{run_id}')
 
     def run_history(self, run_id: str, after: int = 0) -> list[RunStep]:
         """The run's figures at each optimizer step after step ``after`` (loss, lr, grad_norm,

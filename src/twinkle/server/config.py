@@ -192,6 +192,47 @@ class SamplerSettings(BaseModel):
         return self
 
 
+class Quota(BaseModel):
+    """What one tenant may use and hold, and its share of a model's worker (``Quotas``)."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    #: Tokens trained, prompted and sampled per UTC day (``twinkle.server.metering``); a request
+    #: that would pass it is a 429 until midnight UTC. Sampling's tokens count once it ends, so a
+    #: day's last sampling request may pass it by its own tokens. None: no limit.
+    tokens_per_day: int | None = Field(None, gt=0)
+    #: Bytes of checkpoints kept; a save once they reach it is a 403 until some are deleted.
+    stored_bytes: int | None = Field(None, gt=0)
+    #: Training runs held (not deleted); a new run past it is a 403 until one is deleted.
+    runs: int | None = Field(None, gt=0)
+    #: The tenant's share of a model's worker while tenants wait for it: in each round of the
+    #: queue a tenant of weight 2 runs two requests where one of weight 1 runs one (0.5: one
+    #: every other round). A pass shared by several tenants serves each of them.
+    weight: float = Field(1.0, gt=0, le=100)
+
+
+class Quotas(BaseModel):
+    """Quotas: ``default`` for every tenant, and a tenant's own entry over it, field by field::
+
+    quotas:
+      default: {tokens_per_day: 10000000, stored_bytes: 10000000000, runs: 20}
+      tenants:
+        research: {weight: 2, tokens_per_day: 50000000}
+    """
+
+    model_config = ConfigDict(extra='forbid')
+
+    default: Quota = Field(default_factory=Quota)
+    tenants: dict[str, Quota] = Field(default_factory=dict)
+
+    def of(self, tenant: str) -> Quota:
+        """The quota of the tenant named ``tenant``: its entry's fields over the default's."""
+        own = self.tenants.get(tenant)
+        if own is None:
+            return self.default
+        return self.default.model_copy(update={name: getattr(own, name) for name in own.model_fields_set})
+
+
 class Pricing(BaseModel):
     """What the metered usage costs, in US dollars (``twinkle.server.metering``); a price left None
     is not priced, and a cost that needs it reads null."""
@@ -336,6 +377,8 @@ class ServerConfig(BaseModel):
     #: The model's speed switches (``SpeedSettings``; the transformers backend's):
     #: ``{fused_output: true}`` keeps a real vocabulary's logits from filling memory.
     speed: SpeedSettings = Field(default_factory=SpeedSettings)
+    #: What each tenant may use and hold, and its share of the workers (``Quotas``).
+    quotas: Quotas = Field(default_factory=Quotas)
     #: The prices of the metered usage (``GET /twinkle/v1/usage``, Tinker's billing routes).
     pricing: Pricing = Field(default_factory=Pricing)
     #: More base models, each on a model group of its own (its device or Ray actor, its worker

@@ -10,16 +10,23 @@ their checkpoints now, priced by the config's ``pricing`` (``Pricing``).
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import JsonValue
 
-from twinkle.server.config import Pricing
-from twinkle.server.store import USAGE_KINDS, Store
+from twinkle.errors import DailyQuotaError, QuotaError
+from twinkle.server.config import Pricing, Quotas
+from twinkle.server.store import USAGE_KINDS, Store, Tenant
 
+#: The usage kinds a ``tokens_per_day`` quota counts.
+TOKEN_KINDS = ('training', 'sampling_prefill', 'sampling_sample')
+DAY_S = 86_400.0
 #: Bytes in the gigabyte storage is priced in, and hours in the month its price is for (Tinker's units).
 GIGABYTE = 1e9
 MONTH_HOURS = 720.0
@@ -55,6 +62,11 @@ class Meter:
                 self.prefill_tokens += len(first['new_input_feature']['input_ids']) - len(first['tokens'])
             self.sampled_tokens += sum(len(sequence['tokens']) for sequence in sequences)
 
+    @property
+    def tokens(self) -> int:
+        """The tokens a daily quota counts, as known now."""
+        return self.training_tokens + self.prefill_tokens + self.sampled_tokens
+
     def quantities(self) -> dict[str, float]:
         """The charge of a request that succeeded, by usage kind."""
         return {
@@ -63,6 +75,70 @@ class Meter:
             'sampling_sample': self.sampled_tokens,
             'checkpoint': self.checkpoints,
         }
+
+
+class Ledger:
+    """The tenants' quotas (``Quotas``) held against what they used and what they asked for:
+    a request is admitted (``admit``) with the tokens of the requests of its tenant not finished
+    yet counted, which its end ``settle`` s. Thread-safe: routes admit on the event loop, jobs
+    settle on the workers."""
+
+    def __init__(self, store: Store, quotas: Quotas, clock: Any = time.time):
+        self.store, self.quotas, self.clock = store, quotas, clock
+        self._pending: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def admit(self, tenant: Tenant, meter: Meter) -> None:
+        """Take a request of ``tenant``'s (its ``meter.tokens`` pending until ``settle``), or raise:
+        ``DailyQuotaError`` (a 429 until midnight UTC) when its tokens would pass ``tokens_per_day``,
+        ``QuotaError`` (a 403) for a save when its checkpoints fill ``stored_bytes``."""
+        quota = self.quotas.of(tenant.name)
+        if quota.stored_bytes is not None and meter.checkpoints:
+            kept = sum(size for _, size in self.store.checkpoints.stored(tenant.id).get(tenant.id, {}).values())
+            if kept >= quota.stored_bytes:
+                raise QuotaError(
+                    f'tenant {tenant.name!r} keeps {kept:,} bytes of checkpoints, its stored_bytes quota of '
+                    f'{quota.stored_bytes:,}: delete checkpoints to save more'
+                )
+        with self._lock:
+            if quota.tokens_per_day is not None:
+                now = self.clock()
+                midnight = now // DAY_S * DAY_S
+                used = self.store.usage.total(tenant.id, TOKEN_KINDS, midnight) + self._pending[tenant.id]
+                if used + meter.tokens > quota.tokens_per_day:
+                    resets = datetime.fromtimestamp(midnight + DAY_S, tz=timezone.utc).isoformat()
+                    raise DailyQuotaError(
+                        f'tenant {tenant.name!r} used {int(used):,} of its tokens_per_day quota of '
+                        f'{quota.tokens_per_day:,} tokens, and this request holds {meter.tokens:,}; it resets at '
+                        f'{resets}',
+                        retry_after_s=midnight + DAY_S - now,
+                    )
+            self._pending[tenant.id] += meter.tokens
+
+    def settle(self, tenant: Tenant, tokens: int) -> None:
+        """A request admitted with ``tokens`` ended (or never ran): they are no longer pending."""
+        if not tokens:
+            return
+        with self._lock:
+            self._pending[tenant.id] -= tokens
+            if not self._pending[tenant.id]:
+                del self._pending[tenant.id]
+
+    def admit_run(self, tenant: Tenant) -> None:
+        """A new training run of ``tenant``'s, or ``QuotaError`` (a 403) when it holds its ``runs``."""
+        limit = self.quotas.of(tenant.name).runs
+        if limit is None:
+            return
+        held = sum(self.store.runs.count(status, tenant_id=tenant.id) for status in ('active', 'released'))
+        if held >= limit:
+            raise QuotaError(
+                f'tenant {tenant.name!r} holds {held} training runs, its runs quota of {limit}: delete one '
+                '(DELETE /twinkle/v1/runs/{run_id}) to make another'
+            )
+
+    def weight(self, tenant_name: str) -> float:
+        """The tenant's share of a worker while tenants wait (``Quota.weight``)."""
+        return self.quotas.of(tenant_name).weight
 
 
 def rate(pricing: Pricing, kind: str) -> float | None:

@@ -28,7 +28,7 @@ from twinkle.server.execution.placement import build_host
 from twinkle.server.execution.run_files import RELEASE_STATE, discard_unrecorded
 from twinkle.server.execution.sampler_group import SamplerGroup
 from twinkle.server.execution.scheduler import Batchable, Job
-from twinkle.server.metering import Meter
+from twinkle.server.metering import Ledger, Meter
 from twinkle.server.rate_limit import RateLimiter
 from twinkle.server.store import Checkpoint, Run, Store, Tenant
 from twinkle.utils.logger import get_logger
@@ -76,8 +76,10 @@ class Service:
             ['tenant', 'kind'],
             registry=self.registry,
         )
-        #: The future id of each job to charge -> (tenant, run id, base model, meter).
-        self._meters: dict[str, tuple[Tenant, str | None, str, Meter]] = {}
+        #: The future id of each job to charge -> (tenant, run id, base model, meter, tokens admitted).
+        self._meters: dict[str, tuple[Tenant, str | None, str, Meter, int]] = {}
+        #: The tenants' quotas against their usage (``twinkle.server.metering``).
+        self.ledger = Ledger(self.store, config.quotas)
         self.pass_jobs = Histogram(
             'twinkle_pass_jobs',
             'Requests in the pass that ran each request (1: alone; more: a pass shared by tenants)',
@@ -190,17 +192,24 @@ class Service:
         adapter) is not held to the tenant's queue limit. Routes call it on the event loop: the
         future's row is committed without an fsync (``store/futures.py``), in less time than a hop to
         a thread and back would take. The tenant is charged its worker's seconds and, once it
-        succeeds, what ``meter`` counted (``twinkle.server.metering``); an internal job is not."""
+        succeeds, what ``meter`` counted (``twinkle.server.metering``), within its quotas (a new
+        future is admitted by ``ledger`` first; ``future_id``'s caller admitted it); an internal
+        job is not."""
+        meter = meter or Meter()
         if future_id is None:
+            if not internal:
+                self.ledger.admit(tenant, meter)  # a 429 or 403 now, before a future is recorded
             future_id = self.store.futures.create(tenant.id, run_id, operation).id
+        admitted = 0 if internal else meter.tokens  # admitted here, or by the caller that recorded the future
         if not internal:
-            self._meters[future_id] = (tenant, run_id, group.name, meter or Meter())
+            self._meters[future_id] = (tenant, run_id, group.name, meter, admitted)
         try:
             job = group.scheduler_for(operation).submit(
                 tenant.id, fn, job_id=future_id, batch=batch, operation=operation, internal=internal
             )
         except QueueFullError as e:
             self._meters.pop(future_id, None)
+            self.ledger.settle(tenant, admitted)
             self.store.futures.fail(future_id, str(e), 'user')
             raise
         self.queued.set(self.queued_jobs())
@@ -255,7 +264,8 @@ class Service:
         charged = self._meters.pop(job.id, None)
         if charged is None:
             return
-        tenant, run_id, base_model, meter = charged
+        tenant, run_id, base_model, meter, admitted = charged
+        self.ledger.settle(tenant, admitted)
         quantities = meter.quantities() if job.error is None else {}
         if job.started_at and job.finished_at:
             quantities['compute_seconds'] = (job.finished_at - job.started_at) / max(job.pass_size, 1)

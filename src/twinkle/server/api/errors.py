@@ -35,6 +35,7 @@ from twinkle.errors import (
     BusyError,
     DataError,
     NotFoundError,
+    QuotaError,
     RequestTimeoutError,
     RequestTooLargeError,
     StateError,
@@ -48,6 +49,7 @@ STATUSES: tuple[tuple[type[TwinkleError], int], ...] = (
     (RequestTooLargeError, 413),
     (RequestTimeoutError, 408),
     (UnauthorizedError, 401),
+    (QuotaError, 403),
     (NotFoundError, 404),
     (StateError, 409),
     (TwinkleError, 400),
@@ -200,6 +202,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, object]]:
 _DESCRIPTIONS = {
     400: 'The request is not valid (a bad value, an unknown name, a malformed path)',
     401: 'No API key, or one the server does not know',
+    403: "Over the tenant's quota of something it holds (checkpoint bytes, runs): delete some first",
     404: 'No such run, checkpoint or request for this tenant',
     408: 'The body stopped arriving before it was whole (limits.body_read_timeout_s)',
     409: 'The run is not in a state to do this',

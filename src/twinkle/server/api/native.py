@@ -114,6 +114,7 @@ def _run_routes(router: APIRouter, service: Service) -> None:
     async def create_run(body: CreateRun, who: Who) -> dict[str, JsonValue]:
         check_name('adapter name', body.adapter_name)
         group = service.group_named(body.base_model)
+        service.ledger.admit_run(who)  # a 403 past the tenant's runs quota
         group.check_lora(body.lora)
         run = service.store.runs.create(who.id, group.name, body.adapter_name, body.model_dump())
 
@@ -126,6 +127,20 @@ def _run_routes(router: APIRouter, service: Service) -> None:
             service.store.runs.set_status(run.id, 'deleted')
             raise job.error
         return _run_json(service, _own_run(service, who.id, run.id))
+
+    @router.delete('/runs/{run_id}', response_model=Deleted)
+    async def delete_run(run_id: str, who: Who) -> Deleted:
+        """Delete a run: its adapter and the state the server kept for it go, its checkpoints stay
+        (each deleted on its own), and it no longer counts against the tenant's ``runs`` quota."""
+        run = _own_run(service, who.id, run_id)
+        if run.status == 'deleted':
+            raise NotFoundError(f'training run {run_id!r} not found')
+        group = service.group_of(run)
+        job = service.submit(who, group, run_id, 'delete_run', lambda: group.delete_run(run))
+        await wait_job(job, None)
+        if job.error is not None:
+            raise job.error
+        return Deleted(deleted=True)
 
     @router.get('/runs', response_model=RunList)
     async def list_runs(who: Who, limit: Page = 100, offset: Page = 0) -> dict[str, JsonValue]:

@@ -29,7 +29,7 @@ from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.host import Host, Json, JsonObject, Outcome, SamplingHost
 from twinkle.server.execution.images import Images
 from twinkle.server.execution.model_host import is_mixable, request_tokens
-from twinkle.server.execution.run_files import KIND_FOLDERS, run_dir
+from twinkle.server.execution.run_files import KIND_FOLDERS, RELEASE_STATE, run_dir
 from twinkle.server.execution.sampler_group import SamplerGroup, saved_weights
 from twinkle.server.execution.scheduler import Batchable, Job, JobCallback, Scheduler
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
@@ -43,6 +43,12 @@ R = TypeVar('R')
 HOUSEKEEPING = 'server-housekeeping'
 #: Operations of both APIs that take an optimizer step: the runs' step history is recorded after them.
 STEP_OPERATIONS = frozenset({'clip_grad_and_step', 'step', 'optim_step'})
+
+
+def weighted(config: ServerConfig) -> bool:
+    """Whether any tenant's share of a worker differs from another's (``Quota.weight``)."""
+    quotas = config.quotas
+    return any(quota.weight != 1.0 for quota in (quotas.default, *quotas.tenants.values()))
 
 
 def bare(model_id: str) -> str:
@@ -89,6 +95,7 @@ class ModelGroup:
             on_idle=None if config.release_memory_after_idle_s is None else lambda: on_idle(self),
             idle_after_s=config.release_memory_after_idle_s or 2.0,
             mix_wait_s=config.mix_wait_ms / 1000 if config.mixed_batches else 0.0,
+            weight_of=self._weight if weighted(config) else None,
         )
 
     def answers_to(self, name: str | None) -> bool:
@@ -238,9 +245,22 @@ class ModelGroup:
         """Put a new run's adapter on the model (worker thread; ``AdapterPool.add``)."""
         return self.pool.add(run, lora, **options)
 
+    def _weight(self, tenant_id: str) -> float:
+        """A tenant's share of the worker (``Quota.weight``), by the name the config gives it."""
+        name = self.store.tenants.name_of(tenant_id)
+        return self.config.quotas.of(name).weight if name is not None else 1.0
+
     def remove_run(self, run: Run) -> None:
         """Take a run's adapter off the model, if it is there (worker thread)."""
         self.pool.remove(run)
+
+    def delete_run(self, run: Run) -> None:
+        """A tenant deletes a run (worker thread): its adapter off the model, its state the server
+        kept (released, and saved every few steps) gone, the run marked deleted. Its checkpoints
+        stay, each deleted on its own."""
+        self.pool.remove(run)
+        self.store.runs.set_status(run.id, 'deleted')
+        shutil.rmtree(run_dir(self.config, run) / RELEASE_STATE, ignore_errors=True)
 
     # ---- the runs' adapters (``AdapterPool``) -------------------------------------------------------
     @property

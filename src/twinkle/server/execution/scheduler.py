@@ -8,7 +8,9 @@ Fairness: jobs are queued per tenant and the worker takes them round-robin acros
 that have work. A tenant whose job is running re-enters the rotation only when that pass ends,
 so a tenant with 100 queued jobs delays another tenant's single job by at most the pass already
 running. Within a tenant, jobs run in submission order (a training loop's calls never reorder).
-A failing job fails alone: its exception is recorded and the worker goes on.
+A failing job fails alone: its exception is recorded and the worker goes on. With ``weight_of``
+the rotation is weighted (deficit round robin): a tenant of weight 2 leads two passes in a row
+where one of weight 1 leads one, and one of weight 0.5 leads one every other round.
 
 Mixing: a job may say it can share a pass (:class:`Batchable`). When the device becomes free,
 the worker takes the job at the head of the rotation and, if it can share, the first waiting job
@@ -171,6 +173,7 @@ class Scheduler:
         on_idle: Callable[[], None] | None = None,
         idle_after_s: float = 2.0,
         mix_wait_s: float = 0.0,
+        weight_of: Callable[[str], float] | None = None,
     ):
         if max_queued_per_tenant < 1:
             raise ConfigurationError(f'max_queued_per_tenant must be at least 1, got {max_queued_per_tenant}')
@@ -207,6 +210,10 @@ class Scheduler:
         self._completed = self._failed = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # A tenant's share of the worker (None: all equal); with it, each tenant's credit of
+        # requests in the current round (deficit round robin: ``_rotate_to_lead``).
+        self.weight_of = weight_of
+        self._credit: dict[str, float] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -331,6 +338,7 @@ class Scheduler:
             with self._cond:
                 timeout = None if self._idle_called or self.on_idle is None else self.idle_after_s
                 if self._cond.wait_for(lambda: self._stopping or self._ring, timeout):
+                    self._rotate_to_lead()
                     self._wait_for_companions()
                     return self._take_pass()
                 self._idle_called = True
@@ -367,11 +375,31 @@ class Scheduler:
         """Tenants whose next job could join a pass of ``key``."""
         return sum(1 for tenant in self._ring if (b := self._queues[tenant][0].batch) is not None and b.key == key)
 
+    def _rotate_to_lead(self) -> None:
+        """With the lock held and work queued: with weights, turn the ring until its head has a
+        whole request of credit; each time a tenant comes to the head with less, its weight is
+        added (deficit round robin: a tenant of weight 2 leads two passes in a row, one of 0.5
+        every other round). Without weights the ring's order stands: plain round robin."""
+        if self.weight_of is None or self._stopping:
+            return
+        while True:
+            tenant = self._ring[0]
+            credit = self._credit.get(tenant, 0.0)
+            if credit < 1:
+                credit += self.weight_of(tenant)
+            self._credit[tenant] = credit
+            if credit >= 1:
+                return
+            self._ring.rotate(-1)
+
     def _take_pass(self) -> list[Job]:
         """With the lock held: the next pass's jobs, marked running (empty once stopping)."""
         if self._stopping:
             return []
-        jobs = [self._queues[self._ring.popleft()].popleft()]
+        lead = self._ring.popleft()
+        if lead in self._credit:
+            self._credit[lead] -= 1
+        jobs = [self._queues[lead].popleft()]
         if jobs[0].batch is not None:
             jobs += self._companions(jobs[0].batch)
             members = self._members.setdefault(jobs[0].batch.key, deque(maxlen=2))
@@ -456,7 +484,12 @@ class Scheduler:
                     self._ring.append(job.tenant)
                 else:
                     self._queues.pop(job.tenant, None)
+                    self._credit.pop(job.tenant, None)  # a new round starts afresh
                 self._forget_old(job.id)
+            lead = jobs[0].tenant
+            if self._credit.get(lead, 0.0) >= 1 and self._queues.get(lead):  # its turn goes on
+                self._ring.remove(lead)
+                self._ring.appendleft(lead)
             self._cond.notify_all()
 
     def _forget_old(self, finished_id: str) -> None:

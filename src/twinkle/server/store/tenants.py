@@ -66,6 +66,11 @@ class Tenants(Aggregate):
         rows = self._db.query('SELECT id, name, created_at FROM tenants WHERE key_hash = ?', (hash_key(key),))
         return Tenant.model_validate(dict(rows[0])) if rows else None
 
+    def name_of(self, tenant_id: str) -> str | None:
+        """The name of the tenant of this id (None: no such tenant)."""
+        rows = self._db.query('SELECT name FROM tenants WHERE id = ?', (tenant_id,))
+        return str(rows[0][0]) if rows else None
+
     def all(self) -> list[Tenant]:
         """Every tenant, by name."""
         rows = self._db.query('SELECT id, name, created_at FROM tenants ORDER BY name')

@@ -73,6 +73,15 @@ class Usage(Aggregate):
                 rows,
             )
 
+    def total(self, tenant_id: str, kinds: tuple[str, ...], since: float) -> float:
+        """The tenant's usage of ``kinds`` in the hours from the one ``since`` falls in."""
+        marks = ', '.join('?' * len(kinds))
+        rows = self._db.query(
+            f'SELECT SUM(quantity) FROM usage WHERE tenant_id = ? AND hour >= ? AND kind IN ({marks})',
+            (tenant_id, since // HOUR_S * HOUR_S, *kinds),
+        )
+        return float(rows[0][0] or 0.0)
+
     def hours(self, tenant_id: str | None, since: float, until: float) -> list[UsageRow]:
         """The rows of the hours that start in ``[since, until)``, oldest first (``tenant_id`` None: all)."""
         params: list[SqlValue] = [since, until]

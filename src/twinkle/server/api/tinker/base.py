@@ -176,9 +176,11 @@ class TinkerAPI:
         limit = service.config.limits.max_queued_per_tenant
         if group.queued(who.id) >= limit:  # per model, as the native API's queue limit
             raise QueueFullError(who.name, limit, retry_after_s=2.0)
+        meter = meter or Meter()
+        service.ledger.admit(who, meter)  # a 429 or 403 now
         if run_id is not None:
             await service.touch(run_id)  # an active run is not idle
-        session_id = meter.session_id if meter is not None else None
+        session_id = meter.session_id
         record = service.store.futures.create(who.id, run_id, operation, session_id)  # no fsync: on the loop
         if key is not None:
             requests[key] = record.id
@@ -189,7 +191,8 @@ class TinkerAPI:
             with contextlib.suppress(QueueFullError):  # enqueue failed the future with the reason
                 service.submit(who, group, run_id, operation, fn, batch, future_id=record.id, meter=meter)
 
-        def fail(message: str) -> None:
+        def fail(message: str) -> None:  # its turn never came: it never reaches submit
+            service.ledger.settle(who, meter.tokens)
             service.store.futures.fail(record.id, message, 'user')
 
         if run_id is None:

@@ -16,7 +16,7 @@ from collections import defaultdict
 from datetime import datetime, timedelta, timezone
 
 from fastapi import APIRouter
-from pydantic import AwareDatetime, BaseModel, ConfigDict, JsonValue
+from pydantic import AwareDatetime, JsonValue
 
 from twinkle.errors import DataError
 from twinkle.server.api.deps import Who
@@ -31,19 +31,14 @@ MAX_WINDOW = timedelta(days=14)
 EVENT_TYPES = ('training', 'sampling_prefill', 'sampling_sample', 'checkpoint')
 
 
-class UsageWindow(BaseModel):
-    model_config = ConfigDict(extra='forbid')
-
-    starting_on: AwareDatetime
-    ending_before: AwareDatetime
-
-
 def billing_router(api: TinkerAPI) -> APIRouter:
     """``GET /api/v1/billing/usage/events`` and ``GET /api/v1/billing/usage/checkpoints/current``."""
     service, routes = api.service, router(api)
 
     @routes.get('/billing/usage/events')
-    async def usage_events(starting_on: str, ending_before: str, who: Who) -> JsonObject:
+    async def usage_events(starting_on: AwareDatetime, ending_before: AwareDatetime, who: Who) -> JsonObject:
+        """The tenant's hourly usage in ``[starting_on, ending_before)``: RFC 3339 times on UTC
+        hour boundaries, at most 14 days apart, the start not in the future (else a 400)."""
         since, until = _window(starting_on, ending_before)
         return await asyncio.to_thread(_events, service, who, since, until)
 
@@ -68,17 +63,9 @@ def billing_router(api: TinkerAPI) -> APIRouter:
     return routes
 
 
-def _window(starting_on: str, ending_before: str) -> tuple[float, float]:
-    """The window as unix seconds; ``DataError`` (a 400) unless it is RFC 3339 times on UTC hour
-    boundaries, its start not in the future, its end after its start and at most 14 days later."""
-    try:
-        window = UsageWindow.model_validate({'starting_on': starting_on, 'ending_before': ending_before})
-    except ValueError:
-        raise DataError(
-            f'starting_on {starting_on!r} and ending_before {ending_before!r} must be RFC 3339 times with a time '
-            'zone, such as 2026-07-13T00:00:00Z'
-        ) from None
-    start, end = window.starting_on, window.ending_before
+def _window(start: datetime, end: datetime) -> tuple[float, float]:
+    """The window as unix seconds; ``DataError`` (a 400) unless both times are on UTC hour
+    boundaries, the start not in the future, the end after it and at most 14 days later."""
     for name, when in (('starting_on', start), ('ending_before', end)):
         if when.timestamp() % HOUR_S:
             raise DataError(f'{name} {when.isoformat()} must be on a UTC hour boundary (minutes and seconds 0)')

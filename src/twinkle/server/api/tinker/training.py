@@ -109,6 +109,7 @@ async def _create_run(
     config: JsonObject = {
         'api': 'tinker', 'lora': lora, 'tinker_lora': tinker_lora, 'setup': [setup], 'user_metadata': metadata or {}
     }  # fmt: skip
+    service.ledger.admit_run(who)  # a 403 past the tenant's runs quota
     try:
         run = await asyncio.to_thread(
             service.store.runs.create, who.id, group.name, 'default', config, run_id=model_id, session_id=session_id
