@@ -2,11 +2,12 @@
 and when it resets or what to delete; the others keep being served.
 
 ``dave`` may use 60 tokens a day and keep 1 byte of checkpoints (so one checkpoint at a time);
-every tenant may hold 2 runs. Weighted turns are ``tests/test_server_scheduler.py``'s.
+every tenant may hold 2 runs and queue 1 request. Weighted turns are ``tests/test_server_scheduler.py``'s.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -15,8 +16,9 @@ from typing import Any
 import pytest
 import tinker
 from peft import LoraConfig
-from server_helpers import background_server
+from server_helpers import Gate, background_server
 
+from twinkle.errors import TwinkleError
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
@@ -28,7 +30,8 @@ ROW = {'input_ids': list(range(10, 35)), 'labels': list(range(10, 35))}  # 25 to
 def served(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, dict[str, str], Any]]:
     data_dir = tmp_path_factory.mktemp('quotas')
     tenants = ('dave', 'erin', 'frank')
-    with background_server(data_dir, tiny_model_dir, tenants=tenants, quotas=QUOTAS) as running:
+    options = {'quotas': QUOTAS, 'limits': {'max_queued_per_tenant': 1}}
+    with background_server(data_dir, tiny_model_dir, tenants=tenants, **options) as running:
         yield running
 
 
@@ -91,3 +94,35 @@ def test_the_configured_weights_reach_the_schedulers(served):
     ids = {t.name: t.id for t in store.tenants.all()}
     assert scheduler.weight_of is not None
     assert scheduler.weight_of(ids['dave']) == 2 and scheduler.weight_of(ids['erin']) == 1
+
+
+def test_a_request_that_asks_to_queue_waits_for_room_instead_of_a_429(served):
+    url, keys, background = served
+    erin = model(url, keys['erin'], 'queued')
+    path = f'/twinkle/v1/runs/{erin.runs["queued"]}/ops/forward_only'
+    order: list[str] = []
+    gate = Gate(background.app.state.service.default.scheduler)
+    try:
+        first = erin.client.submit(path, {'inputs': [ROW]})  # the one place in erin's queue
+        with pytest.raises(RemoteError, match=r'max_queued_per_tenant=1') as error:
+            TwinkleClient(url, keys['erin'], max_retries=1).submit(path, {'inputs': [ROW]})
+        assert error.value.status == 429
+        queued = TwinkleClient(url, keys['erin'], queue_s=60)
+
+        def wait_in_line() -> None:
+            order.append(queued.submit(path, {'inputs': [ROW]}))
+
+        waiting = threading.Thread(target=wait_in_line)
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive() and not order  # held on the server, not refused
+    finally:
+        gate.open()
+    waiting.join(60)
+    assert not waiting.is_alive() and len(order) == 1
+    second = order[0]
+    assert erin.client.result(second)['num_tokens'] == erin.client.result(first)['num_tokens']
+    jobs = [background.app.state.service.default.scheduler.get(future) for future in (first, second)]
+    assert jobs[0].started_at <= jobs[1].started_at  # in the order they came
+    with pytest.raises(TwinkleError, match='queue_s must be between 0 and 600'):
+        TwinkleClient(url, keys['erin'], queue_s=601)

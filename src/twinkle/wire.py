@@ -140,6 +140,13 @@ PROMPT: dict[str, JsonValue] = {
 FIGURE_NAME: dict[str, JsonValue] = {'pattern': f'^{_FIGURE_NAME.pattern}$', 'not': {'enum': list(RESERVED_FIGURES)}}
 
 
+#: The header of a compute request that may wait this many seconds for room in its tenant's queue
+#: instead of being refused with a 429 when the queue is full (``limits.max_queued_per_tenant``).
+QUEUE_HEADER = 'X-Twinkle-Queue'
+#: The longest such wait, in seconds.
+MAX_QUEUE_WAIT_S = 600.0
+
+
 class Wire(BaseModel):
     """Strict JSON: no unknown fields, no '1' for 1 or 1 for true, no NaN or infinity."""
 
@@ -666,8 +673,10 @@ def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
 __all__ = [
     'FEATURE_FIELDS',
     'LORA_FIELDS',
+    'MAX_QUEUE_WAIT_S',
     'OPERATIONS',
     'PROMPT_FIELDS',
+    'QUEUE_HEADER',
     'STEP_FIGURES',
     'CheckpointFields',
     'CheckpointInfo',

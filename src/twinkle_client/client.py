@@ -18,6 +18,8 @@ from pydantic import BaseModel, JsonValue, ValidationError
 from twinkle import errors
 from twinkle.errors import DataError, TwinkleError
 from twinkle.wire import (
+    MAX_QUEUE_WAIT_S,
+    QUEUE_HEADER,
     CheckpointInfo,
     CheckpointList,
     FileLinks,
@@ -84,15 +86,22 @@ Checkpoint = CheckpointInfo
 
 class TwinkleClient:
     """One server, one API key. ``timeout`` bounds a single HTTP call; ``result`` waits for a
-    compute request as long as it runs."""
+    compute request as long as it runs. With ``queue_s`` a compute request that finds its
+    tenant's queue full waits that many seconds on the server for room, in turn, rather than being
+    refused with a 429 and retried."""
 
-    def __init__(self, base_url: str, api_key: str, *, timeout: float = 120.0, max_retries: int = 20):
+    def __init__(
+        self, base_url: str, api_key: str, *, timeout: float = 120.0, max_retries: int = 20, queue_s: float = 0.0
+    ):
         if not isinstance(max_retries, int) or max_retries < 1:
             raise TwinkleError(f'max_retries must be a positive integer (tries per request); got {max_retries!r}')
+        if not 0 <= queue_s <= MAX_QUEUE_WAIT_S:
+            raise TwinkleError(f'queue_s must be between 0 and {MAX_QUEUE_WAIT_S:.0f} seconds; got {queue_s!r}')
         self.base_url = base_url.rstrip('/')
-        self.http = httpx.Client(
-            base_url=self.base_url, headers={'Authorization': f'Bearer {api_key}'}, timeout=timeout
-        )
+        headers = {'Authorization': f'Bearer {api_key}'}
+        if queue_s:  # a compute request waits this long for room in a full queue rather than a 429
+            headers[QUEUE_HEADER] = str(queue_s)
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         self.max_retries = max_retries
         self.wait_s = min(WAIT_S, timeout / 2)
 
@@ -243,10 +252,12 @@ def _settled(record: FutureInfo) -> FutureInfo | None:
     return None
 
 
-def init_twinkle_client(base_url: str, api_key: str, *, timeout: float = 120.0, max_retries: int = 20) -> TwinkleClient:
+def init_twinkle_client(
+    base_url: str, api_key: str, *, timeout: float = 120.0, max_retries: int = 20, queue_s: float = 0.0
+) -> TwinkleClient:
     """A client for ``base_url``, also made the default for components built without ``client=``."""
     global _default
-    _default = TwinkleClient(base_url, api_key, timeout=timeout, max_retries=max_retries)
+    _default = TwinkleClient(base_url, api_key, timeout=timeout, max_retries=max_retries, queue_s=queue_s)
     return _default
 
 

@@ -36,6 +36,8 @@ from twinkle.utils.logger import get_logger
 logger = get_logger()
 #: Seconds between two recordings of a run's last request time.
 TOUCH_INTERVAL_S = 1.0
+#: Seconds between two looks at a full queue by a request that waits for room in it.
+QUEUE_POLL_S = 0.05
 
 
 class Service:
@@ -80,6 +82,8 @@ class Service:
         self._meters: dict[str, tuple[Tenant, str | None, str, Meter, int]] = {}
         #: The tenants' quotas against their usage (``twinkle.server.metering``).
         self.ledger = Ledger(self.store, config.quotas)
+        #: Each tenant's requests waiting for room in a worker's queue, in the order they came (``queue``).
+        self._queue_turns: dict[tuple[str, int], asyncio.Lock] = {}
         self.pass_jobs = Histogram(
             'twinkle_pass_jobs',
             'Requests in the pass that ran each request (1: alone; more: a pass shared by tenants)',
@@ -214,6 +218,29 @@ class Service:
             raise
         self.queued.set(self.queued_jobs())
         return job
+
+    async def queue(
+        self,
+        tenant: Tenant,
+        group: ModelGroup,
+        run_id: str | None,
+        operation: str,
+        fn: Callable[[], object],
+        batch: Batchable | None = None,
+        meter: Meter | None = None,
+        wait_s: float = 0.0,
+    ) -> Job:
+        """``submit``, waiting up to ``wait_s`` seconds for room when the tenant's queue is full
+        instead of refusing at once (a client's ``X-Twinkle-Queue``). The tenant's waiting requests
+        enter in the order they came; past the wait, the 429 as ``submit`` raises it."""
+        scheduler = group.scheduler_for(operation)
+        if wait_s <= 0 or scheduler.queued(tenant.id) < scheduler.max_queued_per_tenant:
+            return self.submit(tenant, group, run_id, operation, fn, batch, meter=meter)
+        deadline = time.monotonic() + wait_s
+        async with self._queue_turns.setdefault((tenant.id, id(scheduler)), asyncio.Lock()):
+            while scheduler.queued(tenant.id) >= scheduler.max_queued_per_tenant and time.monotonic() < deadline:
+                await asyncio.sleep(QUEUE_POLL_S)
+            return self.submit(tenant, group, run_id, operation, fn, batch, meter=meter)
 
     def job(self, job_id: str) -> Job | None:
         """The job of a future, on whichever group runs it (None once forgotten)."""

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hmac
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
 
 from twinkle.errors import UnauthorizedError
 from twinkle.server.auth import TENANT_KEY, hash_key, key_from_headers
 from twinkle.server.service import Service
 from twinkle.server.store import Tenant
+from twinkle.wire import MAX_QUEUE_WAIT_S, QUEUE_HEADER
 
 
 def key_holder(request: Request) -> Tenant:
@@ -44,6 +45,9 @@ async def tenant_of(request: Request) -> Tenant:
 
 
 Who = Annotated[Tenant, Depends(tenant_of)]
+#: Seconds a compute request may wait for room in its tenant's full queue before it is refused
+#: with a 429 (``X-Twinkle-Queue``; 0, the default: refused at once).
+QueueWait = Annotated[float, Header(alias=QUEUE_HEADER, ge=0, le=MAX_QUEUE_WAIT_S, allow_inf_nan=False)]
 
 
 def is_admin(service: Service, request: Request) -> bool:

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, UnknownNameError
-from twinkle.server.api.deps import Who, is_admin, key_holder
+from twinkle.server.api.deps import QueueWait, Who, is_admin, key_holder
 from twinkle.server.api.errors import error_responses
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.execution.model_group import bare
@@ -168,7 +168,9 @@ def _operation_endpoint(
 ) -> Callable[[str, Operation, Tenant, float], Awaitable[FutureAccepted]]:
     """The endpoint of operation ``name``, its body typed as ``spec`` for FastAPI and the schema."""
 
-    async def operation(run_id: str, body: Operation, who: Who, wait: Wait = 0.0) -> FutureAccepted:
+    async def operation(
+        run_id: str, body: Operation, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0
+    ) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         group = service.group_of(run)
         kwargs = body.arguments()
@@ -190,7 +192,7 @@ def _operation_endpoint(
                 meter.sampled_json(responses)
                 return cast(JsonValue, responses)
 
-            future = service.submit(who, group, run_id, name, sample, meter=meter)
+            future = await service.queue(who, group, run_id, name, sample, meter=meter, wait_s=queue)
             return await _accepted(service, who, future, wait)
 
         meter = Meter(training_tokens=request_tokens(kwargs['inputs']) if name in TRAINING_OPERATIONS else 0)
@@ -204,7 +206,7 @@ def _operation_endpoint(
             return result
 
         batch = group.mixable(run, name, kwargs)
-        job = service.submit(who, group, run_id, name, compute, batch, meter=meter)
+        job = await service.queue(who, group, run_id, name, compute, batch, meter=meter, wait_s=queue)
         return await _accepted(service, who, job, wait)
 
     signature = inspect.signature(operation)
@@ -229,7 +231,9 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     store = service.store
 
     @router.post('/runs/{run_id}/save', status_code=202, response_model=FutureAccepted)
-    async def save(run_id: str, body: SaveRequest, who: Who, wait: Wait = 0.0) -> FutureAccepted:
+    async def save(
+        run_id: str, body: SaveRequest, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0
+    ) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         check_checkpoint_name(body.name)
         group = service.group_of(run)
@@ -240,11 +244,13 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
             return group.save_checkpoint(run, 'training', body.name, answer, save_optimizer=body.save_optimizer)
 
-        job = service.submit(who, group, run_id, 'save', write, meter=Meter(checkpoints=1))
+        job = await service.queue(who, group, run_id, 'save', write, meter=Meter(checkpoints=1), wait_s=queue)
         return await _accepted(service, who, job, wait)
 
     @router.post('/runs/{run_id}/load', status_code=202, response_model=FutureAccepted)
-    async def load(run_id: str, body: LoadRequest, who: Who, wait: Wait = 0.0) -> FutureAccepted:
+    async def load(
+        run_id: str, body: LoadRequest, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0
+    ) -> FutureAccepted:
         run = await service.adapter_of(who, run_id)
         source_run, name = parse_twinkle_path(body.path)
         checkpoint = _own_checkpoint(service, who, source_run, name, body.path)
@@ -256,10 +262,10 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
             group.load(run, Path(now.path), body.load_optimizer, body.path)
             return now.twinkle_path
 
-        return await _accepted(service, who, service.submit(who, group, run_id, 'load', read), wait)
+        return await _accepted(service, who, await service.queue(who, group, run_id, 'load', read, wait_s=queue), wait)
 
     @router.post('/runs/{run_id}/sync_sampler', status_code=202, response_model=FutureAccepted)
-    async def sync_sampler(run_id: str, who: Who, wait: Wait = 0.0) -> FutureAccepted:
+    async def sync_sampler(run_id: str, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0) -> FutureAccepted:
         """Save the run's adapter weights for sampling (no optimizer): what its samples come from
         on a server with a sampler group. The future's result: ``{path, weight_version}``."""
         run = await service.adapter_of(who, run_id)
@@ -271,7 +277,8 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
             return group.save_checkpoint(run, 'sampler', SYNC_NAME, answer, save_optimizer=False)
 
-        job = service.submit(who, group, run_id, 'sync_sampler', write, meter=Meter(checkpoints=1))
+        saved = Meter(checkpoints=1)
+        job = await service.queue(who, group, run_id, 'sync_sampler', write, meter=saved, wait_s=queue)
         return await _accepted(service, who, job, wait)
 
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
@@ -316,7 +323,7 @@ def _usage_route(router: APIRouter, service: Service) -> None:
 # ---- sampling without a run -----------------------------------------------------------------------
 def _sample_route(router: APIRouter, service: Service) -> None:
     @router.post('/sample', status_code=202, response_model=FutureAccepted)
-    async def sample(body: SampleWeights, who: Who, wait: Wait = 0.0) -> FutureAccepted:
+    async def sample(body: SampleWeights, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0) -> FutureAccepted:
         """Sample the base model, or a saved checkpoint's weights, without a training run."""
         group, path = service.group_named(body.base_model), body.model_path
         checkpoint: Checkpoint | None = None  # None: the base model
@@ -341,7 +348,8 @@ def _sample_route(router: APIRouter, service: Service) -> None:
             meter.sampled_json(responses)
             return responses
 
-        return await _accepted(service, who, service.submit(who, group, None, 'sample', run, meter=meter), wait)
+        job = await service.queue(who, group, None, 'sample', run, meter=meter, wait_s=queue)
+        return await _accepted(service, who, job, wait)
 
 
 # ---- futures --------------------------------------------------------------------------------------
