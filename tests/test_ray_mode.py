@@ -93,7 +93,9 @@ CPU = 'cpu'
 @pytest.fixture(scope='module', autouse=True)
 def local_ray():
     """One small Ray for the module; the actors import this test module by value (it is not on their path)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
+    ray.init(
+        address='local', num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG
+    )
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     twinkle.initialize(mode='local', seed=None)

@@ -21,7 +21,9 @@ from twinkle.server.store import Store  # noqa: E402
 
 @pytest.fixture(scope='module')
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
+    ray.init(
+        address='local', num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG
+    )
     yield
     ray.shutdown()
 

@@ -150,7 +150,9 @@ def test_a_tensor_parallel_group_of_ray_actors_trains_as_the_transformers_server
     ray = pytest.importorskip('ray')
     from twinkle.infra.ray.cluster import LOCAL_SYSTEM_CONFIG
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
+    ray.init(
+        address='local', num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG
+    )
     try:
         options = {**MEGATRON, 'ray': {'num_cpus': 1}}
         with background_server(tmp_path_factory.mktemp('megatron-ray'), MODEL, **options) as (url, keys, background):

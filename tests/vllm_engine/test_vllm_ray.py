@@ -29,7 +29,9 @@ PROMPTS = [{'input_ids': [5 + i, 6 + 2 * i, 7, 8 + i, 30 + 3 * i]} for i in rang
 @pytest.fixture(scope='module', autouse=True)
 def local_ray():
     """A Ray of 3 logical CPUs: one for the model's actor, one for each sampler actor."""
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
+    ray.init(
+        address='local', num_cpus=3, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG
+    )
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     twinkle.initialize(mode='local', seed=None)
