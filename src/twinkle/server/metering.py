@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -83,7 +83,7 @@ class Ledger:
     yet counted, which its end ``settle`` s. Thread-safe: routes admit on the event loop, jobs
     settle on the workers."""
 
-    def __init__(self, store: Store, quotas: Quotas, clock: Any = time.time):
+    def __init__(self, store: Store, quotas: Quotas, clock: Callable[[], float] = time.time):
         self.store, self.quotas, self.clock = store, quotas, clock
         self._pending: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()

@@ -29,6 +29,8 @@ from twinkle.server.store import FutureRecord, Session
 
 #: The one sequence of the trace's events (Perfetto keys its interning and ordering by it).
 SEQUENCE = 1
+#: Where a trace's signed link points, under ``/api/v1``.
+TRACE_ROUTE = '/session_traces'
 NS = 1_000_000_000
 
 
@@ -50,10 +52,6 @@ def trace_router(api: TinkerAPI) -> APIRouter:
         return Response(data, media_type='application/octet-stream', headers=headers)
 
     return routes
-
-
-#: Where a trace's signed link points, under ``/api/v1``.
-TRACE_ROUTE = '/session_traces'
 
 
 def _trace_of(service: Service, session_id: str) -> bytes:
