@@ -25,7 +25,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, UnknownNameError
-from twinkle.server.api.deps import QueueWait, Who, is_admin, key_holder
+from twinkle.server.api.deps import QueueWait, Who, is_admin, tenant_of
 from twinkle.server.api.errors import error_responses
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.execution.model_group import bare
@@ -315,7 +315,7 @@ def _usage_route(router: APIRouter, service: Service) -> None:
         """What was used in the UTC hours that start in ``[since, until)`` (unix seconds; ``until``
         by default the hour now), per run and in total, with the checkpoints stored now and the
         costs by the server's prices. A tenant's key sees its own; the admin key every tenant's."""
-        tenant_id = None if is_admin(service, request) else key_holder(request).id
+        tenant_id = None if is_admin(service, request) else (await tenant_of(request)).id  # a tenant's rate counts
         end = until if until is not None else time.time() + HOUR_S
         return await asyncio.to_thread(usage_report, service.store, service.config.pricing, tenant_id, since, end)
 
