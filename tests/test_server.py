@@ -215,7 +215,7 @@ def test_bad_requests_get_a_4xx_that_names_the_problem_and_the_server_keeps_serv
 
 def test_a_compute_request_sent_with_wait_is_answered_with_its_result_in_one_round_trip(server, batches):
     url, keys, _ = server
-    client = TwinkleClient(url, keys['bob'])
+    client = TwinkleClient(url, keys['bob'], binary=False)  # JSON answers to read by hand
     model = MultiLoraTransformersModel(client=client)
     run_id = model.add_adapter_to_model('waited', lora(4))
     ops = f'/twinkle/v1/runs/{run_id}/ops'

@@ -145,6 +145,11 @@ FIGURE_NAME: dict[str, JsonValue] = {'pattern': f'^{_FIGURE_NAME.pattern}$', 'no
 QUEUE_HEADER = 'X-Twinkle-Queue'
 #: The longest such wait, in seconds.
 MAX_QUEUE_WAIT_S = 600.0
+#: The binary body of the native API (``twinkle.server.api.binary``): a request sent with this
+#: ``Content-Type`` is read as MessagePack, and one that ``Accept``-s it is answered in it.
+MSGPACK = 'application/msgpack'
+#: Every spelling of MessagePack's media type the server takes.
+MSGPACK_TYPES = frozenset({MSGPACK, 'application/x-msgpack', 'application/vnd.msgpack'})
 
 
 class Wire(BaseModel):
@@ -674,6 +679,8 @@ __all__ = [
     'FEATURE_FIELDS',
     'LORA_FIELDS',
     'MAX_QUEUE_WAIT_S',
+    'MSGPACK',
+    'MSGPACK_TYPES',
     'OPERATIONS',
     'PROMPT_FIELDS',
     'QUEUE_HEADER',

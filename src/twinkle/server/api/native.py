@@ -8,7 +8,9 @@ A compute request is answered at once with a future id (202); ``GET /twinkle/v1/
 returns its state, waiting up to ``wait`` seconds for it to finish without holding the event
 loop. A compute request sent with ``?wait=`` is answered when its future settles or the wait ends,
 with the future in the answer: a short request then costs one round trip, not two. A tenant sees
-only its own runs, checkpoints and futures: anything else is a 404.
+only its own runs, checkpoints and futures: anything else is a 404. Each body may be MessagePack
+instead of JSON, and compute requests and future polls are answered in it when asked
+(``twinkle.server.api.binary``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, cast
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import JsonValue
 
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, UnknownNameError
+from twinkle.server.api.binary import BinaryRoute, answer
 from twinkle.server.api.deps import QueueWait, Who, is_admin, tenant_of
 from twinkle.server.api.errors import error_responses
 from twinkle.server.api.links import signed_links, weight_files
@@ -72,11 +75,15 @@ MAX_HISTORY = 1000
 Page = Annotated[int, Query(ge=0, lt=SQLITE_INT_LIMIT)]
 #: Seconds a compute request's answer may wait for its future to settle (at most ``MAX_WAIT_S``).
 Wait = Annotated[float, Query(ge=0, allow_inf_nan=False)]
+#: The status of a queued compute request's answer.
+ACCEPTED = 202
 
 
 def native_router(service: Service) -> APIRouter:
     """The routes of the native API over ``service``."""
-    router = APIRouter(prefix=PREFIX, tags=['native'], responses=error_responses(400, 401, 404, 409, 422, 429))
+    router = APIRouter(
+        prefix=PREFIX, tags=['native'], responses=error_responses(400, 401, 404, 409, 422, 429), route_class=BinaryRoute
+    )
     # Routes are matched in order, twice a request: the ones every step calls come first.
     _future_routes(router, service)
     for name, spec in OPERATIONS.items():
@@ -165,12 +172,12 @@ def _run_routes(router: APIRouter, service: Service) -> None:
 # ---- operations ---------------------------------------------------------------------------------------
 def _operation_endpoint(
     service: Service, name: str, spec: type[Operation]
-) -> Callable[[str, Operation, Tenant, float], Awaitable[FutureAccepted]]:
+) -> Callable[[str, Operation, Tenant, Request, float, float], Awaitable[FutureAccepted | Response]]:
     """The endpoint of operation ``name``, its body typed as ``spec`` for FastAPI and the schema."""
 
     async def operation(
-        run_id: str, body: Operation, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0
-    ) -> FutureAccepted:
+        run_id: str, body: Operation, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+    ) -> FutureAccepted | Response:
         run = await service.adapter_of(who, run_id)
         group = service.group_of(run)
         kwargs = body.arguments()
@@ -193,7 +200,7 @@ def _operation_endpoint(
                 return cast(JsonValue, responses)
 
             future = await service.queue(who, group, run_id, name, sample, meter=meter, wait_s=queue)
-            return await _accepted(service, who, future, wait)
+            return await _accepted(service, who, future, wait, request)
 
         meter = Meter(training_tokens=request_tokens(kwargs['inputs']) if name in TRAINING_OPERATIONS else 0)
 
@@ -207,7 +214,7 @@ def _operation_endpoint(
 
         batch = group.mixable(run, name, kwargs)
         job = await service.queue(who, group, run_id, name, compute, batch, meter=meter, wait_s=queue)
-        return await _accepted(service, who, job, wait)
+        return await _accepted(service, who, job, wait, request)
 
     signature = inspect.signature(operation)
     body = signature.parameters['body'].replace(annotation=spec)
@@ -232,8 +239,8 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
     @router.post('/runs/{run_id}/save', status_code=202, response_model=FutureAccepted)
     async def save(
-        run_id: str, body: SaveRequest, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0
-    ) -> FutureAccepted:
+        run_id: str, body: SaveRequest, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+    ) -> FutureAccepted | Response:
         run = await service.adapter_of(who, run_id)
         check_checkpoint_name(body.name)
         group = service.group_of(run)
@@ -245,12 +252,12 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
             return group.save_checkpoint(run, 'training', body.name, answer, save_optimizer=body.save_optimizer)
 
         job = await service.queue(who, group, run_id, 'save', write, meter=Meter(checkpoints=1), wait_s=queue)
-        return await _accepted(service, who, job, wait)
+        return await _accepted(service, who, job, wait, request)
 
     @router.post('/runs/{run_id}/load', status_code=202, response_model=FutureAccepted)
     async def load(
-        run_id: str, body: LoadRequest, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0
-    ) -> FutureAccepted:
+        run_id: str, body: LoadRequest, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+    ) -> FutureAccepted | Response:
         run = await service.adapter_of(who, run_id)
         source_run, name = parse_twinkle_path(body.path)
         checkpoint = _own_checkpoint(service, who, source_run, name, body.path)
@@ -262,10 +269,13 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
             group.load(run, Path(now.path), body.load_optimizer, body.path)
             return now.twinkle_path
 
-        return await _accepted(service, who, await service.queue(who, group, run_id, 'load', read, wait_s=queue), wait)
+        job = await service.queue(who, group, run_id, 'load', read, wait_s=queue)
+        return await _accepted(service, who, job, wait, request)
 
     @router.post('/runs/{run_id}/sync_sampler', status_code=202, response_model=FutureAccepted)
-    async def sync_sampler(run_id: str, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0) -> FutureAccepted:
+    async def sync_sampler(
+        run_id: str, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+    ) -> FutureAccepted | Response:
         """Save the run's adapter weights for sampling (no optimizer): what its samples come from
         on a server with a sampler group. The future's result: ``{path, weight_version}``."""
         run = await service.adapter_of(who, run_id)
@@ -279,7 +289,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
         saved = Meter(checkpoints=1)
         job = await service.queue(who, group, run_id, 'sync_sampler', write, meter=saved, wait_s=queue)
-        return await _accepted(service, who, job, wait)
+        return await _accepted(service, who, job, wait, request)
 
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
@@ -323,7 +333,9 @@ def _usage_route(router: APIRouter, service: Service) -> None:
 # ---- sampling without a run -----------------------------------------------------------------------
 def _sample_route(router: APIRouter, service: Service) -> None:
     @router.post('/sample', status_code=202, response_model=FutureAccepted)
-    async def sample(body: SampleWeights, who: Who, wait: Wait = 0.0, queue: QueueWait = 0.0) -> FutureAccepted:
+    async def sample(
+        body: SampleWeights, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+    ) -> FutureAccepted | Response:
         """Sample the base model, or a saved checkpoint's weights, without a training run."""
         group, path = service.group_named(body.base_model), body.model_path
         checkpoint: Checkpoint | None = None  # None: the base model
@@ -349,17 +361,21 @@ def _sample_route(router: APIRouter, service: Service) -> None:
             return responses
 
         job = await service.queue(who, group, None, 'sample', run, meter=meter, wait_s=queue)
-        return await _accepted(service, who, job, wait)
+        return await _accepted(service, who, job, wait, request)
 
 
 # ---- futures --------------------------------------------------------------------------------------
-async def _accepted(service: Service, who: Tenant, job: Job, wait: float) -> FutureAccepted:
+async def _accepted(
+    service: Service, who: Tenant, job: Job, wait: float, request: Request
+) -> FutureAccepted | Response:
     """The answer to a compute request: its future's id, and with ``wait`` > 0 the future itself as
-    it stands once it settled or ``wait`` seconds (at most ``MAX_WAIT_S``) passed."""
+    it stands once it settled or ``wait`` seconds (at most ``MAX_WAIT_S``) passed; in MessagePack if
+    the request accepts it."""
     if wait <= 0:
-        return FutureAccepted(future_id=job.id)
+        return answer(request, FutureAccepted(future_id=job.id), ACCEPTED)
     record = await _waited(service, who, job, wait)
-    return FutureAccepted(future_id=job.id, future=None if record is None else FutureInfo(**record.model_dump()))
+    future = None if record is None else _future_info(record)
+    return answer(request, FutureAccepted(future_id=job.id, future=future), ACCEPTED)
 
 
 async def _waited(service: Service, who: Tenant, job: Job, wait: float) -> FutureRecord | None:
@@ -370,16 +386,21 @@ async def _waited(service: Service, who: Tenant, job: Job, wait: float) -> Futur
 
 def _future_routes(router: APIRouter, service: Service) -> None:
     @router.get('/futures/{future_id}', response_model=FutureInfo)
-    async def get_future(future_id: str, who: Who, wait: Wait = 0.0) -> dict[str, JsonValue]:
+    async def get_future(future_id: str, who: Who, request: Request, wait: Wait = 0.0) -> FutureInfo | Response:
         record = service.store.futures.get(who.id, future_id)
         if record is None:
             raise NotFoundError(f'request {future_id!r} not found')
-        if record.finished or wait <= 0:  # a finished future never changes: nothing to wait for or read again
-            return record.model_dump()
-        job = service.job(future_id)
-        if job is not None:
-            record = await _waited(service, who, job, wait) or record
-        return record.model_dump()
+        if not record.finished and wait > 0:  # a finished future never changes: nothing to wait for or read again
+            job = service.job(future_id)
+            if job is not None:
+                record = await _waited(service, who, job, wait) or record
+        return answer(request, _future_info(record))
+
+
+def _future_info(record: FutureRecord) -> FutureInfo:
+    """The store's future as the wire's, its fields taken as they are: the store wrote them, and a
+    result of thousands of logprobs costs milliseconds to dump and validate again."""
+    return FutureInfo.model_construct(**dict(record))
 
 
 def _own_run(service: Service, tenant_id: str, run_id: str) -> Run:

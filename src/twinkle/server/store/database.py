@@ -6,7 +6,6 @@ here, what the aggregates share besides: fresh ids, JSON columns, the names a ro
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -17,6 +16,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeAlias
+
+import pydantic_core
 
 from twinkle.errors import DataError, StateError
 
@@ -141,9 +142,11 @@ def new_id(prefix: str) -> str:
 
 
 def dumps(what: str, value: Any) -> str:  # Any: a JSON value the client sent (a config, a result)
-    """``value`` as the text of a JSON column; DataError naming ``what`` if it is not JSON."""
+    """``value`` as the text of a JSON column; DataError naming ``what`` if it is not JSON. pydantic's
+    writer, with NaN and infinities as Python's ``json`` writes them: a result of thousands of floats
+    costs a tenth of ``json.dumps``."""
     try:
-        return json.dumps(value)
+        return pydantic_core.to_json(value, inf_nan_mode='constants').decode()
     except (TypeError, ValueError) as exc:
         raise DataError(
             f'The {what} must be JSON-serializable (dicts, lists, str, numbers, bool, None): {exc}'
