@@ -20,7 +20,7 @@ MEGATRON_CORE ?= megatron-core==0.19.2
 # megatron-core's pipeline schedules import triton unconditionally (transformer/moe/ops/paged_stash.py); torch 2.13's own pin.
 TRITON ?= triton==3.7.1
 
-.PHONY: setup browser train grpo agent vlm test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs \
+.PHONY: setup browser postgres train grpo agent vlm test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs \
 	setup-megatron test-megatron bench-megatron
 
 setup: $(VENV)/.installed
@@ -55,6 +55,14 @@ browser:  ## Debian's chromium for the dashboard's browser test
 		|| { apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }; } \
 		|| echo 'make browser: chromium is missing and this is not root: tests/test_dashboard.py will be skipped'; }
 
+# The store's tests on PostgreSQL start a server of their own from Debian's package (tests/pg_helpers.py), installed
+# here with apt-get when missing (as root, as CI runs; elsewhere install it yourself, or its tests are skipped).
+postgres:  ## Debian's PostgreSQL server for the store's tests on PostgreSQL
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] \
+		&& { apt-get install -y -q --no-install-recommends postgresql \
+		|| { apt-get update -q && apt-get install -y -q --no-install-recommends postgresql; }; } \
+		|| echo 'make postgres: PostgreSQL is missing and this is not root: its tests will be skipped'; }
+
 # The dashboard's charting library, uPlot, from the npm registry into the package (its version: dashboard/package.json).
 dashboard-assets:  ## refresh the vendored uPlot from npm
 	cd src/twinkle/server/api/dashboard && rm -rf .npm-pack && mkdir .npm-pack && cd .npm-pack \
@@ -62,7 +70,7 @@ dashboard-assets:  ## refresh the vendored uPlot from npm
 		&& cp package/dist/uPlot.iife.min.js package/dist/uPlot.min.css package/LICENSE ../static/vendor/uplot/ \
 		&& cd .. && rm -rf .npm-pack
 
-test: setup browser  ## lint, layer contracts, types (mypy over src/), then the whole test suite (CPU only, offline)
+test: setup browser postgres  ## lint, layer contracts, types (mypy over src/), then the whole test suite (CPU only, offline)
 	$(VENV)/bin/ruff check src tests cookbook benchmarks
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
 	$(VENV)/bin/lint-imports --no-cache

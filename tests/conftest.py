@@ -6,7 +6,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import pg_helpers
 import pytest
+from pg_helpers import PostgresServer
 from sdk_clients import ServiceClients, open_sdk_sessions
 
 # Set before anything imports huggingface_hub / datasets, which read these once.
@@ -59,3 +61,22 @@ def no_sdk_session_outlives_its_module() -> Iterator[None]:
     yield
     left = sorted(set(open_sdk_sessions()) - before)
     assert not left, f'Tinker SDK sessions left open (close their ServiceClient, or make it with sdk_clients): {left}'
+
+
+@pytest.fixture(scope='session')
+def postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of the session's own (Debian's package, ``tests/pg_helpers.py``). Skipped where
+    PostgreSQL is not installed, except in CI (``CI`` set), which installs it (``make postgres``)."""
+    if pg_helpers.binaries() is None:
+        if os.environ.get('CI'):
+            pytest.fail('PostgreSQL is not installed: CI installs it with `make postgres` (as root)')
+        pytest.skip('PostgreSQL is not installed: `make postgres` installs it with apt-get as root')
+    with pg_helpers.postgres_server() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres: PostgresServer) -> Iterator[str]:
+    """A new, empty PostgreSQL database for one test, dropped after it."""
+    with pg_helpers.fresh_database(postgres) as url:
+        yield url

@@ -89,7 +89,7 @@ def background_server(
     """A server on a thread of this process (CPU, a free port) with a key per tenant:
     ``(url, {tenant: key}, server)``; ``options`` are more ``ServerConfig`` fields."""
     config = ServerConfig.build(base_model=model_dir, port=0, data_dir=str(data_dir), device='cpu', **options)
-    with Store(config.db_path) as store:
+    with Store(config.store_location) as store:
         keys = {name: store.tenants.add(name)[1] for name in tenants}
     background = BackgroundServer(config)
     with background as url:

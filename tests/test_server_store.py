@@ -1,7 +1,9 @@
-"""The service's SQLite store and API keys, on real database files under tmp_path."""
+"""The service's store and API keys, on both backends: real SQLite files under tmp_path, and databases of a real
+PostgreSQL server (``tests/pg_helpers.py``). Tests that take ``db`` or ``store`` run on each."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
@@ -11,6 +13,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from twinkle.errors import ConfigurationError, DataError, StateError
@@ -28,9 +31,34 @@ class FakeClock:
         return self.now
 
 
+@pytest.fixture(params=['sqlite', 'postgresql'])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """Where a store is: a SQLite file, or a new PostgreSQL database's URL."""
+    if request.param == 'sqlite':
+        return tmp_path / 'twinkle.db'
+    return request.getfixturevalue('postgres_url')
+
+
 @pytest.fixture
-def db(tmp_path: Path) -> Path:
+def sqlite_db(tmp_path: Path) -> Path:
     return tmp_path / 'twinkle.db'
+
+
+def schema_version(db: Path | str) -> int:
+    if isinstance(db, Path):
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            return int(connection.execute('PRAGMA user_version').fetchone()[0])
+    with psycopg.connect(db) as connection:
+        return int(connection.execute('SELECT version FROM twinkle_schema').fetchone()[0])
+
+
+def set_schema_version(db: Path | str, version: int) -> None:
+    if isinstance(db, Path):
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            connection.execute(f'PRAGMA user_version = {version}')
+        return
+    with psycopg.connect(db, autocommit=True) as connection:
+        connection.execute('UPDATE twinkle_schema SET version = %s', (version,))
 
 
 @pytest.fixture
@@ -122,7 +150,8 @@ def test_parse_twinkle_path_rejects_anything_else(path):
 # -- tenants ------------------------------------------------------------------------------------------
 
 
-def test_keys_are_stored_only_hashed(db):
+def test_keys_are_stored_only_hashed(sqlite_db):
+    db = sqlite_db
     with Store(db) as store:
         tenant, key = store.tenants.add('alice')
         assert store.tenants.for_key(key) == tenant
@@ -201,9 +230,9 @@ def test_another_tenants_rows_do_not_exist(store):
 # -- runs ---------------------------------------------------------------------------------------------
 
 
-def test_runs_list_newest_first_with_paging_and_without_deleted(tmp_path):
+def test_runs_list_newest_first_with_paging_and_without_deleted(db):
     clock = FakeClock()
-    with Store(tmp_path / 'db', clock=clock) as store:
+    with Store(db, clock=clock) as store:
         tenant, _ = store.tenants.add('alice')
         runs = []
         for i in range(5):
@@ -230,9 +259,9 @@ def test_run_status_and_names_are_validated(store):
         store.runs.create('tn-missing', 'base', 'default', {})
 
 
-def test_idle_runs(tmp_path):
+def test_idle_runs(db):
     clock = FakeClock(1_000.0)
-    with Store(tmp_path / 'db', clock=clock) as store:
+    with Store(db, clock=clock) as store:
         tenant, _ = store.tenants.add('alice')
         busy = store.runs.create(tenant.id, 'base', 'busy', {})
         idle = store.runs.create(tenant.id, 'base', 'idle', {})
@@ -251,9 +280,9 @@ def test_idle_runs(tmp_path):
 # -- checkpoints --------------------------------------------------------------------------------------
 
 
-def test_checkpoint_replace_and_delete(tmp_path):
+def test_checkpoint_replace_and_delete(db):
     clock = FakeClock()
-    with Store(tmp_path / 'db', clock=clock) as store:
+    with Store(db, clock=clock) as store:
         tenant, _ = store.tenants.add('alice')
         run = store.runs.create(tenant.id, 'base', 'default', {})
         first, _ = store.checkpoints.add(tenant.id, run.id, 'latest', '/disk/v1', 'training', 100)
@@ -291,9 +320,9 @@ def test_a_checkpoint_row_and_its_saves_future_commit_together_or_not_at_all(sto
     assert store.checkpoints.paths() == {'/disk/v2'}
 
 
-def test_a_run_brought_back_with_less_than_it_had_says_so_and_forgets_the_steps_it_lost(tmp_path):
+def test_a_run_brought_back_with_less_than_it_had_says_so_and_forgets_the_steps_it_lost(db):
     clock = FakeClock()
-    with Store(tmp_path / 'db', clock=clock) as store:
+    with Store(db, clock=clock) as store:
         tenant, _ = store.tenants.add('alice')
         run = store.runs.create(tenant.id, 'base', 'default', {})
         store.history.add_steps(run.id, [{'step': float(step), 'loss': 1.0 / step} for step in range(1, 7)])
@@ -370,13 +399,14 @@ def test_rows_persist_across_reopen(db):
         assert reopened.runs.get(tenant.id, run.id) == run
         assert reopened.checkpoints.get(tenant.id, run.id, 'step-1').size_bytes == 10
         assert reopened.futures.get(tenant.id, future.id).result == {'path': 'twinkle://x'}
-    connection = sqlite3.connect(db)
-    assert connection.execute('PRAGMA user_version').fetchone()[0] == SCHEMA_VERSION
-    assert connection.execute('PRAGMA journal_mode').fetchone()[0] == 'wal'
-    connection.close()
+    assert schema_version(db) == SCHEMA_VERSION
+    if isinstance(db, Path):
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            assert connection.execute('PRAGMA journal_mode').fetchone()[0] == 'wal'
 
 
-def test_a_version_1_database_is_migrated_and_keeps_its_rows(db):
+def test_a_version_1_database_is_migrated_and_keeps_its_rows(sqlite_db):
+    db = sqlite_db
     connection = sqlite3.connect(db)
     connection.executescript((Path(__file__).parent / 'data' / 'store_schema_v1.sql').read_text())
     connection.execute("INSERT INTO tenants VALUES ('tn-1', 'alice', ?, 1.0)", (hash_key('k' * 40),))
@@ -449,9 +479,7 @@ def test_bad_keys_files_are_refused(tmp_path, text, match):
 
 def test_newer_schema_is_refused(db):
     Store(db).close()
-    connection = sqlite3.connect(db)
-    connection.execute('PRAGMA user_version = 99')
-    connection.close()
+    set_schema_version(db, 99)
     with pytest.raises(StateError, match='schema version 99'):
         Store(db)
 
@@ -531,10 +559,10 @@ def test_acknowledged_rows_survive_kill_9(db):
         assert set(run_ids) <= present
         assert total >= len(run_ids)
         assert all(reopened.checkpoints.get(tenant_id, run_id, 'c') is not None for run_id in run_ids)
-    connection = sqlite3.connect(db)
-    assert connection.execute('PRAGMA integrity_check').fetchall() == [('ok',)]
-    assert connection.execute('PRAGMA foreign_key_check').fetchall() == []
-    connection.close()
+    if isinstance(db, Path):
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            assert connection.execute('PRAGMA integrity_check').fetchall() == [('ok',)]
+            assert connection.execute('PRAGMA foreign_key_check').fetchall() == []
 
 
 def test_tinker_sessions_sampling_sessions_and_their_runs(store):
@@ -621,3 +649,37 @@ def test_marking_a_future_running_is_not_synced_alone_and_leaves_later_writes_sy
     assert store.db.query('PRAGMA synchronous')[0][0] == 2
     assert store.futures.get(tenant.id, done.id).result == {'loss': 1.5}
     store.close()
+
+
+def test_usage_sums_per_hour_steps_replace_and_sampled_sequences_round_trip(db):
+    clock = FakeClock(7_200.0)
+    with Store(db, clock=clock) as store:
+        alice, _ = store.tenants.add('alice')
+        run = store.runs.create(alice.id, 'base', 'default', {})
+        store.usage.add(alice.id, run.id, None, 'base', {'training': 10, 'compute_seconds': 0.5})
+        store.usage.add(alice.id, run.id, None, 'base', {'training': 5, 'checkpoint': 0})  # upserted, zero skipped
+        clock.now += 3_600
+        store.usage.add(alice.id, None, None, 'base', {'sampling_sample': 7})
+        rows = [(row.hour, row.run_id, row.kind, row.quantity) for row in store.usage.hours(None, 0, 1e9)]
+        assert rows == [
+            (7_200.0, run.id, 'compute_seconds', 0.5),
+            (7_200.0, run.id, 'training', 15.0),
+            (10_800.0, None, 'sampling_sample', 7.0),
+        ]
+        assert store.usage.total(alice.id, ('training', 'sampling_sample'), 0) == 22
+
+        store.history.add_steps(run.id, [{'step': 1, 'loss': 2.0}, {'step': 2, 'loss': 1.5}])
+        store.history.add_steps(run.id, [{'step': 2, 'loss': 1.25}])  # a step recorded again replaces it
+        assert [(s['step'], s['loss']) for s in store.history.steps(run.id)] == [(1, 2.0), (2, 1.25)]
+
+        session = store.sessions.create(alice.id, {})
+        sequences = [('seq-a', [5, 6, 2**40], [-0.5, -1.25, -2.0]), ('seq-b', [7], [-0.125])]
+        store.sequences.record(alice.id, session.id, [1, 2, 3], sequences)
+        store.sequences.record(alice.id, session.id, [1, 2], [('seq-b', [8, 9], [-0.25, -0.5])])  # replaced
+        got = store.sequences.get(alice.id, ['seq-a', 'seq-b'])
+        assert (got['seq-a'].prompt, got['seq-a'].tokens, got['seq-a'].logprobs) == (
+            [1, 2, 3],
+            [5, 6, 2**40],
+            [-0.5, -1.25, -2.0],
+        )
+        assert (got['seq-b'].prompt, got['seq-b'].tokens, got['seq-b'].logprobs) == ([1, 2], [8, 9], [-0.25, -0.5])

@@ -134,6 +134,20 @@ class CapacityError(BusyError):
     """The server holds as many adapters as it may; one frees up when a run is released."""
 
 
+class UnavailableError(TwinkleError, ConnectionError):
+    """The service cannot take the request now (its store is unreachable, or the gateway is stopping);
+    the same request may succeed after ``retry_after_s`` seconds, here or at another gateway."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class StoreUnavailableError(UnavailableError):
+    """The store's database does not answer (PostgreSQL down or unreachable); nothing the server
+    acknowledged is lost, and the request was not acknowledged."""
+
+
 def one_of(kind: str, value: object, valid: Iterable[object]) -> ConfigurationError:
     """Build the standard 'bad value, here are the good ones' error."""
     return ConfigurationError(f'Invalid {kind} {value!r}. Accepted values are: {sorted(map(str, valid))}')

@@ -124,14 +124,14 @@ class TwinkleClient:
     def request(
         self, method: str, path: str, *, json: JsonValue = None, params: Mapping[str, str | int | float] | None = None
     ) -> JsonValue:
-        """JSON values in and out (sent and read as MessagePack when ``binary``); a 429 is retried after
-        its ``Retry-After`` (up to ``MAX_RETRY_AFTER_S``); other errors raise ``RemoteError`` with the
-        server's message."""
+        """JSON values in and out (sent and read as MessagePack when ``binary``); a 429 (busy) or a 503
+        (the store unreachable, the gateway stopping) is retried after its ``Retry-After`` (up to
+        ``MAX_RETRY_AFTER_S``); other errors raise ``RemoteError`` with the server's message."""
         body = {'json': json} if json is None or not self.binary else _msgpack_body(json)
         for _ in range(self.max_retries):
             response = self.http.request(method, path, params=params, **body)
             retry_after = float(response.headers.get('Retry-After', '1'))
-            if response.status_code != 429 or retry_after > MAX_RETRY_AFTER_S:
+            if response.status_code not in (429, 503) or retry_after > MAX_RETRY_AFTER_S:
                 break
             time.sleep(retry_after)
         if response.status_code >= 400:

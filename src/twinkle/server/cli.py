@@ -35,6 +35,8 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         'device': args.device,
         # The dashboard's admin key, from the environment rather than a flag (a flag shows in `ps`).
         'admin_api_key': os.environ.get('TWINKLE_ADMIN_KEY') or None,
+        # The store's URL holds a password: from the environment too.
+        'store': os.environ.get('TWINKLE_STORE') or None,
     }
     if args.command == 'keys' and not args.config and args.base_model is None:
         overrides['base_model'] = '(managing keys only)'  # keys need only the data directory
@@ -122,8 +124,7 @@ def main(argv: list[str] | None = None) -> None:
 def manage_keys(config: ServerConfig, action: str, tenant: str | None) -> None:
     from twinkle.server.store import Store
 
-    config.db_path.parent.mkdir(parents=True, exist_ok=True)
-    store = Store(config.db_path)
+    store = Store(config.store_location)
     try:
         if action == 'list':
             for row in store.tenants.all():

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
 from twinkle.errors import ConfigurationError
 
@@ -308,6 +308,10 @@ class ServerConfig(BaseModel):
     host: str = '127.0.0.1'
     port: int = Field(8000, ge=0, lt=65536)
     data_dir: str = 'twinkle-server-data'
+    #: Where the store is: None keeps it in ``data_dir/twinkle.db`` (SQLite, one server process); a
+    #: ``postgresql://user:password@host:port/name`` URL puts it in PostgreSQL, which several gateways
+    #: share. The environment's ``TWINKLE_STORE`` sets it too (a URL holds a password: keep it out of files).
+    store: str | None = None
     device: str | None = None
     limits: Limits = Field(default_factory=Limits)
     #: Run the forward_backward / forward requests of different tenants that wait at the same
@@ -463,6 +467,21 @@ class ServerConfig(BaseModel):
     @property
     def db_path(self) -> Path:
         return Path(self.data_dir) / 'twinkle.db'
+
+    @property
+    def store_location(self) -> str | Path:
+        """What ``Store`` opens: the PostgreSQL URL, else the SQLite file in ``data_dir``."""
+        return self.store or self.db_path
+
+    @field_validator('store')
+    @classmethod
+    def _postgres_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(('postgresql://', 'postgres://')):
+            raise ValueError(
+                f'store must be a postgresql://user:password@host:port/name URL (or left out for SQLite in '
+                f'data_dir); got one starting {value[:16]!r}'
+            )
+        return value
 
     @property
     def spill_dir(self) -> Path:

@@ -49,7 +49,7 @@ class Service:
     def __init__(self, config: ServerConfig, host: Host | None = None):
         self.config = config
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
-        self.store = Store(config.db_path)
+        self.store = Store(config.store_location)
         if config.api_keys_file is not None:
             self.store.tenants.sync_keys_file(read_keys_file(config.api_keys_file))
         per_minute = config.limits.max_requests_per_minute

@@ -41,6 +41,7 @@ from twinkle.errors import (
     StateError,
     TwinkleError,
     UnauthorizedError,
+    UnavailableError,
 )
 
 #: The first row whose class the error is an instance of gives its status; TwinkleError is the rest.
@@ -52,6 +53,7 @@ STATUSES: tuple[tuple[type[TwinkleError], int], ...] = (
     (QuotaError, 403),
     (NotFoundError, 404),
     (StateError, 409),
+    (UnavailableError, 503),
     (TwinkleError, 400),
 )
 #: The tree's class for each status the framework answers by itself (other statuses: TwinkleError).
@@ -105,7 +107,7 @@ def status_of(error: TwinkleError) -> int:
 
 def retry_after_header(error: TwinkleError) -> dict[str, str]:
     """``Retry-After`` in whole seconds (at least 1) for an error that frees up with time."""
-    if not isinstance(error, BusyError):
+    if not isinstance(error, BusyError | UnavailableError):
         return {}
     return {'Retry-After': str(max(1, round(error.retry_after_s)))}
 

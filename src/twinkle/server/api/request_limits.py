@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from twinkle.server.api.errors import answer_framework_error
+from twinkle.errors import TwinkleError
+from twinkle.server.api.errors import answer_framework_error, error_response
 from twinkle.server.auth import TENANT_KEY, key_from_headers
 from twinkle.server.config import Limits
 
@@ -94,7 +95,13 @@ class _Request:
         self.withheld = False  # the app was shown an empty body in place of this one
 
     async def serve(self) -> None:
-        known = self.body_done or (self.key is not None and self.tenant() is not None)
+        try:
+            known = self.body_done or (self.key is not None and self.tenant() is not None)
+        except TwinkleError as error:  # the store cannot say whose key it is (unreachable): that, body unread
+            answer = error_response(error)
+            answer.headers['Connection'] = 'close'
+            await answer(self.scope, self._receive, self._send)
+            return
         receive = self.receive if known else self.empty_body  # unknown: the route's key check answers 401
         try:
             await self.middleware.app(self.scope, receive, self.send)

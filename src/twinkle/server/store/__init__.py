@@ -1,4 +1,5 @@
-"""The service's durable state in one SQLite file, one aggregate per attribute of ``Store``.
+"""The service's durable state, one aggregate per attribute of ``Store``: in one SQLite file (the embedded
+default), or in a PostgreSQL database that several gateways share (``Store('postgresql://...')``).
 
 ``store.tenants`` (tenants and their API keys), ``store.runs``, ``store.checkpoints``, ``store.sessions`` (Tinker
 sessions and their sampling sessions), ``store.futures``, ``store.history`` (each run's steps, each model's
@@ -40,9 +41,10 @@ from twinkle.server.store.checkpoints import (
     Checkpoints,
     check_checkpoint_name,
 )
-from twinkle.server.store.database import Database, check_name
+from twinkle.server.store.database import Database, SqliteDatabase, check_name
 from twinkle.server.store.futures import ERROR_CATEGORIES, FUTURE_STATUSES, FutureRecord, Futures
 from twinkle.server.store.history import History
+from twinkle.server.store.postgres import CONNECT_TIMEOUT_S, PostgresDatabase, is_postgres_url
 from twinkle.server.store.runs import RUN_STATUSES, Run, Runs
 from twinkle.server.store.schema import SCHEMA_VERSION, migrate
 from twinkle.server.store.sequences import SEQUENCE_TTL_S, SampledRecord, SampledSequences
@@ -53,17 +55,30 @@ from twinkle.wire import parse_checkpoint_path, parse_twinkle_path  # checkpoint
 
 
 class Store:
-    """The SQLite file at ``path``, migrated to ``SCHEMA_VERSION``, and its aggregates; safe to share across
-    threads. ``clock`` gives the time stamps (unix seconds); tests pass a fake one."""
+    """The SQLite file at ``location`` (a path), or the PostgreSQL database it names (a
+    ``postgresql://`` URL), migrated to ``SCHEMA_VERSION``, and its aggregates; safe to share across
+    threads. ``clock`` gives the time stamps (unix seconds); tests pass a fake one.
+    ``connect_timeout_s``: how long PostgreSQL may take to answer at start."""
 
-    def __init__(self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time) -> None:
-        self.db = Database(path, clock=clock)
+    def __init__(
+        self,
+        location: str | os.PathLike[str],
+        *,
+        clock: Callable[[], float] = time.time,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ) -> None:
+        self.db: Database
+        if is_postgres_url(location):
+            self.db = PostgresDatabase(str(location), clock=clock, connect_timeout_s=connect_timeout_s)
+        else:
+            self.db = SqliteDatabase(location, clock=clock)
         try:
             migrate(self.db)
         except BaseException:
             self.db.close()
             raise
-        self.path = self.db.path
+        #: Where the store is: a path, or a URL without its password.
+        self.where = self.db.where
         self.tenants = Tenants(self.db)
         self.runs = Runs(self.db)
         self.checkpoints = Checkpoints(self.db)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sqlite3
-
 from twinkle.errors import DataError, StateError, one_of
-from twinkle.server.store.database import Aggregate, check_name, insert, new_id
+from twinkle.server.store.database import Aggregate, Row, check_name, insert, new_id
 from twinkle.wire import TINKER_SCHEME, TWINKLE_SCHEME, CheckpointFields
 
 CHECKPOINT_KINDS = ('training', 'sampler', 'external')
@@ -85,7 +83,7 @@ class Checkpoints(Aggregate):
                 old = conn.execute(f'SELECT * FROM checkpoints {where}', (run_id, kind, name)).fetchall()
                 conn.execute(f'DELETE FROM checkpoints {where}', (run_id, kind, name))
                 insert(conn, 'checkpoints', checkpoint.model_dump())
-        except sqlite3.IntegrityError as exc:
+        except self._db.integrity_error as exc:
             raise StateError(f'Tenant {tenant_id!r} has no run {run_id!r} to add checkpoint {name!r} to') from exc
         return checkpoint, (_checkpoint(old[0]) if old else None)
 
@@ -163,6 +161,6 @@ class Checkpoints(Aggregate):
         return [_checkpoint(row) for row in rows]
 
 
-def _checkpoint(row: sqlite3.Row) -> Checkpoint:
+def _checkpoint(row: Row) -> Checkpoint:
     # SQLite has no bool: pydantic reads the column's 0 or 1 as the bool ``public`` is.
     return Checkpoint.model_validate(dict(row))

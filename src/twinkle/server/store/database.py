@@ -1,46 +1,137 @@
-"""The one SQLite connection every aggregate of the store shares, with its lock, its transactions and its fsyncs.
+"""The database every aggregate of the store shares: SQLite (one file, the embedded default) or PostgreSQL
+(``postgres.py``, for several gateways), behind one interface with its lock, its transactions and its fsyncs.
 
-Autocommit mode, WAL, ``synchronous=FULL``: a write is its own transaction, fsynced before it returns. Also
-here, what the aggregates share besides: fresh ids, JSON columns, the names a row may give a folder.
+SQLite: autocommit mode, WAL, ``synchronous=FULL``: a write is its own transaction, fsynced before it returns.
+The aggregates write one SQL for both: ``?`` placeholders, ``INSERT ... ON CONFLICT``, and ``rowid`` as the
+order rows were made in (SQLite's own column; a ``BIGSERIAL`` column of that name in PostgreSQL). Also here,
+what the aggregates share besides: fresh ids, JSON columns, the names a row may give a folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, Protocol, TypeAlias
 
 import pydantic_core
 
 from twinkle.errors import DataError, StateError
 
-#: What a statement's parameter may be (SQLite stores a bool as the integer 0 or 1).
+#: What a statement's parameter may be (a bool is stored as the integer 0 or 1, as SQLite does).
 SqlValue: TypeAlias = str | int | float | bytes | None
 
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]{0,63}')
 
 
+class Row(Protocol):
+    """A row as both backends give it: by column name, by position, and ``dict(row)``."""
+
+    def __getitem__(self, key: str | int, /) -> Any: ...  # Any: a column's value, typed by the aggregate
+    def keys(self) -> Iterable[str]: ...
+
+
+class Cursor(Protocol):
+    @property
+    def rowcount(self) -> int: ...
+    def fetchall(self) -> list[Any]: ...  # Any: Row, as each backend's row factory makes them
+    def fetchone(self) -> Any: ...
+
+
+class Connection(Protocol):
+    """What a transaction of ``Database.write`` yields: SQLite's connection, or PostgreSQL's behind an adapter."""
+
+    def execute(self, sql: str, parameters: Sequence[SqlValue] = (), /) -> Cursor: ...
+    def executemany(self, sql: str, parameters: Iterable[Sequence[SqlValue]], /) -> Cursor: ...
+
+
 class Database:
-    """The SQLite file at ``path`` behind one connection that serves every thread, one statement at a time.
+    """One connection that serves every thread, one statement at a time, with reentrant write transactions.
 
-    SQLite writes one transaction at a time anyway, and the service's rows are few and small. ``clock``
-    gives the time stamps (unix seconds); tests pass a fake one.
-    """
+    ``clock`` gives the time stamps (unix seconds); tests pass a fake one. ``where`` names the database in
+    messages (a path, or a URL without its password); ``integrity_error`` is the driver's exception for a
+    broken constraint (a duplicate key, a missing foreign row)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    dialect: ClassVar[str]
+    integrity_error: type[Exception]
+
+    def __init__(self, where: str, clock: Callable[[], float]) -> None:
+        self.where = where
         self.clock = clock
         # Reentrant: a write inside another write of the same thread joins its transaction (``write``).
         self._lock = threading.RLock()
         self._depth = 0  # writes open on the thread holding the lock: 1 for the transaction, more when joined
+
+    @contextmanager
+    def write(self, durable: bool = True) -> Iterator[Connection]:
+        """One write transaction, holding the lock; committed (and fsynced) when the block ends.
+
+        A write the same thread opens inside it joins it: the aggregates' writes in a ``Store.transaction``
+        commit together, or (one raising) none does. ``durable=False`` commits without the fsync: for a row
+        a crash may lose because the restart undoes it anyway. The next durable commit syncs it with its own."""
+        with self._lock:
+            conn = self._connection()
+            if self._depth:  # inside this thread's open transaction: it commits with it
+                self._depth += 1
+                try:
+                    yield conn
+                finally:
+                    self._depth -= 1
+                return
+            with self._transaction(conn, durable):
+                self._depth = 1
+                try:
+                    yield conn
+                finally:
+                    self._depth = 0
+
+    def _connection(self) -> Connection:
+        raise NotImplementedError
+
+    def _transaction(self, conn: Connection, durable: bool) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def query(self, sql: str, params: Sequence[SqlValue] = ()) -> list[Row]:
+        """The rows of one reading statement (untyped: each aggregate makes its records of them)."""
+        with self._lock:
+            rows: list[Row] = self._connection().execute(sql, params).fetchall()
+            return rows
+
+    def count(self, sql: str, params: Sequence[SqlValue] = ()) -> int:
+        """The number a ``SELECT COUNT(*) ...`` answers."""
+        return int(self.query(sql, params)[0][0])
+
+    def ids(self, sql: str, params: Sequence[SqlValue] = ()) -> list[str]:
+        """The first column of each row a ``SELECT id ...`` answers."""
+        return [str(row[0]) for row in self.query(sql, params)]
+
+    def execute(self, sql: str, params: Sequence[SqlValue] = (), durable: bool = True) -> int:
+        """Run one writing statement in its own transaction; return how many rows it changed."""
+        with self.write(durable) as conn:
+            return conn.execute(sql, params).rowcount
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SqliteDatabase(Database):
+    """The SQLite file at ``path``. SQLite writes one transaction at a time anyway, and the service's rows
+    are few and small."""
+
+    dialect = 'sqlite'
+    integrity_error = sqlite3.IntegrityError
+
+    def __init__(self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        super().__init__(str(self.path), clock)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         # Autocommit mode: transactions are opened explicitly in write(), never implicitly by the driver.
         self._conn: sqlite3.Connection | None = sqlite3.connect(
             self.path, timeout=30.0, isolation_level=None, check_same_thread=False
@@ -61,57 +152,20 @@ class Database:
         return self._conn
 
     @contextmanager
-    def write(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
-        """One write transaction, holding the lock; committed (and fsynced) when the block ends.
-
-        A write the same thread opens inside it joins it: the aggregates' writes in a ``Store.transaction``
-        commit together, or (one raising) none does. ``durable=False`` commits without the fsync
-        (``synchronous=NORMAL``): for a row a crash may lose because the restart undoes it anyway. The
-        next durable commit syncs it with its own."""
-        with self._lock:
-            conn = self._connection()
-            if self._depth:  # inside this thread's open transaction: it commits with it
-                self._depth += 1
-                try:
-                    yield conn
-                finally:
-                    self._depth -= 1
-                return
-            if not durable:
-                conn.execute('PRAGMA synchronous=NORMAL')
+    def _transaction(self, conn: Connection, durable: bool) -> Iterator[None]:
+        if not durable:  # synchronous=NORMAL: the commit is in the WAL, not yet fsynced
+            conn.execute('PRAGMA synchronous=NORMAL')
+        try:
+            conn.execute('BEGIN IMMEDIATE')
             try:
-                conn.execute('BEGIN IMMEDIATE')
-                self._depth = 1
-                try:
-                    yield conn
-                except BaseException:
-                    conn.execute('ROLLBACK')
-                    raise
-                finally:
-                    self._depth = 0
-                conn.execute('COMMIT')
-            finally:
-                if not durable:
-                    conn.execute('PRAGMA synchronous=FULL')
-
-    def query(self, sql: str, params: Sequence[SqlValue] = ()) -> list[sqlite3.Row]:
-        """The rows of one reading statement (untyped: each aggregate makes its records of them)."""
-        with self._lock:
-            rows: list[sqlite3.Row] = self._connection().execute(sql, params).fetchall()
-            return rows
-
-    def count(self, sql: str, params: Sequence[SqlValue] = ()) -> int:
-        """The number a ``SELECT COUNT(*) ...`` answers."""
-        return int(self.query(sql, params)[0][0])
-
-    def ids(self, sql: str, params: Sequence[SqlValue] = ()) -> list[str]:
-        """The first column of each row a ``SELECT id ...`` answers."""
-        return [str(row[0]) for row in self.query(sql, params)]
-
-    def execute(self, sql: str, params: Sequence[SqlValue] = (), durable: bool = True) -> int:
-        """Run one writing statement in its own transaction; return how many rows it changed."""
-        with self.write(durable) as conn:
-            return conn.execute(sql, params).rowcount
+                yield
+            except BaseException:
+                conn.execute('ROLLBACK')
+                raise
+            conn.execute('COMMIT')
+        finally:
+            if not durable:
+                conn.execute('PRAGMA synchronous=FULL')
 
     def close(self) -> None:
         """Close the connection (checkpointing the WAL into the main file); later calls raise StateError."""
@@ -119,6 +173,13 @@ class Database:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def violates(exc: Exception, table: str, column: str) -> bool:
+    """Whether integrity error ``exc`` is a duplicate of ``table.column``: SQLite says ``UNIQUE constraint
+    failed: table.column``, PostgreSQL names the constraint (``table_..._key``) and the key (``Key (column)=``)."""
+    text = str(exc)
+    return f'{table}.{column}' in text or (f'"{table}_' in text and f'Key ({column})=' in text)
 
 
 class Aggregate:
@@ -129,7 +190,7 @@ class Aggregate:
         self._db = db
 
 
-def insert(conn: sqlite3.Connection, table: str, row: Mapping[str, SqlValue]) -> None:
+def insert(conn: Connection, table: str, row: Mapping[str, SqlValue]) -> None:
     """Insert ``row`` (column -> value) into ``table``, inside a transaction of ``Database.write``. The table
     and the columns are the store's own names (a record's fields), never a request's."""
     sql = f'INSERT INTO {table} ({", ".join(row)}) VALUES ({", ".join("?" * len(row))})'

@@ -12,14 +12,13 @@ the durable transaction of its checkpoint's row (``Store.transaction``), which d
 
 from __future__ import annotations
 
-import sqlite3
 from typing import Any
 
 import pydantic_core
 from pydantic import BaseModel
 
 from twinkle.errors import StateError, one_of
-from twinkle.server.store.database import Aggregate, dumps, new_id
+from twinkle.server.store.database import Aggregate, Row, dumps, new_id
 
 FUTURE_STATUSES = ('pending', 'running', 'done', 'failed')
 ERROR_CATEGORIES = ('user', 'server')
@@ -73,7 +72,7 @@ class Futures(Aggregate):
                 (future.id, tenant_id, run_id, op, future.created_at, session_id),
                 durable=False,
             )
-        except sqlite3.IntegrityError as exc:
+        except self._db.integrity_error as exc:
             raise StateError(f'Tenant {tenant_id!r} has no run {run_id!r} to start {op!r} on') from exc
         return future
 
@@ -132,7 +131,7 @@ class Futures(Aggregate):
         return self._db.execute(sql, (reason, self._db.clock()))
 
 
-def _future(row: sqlite3.Row) -> FutureRecord:
+def _future(row: Row) -> FutureRecord:
     fields = dict(row)
     result_json = fields.pop('result_json')
     fields['result'] = None if result_json is None else pydantic_core.from_json(result_json)  # a tenth of json's

@@ -4,10 +4,9 @@ than it had, and the restarts of a model's workers."""
 from __future__ import annotations
 
 import json
-import sqlite3
 from typing import TypedDict
 
-from twinkle.server.store.database import Aggregate
+from twinkle.server.store.database import Aggregate, Row
 
 
 class Restore(TypedDict):
@@ -34,7 +33,10 @@ class History(Aggregate):
             for entry in steps
         ]
         with self._db.write(durable=False) as conn:
-            sql = 'INSERT OR REPLACE INTO run_steps (run_id, step, at, figures_json) VALUES (?, ?, ?, ?)'
+            sql = (
+                'INSERT INTO run_steps (run_id, step, at, figures_json) VALUES (?, ?, ?, ?) '
+                'ON CONFLICT (run_id, step) DO UPDATE SET at = excluded.at, figures_json = excluded.figures_json'
+            )
             conn.executemany(sql, rows)
 
     def steps(self, run_id: str, after: int = 0, limit: int = 1000) -> list[dict[str, float]]:
@@ -87,7 +89,7 @@ class History(Aggregate):
         return [(str(row['reason']), float(row['at'])) for row in rows]
 
 
-def _restore(row: sqlite3.Row) -> Restore:
+def _restore(row: Row) -> Restore:
     return {
         'time': float(row['at']), 'step': int(row['step']), 'checkpoint': row['checkpoint'],
         'fresh_optimizer': bool(row['fresh_optimizer']), 'lost_steps': int(row['lost_steps']),

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 from typing import Any
 
 from twinkle.errors import StateError, one_of
-from twinkle.server.store.database import Aggregate, check_name, dumps, new_id
+from twinkle.server.store.database import Aggregate, Row, check_name, dumps, new_id, violates
 from twinkle.wire import RunFields
 
 RUN_STATUSES = ('active', 'released', 'deleted')
@@ -64,8 +63,8 @@ class Runs(Aggregate):
                     session_id,
                 ),
             )
-        except sqlite3.IntegrityError as exc:
-            if 'runs.id' in str(exc):
+        except self._db.integrity_error as exc:
+            if violates(exc, 'runs', 'id'):
                 raise StateError(f'There is already a run {run.id!r}') from exc
             raise StateError(f'No tenant {tenant_id!r} to create a run for') from exc
         return run
@@ -130,7 +129,7 @@ class Runs(Aggregate):
         return self._db.count(sql, tuple(params))
 
 
-def _run(row: sqlite3.Row) -> Run:
+def _run(row: Row) -> Run:
     fields = dict(row)
     fields['config'] = json.loads(fields.pop('config_json'))
     return Run.model_validate(fields)

@@ -1,8 +1,14 @@
-"""The store's one schema and its one migration path: ``migrate`` runs once, when the store opens.
+"""The store's one schema and its migrations: ``migrate`` runs once, when the store opens.
 
-A new file gets ``_SCHEMA`` whole; an older one runs each step of ``_MIGRATIONS`` from its
-``PRAGMA user_version`` up to ``SCHEMA_VERSION``, all in one transaction, so a failed upgrade leaves the
-file as it was. A file newer than this twinkle is refused rather than misread.
+A new database gets ``_SCHEMA`` whole; an older one runs each step of its migrations from its version up to
+``SCHEMA_VERSION``, all in one transaction, so a failed upgrade leaves it as it was. A database newer than this
+twinkle is refused rather than misread.
+
+- SQLite keeps its version in ``PRAGMA user_version`` and migrates with ``_MIGRATIONS``.
+- PostgreSQL gets the same schema in its own types (``postgres_schema``: 64-bit integers, double precision
+  times, ``BYTEA``, and a ``rowid`` column where SQLite has its own), keeps its version in the table
+  ``twinkle_schema``, and migrates with ``_POSTGRES_MIGRATIONS`` (none yet: its first version is 8). Gateways
+  starting together take turns: the migration holds a transaction-wide advisory lock.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import re
 
 from twinkle.errors import StateError
-from twinkle.server.store.database import Database
+from twinkle.server.store.database import Connection, Database
 
 SCHEMA_VERSION = 8
 
@@ -191,15 +197,36 @@ _MIGRATIONS = {
 }
 
 
+#: The first schema version a PostgreSQL store was made at; each later one needs its step here too.
+POSTGRES_FIRST_VERSION = 8
+_POSTGRES_MIGRATIONS: dict[int, list[str]] = {}
+#: Tables whose rows SQLite numbers in ``rowid``, sorted on as the order they were made in.
+_ROWID_TABLES = ('runs', 'checkpoints', 'futures', 'sessions', 'sampling_sessions')
+#: The advisory lock a PostgreSQL migration holds (any fixed number, the same in every gateway).
+_MIGRATION_LOCK = 0x7477696E  # 'twin'
+
+
+def postgres_schema() -> list[str]:
+    """``_SCHEMA`` in PostgreSQL's types, one statement each."""
+    sql = _SCHEMA.replace('INTEGER PRIMARY KEY AUTOINCREMENT', 'BIGSERIAL PRIMARY KEY')
+    sql = re.sub(r'\bINTEGER\b', 'BIGINT', sql)
+    sql = re.sub(r'\bREAL\b', 'DOUBLE PRECISION', sql)
+    sql = re.sub(r'\bBLOB\b', 'BYTEA', sql)
+    for table in _ROWID_TABLES:
+        sql = sql.replace(
+            f'CREATE TABLE IF NOT EXISTS {table} (\n', f'CREATE TABLE IF NOT EXISTS {table} (\n    rowid BIGSERIAL,\n'
+        )
+    return [statement for statement in sql.split(';') if statement.strip()]
+
+
 def migrate(db: Database) -> None:
-    """Bring the file to ``SCHEMA_VERSION``: create it when new, else migrate it from its version."""
+    """Bring the database to ``SCHEMA_VERSION``: create it when new, else migrate it from its version."""
     with db.write() as conn:
+        if db.dialect == 'postgresql':
+            _migrate_postgres(db, conn)
+            return
         version = int(conn.execute('PRAGMA user_version').fetchone()[0])
-        if version > SCHEMA_VERSION:
-            raise StateError(
-                f'{db.path} has schema version {version}, newer than the {SCHEMA_VERSION} this twinkle '
-                'understands: upgrade twinkle or point the server at another database'
-            )
+        _check_version(db, version)
         if version == 0:
             for statement in _SCHEMA.split(';'):
                 if statement.strip():
@@ -209,3 +236,28 @@ def migrate(db: Database) -> None:
                 for statement in _MIGRATIONS[target]:
                     conn.execute(statement)
         conn.execute(f'PRAGMA user_version = {SCHEMA_VERSION}')
+
+
+def _migrate_postgres(db: Database, conn: Connection) -> None:
+    conn.execute('SELECT pg_advisory_xact_lock(?)', (_MIGRATION_LOCK,))
+    conn.execute('CREATE TABLE IF NOT EXISTS twinkle_schema (version INTEGER NOT NULL)')
+    row = conn.execute('SELECT version FROM twinkle_schema').fetchone()
+    version = 0 if row is None else int(row[0])
+    _check_version(db, version)
+    if version == 0:
+        for statement in postgres_schema():
+            conn.execute(statement)
+        conn.execute('INSERT INTO twinkle_schema (version) VALUES (?)', (SCHEMA_VERSION,))
+        return
+    for target in range(version + 1, SCHEMA_VERSION + 1):
+        for statement in _POSTGRES_MIGRATIONS[target]:
+            conn.execute(statement)
+    conn.execute('UPDATE twinkle_schema SET version = ?', (SCHEMA_VERSION,))
+
+
+def _check_version(db: Database, version: int) -> None:
+    if version > SCHEMA_VERSION:
+        raise StateError(
+            f'{db.where} has schema version {version}, newer than the {SCHEMA_VERSION} this twinkle '
+            'understands: upgrade twinkle or point the server at another database'
+        )

@@ -10,13 +10,12 @@ deleted when the next sequences are recorded.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel
 
-from twinkle.server.store.database import Aggregate
+from twinkle.server.store.database import Aggregate, Row
 
 #: How long a recorded sequence is kept without a training request using it (Tinker: "expires after inactivity").
 SEQUENCE_TTL_S = 24 * 3600.0
@@ -57,8 +56,11 @@ class SampledSequences(Aggregate):
         with self._db.write() as conn:
             conn.execute('DELETE FROM sampled_sequences WHERE last_used_at < ?', (now - SEQUENCE_TTL_S,))
             conn.executemany(
-                'INSERT OR REPLACE INTO sampled_sequences (id, tenant_id, session_id, prompt, tokens, logprobs, '
-                'created_at, last_used_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)',
+                'INSERT INTO sampled_sequences (id, tenant_id, session_id, prompt, tokens, logprobs, created_at, '
+                'last_used_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET tenant_id = '
+                'excluded.tenant_id, session_id = excluded.session_id, prompt = excluded.prompt, tokens = '
+                'excluded.tokens, logprobs = excluded.logprobs, created_at = excluded.created_at, '
+                'last_used_at = excluded.last_used_at',
                 rows,
             )
 
@@ -94,7 +96,7 @@ def _floats(values: Sequence[float]) -> bytes:
     return np.asarray(values, dtype='<f4').tobytes()
 
 
-def _record(row: sqlite3.Row) -> SampledRecord:
+def _record(row: Row) -> SampledRecord:
     fields = dict(row)
     for name in ('prompt', 'tokens'):
         fields[name] = np.frombuffer(fields[name], dtype='<i8').tolist()

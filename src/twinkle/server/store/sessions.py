@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 from typing import Any
 
 from pydantic import BaseModel
 
 from twinkle.errors import StateError
-from twinkle.server.store.database import Aggregate, dumps, insert, new_id
+from twinkle.server.store.database import Aggregate, Row, dumps, insert, new_id
 
 
 class Session(BaseModel, frozen=True):
@@ -101,7 +100,7 @@ class Sessions(Aggregate):
         try:
             with self._db.write() as conn:
                 insert(conn, 'sampling_sessions', record.model_dump())
-        except sqlite3.IntegrityError as exc:
+        except self._db.integrity_error as exc:
             raise StateError(f'sampling session {sampling_id!r} cannot be created: {exc}') from exc
         return record
 
@@ -120,7 +119,7 @@ class Sessions(Aggregate):
         )
 
 
-def _session(row: sqlite3.Row) -> Session:
+def _session(row: Row) -> Session:
     fields = dict(row)
     fields['info'] = json.loads(fields.pop('info_json'))
     return Session.model_validate(fields)

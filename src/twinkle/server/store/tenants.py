@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sqlite3
-
 from pydantic import BaseModel
 
 from twinkle.errors import ConfigurationError
 from twinkle.server.auth import MIN_KEY_LENGTH, hash_key, new_api_key
-from twinkle.server.store.database import Aggregate, check_name, new_id
+from twinkle.server.store.database import Aggregate, check_name, new_id, violates
 
 
 class Tenant(BaseModel, frozen=True):
@@ -36,8 +34,8 @@ class Tenants(Aggregate):
                 'INSERT INTO tenants (id, name, key_hash, created_at) VALUES (?, ?, ?, ?)',
                 (tenant.id, name, hash_key(key), tenant.created_at),
             )
-        except sqlite3.IntegrityError as exc:
-            what = f'a tenant named {name!r}' if 'tenants.name' in str(exc) else 'a tenant with that API key'
+        except self._db.integrity_error as exc:
+            what = f'a tenant named {name!r}' if violates(exc, 'tenants', 'name') else 'a tenant with that API key'
             raise ConfigurationError(f'There is already {what}; choose another') from exc
         return tenant, key
 
@@ -46,7 +44,8 @@ class Tenants(Aggregate):
         new ones, give changed keys their new hash, and remove the file's former tenants that it
         no longer lists. Tenants added with ``add`` are left alone."""
         with self._db.write() as conn:
-            listed = {row['name'] for row in conn.execute('SELECT name FROM tenants WHERE from_keys_file = 1')}
+            rows = conn.execute('SELECT name FROM tenants WHERE from_keys_file = 1').fetchall()
+            listed = {row['name'] for row in rows}
             for name in listed - set(key_hashes):
                 conn.execute('DELETE FROM tenants WHERE name = ?', (name,))
             for name, key_hash in key_hashes.items():
@@ -57,7 +56,7 @@ class Tenants(Aggregate):
                         'ON CONFLICT (name) DO UPDATE SET key_hash = excluded.key_hash, from_keys_file = 1',
                         (new_id('tn'), name, key_hash, self._db.clock()),
                     )
-                except sqlite3.IntegrityError as exc:
+                except self._db.integrity_error as exc:
                     message = f'the API keys file gives tenant {name!r} a key another tenant has'
                     raise ConfigurationError(message) from exc
 

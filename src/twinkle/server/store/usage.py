@@ -69,7 +69,7 @@ class Usage(Aggregate):
             conn.executemany(
                 'INSERT INTO usage (tenant_id, run_id, session_id, base_model, kind, hour, quantity) '
                 'VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant_id, hour, run_id, session_id, base_model, kind) '
-                'DO UPDATE SET quantity = quantity + excluded.quantity',
+                'DO UPDATE SET quantity = usage.quantity + excluded.quantity',
                 rows,
             )
 
