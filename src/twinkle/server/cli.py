@@ -3,6 +3,7 @@
 twinkle-server serve --config server.yaml            # or: --base-model tiny-qwen3 --port 8000
 twinkle-server keys add alice --config server.yaml   # prints alice's new key, once
 twinkle-server keys list --config server.yaml
+twinkle-server gateway --worker http://10.0.0.5:8001 --port 8000   # store: postgresql://... (or TWINKLE_STORE)
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         # The store's URL holds a password: from the environment too.
         'store': os.environ.get('TWINKLE_STORE') or None,
     }
-    if args.command == 'keys' and not args.config and args.base_model is None:
-        overrides['base_model'] = '(managing keys only)'  # keys need only the data directory
+    if args.command in ('keys', 'gateway') and not args.config and args.base_model is None:
+        overrides['base_model'] = '(no model here)'  # keys need only the store, a gateway the store and its worker
     if args.config:
         return ServerConfig.load(args.config, **overrides)
     return ServerConfig.build(**{k: v for k, v in overrides.items() if v is not None})
@@ -113,12 +114,27 @@ def main(argv: list[str] | None = None) -> None:
     keys = commands.add_parser('keys', help='API keys (one per tenant, stored hashed)')
     keys.add_argument('action', choices=['add', 'list', 'remove'])
     keys.add_argument('tenant', nargs='?')
+    gateway = commands.add_parser('gateway', help='an HTTP gateway to a worker (`serve`) on a PostgreSQL store')
+    gateway.add_argument('--worker', required=True, help="the worker's URL, e.g. http://10.0.0.5:8001")
+    gateway.add_argument('--drain-timeout-s', type=float, default=120.0, help='how long SIGTERM waits for requests')
     args = parser.parse_args(argv)
     config = load_config(args)
     if args.command == 'serve':
         serve(config, args.log_level)
         return
+    if args.command == 'gateway':
+        run_gateway(config, args.worker, args.drain_timeout_s, args.log_level)
+        return
     manage_keys(config, args.action, args.tenant)
+
+
+def run_gateway(config: ServerConfig, worker: str, drain_timeout_s: float, log_level: str) -> None:
+    from twinkle.server.gateway import GatewaySettings, serve_gateway
+
+    if config.store is None:
+        sys.exit('a gateway shares a PostgreSQL store with its worker: set store: postgresql://... or TWINKLE_STORE')
+    settings = GatewaySettings(worker_url=worker, drain_timeout_s=drain_timeout_s)
+    serve_gateway(config.store, settings, config.host, config.port, log_level)
 
 
 def manage_keys(config: ServerConfig, action: str, tenant: str | None) -> None:
