@@ -11,6 +11,7 @@ is sent again there (``resubmitted``: the one case where a request might run twi
 would show it).
 
 1. ``sqlite_one_server``: the worker alone, on SQLite; each tenant talks to it.
+1b. ``postgres_one_server``: the worker alone, on PostgreSQL (what the store costs, apart from the gateways).
 2. ``postgres_two_gateways``: the worker on PostgreSQL behind two gateways; tenant ``i`` talks to gateway ``i % 2``.
 3. ``postgres_gateway_killed``: as 2, and gateway 0 gets ``kill -9`` once the tenants made ``--kill-at`` of their
    steps; its tenants go on at gateway 1.
@@ -187,6 +188,7 @@ def phase(name: str, settings: Settings, workdir: Path, store_url: str | None, g
     with contextlib.ExitStack() as stack:
         worker_url = stack.enter_context(worker)
         fronts = [stack.enter_context(Gateway(worker_url, store_url)) for _ in range(gateways)] if store_url else []
+        assert not kill or fronts, 'a gateway to kill'
         urls = [g.url for g in fronts] or [worker_url]
         tenants = [
             Tenant(i, keys[i], [urls[(i + j) % len(urls)] for j in range(len(urls))]) for i in range(settings.tenants)
@@ -271,12 +273,14 @@ def main() -> None:
         workdir = Path(tmp)
         figures['sqlite_one_server'] = phase('sqlite_one_server', settings, workdir, None, 1, kill=False)
         with pg_helpers.fresh_database(pg) as url:
+            figures['postgres_one_server'] = phase('postgres_one_server', settings, workdir, url, 0, kill=False)
+        with pg_helpers.fresh_database(pg) as url:
             figures['postgres_two_gateways'] = phase('postgres_two_gateways', settings, workdir, url, 2, kill=False)
         with pg_helpers.fresh_database(pg) as url:
             figures['postgres_gateway_killed'] = phase('postgres_gateway_killed', settings, workdir, url, 2, kill=True)
-    figures['throughput_two_gateways_vs_one_server'] = (
-        figures['postgres_two_gateways']['tokens_per_s'] / figures['sqlite_one_server']['tokens_per_s']
-    )
+    sqlite = figures['sqlite_one_server']['tokens_per_s']
+    figures['throughput_two_gateways_vs_one_server'] = figures['postgres_two_gateways']['tokens_per_s'] / sqlite
+    figures['throughput_postgres_vs_sqlite_one_server'] = figures['postgres_one_server']['tokens_per_s'] / sqlite
     result = {
         'benchmark': 'gateways',
         'settings': asdict(settings),

@@ -153,3 +153,26 @@ def test_sigterm_drains_a_gateway(deployment):
         assert draining.process.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
         draining.stop()
+
+
+def test_two_gateways_racing_to_delete_one_run_one_wins_and_the_other_is_told(deployment):
+    key = deployment['keys']['bob']
+    one, two = (g.url for g in deployment['gateways'])
+    model = MultiLoraTransformersModel(client=TwinkleClient(one, key))
+    run_id = model.add_adapter_to_model('raced', LoraConfig(r=4, target_modules='all-linear'))
+    headers = {'Authorization': f'Bearer {key}'}
+    start, answers = threading.Barrier(2), {}
+
+    def delete(url: str) -> None:
+        start.wait()
+        answers[url] = httpx.delete(f'{url}/twinkle/v1/runs/{run_id}', headers=headers, timeout=120)
+
+    threads = [threading.Thread(target=delete, args=(url,)) for url in (one, two)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    statuses = sorted(answer.status_code for answer in answers.values())
+    assert statuses == [200, 404], {url: (a.status_code, a.text) for url, a in answers.items()}
+    told = next(answer for answer in answers.values() if answer.status_code == 404)
+    assert told.json()['detail'] == f'training run {run_id!r} not found'

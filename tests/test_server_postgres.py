@@ -82,3 +82,14 @@ def test_the_database_gone_in_the_middle_is_a_503_until_it_is_back(tmp_path, tin
         assert model.forward_backward(inputs=ROWS).loss > 0  # reconnected within its back-off
         kept = [c.twinkle_path for c in model.client.list_checkpoints(run_id)]
         assert kept == [saved]  # nothing acknowledged was lost
+
+
+def test_the_store_setting_takes_a_postgres_url_only():
+    from twinkle.errors import ConfigurationError
+    from twinkle.server.config import ServerConfig
+
+    url = 'postgresql://twinkle:pw@db:5432/twinkle'
+    assert ServerConfig.build(base_model='m', store=url).store_location == url
+    assert str(ServerConfig.build(base_model='m', data_dir='/d').store_location) == '/d/twinkle.db'
+    with pytest.raises(ConfigurationError, match=r"store must be a postgresql://.* got one starting 'mysql://db/x'"):
+        ServerConfig.build(base_model='m', store='mysql://db/x')

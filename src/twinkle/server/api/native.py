@@ -143,7 +143,13 @@ def _run_routes(router: APIRouter, service: Service) -> None:
         if run.status == 'deleted':
             raise NotFoundError(f'training run {run_id!r} not found')
         group = service.group_of(run)
-        job = service.submit(who, group, run_id, 'delete_run', lambda: group.delete_run(run))
+
+        def delete() -> None:  # on the group's worker, one job at a time: a second delete finds the first's
+            if _own_run(service, who.id, run_id).status == 'deleted':
+                raise NotFoundError(f'training run {run_id!r} not found')
+            group.delete_run(run)
+
+        job = service.submit(who, group, run_id, 'delete_run', delete)
         await wait_job(job, None)
         if job.error is not None:
             raise job.error
