@@ -176,3 +176,39 @@ def test_two_gateways_racing_to_delete_one_run_one_wins_and_the_other_is_told(de
     assert statuses == [200, 404], {url: (a.status_code, a.text) for url, a in answers.items()}
     told = next(answer for answer in answers.values() if answer.status_code == 404)
     assert told.json()['detail'] == f'training run {run_id!r} not found'
+
+
+def test_a_tenant_hammering_one_gateway_is_refused_while_another_is_served_at_the_other(
+    tmp_path, tiny_model_dir, postgres
+):
+    limits = {'max_requests_per_minute': 30}
+    with (
+        pg_helpers.fresh_database(postgres) as store_url,
+        background_server(tmp_path, tiny_model_dir, tenants=('alice', 'bob'), store=store_url, limits=limits) as (
+            worker_url,
+            keys,
+            _,
+        ),
+    ):
+        one, two = GatewayProcess(worker_url, store_url), GatewayProcess(worker_url, store_url)
+        try:
+            flood: list[int] = []
+
+            def hammer() -> None:
+                with httpx.Client(headers={'Authorization': f'Bearer {keys["alice"]}'}, timeout=60) as http:
+                    flood.extend(http.get(f'{one.url}/twinkle/v1/runs').status_code for _ in range(20))
+
+            hammers = [threading.Thread(target=hammer) for _ in range(3)]
+            for thread in hammers:
+                thread.start()
+            bob = MultiLoraTransformersModel(client=TwinkleClient(two.url, keys['bob'], max_retries=1))
+            bob.add_adapter_to_model('calm', LoraConfig(r=4, target_modules='all-linear'))
+            assert bob.forward_backward(inputs=ROWS).loss > 0  # served while alice's flood is refused
+            for thread in hammers:
+                thread.join()
+            # 60 requests against 30 a minute: about half refused (at least 10, were the flood slowed to 40 s)
+            assert flood.count(429) >= 10 and set(flood) == {200, 429}, sorted(set(flood))
+            assert all(run.adapter_name == 'calm' for run in bob.client.list_training_runs())
+        finally:
+            one.stop()
+            two.stop()
