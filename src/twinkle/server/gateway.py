@@ -68,9 +68,10 @@ class Gateway:
         self.draining = False
         self.idle = asyncio.Event()
 
-    def tenant(self, request: Request) -> Tenant:
+    async def tenant(self, request: Request) -> Tenant:
+        """The tenant of the request's key (read in a thread: a PostgreSQL round trip does not hold the loop)."""
         key = key_from_headers({name.lower(): value for name, value in request.headers.items()})
-        tenant = self.store.tenants.for_key(key) if key is not None else None
+        tenant = await asyncio.to_thread(self.store.tenants.for_key, key) if key is not None else None
         if tenant is None:
             raise UnauthorizedError('a valid API key is required (Authorization: Bearer <key>)')
         return tenant
@@ -156,11 +157,12 @@ def create_gateway(store_url: str, settings: GatewaySettings) -> FastAPI:
     async def get_future(future_id: str, request: Request, wait: float = 0.0) -> BaseModel | Response:
         """A settled future from the store; an unsettled one waited for at the worker, which wakes when its job
         ends (the store polled instead when the worker does not answer)."""
-        record = await gateway.future(gateway.tenant(request), future_id, 0.0)
+        tenant = await gateway.tenant(request)
+        record = await gateway.future(tenant, future_id, 0.0)
         if not record.finished and wait > 0:
             with contextlib.suppress(UnavailableError):
                 return await gateway.forward(request)
-            record = await gateway.future(gateway.tenant(request), future_id, wait)
+            record = await gateway.future(tenant, future_id, wait)
         return answer(request, FutureInfo.model_construct(**dict(record)))
 
     @app.api_route('/{path:path}', methods=['GET', 'POST', 'PUT', 'PATCH', 'DELETE', 'HEAD', 'OPTIONS'])
