@@ -21,7 +21,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -34,7 +33,7 @@ from typing import Any
 
 import msgpack
 import torch
-from machine import describe
+from machine import describe, settings_from_args
 from peft import LoraConfig
 from server_overhead import ServerProcess
 
@@ -138,12 +137,9 @@ def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    for name, default in asdict(Settings()).items():
-        parser.add_argument(f'--{name.replace("_", "-")}', type=type(default), default=default)
-    parser.add_argument('--output', default='benchmarks/results/binary_body.json')
-    args = parser.parse_args()
-    settings = Settings(**{name: getattr(args, name) for name in asdict(Settings())})
+    settings, output_path = settings_from_args(
+        Settings(), __doc__.split('\n\n')[0], 'benchmarks/results/binary_body.json'
+    )
     model_dir = assets.tiny_model(settings.model)
     vocab = json.loads((Path(model_dir) / 'config.json').read_text())['vocab_size']
     body = batch(settings, vocab)
@@ -170,7 +166,7 @@ def main() -> None:
         'environment': {**describe(), 'load_average_1min_before': load_before},
         'figures': figures,
     }
-    output = Path(args.output)
+    output = Path(output_path)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + '\n')
     tokens = settings.rows * settings.seq_len

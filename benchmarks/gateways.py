@@ -28,7 +28,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -39,14 +38,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
-from machine import describe
+from machine import describe, settings_from_args
 from peft import LoraConfig
 from server_overhead import ServerProcess, _free_port
 
@@ -216,8 +214,8 @@ def phase(name: str, settings: Settings, workdir: Path, store_url: str | None, g
         for thread in threads:
             thread.join()
         wall = time.perf_counter() - began
-        history = HistoryCheck(urls[-1] if kill else urls[0])
-        lost = sum(history.missing_or_repeated(t) for t in tenants)
+        alive = urls[-1] if kill else urls[0]
+        lost = sum(missing_or_repeated(alive, t) for t in tenants)
     walls = [t.wall_s for t in tenants if t.wall_s > 0]
     failovers = [s for t in tenants for s in t.failover_s]
     figures = {
@@ -240,36 +238,20 @@ def phase(name: str, settings: Settings, workdir: Path, store_url: str | None, g
     return figures
 
 
-class HistoryCheck:
-    """Each tenant's run history against the steps it was answered: a step lost or run twice shows."""
-
-    def __init__(self, url: str):
-        self.url = url
-
-    def missing_or_repeated(self, tenant: Tenant) -> int:
-        if not tenant.run_id:
-            return 0
-        client = TwinkleClient(self.url, tenant.key)
-        steps = [s['step'] for s in client.request('GET', f'/twinkle/v1/runs/{tenant.run_id}/history')['steps']]
-        return abs(len(steps) - tenant.answered_steps) + (len(steps) - len(set(steps)))
-
-
-@contextlib.contextmanager
-def postgres() -> Iterator[pg_helpers.PostgresServer]:
-    with pg_helpers.postgres_server() as server:
-        yield server
+def missing_or_repeated(url: str, tenant: Tenant) -> int:
+    """The tenant's run history against the steps it was answered: a step lost or run twice shows."""
+    if not tenant.run_id:
+        return 0
+    client = TwinkleClient(url, tenant.key)
+    steps = [s['step'] for s in client.request('GET', f'/twinkle/v1/runs/{tenant.run_id}/history')['steps']]
+    return abs(len(steps) - tenant.answered_steps) + (len(steps) - len(set(steps)))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    for name, default in asdict(Settings()).items():
-        parser.add_argument(f'--{name.replace("_", "-")}', type=type(default), default=default)
-    parser.add_argument('--output', default='benchmarks/results/gateways.json')
-    args = parser.parse_args()
-    settings = Settings(**{name: getattr(args, name) for name in asdict(Settings())})
+    settings, output_path = settings_from_args(Settings(), __doc__.split('\n\n')[0], 'benchmarks/results/gateways.json')
     load_before = os.getloadavg()[0]
     figures: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp, postgres() as pg:
+    with tempfile.TemporaryDirectory() as tmp, pg_helpers.postgres_server() as pg:
         workdir = Path(tmp)
         figures['sqlite_one_server'] = phase('sqlite_one_server', settings, workdir, None, 1, kill=False)
         with pg_helpers.fresh_database(pg) as url:
@@ -287,7 +269,7 @@ def main() -> None:
         'environment': {**describe(), 'load_average_1min_before': load_before},
         'figures': figures,
     }
-    output = Path(args.output)
+    output = Path(output_path)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + '\n')
     print(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig
@@ -23,6 +24,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
+
+
+def token_rows(seed: int, lengths: list[int]) -> list[dict[str, list[int]]]:
+    """Rows of random token ids below 4,000 (every embedded model's vocabulary holds them), one per length,
+    trained on all but their first token; the same for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, 4000, (length,), generator=gen).tolist()
+        rows.append({'input_ids': ids, 'labels': [-100, *ids[1:]]})
+    return rows
 
 
 def here_and_under_torchrun(script: Path, main: Any, one: Path, two: Path, timeout_s: float = 400) -> list[dict]:

@@ -13,24 +13,14 @@ from collections.abc import Iterator
 import httpx
 import msgpack
 import pytest
-import torch
 from peft import LoraConfig
-from server_helpers import background_server
+from server_helpers import background_server, token_rows
 
 from twinkle.wire import MSGPACK
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
 OPS = '/twinkle/v1/runs/{run}/ops/{op}'
-
-
-def rows(seed: int, lengths: list[int]) -> list[dict[str, list[int]]]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for length in lengths:
-        ids = torch.randint(0, 4000, (length,), generator=gen).tolist()
-        out.append({'input_ids': ids, 'labels': [-100, *ids[1:]]})
-    return out
 
 
 @pytest.fixture(scope='module')
@@ -64,9 +54,9 @@ def test_a_binary_and_a_json_client_train_twin_runs_to_the_same_numbers(served):
         model = MultiLoraTransformersModel(client=client)
         model.add_adapter_to_model('twin', LoraConfig(r=4, target_modules='all-linear'), seed=11)
         model.set_optimizer('AdamW', lr=1e-3)
-        trained = model.forward_backward(inputs=rows(1, [12, 7]))
+        trained = model.forward_backward(inputs=token_rows(1, [12, 7]))
         model.clip_grad_and_step()
-        scored = model.forward_only(inputs=rows(2, [9, 5]))
+        scored = model.forward_only(inputs=token_rows(2, [9, 5]))
         figures.append((trained.loss, scored.loss, scored.logps))
     # Both encodings carry float64 exactly, and the twins ran the same computation one after the other.
     assert figures[0] == figures[1]
@@ -75,7 +65,7 @@ def test_a_binary_and_a_json_client_train_twin_runs_to_the_same_numbers(served):
 
 def test_a_msgpack_request_is_answered_in_what_it_accepts(served, run_id):
     path = OPS.format(run=run_id, op='forward_only')
-    body = {'inputs': rows(3, [16])}
+    body = {'inputs': token_rows(3, [16])}
     packed = msgpack.packb(body)
     as_json = post(served, path, json.dumps(body).encode(), 'application/json')
     both = post(served, path, packed, MSGPACK, accept=f'{MSGPACK}, application/json;q=0.5')

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from peft import LoraConfig
-from server_helpers import Gate, background_server
+from server_helpers import Gate, background_server, token_rows
 
 from twinkle.errors import DataError
 from twinkle.utils.memory import can_release_memory
@@ -31,17 +31,8 @@ TENANTS = {'alice': 4, 'bob': 8, 'carol': 16}  # tenant -> LoRA rank
 WAIT_S = 120
 
 
-def _rows(seed: int, lengths: list[int]) -> list[dict[str, list[int]]]:
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for length in lengths:
-        ids = torch.randint(0, 4000, (length,), generator=gen).tolist()
-        rows.append({'input_ids': ids, 'labels': [-100, *ids[1:]]})
-    return rows
-
-
 # Each tenant's batch, of lengths that differ across tenants (the shared pass pads them).
-ROWS = {'alice': _rows(1, [12, 7]), 'bob': _rows(2, [25]), 'carol': _rows(3, [9, 16, 5])}
+ROWS = {'alice': token_rows(1, [12, 7]), 'bob': token_rows(2, [25]), 'carol': token_rows(3, [9, 16, 5])}
 
 
 @pytest.fixture(scope='module')

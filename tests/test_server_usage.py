@@ -19,10 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from peft import LoraConfig
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
-from server_helpers import background_server
+from server_helpers import background_server, token_rows
 from tinker import types
 
 from twinkle.data_format import SamplingParams
@@ -42,15 +41,6 @@ PRICING = {
 PROMPTS = [{'messages': [{'role': 'user', 'content': 'What is your name?'}]}, {'input_ids': [5, 6, 7, 8, 9]}]
 
 
-def rows(seed: int, lengths: list[int]) -> list[dict[str, list[int]]]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for length in lengths:
-        ids = torch.randint(0, 4000, (length,), generator=gen).tolist()
-        out.append({'input_ids': ids, 'labels': [-100, *ids[1:]]})
-    return out
-
-
 @pytest.fixture(scope='module')
 def served(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, dict[str, str], Any]]:
     data_dir = tmp_path_factory.mktemp('usage')
@@ -65,13 +55,13 @@ def used(served) -> dict[str, Any]:
     url, keys, _ = served
     alice = MultiLoraTransformersModel(client=TwinkleClient(url, keys['alice']))
     alice.add_adapter_to_model('a', LoraConfig(r=4, target_modules='all-linear'))
-    alice.forward_backward(inputs=rows(1, [12, 7]), adapter_name='a')
-    alice.forward_only(inputs=rows(2, [12]), adapter_name='a')
+    alice.forward_backward(inputs=token_rows(1, [12, 7]), adapter_name='a')
+    alice.forward_only(inputs=token_rows(2, [12]), adapter_name='a')
     responses = vLLMSampler(client=alice.client).sample(PROMPTS, SamplingParams(max_tokens=3, num_samples=2))
     path = alice.save('first', adapter_name='a')
     bob = MultiLoraTransformersModel(client=TwinkleClient(url, keys['bob']))
     bob.add_adapter_to_model('b', LoraConfig(r=4, target_modules='all-linear'))
-    bob.forward_backward(inputs=rows(3, [25]), adapter_name='b')
+    bob.forward_backward(inputs=token_rows(3, [25]), adapter_name='b')
     return {'alice': alice, 'bob': bob, 'responses': responses, 'path': path}
 
 

@@ -286,6 +286,10 @@ class ModelSettings(BaseModel):
     speed: SpeedSettings = Field(default_factory=SpeedSettings)
 
 
+#: How a ``store`` URL starts: PostgreSQL's schemes (libpq takes both).
+POSTGRES_SCHEMES = ('postgresql://', 'postgres://')
+
+
 class ServerConfig(BaseModel):
     """Example ``server.yaml``::
 
@@ -476,7 +480,7 @@ class ServerConfig(BaseModel):
     @field_validator('store')
     @classmethod
     def _postgres_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(('postgresql://', 'postgres://')):
+        if value is not None and not value.startswith(POSTGRES_SCHEMES):
             raise ValueError(
                 f'store must be a postgresql://user:password@host:port/name URL (or left out for SQLite in '
                 f'data_dir); got one starting {value[:16]!r}'

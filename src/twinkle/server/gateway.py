@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from twinkle.errors import NotFoundError, StoreUnavailableError, UnauthorizedError, UnavailableError
+from twinkle.errors import NotFoundError, UnauthorizedError, UnavailableError
 from twinkle.server.api.binary import answer
 from twinkle.server.api.errors import error_response, install_error_handlers
 from twinkle.server.auth import key_from_headers
@@ -142,11 +142,8 @@ def create_gateway(store_url: str, settings: GatewaySettings) -> FastAPI:
         if gateway.draining and request.url.path != '/healthz':
             refused = UnavailableError('this gateway is stopping; send the request again (here or to another)', 1.0)
             return error_response(refused)
-        async with gateway.counted():
-            try:
-                return await call_next(request)
-            except StoreUnavailableError as error:  # raised before a route's error handlers could answer it
-                return error_response(error)
+        async with gateway.counted():  # a route's errors are answered inside, by the error table's handlers
+            return await call_next(request)
 
     @app.get('/healthz')
     async def healthz() -> JSONResponse:

@@ -3,9 +3,9 @@
 A request whose ``Content-Type`` is MessagePack (``twinkle.wire.MSGPACK``, or its ``x-`` and
 ``vnd.`` spellings) is read as MessagePack and validated by the same wire models as JSON: its 422s
 and 4xx answers are the same. A compute request or a future poll whose ``Accept`` names
-MessagePack is answered in it. Token ids and logprobs are what make a native body large, and
-MessagePack writes and reads them about ten times faster than Python's JSON (and in half the bytes):
-``benchmarks/server_overhead.py`` measures it. Errors stay JSON, as the Tinker and OpenAI routes
+MessagePack is answered in it. Token ids and logprobs are what make a native body large: on an RL
+batch of 8 x 1,024 tokens, writing and reading both ways cost 4.3 ms in MessagePack against 12.8 ms in
+JSON, in half the bytes (``benchmarks/binary_body.py``). Errors stay JSON, as the Tinker and OpenAI routes
 and a person with ``curl`` are answered.
 
 >>> accepts_msgpack('application/msgpack, application/json;q=0.5')

@@ -91,7 +91,7 @@ def native_router(service: Service) -> APIRouter:
             f'/runs/{{run_id}}/ops/{name}',
             _operation_endpoint(service, name, spec),
             methods=['POST'],
-            status_code=202,
+            status_code=ACCEPTED,
             response_model=FutureAccepted,
             name=name,
             summary=f'Queue {name} on the run',
@@ -243,7 +243,7 @@ def _unknown_operation_route(router: APIRouter, service: Service) -> None:
 def _checkpoint_routes(router: APIRouter, service: Service) -> None:
     store = service.store
 
-    @router.post('/runs/{run_id}/save', status_code=202, response_model=FutureAccepted)
+    @router.post('/runs/{run_id}/save', status_code=ACCEPTED, response_model=FutureAccepted)
     async def save(
         run_id: str, body: SaveRequest, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
     ) -> FutureAccepted | Response:
@@ -260,7 +260,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         job = await service.queue(who, group, run_id, 'save', write, meter=Meter(checkpoints=1), wait_s=queue)
         return await _accepted(service, who, job, wait, request)
 
-    @router.post('/runs/{run_id}/load', status_code=202, response_model=FutureAccepted)
+    @router.post('/runs/{run_id}/load', status_code=ACCEPTED, response_model=FutureAccepted)
     async def load(
         run_id: str, body: LoadRequest, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
     ) -> FutureAccepted | Response:
@@ -278,7 +278,7 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
         job = await service.queue(who, group, run_id, 'load', read, wait_s=queue)
         return await _accepted(service, who, job, wait, request)
 
-    @router.post('/runs/{run_id}/sync_sampler', status_code=202, response_model=FutureAccepted)
+    @router.post('/runs/{run_id}/sync_sampler', status_code=ACCEPTED, response_model=FutureAccepted)
     async def sync_sampler(
         run_id: str, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
     ) -> FutureAccepted | Response:
@@ -338,7 +338,7 @@ def _usage_route(router: APIRouter, service: Service) -> None:
 
 # ---- sampling without a run -----------------------------------------------------------------------
 def _sample_route(router: APIRouter, service: Service) -> None:
-    @router.post('/sample', status_code=202, response_model=FutureAccepted)
+    @router.post('/sample', status_code=ACCEPTED, response_model=FutureAccepted)
     async def sample(
         body: SampleWeights, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
     ) -> FutureAccepted | Response:

@@ -18,6 +18,7 @@ psycopg 3 (``pip install 'twinkle-train[postgres]'``) is imported only here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from twinkle.errors import MissingExtraError, StateError, StoreUnavailableError
+from twinkle.server.config import POSTGRES_SCHEMES
 from twinkle.server.store.database import Connection, Cursor, Database, SqlValue
 
 #: Seconds a store waits at start for PostgreSQL to answer, retrying with back-off.
@@ -51,6 +53,7 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f'{parts.username}:***@{netloc}'))
 
 
+@functools.lru_cache(maxsize=1024)  # the aggregates' statements: a few hundred texts at most
 def to_pyformat(sql: str) -> str:
     """SQLite's statement with psycopg's placeholders: ``?`` outside quotes becomes ``%s``, ``%`` becomes ``%%``.
 
@@ -74,9 +77,6 @@ class PgRow:
     def keys(self) -> list[str]:
         return [name for name in self._names if name != ROWID]
 
-    def __len__(self) -> int:
-        return len(self._values)
-
 
 def _row_factory(cursor: Any) -> Callable[[Sequence[Any]], PgRow]:  # Any: psycopg's cursor and values
     names = {column.name: index for index, column in enumerate(cursor.description or ())}
@@ -92,20 +92,14 @@ class _Adapter:
 
     def __init__(self, conn: Any) -> None:  # Any: psycopg.Connection, imported only when used
         self.conn = conn
-        self._sql: dict[str, str] = {}
-
-    def _translated(self, sql: str) -> str:
-        if sql not in self._sql:
-            self._sql[sql] = to_pyformat(sql)
-        return self._sql[sql]
 
     def execute(self, sql: str, parameters: Sequence[SqlValue] = (), /) -> Cursor:
-        cursor: Cursor = self.conn.execute(self._translated(sql), _parameters(parameters))
+        cursor: Cursor = self.conn.execute(to_pyformat(sql), _parameters(parameters))
         return cursor
 
     def executemany(self, sql: str, parameters: Iterable[Sequence[SqlValue]], /) -> Cursor:
         cursor = self.conn.cursor()
-        cursor.executemany(self._translated(sql), [_parameters(row) for row in parameters])
+        cursor.executemany(to_pyformat(sql), [_parameters(row) for row in parameters])
         result: Cursor = cursor
         return result
 
@@ -223,4 +217,4 @@ def _reason(exc: Exception) -> str:
 
 
 def is_postgres_url(location: object) -> bool:
-    return isinstance(location, str) and location.startswith(('postgresql://', 'postgres://'))
+    return isinstance(location, str) and location.startswith(POSTGRES_SCHEMES)
