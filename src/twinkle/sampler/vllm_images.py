@@ -25,10 +25,10 @@ _TOWER = re.compile(r'(^|\.)(visual|vision_tower|vision_model)\.')
 PIXEL_TOL = 1e-4
 #: Why vLLM's CPU build cannot load Qwen3-VL and Qwen3.5 code here, added to the import error.
 TORCHVISION_NOTE = (
-    "vLLM's Qwen3-VL code, which its Qwen3.5 code imports, imports transformers' torchvision image processor, "
-    "and no torchvision loads beside the CPU torch that vLLM's CPU build runs on (PyPI's wheels are built for "
-    "CUDA torch and fail with 'operator torchvision::nms does not exist'); sample this model with TorchSampler "
-    "(images included), or with vLLM's CUDA build, which ships torchvision"
+    "vLLM's Qwen3-VL code, which its Qwen3.5 code imports, imports transformers' image processors, which need "
+    "torchvision, and PyPI's torchvision wheels are built for CUDA torch: beside vLLM's CPU build they fail with "
+    "'operator torchvision::nms does not exist' (`make setup-vllm` installs torchvision's Python code beside the "
+    "CPU torch); or sample this model with TorchSampler (images included), or with vLLM's CUDA build"
 )
 
 

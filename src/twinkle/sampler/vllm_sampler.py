@@ -19,8 +19,8 @@ the logprob of every sampled token (plus the top ``k`` with ``logprobs=k``), ``s
   pictures with one pad token per image, which vLLM's processor turns back into the same pixels
   and tokens (``pictures``, ``collapse_images``); ``limit_mm_per_prompt`` caps them per prompt, and
   adapters on the vision tower are refused (vLLM's LoRA adapts the language model only). vLLM's
-  Qwen3-VL and Qwen3.5 code needs torchvision, which vLLM's CPU build lacks: there the sampler
-  refuses those models, naming the import error.
+  Qwen3-VL and Qwen3.5 code needs torchvision: where none imports, the sampler refuses those models,
+  naming the import error (``make setup-vllm`` installs its Python code beside the CPU torch).
 
 Weights come from a trainer through ``CheckpointEngineManager.sync_weights``:
 ``merge_and_sync=True`` reloads the merged weights into the running engine in place
