@@ -1,18 +1,21 @@
-"""A thousand adapters on one server: adapters tier between the model and disk (issue 34, point 5).
+"""A thousand adapters on one server: adapters tier between the model, host memory and disk (issue 34, point 5).
 
 A ``twinkle-server serve`` subprocess on ``--model`` keeps at most ``--max-adapters`` adapters on the
-model (``limits.max_adapters``; each tenant at most ``--per-tenant``); the others are released to
-disk with their whole state (weights, optimizer, counters) and restored when their run is used
+model (``limits.max_adapters``; each tenant at most ``--per-tenant``); the others are released with
+their whole state (weights, optimizer, counters) to host memory (``--memory-mib`` of them,
+``memory_state_bytes``), the least recently released on to disk, and restored when their run is used
 again. ``--runs`` runs are made, spread over ``--tenants`` tenants; then, twice, every run trains one
 step (``forward_backward`` of one ``--seq-len``-token row, ``clip_grad_and_step``) in a random order.
 Reported, after making the runs and after each round: the server's resident set (``VmRSS``), the
-disk its data directory takes, the p50 and p99 step latency (client side, both requests), and the
-share of steps whose run was off the model (released) when the step came, so the step reloaded it.
+disk its data directory takes, the host memory its released states take, the p50 and p99 step
+latency (client side, both requests), and the share of steps whose run was off the model (released)
+when the step came, so the step reloaded it, and of those from host memory.
 
 Usage::
 
     .venv/bin/python benchmarks/many_adapters.py            # 1,000 runs; results/many_adapters.json
     .venv/bin/python benchmarks/many_adapters.py --runs 100 --output /tmp/many.json
+    .venv/bin/python benchmarks/many_adapters.py --runs 200 --memory-mib 0 --output results/many_adapters_tiers_0.json
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from typing import Any
 from peft import LoraConfig
 from server_overhead import ServerProcess
 
+from twinkle.model.checkpoint import folder_size
+from twinkle.server.config import ServerConfig
+from twinkle.server.execution.run_files import RELEASE_STATE
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
@@ -48,6 +54,7 @@ class Settings:
     seq_len: int = 32
     seed: int = 0
     device: str = 'cpu'
+    memory_mib: float = 1024.0
     startup_timeout_s: float = 300.0
 
 
@@ -57,8 +64,23 @@ class Server(ServerProcess):
     def __init__(self, settings: Settings, workdir: Path):
         super().__init__(settings, workdir)
         limits = {'max_adapters': settings.max_adapters, 'max_adapters_per_tenant': settings.per_tenant}
-        (workdir / 'server.json').write_text(json.dumps({'device': settings.device, 'limits': limits}))
+        memory_bytes = int(settings.memory_mib * MIB)
+        server_config = {'device': settings.device, 'limits': limits, 'memory_state_bytes': memory_bytes}
+        (workdir / 'server.json').write_text(json.dumps(server_config))
         self.data_dir = workdir / 'data'
+        where = ServerConfig.build(
+            base_model=settings.model, data_dir=str(self.data_dir), memory_state_bytes=memory_bytes
+        )
+        self.memory_dir = where.memory_dir
+
+    def in_memory(self, tenant_id: str, run_id: str) -> bool:
+        """Whether the run's released state is in host memory (then the newest it has)."""
+        return self.memory_dir is not None and (self.memory_dir / tenant_id / run_id / RELEASE_STATE).is_dir()
+
+    def memory_mib(self) -> float:
+        if self.memory_dir is None or not self.memory_dir.is_dir():
+            return 0.0
+        return folder_size(self.memory_dir) / MIB
 
     def rss_mib(self) -> float:
         assert self.process is not None
@@ -70,11 +92,14 @@ class Server(ServerProcess):
         return int(done.stdout.split()[0]) / 1024
 
 
-def snapshot(server: Server, label: str, latencies: list[float], reloads: int, steps: int) -> dict[str, Any]:
+def snapshot(
+    server: Server, label: str, latencies: list[float], reloads: int, steps: int, from_memory: int = 0
+) -> dict[str, Any]:
     figures: dict[str, Any] = {
         'after': label,
         'rss_mib': round(server.rss_mib(), 1),
         'disk_mib': round(server.disk_mib(), 1),
+        'memory_mib': round(server.memory_mib(), 1),
     }
     if latencies:
         ordered = sorted(latencies)
@@ -82,6 +107,7 @@ def snapshot(server: Server, label: str, latencies: list[float], reloads: int, s
             'step_p50_ms': round(1000 * statistics.median(ordered), 1),
             'step_p99_ms': round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 1),
             'reloaded_share': round(reloads / steps, 3),
+            'reloaded_from_memory_share': round(from_memory / max(reloads, 1), 3),
         }
     print(figures, flush=True)
     return figures
@@ -111,17 +137,20 @@ def main(settings: Settings, output: Path) -> None:
             for round_index in range(2):
                 order = list(range(len(runs)))
                 rng.shuffle(order)
-                latencies, reloads = [], 0
+                latencies, reloads, from_memory = [], 0, 0
                 for index in order:
                     model, name = runs[index]
                     row = [rng.randrange(vocab) for _ in range(settings.seq_len)]
-                    released = model.client.get_training_run(model.runs[name]).status == 'released'
+                    run = model.client.get_training_run(model.runs[name])
+                    released = run.status == 'released'
+                    from_memory += released and server.in_memory(run.tenant_id, run.id)
                     start = time.perf_counter()
                     model.forward_backward(inputs=[{'input_ids': row, 'labels': row}], adapter_name=name)
                     model.clip_grad_and_step(adapter_name=name)
                     latencies.append(time.perf_counter() - start)
                     reloads += released
-                figures.append(snapshot(server, f'round {round_index + 1}', latencies, reloads, len(order)))
+                label = f'round {round_index + 1}'
+                figures.append(snapshot(server, label, latencies, reloads, len(order), from_memory))
     result = {'settings': asdict(settings), 'runs_made_s': round(made_s, 1), 'figures': figures}
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + '\n')

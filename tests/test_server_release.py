@@ -3,6 +3,7 @@ training goes on as if nothing happened. A graceful restart does the same for ev
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -12,9 +13,11 @@ from peft import LoraConfig
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.model import TransformersModel
+from twinkle.model import checkpoint as ckpt
 from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig
+from twinkle.server.execution.run_files import OWNER, RELEASE_STATE, memory_to_disk
 from twinkle.server.store import Store
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
@@ -107,3 +110,93 @@ def test_a_graceful_restart_keeps_every_adapter(tmp_path, tiny_model_dir, batche
         model.attach(run_id)
         losses += steps(model, batches[3:6])
     assert losses == pytest.approx(uninterrupted, abs=1e-6)
+
+
+# ---- released states in host memory, then on disk -------------------------------------------------
+def state_bytes(tiny_model_dir: str, batches: list, tmp_path) -> int:
+    """The bytes of one run's released state after a step (the size every run here has)."""
+    model = TransformersModel(tiny_model_dir, device='cpu')
+    model.add_adapter_to_model('default', lora())
+    setup(model)
+    steps(model, batches[:1])
+    return ckpt.folder_size(model.save('state', str(tmp_path), save_optimizer=True))
+
+
+def step_of(state) -> int:
+    return int(ckpt.read_trainer_state(state)['optim_step'])
+
+
+def test_released_states_tier_between_host_memory_and_disk(tmp_path, tiny_model_dir, batches, uninterrupted):
+    """One adapter on the model and two states' room in host memory: a run released once comes
+    back from memory, released again and pushed out by three others from disk, each time with its
+    exact state (the losses of an uninterrupted run, 1e-6); a graceful stop moves memory to disk."""
+    budget = int(2.5 * state_bytes(tiny_model_dir, batches, tmp_path / 'one'))
+    config = config_for(tiny_model_dir, tmp_path / 'data', limits={'max_adapters': 1}, memory_state_bytes=budget)
+    memory_root = config.memory_dir
+    assert memory_root is not None and str(memory_root).startswith('/dev/shm/twinkle-')
+    key = add_key(config)
+    server = BackgroundServer(config)
+    with server as url:
+        client = TwinkleClient(url, key)
+        model = MultiLoraTransformersModel(client=client)
+        run_id = model.add_adapter_to_model('default', lora(), seed=5)
+        setup(model)
+        pool = server.app.state.service.default.pool
+        tenant_dir = next(config.checkpoint_dir.iterdir())
+        in_memory, on_disk = memory_root / tenant_dir.name / run_id / RELEASE_STATE, tenant_dir / run_id / RELEASE_STATE
+        losses = steps(model, batches[:2])
+        others = MultiLoraTransformersModel(client=client)
+
+        def another(name: str) -> None:  # a run of one step: it takes the model's one place
+            others.add_adapter_to_model(name, lora(), seed=1)
+            others.set_optimizer('AdamW', lr=1e-2, adapter_name=name)
+            others.forward_backward(inputs=batches[0], adapter_name=name)
+            others.clip_grad_and_step(adapter_name=name)
+
+        another('y')
+        # in memory at its step; on disk only as it was made (``save_state_every_steps``)
+        assert (step_of(in_memory), step_of(on_disk)) == (2, 0)
+        losses += steps(model, batches[2:4])  # back from memory
+        for name in ('z', 'w', 'v'):  # each release pushes the least recently released to disk
+            another(name)
+        assert not in_memory.exists() and step_of(on_disk) == 4
+        assert list(pool.in_memory) == [others.runs['z'], others.runs['w']]  # 'v' holds the model's place
+        assert sum(size for _, _, size in pool.in_memory.values()) <= budget
+        losses += steps(model, batches[4:6])  # back from disk
+    assert losses == pytest.approx(uninterrupted, abs=1e-6)
+    # the graceful stop released every run to disk and emptied memory
+    assert not any(memory_root.glob(f'*/*/{RELEASE_STATE}'))
+    assert all((tenant_dir / run / RELEASE_STATE / 'optimizer.pt').is_file() for run in others.runs.values())
+
+
+def test_states_a_dead_server_left_in_memory_are_moved_to_disk_at_start(tmp_path):
+    """A killed server's released states outlive it in host memory: the next start moves them to
+    disk whole (where its runs come back from) and empties memory; a half-written one is dropped.
+    Memory folders of data directories that are gone are removed."""
+    config = ServerConfig.build(base_model='unused', data_dir=str(tmp_path / 'data'))
+    root = config.memory_dir
+    assert root is not None
+    kept, half = root / 'tenant' / 'run-1' / RELEASE_STATE, root / 'tenant' / 'run-2' / RELEASE_STATE
+    for folder in (kept, half):
+        folder.mkdir(parents=True)
+        (folder / 'adapter_model.safetensors').write_bytes(b'weights')
+    (kept / 'trainer_state.json').write_text('{"optim_step": 3}')
+    stale = root / 'tenant' / 'run-3' / RELEASE_STATE  # its run came back and saved step 5 on disk since
+    newer = config.checkpoint_dir / 'tenant' / 'run-3' / RELEASE_STATE
+    for folder, step in ((stale, 3), (newer, 5)):
+        folder.mkdir(parents=True)
+        (folder / 'trainer_state.json').write_text(f'{{"optim_step": {step}}}')
+    orphan = root.parent / 'twinkle-orphan-of-a-test'
+    orphan.mkdir(exist_ok=True)
+    (orphan / OWNER).write_text(str(tmp_path / 'gone'))
+    try:
+        assert memory_to_disk(config) == 2
+        disk = config.checkpoint_dir / 'tenant' / 'run-1' / RELEASE_STATE
+        assert (disk / 'trainer_state.json').read_text() == '{"optim_step": 3}'
+        assert (disk / 'adapter_model.safetensors').read_bytes() == b'weights'
+        assert not (config.checkpoint_dir / 'tenant' / 'run-2').exists()
+        assert step_of(newer) == 5
+        assert [p.name for p in root.iterdir()] == [OWNER] and not orphan.exists()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(orphan, ignore_errors=True)

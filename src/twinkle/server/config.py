@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -335,6 +336,15 @@ class ServerConfig(BaseModel):
     #: Adapters idle this long are saved and released from the model, so a full pool frees
     #: itself; the next request brings one back unchanged (None: never).
     idle_release_s: float | None = Field(300.0, gt=0)
+    #: Bytes of released runs' states (weights, optimizer, counters, pending gradients) held in host
+    #: memory, a RAM-backed folder (``memory_state_dir``), per hosted model: a run released there
+    #: and brought back skips the disk both ways. Past it, the least recently released go to disk
+    #: (``data_dir``), as they all do at a graceful stop. 0: releases go straight to disk.
+    memory_state_bytes: int = Field(1 << 30, ge=0)
+    #: The RAM-backed folder (tmpfs) of ``memory_state_bytes``, one the model's processes and the
+    #: server share, as they share ``data_dir`` (on a Ray cluster of several machines: 0 bytes).
+    #: None: a folder of this ``data_dir``'s under ``/dev/shm``, where the machine has one.
+    memory_state_dir: str | None = None
     #: The server saves each run's state (weights, optimizer, scheduler, counters, gradients
     #: waiting for a step) when the run is made, when it loads a checkpoint, and after every this
     #: many of its optimizer steps, before the step's request is answered. So the death of a
@@ -494,3 +504,16 @@ class ServerConfig(BaseModel):
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.data_dir) / 'checkpoints'
+
+    @property
+    def memory_dir(self) -> Path | None:
+        """The folder of released states in host memory (``memory_state_bytes``); None: none."""
+        if self.memory_state_bytes == 0:
+            return None
+        if self.memory_state_dir is not None:
+            return Path(self.memory_state_dir)
+        shm = Path('/dev/shm')
+        if not shm.is_dir():
+            return None
+        home = str(Path(self.data_dir).resolve())
+        return shm / f'twinkle-{hashlib.sha256(home.encode()).hexdigest()[:16]}'

@@ -25,7 +25,7 @@ from twinkle.server.execution.host import Host
 from twinkle.server.execution.model_group import ModelGroup, bare
 from twinkle.server.execution.model_host import ModelHost
 from twinkle.server.execution.placement import build_host
-from twinkle.server.execution.run_files import RELEASE_STATE, discard_unrecorded
+from twinkle.server.execution.run_files import RELEASE_STATE, discard_unrecorded, memory_to_disk
 from twinkle.server.execution.sampler_group import SamplerGroup
 from twinkle.server.execution.scheduler import Batchable, Job
 from twinkle.server.metering import Ledger, Meter
@@ -58,6 +58,9 @@ class Service:
         if failed:
             logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
         recover_all(config.checkpoint_dir)  # saves of a run's state that a crash cut short in their swap
+        moved = memory_to_disk(config)  # released states the last process left in host memory
+        if moved:
+            logger.warning(f'{moved} released states the last server left in host memory were moved to disk')
         # Checkpoint folders no row names: saves a crash cut short before their row, or replaced just before one.
         discarded = discard_unrecorded(config.checkpoint_dir, self.store.checkpoints.paths())
         if discarded:
@@ -340,12 +343,14 @@ class Service:
 
     # ---- releasing idle adapters ----------------------------------------------------------------
     def release_all(self, timeout: float = 600.0) -> None:
-        """Release every adapter of every group (a graceful stop keeps their state)."""
+        """Release every adapter of every group to disk, with the states released to host memory
+        before (a graceful stop keeps them all)."""
         for group in self.groups.values():
             for run_id in list(group.adapters):
                 run = self.store.runs.by_id(run_id)
                 if run is not None:
-                    self._release_later(group, run)
+                    self._release_later(group, run, to_disk=True)
+            group.scheduler.submit('server', group.pool.spill_all, operation='release', internal=True)
         for group in self.groups.values():
             group.scheduler.drain(timeout)
 
@@ -360,9 +365,9 @@ class Service:
                 jobs.append(self._release_later(group, run))
         return jobs
 
-    def _release_later(self, group: ModelGroup, run: Run) -> Job:
+    def _release_later(self, group: ModelGroup, run: Run, to_disk: bool = False) -> Job:
         tenant = Tenant(id=run.tenant_id, name='', created_at=0.0)
-        return self.submit(tenant, group, run.id, 'release', partial(group.release, run), internal=True)
+        return self.submit(tenant, group, run.id, 'release', partial(group.release, run, to_disk), internal=True)
 
 
 __all__ = ['RELEASE_STATE', 'Service']

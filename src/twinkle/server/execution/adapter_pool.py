@@ -3,15 +3,17 @@
 A model holds at most ``max_adapters`` adapters, ``max_adapters_per_tenant`` of one tenant. A
 run's adapter comes and goes: released when idle or to make room for another (its whole state
 saved: weights, optimizer, counters, gradients waiting for a step), restored on its next request
-from the newest state it saved (``run_files.latest_state``). Room is made fairly: an adapter of a
-tenant holding more than an equal share of the pool goes first, least recently used first; only
-the adapters the running requests use are never released. Every method runs on the model's worker
-thread, where no request can use an adapter while it moves.
+from the newest state it saved (``run_files.latest_state``). Released states tier: in host memory
+(``memory_state_bytes`` of them, in a RAM-backed folder), then the least recently released on disk.
+Room is made fairly: an adapter of a tenant holding more than an equal share of the pool goes
+first, least recently used first; only the adapters the running requests use are never released.
+Every method runs on the model's worker thread, where no request can use an adapter while it moves.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import shutil
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypedDict
@@ -19,9 +21,10 @@ from typing import TypedDict
 from typing_extensions import Unpack
 
 from twinkle.errors import CapacityError, NotFoundError, StateError
+from twinkle.model import checkpoint as ckpt
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import Host, JsonObject
-from twinkle.server.execution.run_files import RELEASE_STATE, latest_state, run_dir
+from twinkle.server.execution.run_files import RELEASE_STATE, latest_state, memory_state, run_dir, to_disk
 from twinkle.server.store import Checkpoint, Run, Store
 from twinkle.utils.logger import get_logger
 
@@ -45,6 +48,10 @@ class AdapterPool:
         self._running_left_s = running_left_s
         self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
         self.pinned: set[str] = set()  # runs the worker's current jobs use: not released to make room
+        #: Runs released to host memory, least recently released first: run id -> (its state there,
+        #: where it goes on disk, its bytes). A state stays after its run comes back, which a dead
+        #: worker's runs come back from, until the run's next release replaces it or it goes to disk.
+        self.in_memory: OrderedDict[str, tuple[Path, Path, int]] = OrderedDict()
 
     def forget_all(self) -> None:
         """The model's worker died and its adapters with it: their runs are released (they come
@@ -76,10 +83,11 @@ class AdapterPool:
         return adapter
 
     def remove(self, run: Run) -> None:
-        """Take a run's adapter off the model, if it is there (worker thread)."""
+        """Take a run's adapter off the model, if it is there, and its state out of memory (worker thread)."""
         adapter = self.adapters.pop(run.id, None)
         if adapter is not None:
             self.host.remove_adapter(adapter)
+        self._drop_memory(run.id)
 
     def adapter_name(self, run: Run) -> str:
         """The name of a run's adapter on the model: its run id, unique on the server (the store
@@ -113,7 +121,10 @@ class AdapterPool:
     def _saved_state(self, run: Run) -> tuple[Path, Checkpoint | None] | None:
         """The saved state of the run that stands at its latest optimizer step (``latest_state``)."""
         checkpoints = [c for c in self.store.checkpoints.of_run(run.tenant_id, run.id) if c.kind == 'training']
-        return latest_state(self.release_state(run), checkpoints)
+        kept = [self.release_state(run)]
+        if run.id in self.in_memory:
+            kept.append(self.in_memory[run.id][0])
+        return latest_state(kept, checkpoints)
 
     def keep_state(self, run: Run, adapter: str) -> None:
         """Save the run's state (weights, optimizer, counters, accumulation window) as its released
@@ -130,24 +141,59 @@ class AdapterPool:
         except Exception as error:  # a dead worker, a full disk: its next save or step tries again
             logger.warning(f'the state of run {run.id!r} was not saved: {type(error).__name__}: {error}')
 
-    def release(self, run: Run) -> bool:
+    def release(self, run: Run, to_disk: bool = False) -> bool:
         """Save a run's adapter with its optimizer, counters and accumulation window (gradients
-        waiting for a step included), then take it off the model (worker thread). A pending
-        forward (``forward_only``, waiting for ``calculate_loss``) is not kept. False if the run
-        was not on the model."""
+        waiting for a step included), then take it off the model (worker thread): into host memory
+        while it has room (``memory_state_bytes``, the least recently released going to disk to
+        make it), else, or ``to_disk``, to disk. A pending forward (``forward_only``, waiting for
+        ``calculate_loss``) is not kept. False if the run was not on the model."""
         adapter = self.adapters.get(run.id)
         if adapter is None:
             return False
-        self.keep_state(run, adapter)
+        memory = None if to_disk else memory_state(self.config, run)
+        if memory is None or not self._keep_in_memory(run, adapter, memory):
+            self.keep_state(run, adapter)
         self.host.remove_adapter(adapter)
         del self.adapters[run.id]
         self.store.runs.set_status(run.id, 'released')
+        self._spill(self.config.memory_state_bytes)
         return True
+
+    def _keep_in_memory(self, run: Run, adapter: str, memory: Path) -> bool:
+        """Save the run's state in host memory; False if memory would not take it (a full tmpfs)."""
+        try:
+            self.host.save(adapter, memory.parent, memory.name, save_optimizer=True)
+        except OSError as error:
+            logger.warning(f'the state of run {run.id!r} went to disk, host memory did not take it: {error}')
+            shutil.rmtree(memory, ignore_errors=True)
+            return False
+        self.in_memory[run.id] = (memory, self.release_state(run), ckpt.folder_size(memory))
+        self.in_memory.move_to_end(run.id)
+        return True
+
+    def spill_all(self) -> int:
+        """Move every released state in host memory to disk (a graceful stop); how many."""
+        count = len(self.in_memory)
+        self._spill(0)
+        return count
+
+    def _spill(self, budget: int) -> None:
+        """Move the least recently released states in memory to disk until they hold ``budget`` bytes."""
+        while self.in_memory and sum(size for _, _, size in self.in_memory.values()) > budget:
+            _, (memory, disk, _) = self.in_memory.popitem(last=False)
+            to_disk(memory, disk)
+
+    def _drop_memory(self, run_id: str) -> None:
+        """Forget a run's state in host memory (it is back on the model, or deleted)."""
+        kept = self.in_memory.pop(run_id, None)
+        if kept is not None:
+            shutil.rmtree(kept[0].parent, ignore_errors=True)
 
     def restore(self, run: Run) -> None:
         """Bring a released run back: its adapter, its setup calls replayed, then its saved state
         (``_saved_state``). A state older than the run's last recorded step, or weights alone,
         is recorded in its history (``History.record_restore``: what its ``restored_from`` says)."""
+        self.make_room(run)  # first: room is made by releases, which may move the state found below to disk
         adapter, config, found = self.adapter_name(run), run.config, self._saved_state(run)
         if found is None:
             raise StateError(
@@ -155,7 +201,6 @@ class AdapterPool:
                 'without saving it): load one of its checkpoints into a new run'
             )
         path, checkpoint = found
-        self.make_room(run)
         self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
         try:
             for call in config.get('setup', []):

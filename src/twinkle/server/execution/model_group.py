@@ -276,9 +276,10 @@ class ModelGroup:
         """Where a run off the model continues from; None if it has nothing."""
         return self.pool.saved_state(run)
 
-    def release(self, run: Run) -> bool:
-        """Save a run's whole state and take its adapter off the model (worker thread)."""
-        return self.pool.release(run)
+    def release(self, run: Run, to_disk: bool = False) -> bool:
+        """Save a run's whole state, in host memory or ``to_disk``, and take its adapter off the
+        model (worker thread)."""
+        return self.pool.release(run, to_disk)
 
     def run(self, run: Run, operation: str, kwargs: JsonObject) -> Json:
         """A tenant's ``operation`` on its run's adapter (worker thread); the result is JSON-ready."""
