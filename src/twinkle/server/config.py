@@ -342,8 +342,8 @@ class ServerConfig(BaseModel):
     #: (``data_dir``), as they all do at a graceful stop. 0: releases go straight to disk.
     memory_state_bytes: int = Field(1 << 30, ge=0)
     #: The RAM-backed folder (tmpfs) of ``memory_state_bytes``, one the model's processes and the
-    #: server share, as they share ``data_dir`` (on a Ray cluster of several machines: 0 bytes).
-    #: None: a folder of this ``data_dir``'s under ``/dev/shm``, where the machine has one.
+    #: server share, as they share ``data_dir`` (on a Ray cluster of several machines: 0 bytes);
+    #: each data directory keeps its states in a folder of its own there. None: ``/dev/shm``.
     memory_state_dir: str | None = None
     #: The server saves each run's state (weights, optimizer, scheduler, counters, gradients
     #: waiting for a step) when the run is made, when it loads a checkpoint, and after every this
@@ -510,10 +510,8 @@ class ServerConfig(BaseModel):
         """The folder of released states in host memory (``memory_state_bytes``); None: none."""
         if self.memory_state_bytes == 0:
             return None
-        if self.memory_state_dir is not None:
-            return Path(self.memory_state_dir)
-        shm = Path('/dev/shm')
-        if not shm.is_dir():
+        parent = Path('/dev/shm') if self.memory_state_dir is None else Path(self.memory_state_dir)
+        if not parent.is_dir():
             return None
         home = str(Path(self.data_dir).resolve())
-        return shm / f'twinkle-{hashlib.sha256(home.encode()).hexdigest()[:16]}'
+        return parent / f'twinkle-{hashlib.sha256(home.encode()).hexdigest()[:16]}'

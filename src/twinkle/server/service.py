@@ -22,10 +22,10 @@ from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import Host
-from twinkle.server.execution.model_group import ModelGroup, bare
+from twinkle.server.execution.model_group import HOUSEKEEPING, ModelGroup, bare
 from twinkle.server.execution.model_host import ModelHost
 from twinkle.server.execution.placement import build_host
-from twinkle.server.execution.run_files import RELEASE_STATE, discard_unrecorded, memory_to_disk
+from twinkle.server.execution.run_files import RELEASE_STATE, claim_memory, discard_unrecorded, release_memory
 from twinkle.server.execution.sampler_group import SamplerGroup
 from twinkle.server.execution.scheduler import Batchable, Job
 from twinkle.server.metering import Ledger, Meter
@@ -58,9 +58,10 @@ class Service:
         if failed:
             logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
         recover_all(config.checkpoint_dir)  # saves of a run's state that a crash cut short in their swap
-        moved = memory_to_disk(config)  # released states the last process left in host memory
-        if moved:
-            logger.warning(f'{moved} released states the last server left in host memory were moved to disk')
+        # Released states the last process left in host memory go to disk; the folder is ours while we run.
+        found = claim_memory(config)
+        if found:
+            logger.warning(f'{found} released states the last server left in host memory were put on disk')
         # Checkpoint folders no row names: saves a crash cut short before their row, or replaced just before one.
         discarded = discard_unrecorded(config.checkpoint_dir, self.store.checkpoints.paths())
         if discarded:
@@ -179,6 +180,7 @@ class Service:
             for job in unrun:
                 self.store.futures.fail(job.id, 'the server stopped before this request ran', 'server')
             group.host.shutdown()  # model workers in a Ray actor or processes, and a vLLM engine, go with their server
+        release_memory(self.config)
 
     # ---- jobs -----------------------------------------------------------------------------------
     def submit(
@@ -344,13 +346,16 @@ class Service:
     # ---- releasing idle adapters ----------------------------------------------------------------
     def release_all(self, timeout: float = 600.0) -> None:
         """Release every adapter of every group to disk, with the states released to host memory
-        before (a graceful stop keeps them all)."""
+        before (a graceful stop keeps them all): once the jobs queued before are done (they may
+        bring runs back), so nothing is released to memory after."""
+        for group in self.groups.values():
+            group.scheduler.drain(timeout)
         for group in self.groups.values():
             for run_id in list(group.adapters):
                 run = self.store.runs.by_id(run_id)
                 if run is not None:
                     self._release_later(group, run, to_disk=True)
-            group.scheduler.submit('server', group.pool.spill_all, operation='release', internal=True)
+            group.scheduler.submit(HOUSEKEEPING, group.pool.spill_all, operation='release', internal=True)
         for group in self.groups.values():
             group.scheduler.drain(timeout)
 

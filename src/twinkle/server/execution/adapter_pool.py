@@ -114,23 +114,26 @@ class AdapterPool:
         return run_dir(self.config, run) / RELEASE_STATE
 
     def saved_state(self, run: Run) -> Path | None:
-        """Where a run off the model continues from (``restore``); None if it has nothing."""
+        """Where a run off the model continues from (``restore``); None if it has nothing. Safe
+        off the worker thread (a route asks): a state moving from memory to disk is in one or the
+        other (``run_files.to_disk``) and one vanishing while it is read counts as absent."""
         found = self._saved_state(run)
         return None if found is None else found[0]
 
     def _saved_state(self, run: Run) -> tuple[Path, Checkpoint | None] | None:
         """The saved state of the run that stands at its latest optimizer step (``latest_state``)."""
         checkpoints = [c for c in self.store.checkpoints.of_run(run.tenant_id, run.id) if c.kind == 'training']
-        kept = [self.release_state(run)]
-        if run.id in self.in_memory:
-            kept.append(self.in_memory[run.id][0])
+        memory = memory_state(self.config, run)
+        kept = [self.release_state(run), *([] if memory is None else [memory])]
         return latest_state(kept, checkpoints)
 
     def keep_state(self, run: Run, adapter: str) -> None:
         """Save the run's state (weights, optimizer, counters, accumulation window) as its released
-        state, the newest place ``restore`` brings it back from."""
+        state on disk, the newest place ``restore`` brings it back from (its copy in memory, older
+        now, is dropped)."""
         path = self.release_state(run)
         self.host.save(adapter, path.parent, path.name, save_optimizer=True)
+        self._drop_memory(run.id)
 
     def keep_state_or_warn(self, run: Run) -> None:
         adapter = self.adapters.get(run.id)
@@ -165,7 +168,11 @@ class AdapterPool:
             self.host.save(adapter, memory.parent, memory.name, save_optimizer=True)
         except OSError as error:
             logger.warning(f'the state of run {run.id!r} went to disk, host memory did not take it: {error}')
-            shutil.rmtree(memory, ignore_errors=True)
+            self._drop_memory(run.id)
+            shutil.rmtree(memory.parent, ignore_errors=True)
+            return False
+        if not (memory / ckpt.TRAINER_STATE).is_file():  # the model's processes are on another machine
+            logger.warning(f'the state of run {run.id!r} went to disk: memory_state_dir is not shared with its model')
             return False
         self.in_memory[run.id] = (memory, self.release_state(run), ckpt.folder_size(memory))
         self.in_memory.move_to_end(run.id)
@@ -180,27 +187,29 @@ class AdapterPool:
     def _spill(self, budget: int) -> None:
         """Move the least recently released states in memory to disk until they hold ``budget`` bytes."""
         while self.in_memory and sum(size for _, _, size in self.in_memory.values()) > budget:
-            _, (memory, disk, _) = self.in_memory.popitem(last=False)
-            to_disk(memory, disk)
+            run_id, kept = self.in_memory.popitem(last=False)
+            try:
+                to_disk(*kept[:2])
+            except Exception as error:  # a full disk: the state stays in memory, the next release tries again
+                self.in_memory[run_id] = kept
+                self.in_memory.move_to_end(run_id, last=False)
+                logger.warning(f'the state of run {run_id!r} stays in host memory, the disk did not take it: {error}')
+                return
 
     def _drop_memory(self, run_id: str) -> None:
         """Forget a run's state in host memory (it is back on the model, or deleted)."""
         kept = self.in_memory.pop(run_id, None)
         if kept is not None:
-            shutil.rmtree(kept[0].parent, ignore_errors=True)
+            shutil.rmtree(kept[0].parent, ignore_errors=True)  # the run's folder in memory
 
     def restore(self, run: Run) -> None:
         """Bring a released run back: its adapter, its setup calls replayed, then its saved state
         (``_saved_state``). A state older than the run's last recorded step, or weights alone,
         is recorded in its history (``History.record_restore``: what its ``restored_from`` says)."""
-        self.make_room(run)  # first: room is made by releases, which may move the state found below to disk
-        adapter, config, found = self.adapter_name(run), run.config, self._saved_state(run)
-        if found is None:
-            raise StateError(
-                f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
-                'without saving it): load one of its checkpoints into a new run'
-            )
-        path, checkpoint = found
+        self._state_or_refuse(run)  # before room is made: a run with nothing to restore releases no other
+        self.make_room(run)
+        # Looked up again: the releases that made room may have moved it from memory to disk.
+        adapter, config, (path, checkpoint) = self.adapter_name(run), run.config, self._state_or_refuse(run)
         self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
         try:
             for call in config.get('setup', []):
@@ -216,6 +225,15 @@ class AdapterPool:
         event = self.store.history.record_restore(run.id, restored['optim_step'], source, restored['fresh_optimizer'])
         if event is not None:
             logger.warning(f'training run {run.id!r} came back with less than it had: {event}')
+
+    def _state_or_refuse(self, run: Run) -> tuple[Path, Checkpoint | None]:
+        found = self._saved_state(run)
+        if found is None:
+            raise StateError(
+                f'training run {run.id!r} is not on the model and left no state to restore (the server stopped '
+                'without saving it): load one of its checkpoints into a new run'
+            )
+        return found
 
     # ---- room on the model -----------------------------------------------------------------------
     def make_room(self, run: Run) -> None:

@@ -6,10 +6,13 @@ is cleared here at start, as released states left in memory are moved to disk.""
 
 from __future__ import annotations
 
+import fcntl
 import re
 import shutil
 from pathlib import Path
+from typing import IO
 
+from twinkle.errors import CheckpointError, ConfigurationError
 from twinkle.model import checkpoint as ckpt
 from twinkle.server.config import ServerConfig
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run
@@ -44,40 +47,85 @@ def to_disk(memory: Path, disk: Path) -> None:
         with ckpt.atomic_directory(disk) as staging:
             shutil.copytree(memory, staging, dirs_exist_ok=True)
     shutil.rmtree(memory, ignore_errors=True)
+    for folder in (memory.parent, memory.parent.parent):  # the run's and the tenant's, once empty
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
-def memory_to_disk(config: ServerConfig) -> int:
-    """At start: move the released states a server left in host memory (it crashed, or was killed)
-    to disk, where a run comes back from them; how many. Memory folders of data directories that
-    are gone are removed."""
+#: The file naming the data directory a memory folder belongs to, locked while its server runs.
+OWNER = 'data_dir'
+
+
+#: The memory folders this process holds, by folder: a server of this process that was not
+#: stopped left its lock, which the next one of its data directory takes over.
+_HELD: dict[Path, IO[str]] = {}
+
+
+def claim_memory(config: ServerConfig) -> int:
+    """At start: lock this data directory's memory folder while the server runs
+    (``release_memory``), move the released states a server left there (it crashed, or was
+    killed) to disk, where its runs come back from, and remove the memory folders of data
+    directories that are gone and whose server is not running. How many states were found;
+    ``ConfigurationError`` if another process's server of this data directory holds the folder."""
     root = config.memory_dir
     if root is None:
         return 0
+    root.mkdir(parents=True, exist_ok=True)
+    lock = _HELD.get(root) or _locked(root / OWNER)
+    if lock is None:
+        raise ConfigurationError(
+            f'another server of data_dir {config.data_dir!r} is running (it holds {root}): one server owns a data_dir'
+        )
+    _HELD[root] = lock
+    lock.truncate(0)
+    lock.write(str(Path(config.data_dir).resolve()))
+    lock.flush()
     _sweep_orphans(root)
-    moved = 0
+    found = 0
     for tenant in _folders(root):
         for run in _folders(tenant):
             memory = run / RELEASE_STATE
             ckpt.recover(memory)
             if (memory / ckpt.TRAINER_STATE).is_file():  # else a save the crash cut short: the disk has older
                 to_disk(memory, config.checkpoint_dir / tenant.name / run.name / RELEASE_STATE)
-                moved += 1
+                found += 1
         shutil.rmtree(tenant, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / OWNER).write_text(str(Path(config.data_dir).resolve()))
-    return moved
+    return found
 
 
-#: The file naming the data directory a memory folder belongs to.
-OWNER = 'data_dir'
+def release_memory(config: ServerConfig) -> None:
+    """At stop: unlock this data directory's memory folder (what is still in it, the next start puts on disk)."""
+    root = config.memory_dir
+    lock = None if root is None else _HELD.pop(root, None)
+    if lock is not None:
+        lock.close()
+
+
+def _locked(path: Path) -> IO[str] | None:
+    """``path`` opened and locked (``flock``, released when the file closes or its process dies);
+    None if another open file holds the lock."""
+    handle = path.open('a+', encoding='utf-8')
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
 
 
 def _sweep_orphans(root: Path) -> None:
-    """Remove the memory folders beside ``root`` whose data directory no longer exists (a test's)."""
+    """Remove the memory folders beside ``root`` of data directories that no longer exist (a
+    test's), unless their server still runs (holds the lock)."""
     for folder in root.parent.glob('twinkle-*'):
         owner = folder / OWNER
-        if folder != root and owner.is_file() and not Path(owner.read_text()).is_dir():
-            shutil.rmtree(folder, ignore_errors=True)
+        if folder == root or not owner.is_file() or Path(owner.read_text(encoding='utf-8')).is_dir():
+            continue
+        lock = _locked(owner)
+        if lock is not None:
+            with lock:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def latest_state(kept: list[Path], checkpoints: list[Checkpoint]) -> tuple[Path, Checkpoint | None] | None:
@@ -89,19 +137,28 @@ def latest_state(kept: list[Path], checkpoints: list[Checkpoint]) -> tuple[Path,
     places = [*((path, None) for path in kept), *((Path(c.path), c) for c in checkpoints)]
     ranked: list[tuple[tuple[int, bool, int], Path, Checkpoint | None]] = []
     for path, checkpoint in places:
-        if (path / ckpt.TRAINER_STATE).is_file():
-            state = path / ckpt.TRAINER_STATE
-            rank = (int(ckpt.read_trainer_state(path)['optim_step']), True, state.stat().st_mtime_ns)
-        elif checkpoint is not None and (path / ckpt.ADAPTER_WEIGHTS).is_file():
-            weights = path / ckpt.ADAPTER_WEIGHTS
-            rank = (ckpt.read_weights_step(path), False, weights.stat().st_mtime_ns)
-        else:
-            continue
-        ranked.append((rank, path, checkpoint))
+        rank = _rank(path, checkpoint)
+        if rank is not None:
+            ranked.append((rank, path, checkpoint))
     if not ranked:
         return None
     _, path, checkpoint = max(ranked, key=lambda place: place[0])
     return path, checkpoint
+
+
+def _rank(path: Path, checkpoint: Checkpoint | None) -> tuple[int, bool, int] | None:
+    """How new a saved state is (``latest_state``); None if ``path`` holds none, or no longer does
+    (a state that moved from memory to disk while it was read: the disk has it)."""
+    try:
+        if (path / ckpt.TRAINER_STATE).is_file():
+            state = path / ckpt.TRAINER_STATE
+            return int(ckpt.read_trainer_state(path)['optim_step']), True, state.stat().st_mtime_ns
+        if checkpoint is not None and (path / ckpt.ADAPTER_WEIGHTS).is_file():
+            weights = path / ckpt.ADAPTER_WEIGHTS
+            return ckpt.read_weights_step(path), False, weights.stat().st_mtime_ns
+    except (FileNotFoundError, CheckpointError):
+        pass
+    return None
 
 
 def discard_unrecorded(root: Path, recorded: set[str]) -> int:
@@ -130,10 +187,11 @@ __all__ = [
     'KIND_FOLDERS',
     'OWNER',
     'RELEASE_STATE',
+    'claim_memory',
     'discard_unrecorded',
     'latest_state',
     'memory_state',
-    'memory_to_disk',
+    'release_memory',
     'run_dir',
     'to_disk',
 ]
