@@ -180,6 +180,7 @@ class Service:
             for job in unrun:
                 self.store.futures.fail(job.id, 'the server stopped before this request ran', 'server')
             group.host.shutdown()  # model workers in a Ray actor or processes, and a vLLM engine, go with their server
+            group.pool.close()
         release_memory(self.config)
 
     # ---- jobs -----------------------------------------------------------------------------------

@@ -7,14 +7,18 @@ from the newest state it saved (``run_files.latest_state``). Released states tie
 (``memory_state_bytes`` of them, in a RAM-backed folder), then the least recently released on disk.
 Room is made fairly: an adapter of a tenant holding more than an equal share of the pool goes
 first, least recently used first; only the adapters the running requests use are never released.
-Every method runs on the model's worker thread, where no request can use an adapter while it moves.
+Every method runs on the model's worker thread, where no request can use an adapter while it moves;
+states move from memory to disk on a thread of their own, off the requests' path, one at a time
+under the pool's lock, which every method that reads or writes a state holds.
 """
 
 from __future__ import annotations
 
 import shutil
+import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypedDict
 
@@ -52,6 +56,8 @@ class AdapterPool:
         #: where it goes on disk, its bytes). A state stays after its run comes back, which a dead
         #: worker's runs come back from, until the run's next release replaces it or it goes to disk.
         self.in_memory: OrderedDict[str, tuple[Path, Path, int]] = OrderedDict()
+        self._states = threading.RLock()  # held while a state is written, read or moved
+        self._spiller = ThreadPoolExecutor(max_workers=1, thread_name_prefix='twinkle-spill')
 
     def forget_all(self) -> None:
         """The model's worker died and its adapters with it: their runs are released (they come
@@ -132,8 +138,9 @@ class AdapterPool:
         state on disk, the newest place ``restore`` brings it back from (its copy in memory, older
         now, is dropped)."""
         path = self.release_state(run)
-        self.host.save(adapter, path.parent, path.name, save_optimizer=True)
-        self._drop_memory(run.id)
+        with self._states:
+            self.host.save(adapter, path.parent, path.name, save_optimizer=True)
+            self._drop_memory(run.id)
 
     def keep_state_or_warn(self, run: Run) -> None:
         adapter = self.adapters.get(run.id)
@@ -154,12 +161,14 @@ class AdapterPool:
         if adapter is None:
             return False
         memory = None if to_disk else memory_state(self.config, run)
-        if memory is None or not self._keep_in_memory(run, adapter, memory):
-            self.keep_state(run, adapter)
+        with self._states:
+            if memory is None or not self._keep_in_memory(run, adapter, memory):
+                self.keep_state(run, adapter)
         self.host.remove_adapter(adapter)
         del self.adapters[run.id]
         self.store.runs.set_status(run.id, 'released')
-        self._spill(self.config.memory_state_bytes)
+        if self.in_memory:
+            self._spiller.submit(self._spill, self.config.memory_state_bytes)
         return True
 
     def _keep_in_memory(self, run: Run, adapter: str, memory: Path) -> bool:
@@ -179,28 +188,38 @@ class AdapterPool:
         return True
 
     def spill_all(self) -> int:
-        """Move every released state in host memory to disk (a graceful stop); how many."""
+        """Move every released state in host memory to disk (a graceful stop), once the moves
+        under way are done; how many."""
         count = len(self.in_memory)
-        self._spill(0)
+        self._spiller.submit(self._spill, 0).result()
         return count
 
+    def close(self) -> None:
+        """Finish the moves under way and stop their thread (the server stops)."""
+        self._spiller.shutdown(wait=True)
+
     def _spill(self, budget: int) -> None:
-        """Move the least recently released states in memory to disk until they hold ``budget`` bytes."""
-        while self.in_memory and sum(size for _, _, size in self.in_memory.values()) > budget:
-            run_id, kept = self.in_memory.popitem(last=False)
-            try:
-                to_disk(*kept[:2])
-            except Exception as error:  # a full disk: the state stays in memory, the next release tries again
-                self.in_memory[run_id] = kept
-                self.in_memory.move_to_end(run_id, last=False)
-                logger.warning(f'the state of run {run_id!r} stays in host memory, the disk did not take it: {error}')
-                return
+        """Move the least recently released states in memory to disk until they hold ``budget``
+        bytes (the spill thread), one state at a time under the lock."""
+        while True:
+            with self._states:
+                if not self.in_memory or sum(size for _, _, size in self.in_memory.values()) <= budget:
+                    return
+                run_id, kept = self.in_memory.popitem(last=False)
+                try:
+                    to_disk(*kept[:2])
+                except Exception as error:  # a full disk: the state stays in memory, a later release tries again
+                    self.in_memory[run_id] = kept
+                    self.in_memory.move_to_end(run_id, last=False)
+                    logger.warning(f'the state of run {run_id!r} stays in memory, the disk did not take it: {error}')
+                    return
 
     def _drop_memory(self, run_id: str) -> None:
         """Forget a run's state in host memory (it is back on the model, or deleted)."""
-        kept = self.in_memory.pop(run_id, None)
-        if kept is not None:
-            shutil.rmtree(kept[0].parent, ignore_errors=True)  # the run's folder in memory
+        with self._states:
+            kept = self.in_memory.pop(run_id, None)
+            if kept is not None:
+                shutil.rmtree(kept[0].parent, ignore_errors=True)  # the run's folder in memory
 
     def restore(self, run: Run) -> None:
         """Bring a released run back: its adapter, its setup calls replayed, then its saved state
@@ -208,14 +227,15 @@ class AdapterPool:
         is recorded in its history (``History.record_restore``: what its ``restored_from`` says)."""
         self._state_or_refuse(run)  # before room is made: a run with nothing to restore releases no other
         self.make_room(run)
-        # Looked up again: the releases that made room may have moved it from memory to disk.
-        adapter, config, (path, checkpoint) = self.adapter_name(run), run.config, self._state_or_refuse(run)
+        adapter, config = self.adapter_name(run), run.config
         self.host.add_adapter(adapter, config.get('lora', {}), config.get('gradient_accumulation_steps', 1))
         try:
             for call in config.get('setup', []):
                 self.host.run(adapter, call['operation'], dict(call['kwargs']))
-            shown = f'the saved state of training run {run.id!r}' if checkpoint is None else checkpoint.twinkle_path
-            restored = self.host.restore_state(adapter, path, shown)
+            with self._states:  # looked up now: the spill thread may have moved it from memory to disk
+                path, checkpoint = self._state_or_refuse(run)
+                shown = f'the saved state of training run {run.id!r}' if checkpoint is None else checkpoint.twinkle_path
+                restored = self.host.restore_state(adapter, path, shown)
         except BaseException:
             self.host.remove_adapter(adapter)
             raise
