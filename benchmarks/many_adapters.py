@@ -15,7 +15,7 @@ Usage::
 
     .venv/bin/python benchmarks/many_adapters.py            # 1,000 runs; results/many_adapters.json
     .venv/bin/python benchmarks/many_adapters.py --runs 100 --output /tmp/many.json
-    .venv/bin/python benchmarks/many_adapters.py --runs 200 --memory-mib 0 --output results/many_adapters_tiers_0.json
+    .venv/bin/python benchmarks/many_adapters.py --memory-mib 0 --output benchmarks/results/many_adapters_memory_0.json
 """
 
 from __future__ import annotations
