@@ -21,14 +21,16 @@ aggregation (``loss_type='grpo'``: each sequence's token mean, averaged over the
   float32 log-softmax gathered at the labels, the reference's the same way from a second forward
   under ``disable_adapter()`` and ``no_grad()``, ratio, clipped surrogate, k3 KL, entropy,
   backward, clip, AdamW step.
-* one row per twinkle variant of ``--switches`` (default: all six): ``lora_overhead.TwinkleLoop``
+* one row per twinkle variant of ``--switches`` (default: all seven): ``lora_overhead.TwinkleLoop``
   (for GRPO ``TwinkleGRPOLoop``: ``set_loss('GRPOLoss', epsilon=0.2, beta=0.04)``,
   ``add_metric('GRPOMetric')``) with the keywords ``VARIANTS`` gives the variant: ``plain``
   (``fused_output=False, padding_free=False``), ``fused`` (the fused output layer alone),
   ``packed`` (padding-free alone: the batch's rows packed into one row), ``both`` (fused and
   packed), ``compiled`` (``compile_layers=True`` alone: each decoder layer through
   ``torch.compile``; the compiles happen in the warm-up step, whose time ``warmup_s`` records) and
-  ``all`` (the three switches). A keyword
+  ``all`` (the three switches), and ``checkpointed`` (the fused output layer with
+  ``gradient_checkpointing=True``: each decoder layer's activations recomputed in the backward rather
+  than kept, for memory, not speed). A keyword
   ``TransformersModel.__init__`` does not take yet makes the row "n/a (switch missing)" rather
   than an error.
 
@@ -51,10 +53,9 @@ from the same weights: they must agree within 1e-4). Loops run one after another
 interleaved, so a change in machine load between two children shows in the ratio: the JSON
 records the load average, and each child's ``warmup_s`` and ``child_s`` (its whole life).
 
-Sizes: the default (SFT and GRPO x 3 models x 5 loops = 30 children, 1 warm-up and 2 timed steps each)
-is estimated at about 6 minutes on 2 idle CPU cores, most of it on ``wide-qwen3`` (about 4.5 s an
-SFT step, 7 s a GRPO step) and ``small-qwen3`` (2.5 s, 4 s): an estimate from per-step CPU
-times measured on a loaded machine, not an idle run (``--steps 1`` cuts it by a third).
+Sizes: the default (SFT and GRPO x 3 models x 8 loops = 48 children, 1 warm-up and 2 timed steps each)
+took 17 minutes on 2 idle CPU cores with the first six variants, most of it on ``wide-qwen3`` and the
+compiles (``--steps 1`` cuts the timed part by a third; ``--models`` and ``--switches`` pick a part).
 ``--quick`` (``wide-qwen3`` only, batch 4, 1 warm-up and 1 timed step, both steps: 10 children)
 takes about a minute and a half: a smoke run, not figures.
 
@@ -114,6 +115,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     'both': {'fused_output': True, 'padding_free': True},
     'compiled': {'fused_output': False, 'padding_free': False, 'compile_layers': True},
     'all': {'fused_output': True, 'padding_free': True, 'compile_layers': True},
+    'checkpointed': {'fused_output': True, 'padding_free': False, 'gradient_checkpointing': True},
 }
 #: The training steps ``--loss`` can name, and how the output names them.
 LOSSES = ('sft', 'grpo')

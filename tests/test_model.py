@@ -85,6 +85,19 @@ def test_full_parameter_training_changes_every_trained_weight(tiny_model_dir, ro
     assert len(changed) >= len(before) - 2  # norms of unused positions may stay put
 
 
+def test_train_configs_count_the_base_and_the_adapter_asked_about_only(tiny_model_dir):
+    model = new_model(tiny_model_dir)
+    base = sum(p.numel() for p in model.model.parameters())
+    assert f'trainable parameters: {base:,} of {base:,} (100.000%)' in model.get_train_configs()
+    model.add_adapter_to_model('alice', lora(r=4))
+    model.add_adapter_to_model('bob', lora(r=8))
+    for name in ('alice', 'bob'):
+        own = sum(p.numel() for k, p in model.model.named_parameters() if f'.{name}.' in k)
+        assert own > 0
+        # A tenant is not told the size of the other adapters on the model (bob's is twice alice's).
+        assert f'trainable parameters: {own:,} of {base + own:,} (' in model.get_train_configs(adapter_name=name)
+
+
 def test_two_adapters_trained_alternately_match_each_trained_alone(tiny_model_dir, rows):
     batches_a = [rows[i : i + 4] for i in range(0, 16, 4)]
     batches_b = [rows[i : i + 4] for i in range(16, 32, 4)]

@@ -630,24 +630,27 @@ def test_marking_a_future_running_is_not_synced_alone_and_leaves_later_writes_sy
     record = store.futures.create(tenant.id, None, 'forward_backward')
     assert store.futures.set_running(record.id)
     assert store.futures.get(tenant.id, record.id).status == 'running'
-    assert store.db.query('PRAGMA synchronous')[0][0] == 2  # FULL again for every later write
     assert store.futures.fail_unfinished('restarted') == 1  # what a restart does with it, as with a pending one
-    statements: list[str] = []
-    store.db._connection().set_trace_callback(statements.append)
+    synced, unsynced = store.db._conn, store.db._fast
+    assert synced.execute('PRAGMA synchronous').fetchone()[0] == 2  # FULL: fsynced at every commit
+    assert unsynced.execute('PRAGMA synchronous').fetchone()[0] == 1  # NORMAL: in the WAL, synced by the next FULL
+    statements: dict[str, list[str]] = {'synced': [], 'unsynced': []}
+    synced.set_trace_callback(statements['synced'].append)
+    unsynced.set_trace_callback(statements['unsynced'].append)
     done = store.futures.create(tenant.id, None, 'forward_backward')  # created and finished unsynced too
     assert store.futures.finish(done.id, {'loss': 1.5})
-    store.db._connection().set_trace_callback(None)
-    writes = [
-        s.split(' ', 2)[0] + ' ' + s.split(' ', 2)[1]
-        for s in statements
-        if s.startswith(('PRAGMA sync', 'INSERT', 'UPDATE'))
-    ]
-    assert writes == [
-        'PRAGMA synchronous=NORMAL', 'INSERT INTO', 'PRAGMA synchronous=FULL',
-        'PRAGMA synchronous=NORMAL', 'UPDATE futures', 'PRAGMA synchronous=FULL',
-    ]  # fmt: skip
-    assert store.db.query('PRAGMA synchronous')[0][0] == 2
-    assert store.futures.get(tenant.id, done.id).result == {'loss': 1.5}
+    store.tenants.add('bob')  # a durable write
+    with store.transaction():  # an unsynced write inside a durable transaction commits with it
+        store.futures.fail(done.id, 'late', 'server')
+    synced.set_trace_callback(None)
+    unsynced.set_trace_callback(None)
+    writes = {
+        name: [' '.join(s.split(' ', 2)[:2]) for s in said if s.startswith(('PRAGMA', 'INSERT', 'UPDATE'))]
+        for name, said in statements.items()
+    }
+    assert writes['unsynced'] == ['INSERT INTO', 'UPDATE futures']  # no setting switched per write
+    assert writes['synced'] == ['INSERT INTO', 'UPDATE futures']
+    assert store.futures.get(tenant.id, done.id).result == {'loss': 1.5}  # read on the other connection
     store.close()
 
 

@@ -160,6 +160,8 @@ class TransformersModel(TwinkleModel):
         """The parts behind the front, around ``self.model`` and ``self._parallel`` (set first):
         the runner, the full-model group, the stepper and the checkpointer."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        #: The base model's parameter count (adapters add theirs; nothing changes this one).
+        self._base_numel = sum(p.numel() for p in self.model.parameters())
         #: Each adapter's training state by name (only ``FULL``, every weight, before any adapter).
         self.groups: dict[str, TrainGroup] = {}
         self._runner = ModelRunner(
@@ -556,7 +558,8 @@ class TransformersModel(TwinkleModel):
     def get_train_configs(self, *, adapter_name: str | None = None) -> str:
         group = self.train_group(adapter_name)
         trainable = sum(p.numel() for p in group.params)
-        total = sum(p.numel() for p in self.model.parameters())
+        # The base's count and this adapter's: other adapters (other tenants' on a server) are not told
+        total = self._base_numel + (trainable if group.name != FULL else 0)
         lines = [
             f'model: {self.model_id}',
             f'adapter: {group.name or "(full model)"}',

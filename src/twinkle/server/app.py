@@ -65,6 +65,16 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     app = FastAPI(title='twinkle training service', version='1', lifespan=lifespan)
     app.state.service = service
     install_error_handlers(app)
+
+    # First: a route is matched by trying every one before it, and health checks come often.
+    @app.get('/healthz')
+    async def healthz() -> dict[str, str]:
+        return {'status': 'ok'}
+
+    @app.get('/metrics', response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
+
     app.include_router(native_router(service))
     app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenants.for_key)
     tinker = TinkerAPI(service, TinkerState(config.tinker))
@@ -74,14 +84,6 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     app.include_router(openai_router(service))
     app.include_router(completions_router(service))
     mount_dashboard(app, service)
-
-    @app.get('/healthz')
-    async def healthz() -> dict[str, str]:
-        return {'status': 'ok'}
-
-    @app.get('/metrics', response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

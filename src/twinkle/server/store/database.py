@@ -2,6 +2,8 @@
 (``postgres.py``, for several gateways), behind one interface with its lock, its transactions and its fsyncs.
 
 SQLite: autocommit mode, WAL, ``synchronous=FULL``: a write is its own transaction, fsynced before it returns.
+A write that need not be (``durable=False``) goes through a second connection set to ``synchronous=NORMAL``,
+rather than switching the one connection's setting twice a write.
 The aggregates write one SQL for both: ``?`` placeholders, ``INSERT ... ON CONFLICT``, and ``rowid`` as the
 order rows were made in (SQLite's own column; a ``BIGSERIAL`` column of that name in PostgreSQL). Also here,
 what the aggregates share besides: fresh ids, JSON columns, the names a row may give a folder.
@@ -68,6 +70,7 @@ class Database:
         # Reentrant: a write inside another write of the same thread joins its transaction (``write``).
         self._lock = threading.RLock()
         self._depth = 0  # writes open on the thread holding the lock: 1 for the transaction, more when joined
+        self._open: Connection  # the connection of the open transaction, while _depth > 0
 
     @contextmanager
     def write(self, durable: bool = True) -> Iterator[Connection]:
@@ -77,16 +80,16 @@ class Database:
         commit together, or (one raising) none does. ``durable=False`` commits without the fsync: for a row
         a crash may lose because the restart undoes it anyway. The next durable commit syncs it with its own."""
         with self._lock:
-            conn = self._connection()
             if self._depth:  # inside this thread's open transaction: it commits with it
                 self._depth += 1
                 try:
-                    yield conn
+                    yield self._open
                 finally:
                     self._depth -= 1
                 return
+            conn = self._writer(durable)
             with self._transaction(conn, durable):
-                self._depth = 1
+                self._depth, self._open = 1, conn
                 try:
                     yield conn
                 finally:
@@ -94,6 +97,10 @@ class Database:
 
     def _connection(self) -> Connection:
         raise NotImplementedError
+
+    def _writer(self, durable: bool) -> Connection:
+        """The connection a new transaction of this kind writes on."""
+        return self._connection()
 
     def _transaction(self, conn: Connection, durable: bool) -> contextlib.AbstractContextManager[None]:
         raise NotImplementedError
@@ -132,47 +139,54 @@ class SqliteDatabase(Database):
         self.path = Path(path)
         super().__init__(str(self.path), clock)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Autocommit mode: transactions are opened explicitly in write(), never implicitly by the driver.
-        self._conn: sqlite3.Connection | None = sqlite3.connect(
-            self.path, timeout=30.0, isolation_level=None, check_same_thread=False
-        )
+        self._conn: sqlite3.Connection | None = None
+        self._fast: sqlite3.Connection | None = None  # synchronous=NORMAL: commits in the WAL, fsynced later
         try:
-            self._conn.row_factory = sqlite3.Row
-            self._conn.execute('PRAGMA journal_mode=WAL')
-            # FULL: every commit is fsynced before it returns, so an acknowledged row survives a crash.
-            self._conn.execute('PRAGMA synchronous=FULL')
-            self._conn.execute('PRAGMA foreign_keys=ON')
+            self._conn = self._open_connection('FULL')  # every commit fsynced before it returns
+            self._fast = self._open_connection('NORMAL')
         except BaseException:
             self.close()
             raise
+
+    def _open_connection(self, synchronous: str) -> sqlite3.Connection:
+        # Autocommit mode: transactions are opened explicitly in write(), never implicitly by the driver.
+        conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        try:
+            conn.row_factory = sqlite3.Row
+            conn.execute('PRAGMA journal_mode=WAL')
+            conn.execute(f'PRAGMA synchronous={synchronous}')
+            conn.execute('PRAGMA foreign_keys=ON')
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
             raise StateError('the store is closed: the server is stopping')  # a tenant may read this: no path
         return self._conn
 
+    def _writer(self, durable: bool) -> sqlite3.Connection:
+        conn = self._connection()
+        return conn if durable or self._fast is None else self._fast
+
     @contextmanager
     def _transaction(self, conn: Connection, durable: bool) -> Iterator[None]:
-        if not durable:  # synchronous=NORMAL: the commit is in the WAL, not yet fsynced
-            conn.execute('PRAGMA synchronous=NORMAL')
+        conn.execute('BEGIN IMMEDIATE')
         try:
-            conn.execute('BEGIN IMMEDIATE')
-            try:
-                yield
-            except BaseException:
-                conn.execute('ROLLBACK')
-                raise
-            conn.execute('COMMIT')
-        finally:
-            if not durable:
-                conn.execute('PRAGMA synchronous=FULL')
+            yield
+        except BaseException:
+            conn.execute('ROLLBACK')
+            raise
+        conn.execute('COMMIT')
 
     def close(self) -> None:
-        """Close the connection (checkpointing the WAL into the main file); later calls raise StateError."""
+        """Close the connections (the last checkpoints the WAL into the main file); later calls raise StateError."""
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            for conn in (self._fast, self._conn):
+                if conn is not None:
+                    conn.close()
+            self._fast = self._conn = None
 
 
 def violates(exc: Exception, table: str, column: str) -> bool:
