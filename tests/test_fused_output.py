@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from twinkle.data_format import IGNORE_INDEX
 from twinkle.errors import ConfigurationError, DataError
+from twinkle.model import fused_output
 from twinkle.model.fused_output import HeadLora, fused_token_logprobs
 
 TOL = 1e-5
@@ -105,6 +106,41 @@ def test_values_and_gradients_match_unfused(chunk_size: int, temperature: float)
     for name, g, e in zip(['hidden', 'weight', 'bias', 'lora a', 'lora b'], got, expected, strict=True):
         assert g.shape == e.shape, name
         torch.testing.assert_close(g, e, atol=TOL, rtol=0, msg=f'{name}: the gradients differ')
+
+
+@pytest.mark.parametrize('with_entropy', [False, True])
+@pytest.mark.parametrize('temperature', [1.0, 0.7])
+def test_a_frozen_head_takes_its_gradient_from_the_forward_and_recomputes_no_logits(
+    with_entropy: bool, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # LoRA below the head: only the hidden states take a gradient; the head (with a frozen LoRA of its own) does not.
+    hidden, weight, bias, lora, labels = _problem()
+    weight, bias = weight.detach(), bias.detach()
+    lora = HeadLora(lora.a.detach(), lora.b.detach(), lora.scale)
+    kwargs = {'bias': bias, 'lora': lora, 'chunk_size': 4, 'temperature': temperature, 'with_entropy': with_entropy}
+    out = fused_token_logprobs(hidden, weight, labels, **kwargs)
+    ref_logps, ref_entropy = _unfused(hidden, weight, labels, bias, lora, temperature)
+    torch.testing.assert_close(out.logps, ref_logps, atol=TOL, rtol=0)
+    projections = []
+    monkeypatch.setattr(fused_output._Head, 'logits', lambda head, x: projections.append(x) or (None, None))
+    loss, ref_loss = (-(torch.linspace(-1.0, 2.0, 13) * lp).sum() for lp in (out.logps, ref_logps))  # a PG loss
+    torch.testing.assert_close(_grads(loss, [hidden])[0], _grads(ref_loss, [hidden])[0], atol=TOL, rtol=0)
+    assert projections == []  # the backward recomputed no logits
+    if with_entropy:  # an entropy bonus needs the entropy's gradient: the recomputing backward gives both
+        monkeypatch.undo()
+        again = fused_token_logprobs(hidden, weight, labels, **kwargs)
+        ref_logps, ref_entropy = _unfused(hidden, weight, labels, bias, lora, temperature)
+        got = _grads(_mixed_loss(again.logps, again.entropy), [hidden])[0]
+        torch.testing.assert_close(got, _grads(_mixed_loss(ref_logps, ref_entropy), [hidden])[0], atol=TOL, rtol=0)
+
+
+def test_under_no_grad_nothing_is_kept_for_a_backward() -> None:
+    # The reference forward of an RL step (adapter off, no_grad) pays no gradient in its forward.
+    hidden, weight, _, _, labels = _problem()
+    with torch.no_grad():
+        out = fused_token_logprobs(hidden, weight.detach(), labels, chunk_size=4)
+    assert out.logps.grad_fn is None
+    torch.testing.assert_close(out.logps, _unfused(hidden, weight, labels)[0].detach(), atol=TOL, rtol=0)
 
 
 def test_cross_entropy_from_logps_is_torchs() -> None:

@@ -7,6 +7,12 @@ sums, Tinker's losses) and, for some, the entropy of the distribution. ``fused_t
 computes those two per chunk of tokens, keeps one ``logsumexp`` and one entropy per token for the
 backward, and recomputes each chunk's logits there: the extra memory is O(chunk x V), not O(N x V).
 
+When only ``hidden`` takes a gradient (a frozen head: LoRA on the layers below it, the usual case) and
+it is the log-probabilities' gradient, the forward also keeps ``d logp / d hidden`` per token (``[N, H]``,
+the size of ``hidden``), and the backward scales it by the loss's gradient: no logits are recomputed, so
+a step projects onto the vocabulary twice (forward, and ``(onehot - p) @ W``), as the unfused layer does,
+rather than three times. A gradient to the entropy, or to the head's weights, takes the recomputing path.
+
 Per trained token ``n`` with label ``y``, logits ``z = (x W^T + b + s (x A^T) B^T) / T``:
 
 * ``logp[n] = z[y] - logsumexp(z)``,
@@ -94,8 +100,20 @@ def fused_token_logprobs(
     """
     _check_inputs(hidden, weight, labels, bias, lora, chunk_size, temperature)
     lora_a, lora_b, scale = (lora.a, lora.b, float(lora.scale)) if lora is not None else (None, None, 0.0)
+    frozen_head = not any(t is not None and t.requires_grad for t in (weight, bias, lora_a, lora_b))
+    grad_in_forward = torch.is_grad_enabled() and hidden.requires_grad and frozen_head
     logps, entropy, hits = _FusedTokenLogprobs.apply(  # type: ignore[no-untyped-call]  # torch leaves apply untyped
-        hidden, weight, bias, lora_a, lora_b, labels, scale, float(temperature), chunk_size, with_entropy
+        hidden,
+        weight,
+        bias,
+        lora_a,
+        lora_b,
+        labels,
+        scale,
+        float(temperature),
+        chunk_size,
+        with_entropy,
+        grad_in_forward,
     )
     return TokenLogprobs(logps, entropy if with_entropy else None, hits)
 
@@ -164,24 +182,42 @@ class _Head:
         return z_cV, u_cr
 
 
-def _forward_chunk(head: _Head, x_cH: torch.Tensor, y_c: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
-    """``(logp, lse, entropy, hit)`` of one chunk, ``[c]`` each (entropy empty when not asked)."""
-    z_cV, _ = head.logits(x_cH)
+def _forward_chunk(
+    head: _Head, x_cH: torch.Tensor, y_c: torch.Tensor, with_entropy: bool, grad_in_forward: bool
+) -> tuple[torch.Tensor, ...]:
+    """``(logp, lse, entropy, hit, dlogp_dx)`` of one chunk, ``[c]`` each but ``dlogp_dx`` ``[c, H]`` (entropy
+    empty when not asked, ``dlogp_dx`` when not ``grad_in_forward``)."""
+    z_cV, u_cr = head.logits(x_cH)
     # logsumexp by hand, shifting z in place, so the chunk holds two [c, V] buffers at most.
     max_c = z_cV.amax(dim=-1)
     shifted_cV = z_cV.sub_(max_c[:, None])
     target_c = shifted_cV.gather(1, y_c[:, None]).squeeze(1)
     hit_c = target_c >= 0  # the label's logit minus the largest
+    none = max_c.new_empty(0)
     if not with_entropy:  # one [c, V] buffer: exp in place
-        log_sum_c = shifted_cV.exp_().sum(dim=-1).log_()
-        return target_c - log_sum_c, max_c + log_sum_c, max_c.new_empty(0), hit_c
+        exp_cV = shifted_cV.exp_()
+        log_sum_c = exp_cV.sum(dim=-1).log_()
+        dlogp_dx_cH = (
+            _dlogp_dx(head, x_cH, u_cr, y_c, exp_cV.div_(log_sum_c.exp()[:, None])) if grad_in_forward else none
+        )
+        return target_c - log_sum_c, max_c + log_sum_c, none, hit_c, dlogp_dx_cH
     log_sum_c = torch.exp(shifted_cV).sum(dim=-1).log_()
     logp_c, lse_c = target_c - log_sum_c, max_c + log_sum_c
     # entropy = -sum_j p_j log p_j over log p = z - lse (in place) and p = exp(log p): subtracting
     # lse first keeps a peaked distribution's small entropy exact, where lse - sum_j p_j z_j cancels.
     logp_cV = shifted_cV.sub_(log_sum_c[:, None])
-    entropy_c = -torch.exp(logp_cV).mul_(logp_cV).sum(dim=-1)
-    return logp_c, lse_c, entropy_c, hit_c
+    p_cV = torch.exp(logp_cV)
+    entropy_c = -logp_cV.mul_(p_cV).sum(dim=-1)
+    dlogp_dx_cH = _dlogp_dx(head, x_cH, u_cr, y_c, p_cV) if grad_in_forward else none
+    return logp_c, lse_c, entropy_c, hit_c, dlogp_dx_cH
+
+
+def _dlogp_dx(
+    head: _Head, x_cH: torch.Tensor, u_cr: torch.Tensor | None, y_c: torch.Tensor, p_cV: torch.Tensor
+) -> torch.Tensor:
+    """``d logp / d x`` ``[c, H]`` float32 from the softmax ``p_cV`` (overwritten): ``(onehot(y) - p) dz/dx``."""
+    grad_cV = p_cV.neg_().scatter_add_(1, y_c[:, None], torch.ones_like(y_c, dtype=p_cV.dtype)[:, None])
+    return _backward_chunk(head, x_cH, grad_cV, u_cr, _Grads(None, None, None, None)).float()
 
 
 def _grad_logits(
@@ -253,6 +289,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         with_entropy: bool,
+        grad_in_forward: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         rows_n = (labels != IGNORE_INDEX).nonzero().squeeze(1)
@@ -262,15 +299,17 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         x_nH = hidden.index_select(0, rows_n).to(weight.dtype)
         head = _Head(weight, bias, lora_a, lora_b, scale, temperature)
         parts = [
-            _forward_chunk(head, x_nH[i : i + chunk_size], y_n[i : i + chunk_size], with_entropy)
+            _forward_chunk(head, x_nH[i : i + chunk_size], y_n[i : i + chunk_size], with_entropy, grad_in_forward)
             for i in range(0, len(rows_n), chunk_size)
         ]
-        logp_n, lse_n, entropy_n, hit_n = (
+        empty = hidden.new_empty(0, dtype=torch.float32)
+        logp_n, lse_n, entropy_n, hit_n, dlogp_dx_nH = (
             (torch.cat(p) for p in zip(*parts, strict=True))
             if parts
-            else (*(hidden.new_empty(0, dtype=torch.float32),) * 3, hidden.new_empty(0, dtype=torch.bool))
+            else (empty, empty, empty, hidden.new_empty(0, dtype=torch.bool), empty)
         )
-        ctx.save_for_backward(x_nH, y_n, rows_n, lse_n, entropy_n, weight, bias, lora_a, lora_b)
+        ctx.grad_in_forward = grad_in_forward and bool(parts)
+        ctx.save_for_backward(x_nH, y_n, rows_n, lse_n, entropy_n, dlogp_dx_nH, weight, bias, lora_a, lora_b)
         ctx.meta = (hidden.shape, hidden.dtype, scale, temperature, chunk_size, with_entropy)
         n = hidden.shape[0]
         out_logps = logp_n.new_zeros(n).index_copy_(0, rows_n, logp_n)
@@ -285,7 +324,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
     def backward(
         ctx: Any, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_hits: Any
     ) -> tuple[Any, ...]:
-        x_nH, y_n, rows_n, lse_n, entropy_n, weight, bias, lora_a, lora_b = ctx.saved_tensors
+        x_nH, y_n, rows_n, lse_n, entropy_n, dlogp_dx_nH, weight, bias, lora_a, lora_b = ctx.saved_tensors
         hidden_shape, hidden_dtype, scale, temperature, chunk_size, with_entropy = ctx.meta
         head = _Head(weight, bias, lora_a, lora_b, scale, temperature)
         needs = ctx.needs_input_grad
@@ -298,7 +337,9 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             grad_entropy.index_select(0, rows_n).float() if grad_entropy is not None and with_entropy else None
         )
         grad_x_nH = torch.zeros_like(x_nH) if needs[0] else None
-        if g_logp_n is not None or g_entropy_n is not None:
+        if ctx.grad_in_forward and g_entropy_n is None and g_logp_n is not None and grad_x_nH is not None:
+            grad_x_nH = (dlogp_dx_nH * g_logp_n[:, None]).to(x_nH.dtype)  # the head takes no gradient here
+        elif g_logp_n is not None or g_entropy_n is not None:
             for i in range(0, len(rows_n), chunk_size):
                 s = slice(i, i + chunk_size)
                 z_cV, u_cr = head.logits(x_nH[s])  # recomputed: the forward kept only lse and entropy
@@ -313,7 +354,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             grad_hidden = grad_x_nH.new_zeros(hidden_shape, dtype=hidden_dtype)
             grad_hidden.index_copy_(0, rows_n, grad_x_nH.to(hidden_dtype))
         grads = (_cast(g, t) for g, t in zip((acc.weight, acc.bias, acc.lora_a, acc.lora_b), params, strict=True))
-        return (grad_hidden, *grads, None, None, None, None, None)
+        return (grad_hidden, *grads, None, None, None, None, None, None)
 
 
 def _zeros32(t: torch.Tensor) -> torch.Tensor:
