@@ -60,6 +60,7 @@ def test_folder_holds_one_shared_matrix(wide_path: str) -> None:
 
 def test_loads_and_one_lora_step_gives_the_full_vocabulary_loss(wide_path: str) -> None:
     model = TransformersModel(model_id=wide_path, device='cpu')
+    assert model.fused_output  # on by default at a real vocabulary: this step runs the output layer fused
     head = model.model.get_output_embeddings()
     assert head.weight.shape == (VOCAB, 1024)
     assert head.weight.data_ptr() == model.model.get_input_embeddings().weight.data_ptr()  # tied on load

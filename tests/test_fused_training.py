@@ -270,6 +270,27 @@ def test_the_switch_refuses_a_non_bool(base: TransformersModel) -> None:
         model.fused_output = 'yes'  # type: ignore[assignment]
 
 
+def test_the_default_is_on_from_a_real_vocabulary(tiny_model_dir: str) -> None:
+    from torch import nn
+
+    from twinkle.model.output_layer import FUSED_BY_DEFAULT_FROM, fuses_by_default
+
+    class Headed(nn.Module):
+        def __init__(self, outputs: int | None) -> None:
+            super().__init__()
+            self.head = nn.Linear(4, outputs, bias=False) if outputs else None
+
+        def get_output_embeddings(self) -> nn.Module | None:
+            return self.head
+
+    assert FUSED_BY_DEFAULT_FROM == 32_768
+    assert [fuses_by_default(Headed(n)) for n in (4096, 32_767, 32_768, 151_936, None)] == [
+        False, False, True, True, False
+    ]  # fmt: skip
+    assert not TransformersModel(model_id=tiny_model_dir, device='cpu').fused_output  # 4,096 outputs
+    assert TransformersModel(model_id=tiny_model_dir, device='cpu', fused_output=True).fused_output
+
+
 def test_a_head_lora_with_dropout_runs_unfused_even_after_an_evaluation_pass(tiny_model_dir: str) -> None:
     # forward_only leaves the model in eval mode, where dropout is off: the choice of the fused
     # layer is made after the training pass has set train mode, so the head's dropout is kept.

@@ -21,6 +21,10 @@ from twinkle.model.multi_lora import MultiLoraLinear
 
 #: What the fused layer computes: the labels' logprobs, and the entropy too.
 FusedReads = Literal['logps', 'logps+entropy']
+#: Outputs from which ``fused_output`` is on when not chosen. At Qwen3's 151,936 (``wide-qwen3``) the fused
+#: layer ran an SFT and a GRPO step at x1.49 and x1.47 of a raw PyTorch + PEFT loop's tokens/s, in x0.21 and
+#: x0.32 of its memory; at 4,096 (``small-qwen3``) at x0.83 to x1.30 (``benchmarks/sft_speed.py``, 2026-11-28).
+FUSED_BY_DEFAULT_FROM = 32_768
 
 
 #: Config fields of models whose logits are more than the head's projection of the last hidden
@@ -104,6 +108,13 @@ def _plain_logits(config: object) -> bool:
     return True
 
 
+def fuses_by_default(model: nn.Module) -> bool:
+    """``fused_output``'s default: on for a head of at least ``FUSED_BY_DEFAULT_FROM`` outputs, a real
+    model's vocabulary, where the logits are what fills a step's memory and time."""
+    weight = getattr(_head(model), 'weight', None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] >= FUSED_BY_DEFAULT_FROM
+
+
 def _head(model: nn.Module) -> nn.Module | None:
     """The model's output layer (``PreTrainedModel.get_output_embeddings``), None without one."""
     get = getattr(model, 'get_output_embeddings', None)
@@ -160,4 +171,4 @@ def _scatter_rows(like_BS: torch.Tensor, parts: list[tuple[torch.Tensor | None, 
     return out
 
 
-__all__ = ['FusedReads', 'fusable', 'head_outputs']
+__all__ = ['FUSED_BY_DEFAULT_FROM', 'FusedReads', 'fusable', 'fuses_by_default', 'head_outputs']

@@ -41,6 +41,7 @@ from twinkle.model.loading import (
 )
 from twinkle.model.lora_adapter import check_name
 from twinkle.model.offload import OptimizerOffloader
+from twinkle.model.output_layer import fuses_by_default
 from twinkle.model.parallel import ModelParallel
 from twinkle.model.passes import check_positive
 from twinkle.model.router import Router, model_router
@@ -80,8 +81,10 @@ class TransformersModel(TwinkleModel):
     the policy-gradient, preference and Tinker losses; ``Loss.output_reads``): each label's
     logprob comes from the last hidden states in chunks of tokens, and the ``[tokens, vocab]``
     logits never exist whole (``twinkle.model.fused_output``). The numbers equal the unfused
-    ones to 1e-5; ``forward``/``forward_only`` still return logits. It can be switched at any time
-    (``model.fused_output = False``).
+    ones to 1e-5; ``forward``/``forward_only`` still return logits. By default (``None``) it is on
+    for a head of a real vocabulary (``output_layer.FUSED_BY_DEFAULT_FROM``, 32,768 outputs or more),
+    where it was measured faster and leaner, and off for the small ones. It can be switched at any
+    time (``model.fused_output = False``).
 
     ``padding_free=True`` packs the rows of a ``forward_backward`` call into one row without
     padding, for an adapter that sets no processor of its own: no compute is spent on padding, and
@@ -112,7 +115,7 @@ class TransformersModel(TwinkleModel):
         attn_implementation: str = 'sdpa',
         gradient_checkpointing: bool = False,
         router_aux_loss_coef: float | None = None,
-        fused_output: bool = False,
+        fused_output: bool | None = None,
         padding_free: bool | None = None,
         compile_layers: bool = False,
         **from_pretrained_kwargs: Any,
@@ -147,7 +150,7 @@ class TransformersModel(TwinkleModel):
             compile_blocks(self.model)
         moe_router = model_router(self.model.config, router_aux_loss_coef)
         self._assemble(device, mixed_precision, moe_router, Checkpointer)
-        self.fused_output = fused_output
+        self.fused_output = fuses_by_default(self.model) if fused_output is None else fused_output
         self.padding_free = packs_by_default(self.model.config) if padding_free is None else padding_free
 
     def _assemble(

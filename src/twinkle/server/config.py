@@ -260,8 +260,9 @@ class SpeedSettings(BaseModel):
 
     model_config = ConfigDict(extra='forbid')
 
-    #: The output layer and the loss in chunks of tokens: no ``[tokens, vocab]`` logits.
-    fused_output: bool = False
+    #: The output layer and the loss in chunks of tokens: no ``[tokens, vocab]`` logits. None: on for
+    #: a head of a real vocabulary (32,768 outputs or more; ``output_layer.fuses_by_default``).
+    fused_output: bool | None = None
     #: ``forward_backward`` packs a request's rows into one row; None: where the attention
     #: kernel pays for it (flash attention), not under sdpa (``runner.packs_by_default``).
     padding_free: bool | None = None
@@ -393,7 +394,7 @@ class ServerConfig(BaseModel):
     #: model's worker, on the trainer's current weights.
     sampler: SamplerSettings | None = None
     #: The model's speed switches (``SpeedSettings``; the transformers backend's):
-    #: ``{fused_output: true}`` keeps a real vocabulary's logits from filling memory.
+    #: ``{compile_layers: true}`` compiles the decoder layers; ``{fused_output: false}`` keeps whole logits.
     speed: SpeedSettings = Field(default_factory=SpeedSettings)
     #: What each tenant may use and hold, and its share of the workers (``Quotas``).
     quotas: Quotas = Field(default_factory=Quotas)

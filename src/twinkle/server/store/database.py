@@ -70,7 +70,7 @@ class Database:
         # Reentrant: a write inside another write of the same thread joins its transaction (``write``).
         self._lock = threading.RLock()
         self._depth = 0  # writes open on the thread holding the lock: 1 for the transaction, more when joined
-        self._open: Connection  # the connection of the open transaction, while _depth > 0
+        self._joined: Connection  # the connection of the open transaction, while _depth > 0
 
     @contextmanager
     def write(self, durable: bool = True) -> Iterator[Connection]:
@@ -83,13 +83,13 @@ class Database:
             if self._depth:  # inside this thread's open transaction: it commits with it
                 self._depth += 1
                 try:
-                    yield self._open
+                    yield self._joined
                 finally:
                     self._depth -= 1
                 return
             conn = self._writer(durable)
             with self._transaction(conn, durable):
-                self._depth, self._open = 1, conn
+                self._depth, self._joined = 1, conn
                 try:
                     yield conn
                 finally:
