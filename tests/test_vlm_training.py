@@ -27,7 +27,7 @@ from twinkle.assets import dataset, resolve_images, tiny_model
 from twinkle.data_format import IGNORE_INDEX, InputFeature
 from twinkle.dataset import IterableDataset, PackedStream, PackingDataset
 from twinkle.errors import ConfigurationError, DataError
-from twinkle.model import AdapterCall, TransformersModel, multi_lora
+from twinkle.model import AdapterCall, TransformersModel, multi_lora, output_layer
 from twinkle.model.runner import mrope_positions
 from twinkle.processor import InputProcessor
 from twinkle.processor.base import split_rows
@@ -431,3 +431,22 @@ def test_grpo_on_image_rows_in_one_pass_equals_each_adapter_alone(
         assert loss is not None and loss != 0.0
         assert output.loss == pytest.approx(loss, rel=TOL), name
         assert worst(grads(mixed, name), grads(alone, name)) <= TOL, name
+
+
+@pytest.mark.parametrize('name', ['tiny-qwen3-vl', 'tiny-qwen3.5-vl'])
+def test_image_rows_through_the_fused_output_layer_get_the_unfused_loss_and_gradients(
+    name: str, shapes: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fused_output is on by default at a real vocabulary (Qwen3-VL's, Qwen3.5's): on here by hand.
+    path = tiny_model(name)
+    rows = rows_with_images(VisionTemplate(path), shapes)
+    unfused = lora_model(path)
+    fused = copy.deepcopy(unfused)
+    fused.fused_output = True
+    chunked = []  # the fused layer's calls: the fused model must not fall back to whole logits
+    real = output_layer.fused_token_logprobs
+    monkeypatch.setattr(output_layer, 'fused_token_logprobs', lambda *a, **k: chunked.append(1) or real(*a, **k))
+    loss = unfused.forward_backward(inputs=rows, adapter_name='a').loss
+    assert fused.forward_backward(inputs=rows, adapter_name='a').loss == pytest.approx(loss, abs=TOL)
+    assert chunked
+    assert worst(grads(fused), grads(unfused)) <= TOL
