@@ -142,7 +142,7 @@ def serve_marked(cli_args: list[str]) -> None:
     around(scheduler.Scheduler, '_execute', 'operation', 'operation_end')
     around(scheduler.Job, '_settle', 'settled', None)
     around(scheduler, '_resolve', 'resumed', None)
-    around(h11_impl.RequestResponseCycle, 'send', None, 'http_out')
+    around_async(h11_impl.RequestResponseCycle, 'send', 'sending', 'http_out')
 
     @atexit.register
     def write() -> None:
@@ -170,28 +170,37 @@ def timed(call: Callable[[], object], count: int, into: list[tuple[float, float]
 
 def step_gaps(
     windows: list[tuple[float, float]], marks: list[tuple[str, float]], steps: list[tuple[str, str]]
-) -> dict[str, list[float]]:
-    """Each step's duration in each request, in ms: from its mark to the next step's mark found."""
+) -> tuple[dict[str, list[float]], int]:
+    """Each step's duration in each request, in ms (from its mark to the next step's), over the requests
+    whose marks are all there and in the order of ``steps``; and how many requests were left out (a job
+    settled before the loop waited on it leaves no ``resumed`` mark; a chore's call may land out of order)."""
     gaps: dict[str, list[float]] = {name: [] for name, _ in steps}
     marks = sorted(marks, key=lambda m: m[1])
     times = [t for _, t in marks]
+    left_out = 0
     for began, ended in windows:
         inside = marks[bisect.bisect_left(times, began) : bisect.bisect_right(times, ended)]
-        seen: dict[str, float] = {'client_out': began, 'client_in': ended}
+        seen: dict[str, float] = {'client_out': began}
         for name, at in inside:
             if name == 'http_out':
                 seen[name] = at  # the last send: the body's
             else:
                 seen.setdefault(name, at)
-        points = [(name, seen[mark]) for name, mark in steps if mark in seen] + [('end', ended)]
+        if any(mark not in seen for _, mark in steps):
+            left_out += 1
+            continue
+        points = [(name, seen[mark]) for name, mark in steps] + [('end', ended)]
+        if any(following < at for (_, at), (_, following) in itertools.pairwise(points)):
+            left_out += 1
+            continue
         for (name, at), (_, following) in itertools.pairwise(points):
             gaps[name].append((following - at) * 1e3)
-    return gaps
+    return gaps, left_out
 
 
-def summarize(gaps: dict[str, list[float]], calls: int) -> dict[str, float]:
-    """The median of each step that every request (or nearly: 90 %) went through."""
-    return {name: statistics.median(values) for name, values in gaps.items() if len(values) >= 0.9 * calls}
+def summarize(gaps: dict[str, list[float]]) -> dict[str, float]:
+    """The median of each step."""
+    return {name: statistics.median(values) for name, values in gaps.items() if values}
 
 
 def measure(model: str, calls: int, rounds: int, workdir: Path) -> dict[str, Any]:
@@ -217,10 +226,17 @@ def measure(model: str, calls: int, rounds: int, workdir: Path) -> dict[str, Any
             for name in kinds if round_ % 2 == 0 else list(kinds)[::-1]:
                 timed(kinds[name], calls, windows[name])
     marks = [tuple(m) for m in json.loads((workdir / 'marks.json').read_text())]
-    small = summarize(step_gaps(windows['small request'], marks, STEPS), len(windows['small request']))
-    bare = summarize(step_gaps(windows['bare GET'], marks, GET_STEPS), len(windows['bare GET']))
+    small, small_out = step_gaps(windows['small request'], marks, STEPS)
+    bare, bare_out = step_gaps(windows['bare GET'], marks, GET_STEPS)
     totals = {name: statistics.median((b - a) * 1e3 for a, b in spans) for name, spans in windows.items()}
-    return {'small_request_ms': small, 'bare_get_ms': bare, 'total_ms': totals}
+    return {
+        'small_request_ms': summarize(small),
+        'bare_get_ms': summarize(bare),
+        'total_ms': totals,
+        # Requests of each kind whose marks were not all there, in order (their steps are not in the medians).
+        'left_out': {'small request': small_out, 'bare GET': bare_out},
+        'requests': {name: len(spans) for name, spans in windows.items()},
+    }
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -232,6 +248,13 @@ def print_summary(result: dict[str, Any]) -> None:
             print(f'{name:<32} {small[name]:>14.3f} {bare.get(name, 0.0):>10.3f} {added:>+8.3f}')
     added = totals['small request'] - totals['bare GET']
     print(f'{"whole request":<32} {totals["small request"]:>14.3f} {totals["bare GET"]:>10.3f} {added:>+8.3f}')
+    left_out, requests = result['left_out'], result['requests']
+    print(
+        ', '.join(
+            f'{name}: {left_out[name]} of {requests[name]} left out (marks missing or out of order)'
+            for name in requests
+        )
+    )
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ When only ``hidden`` takes a gradient (a frozen head: LoRA on the layers below i
 it is the log-probabilities' gradient, the forward also keeps ``d logp / d hidden`` per token (``[N, H]``,
 the size of ``hidden``), and the backward scales it by the loss's gradient: no logits are recomputed, so
 a step projects onto the vocabulary twice (forward, and ``(onehot - p) @ W``), as the unfused layer does,
-rather than three times. A gradient to the entropy, or to the head's weights, takes the recomputing path.
+rather than three times. A gradient to the entropy (a loss with an entropy bonus: four projections, the
+forward's being unused), or to the head's weights (three), takes the recomputing path.
 
 Per trained token ``n`` with label ``y``, logits ``z = (x W^T + b + s (x A^T) B^T) / T``:
 
@@ -215,9 +216,10 @@ def _forward_chunk(
 def _dlogp_dx(
     head: _Head, x_cH: torch.Tensor, u_cr: torch.Tensor | None, y_c: torch.Tensor, p_cV: torch.Tensor
 ) -> torch.Tensor:
-    """``d logp / d x`` ``[c, H]`` float32 from the softmax ``p_cV`` (overwritten): ``(onehot(y) - p) dz/dx``."""
+    """``d logp / d x`` ``[c, H]`` from the softmax ``p_cV`` (overwritten): ``(onehot(y) - p) dz/dx``, in
+    the weight's dtype (what the recomputing backward's product is in)."""
     grad_cV = p_cV.neg_().scatter_add_(1, y_c[:, None], torch.ones_like(y_c, dtype=p_cV.dtype)[:, None])
-    return _backward_chunk(head, x_cH, grad_cV, u_cr, _Grads(None, None, None, None)).float()
+    return _backward_chunk(head, x_cH, grad_cV, u_cr, _Grads(None, None, None, None))  # in the weight's dtype
 
 
 def _grad_logits(
@@ -338,7 +340,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         )
         grad_x_nH = torch.zeros_like(x_nH) if needs[0] else None
         if ctx.grad_in_forward and g_entropy_n is None and g_logp_n is not None and grad_x_nH is not None:
-            grad_x_nH = (dlogp_dx_nH * g_logp_n[:, None]).to(x_nH.dtype)  # the head takes no gradient here
+            grad_x_nH = (dlogp_dx_nH.float() * g_logp_n[:, None]).to(x_nH.dtype)  # the head takes no gradient here
         elif g_logp_n is not None or g_entropy_n is not None:
             for i in range(0, len(rows_n), chunk_size):
                 s = slice(i, i + chunk_size)
