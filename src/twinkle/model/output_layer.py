@@ -23,7 +23,8 @@ from twinkle.model.multi_lora import MultiLoraLinear
 FusedReads = Literal['logps', 'logps+entropy']
 #: Outputs from which ``fused_output`` is on when not chosen. At Qwen3's 151,936 (``wide-qwen3``) the fused
 #: layer ran an SFT and a GRPO step at x1.49 and x1.47 of a raw PyTorch + PEFT loop's tokens/s, in x0.21 and
-#: x0.32 of its memory; at 4,096 (``small-qwen3``) at x0.83 to x1.30 (``benchmarks/sft_speed.py``, 2026-11-28).
+#: x0.32 of its memory; at 4,096 from x0.83 (``small-qwen3``) to x1.47 (``tiny-qwen3.5``), no steady gain
+#: (``benchmarks/sft_speed.py``, 2026-11-28).
 FUSED_BY_DEFAULT_FROM = 32_768
 
 
