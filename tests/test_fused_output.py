@@ -134,12 +134,18 @@ def test_a_frozen_head_takes_its_gradient_from_the_forward_and_recomputes_no_log
         torch.testing.assert_close(got, _grads(_mixed_loss(ref_logps, ref_entropy), [hidden])[0], atol=TOL, rtol=0)
 
 
-def test_under_no_grad_nothing_is_kept_for_a_backward() -> None:
+def test_under_no_grad_nothing_is_kept_for_a_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     # The reference forward of an RL step (adapter off, no_grad) pays no gradient in its forward.
     hidden, weight, _, _, labels = _problem()
+    kept = []
+    real = fused_output._dlogp_dx
+    monkeypatch.setattr(fused_output, '_dlogp_dx', lambda *a: kept.append(1) or real(*a))
+    fused_token_logprobs(hidden, weight.detach(), labels, chunk_size=4)
+    assert kept  # with grad on, the frozen head's forward keeps the gradient (the same hidden and head)
+    kept.clear()
     with torch.no_grad():
         out = fused_token_logprobs(hidden, weight.detach(), labels, chunk_size=4)
-    assert out.logps.grad_fn is None
+    assert out.logps.grad_fn is None and kept == []
     torch.testing.assert_close(out.logps, _unfused(hidden, weight, labels)[0].detach(), atol=TOL, rtol=0)
 
 

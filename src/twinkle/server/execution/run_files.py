@@ -101,7 +101,7 @@ def release_memory(config: ServerConfig) -> None:
     lock = None if root is None else _HELD.pop(root, None)
     if lock is not None:
         lock.close()
-    if root is not None and [path.name for path in _folders(root)] == [] and (root / OWNER).is_file():
+    if root is not None and not _folders(root) and (root / OWNER).is_file():
         shutil.rmtree(root, ignore_errors=True)  # nothing left in memory: no folder left behind
 
 
