@@ -265,16 +265,21 @@ def test_the_limits_end_episodes(sampler, template):
     assert len(episode.tokens) - len(episode.turns[-1].action_tokens) < 40
 
 
-def test_a_slow_environment_times_out_alone(sampler, template):
+def test_a_slow_environment_times_out_alone(template):
     class Slow(Countdown):
         async def step(self, action: Action) -> StepResult:
             await asyncio.sleep(30)
             return StepResult(done=True)
 
-    engine = RolloutEngine(sampler, template, SamplingParams(max_tokens=4), turn_timeout_s=1.0)
+    # A scripted generator answers at once, so only the slow step meets the limit, however busy the
+    # machine (the tiny model's first call alone can take over a second on 2 loaded cores).
+    engine = RolloutEngine(Scripted(template, ['Hi.', 'Hi.']), template, turn_timeout_s=1.0)
     episodes = engine.rollout([Slow(), Countdown(turns=1)])
     assert [e.end for e in episodes] == ['timeout', 'done']
     assert 'turn_timeout_s=1.0' in episodes[0].error
+    # The slow episode keeps the turn it sampled: its tokens are the episode's last.
+    [turn] = episodes[0].turns
+    assert turn.observation_tokens + turn.action_tokens == episodes[0].tokens
 
 
 def test_a_seeded_rollout_repeats_and_its_episodes_differ(sampler, template):

@@ -12,6 +12,14 @@ in one call while the others wait on their tools.
 An episode ends when its environment says so, or at ``max_turns``, at ``max_episode_tokens``
 (prompt and environment tokens included), when a turn outlasts ``turn_timeout_s``, or when its
 environment raises: that episode ends with ``end='error'``, counted in ``stats``; the others go on.
+
+A turn that times out in its step (a tool, the grading) keeps its ``Turn``: the sampled tokens
+and log-probabilities are in ``Episode.tokens`` already, and the turn's tool calls are recorded
+as answered ``timed_out``, so the turns and the tokens agree. The step itself is cancelled: an
+async tool stops at its next ``await``; a sync one cannot be stopped, and runs on in its thread,
+abandoned (``tools.ToolThreads``: nothing waits for it, neither ``rollout()`` nor the process's
+exit, and at most ``max_abandoned`` are left at once). One timing out while it samples keeps no
+turn: nothing was added to the episode.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 from twinkle.agent.base import Action, Env, StepResult, awaited, flat
 from twinkle.agent.episode import Episode, Turn
 from twinkle.agent.generator import Batcher, Generation, as_generator
-from twinkle.agent.tools import parse_tool_calls
+from twinkle.agent.tools import ToolResult, parse_tool_calls
 from twinkle.data_format import Message, SamplingParams
 from twinkle.errors import ConfigurationError, DataError
 from twinkle.template import Template
@@ -45,7 +53,8 @@ class RolloutStats:
     turns: int = 0
     model_tokens: int = 0  # tokens the sampler produced
     tool_calls: int = 0
-    tool_errors: int = 0  # calls answered with an error (malformed, unknown, refused, raised)
+    tool_errors: int = 0  # calls answered with an error (malformed, unknown, refused, raised, timed out)
+    tool_timeouts: int = 0  # calls their turn's timeout gave up before the environment answered
     tool_outputs_cut: int = 0
     sampler_calls: int = 0
     wall_s: float = 0.0
@@ -58,6 +67,7 @@ class RolloutStats:
             'model_tokens': float(self.model_tokens),
             'tool_calls': float(self.tool_calls),
             'tool_errors': float(self.tool_errors),
+            'tool_timeouts': float(self.tool_timeouts),
             'tokens_per_s': self.model_tokens / self.wall_s if self.wall_s else 0.0,
         }
         return metrics | {f'ended_{reason}': float(n) for reason, n in self.ends.items()}
@@ -148,7 +158,13 @@ class RolloutEngine:
             episode.extend(generation.tokens, generation.logprobs)
             episode.weight_versions.append(generation.weight_version)
             episode.messages.append(_assistant_message(action))
-            result = await self._timed(awaited(env.step(action)))
+            try:
+                result = await self._timed(awaited(env.step(action)))
+            except asyncio.TimeoutError:  # the turn's tokens are the episode's already: keep the turn
+                episode.turns.append(
+                    _turn(observation, observation_tokens, generation, action, self._timed_out(action))
+                )
+                raise
             episode.turns.append(_turn(observation, observation_tokens, generation, action, result))
             if result.done:
                 episode.end = 'done'
@@ -173,6 +189,12 @@ class RolloutEngine:
 
     async def _timed(self, work: Any) -> Any:
         return await asyncio.wait_for(work, self.turn_timeout_s)
+
+    def _timed_out(self, action: Action) -> StepResult:
+        """What a turn whose step outlasted ``turn_timeout_s`` gave: each of its calls answered as
+        timed out (and nothing added to the episode after the action)."""
+        answer = f'Error: timed out: the turn took longer than turn_timeout_s={self.turn_timeout_s}'
+        return StepResult(tool_results=[ToolResult(c, answer, failed=True, timed_out=True) for c in action.tool_calls])
 
     def _action(self, generation: Generation) -> Action:
         tokens = generation.tokens
@@ -241,6 +263,7 @@ def _stats(episodes: list[Episode], sampler_calls: int, wall_s: float) -> Rollou
         model_tokens=sum(episode.num_model_tokens for episode in episodes),
         tool_calls=len(results),
         tool_errors=sum(result.failed for result in results),
+        tool_timeouts=sum(result.timed_out for result in results),
         tool_outputs_cut=sum(result.truncated for result in results),
         sampler_calls=sampler_calls,
         wall_s=wall_s,
