@@ -17,11 +17,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from twinkle.server.api.dashboard import mount_dashboard
+from twinkle.server.api.deps import printable_path
 from twinkle.server.api.errors import install_error_handlers
 from twinkle.server.api.native import native_router
 from twinkle.server.api.openai_api import openai_router
@@ -62,7 +63,10 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
         service.stop()
         service.store.close()
 
-    app = FastAPI(title='twinkle training service', version='1', lifespan=lifespan)
+    # Every route refuses a path parameter no id can hold before it looks it up (``printable_path``).
+    app = FastAPI(
+        title='twinkle training service', version='1', lifespan=lifespan, dependencies=[Depends(printable_path)]
+    )
     app.state.service = service
     install_error_handlers(app)
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import hmac
+import re
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from twinkle.errors import UnauthorizedError
+from twinkle.errors import NotFoundError, UnauthorizedError
 from twinkle.server.auth import TENANT_KEY, hash_key, key_from_headers
 from twinkle.server.service import Service
 from twinkle.server.store import Tenant
 from twinkle.wire import MAX_QUEUE_WAIT_S, QUEUE_HEADER
+
+#: What no id or name holds: the C0 control characters and DEL.
+_CONTROL = re.compile('[\x00-\x1f\x7f]')
 
 
 def key_holder(request: Request) -> Tenant:
@@ -58,3 +62,20 @@ def is_admin(service: Service, request: Request) -> bool:
     hashed = configured.lower().startswith('sha256:')
     expected = configured[len('sha256:') :].lower() if hashed else hash_key(configured)
     return hmac.compare_digest(hash_key(key).encode(), expected.encode('utf-8', 'replace'))
+
+
+def printable_path(request: Request) -> None:
+    """Refuse a path parameter holding a control character (U+0000 to U+001F, U+007F) with a 404
+    naming it, before any route looks it up. No id or name the server makes or accepts holds one
+    (ids are ``<prefix>-<hex>``, names ``check_name``'s characters, model ids hub ids or paths),
+    and the store and the filesystem cannot all take them: PostgreSQL's text refuses a NUL (a 500
+    from the driver otherwise), a path a NUL. Every route of the app depends on it (``create_app``).
+
+    >>> from starlette.requests import Request
+    >>> printable_path(Request({'type': 'http', 'path_params': {'run_id': 'run-1\\x00'}}))
+    Traceback (most recent call last):
+    twinkle.errors.NotFoundError: run_id 'run-1\\x00' names nothing here: no id or name holds a control character
+    """
+    for name, value in request.path_params.items():
+        if isinstance(value, str) and _CONTROL.search(value):
+            raise NotFoundError(f'{name} {value!r} names nothing here: no id or name holds a control character')
