@@ -7,14 +7,18 @@ a 400 that names the row, the image and the limit."""
 from __future__ import annotations
 
 import base64
+import ctypes
 import io
 import itertools
 import math
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import tinker
 import torch
 from peft import LoraConfig
 from PIL import Image
@@ -33,8 +37,16 @@ from twinkle_client.sampler import TorchSampler as ClientSampler
 TOL = 1e-5
 VLM = 'tiny-qwen3.5-vl'
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weights=False)
-#: The server's image limits (the shapes' pictures are 64 x 64 PNGs of a few hundred bytes).
-LIMITS = {'max_images_per_request': 4, 'max_image_bytes': 4096, 'max_image_pixels': 100 * 100}
+#: The server's image limits (the shapes' pictures are 64 x 64 PNGs of a few hundred bytes: 4,096 pixels,
+#: 4 tokens each; a request of up to four of them fits). The model's image processor resizes to at most
+#: 16,384 pixels; the server to at most 8,192.
+LIMITS = {
+    'max_images_per_request': 4,
+    'max_image_bytes': 4096,
+    'max_image_pixels': 100 * 100,
+    'max_image_pixels_per_request': 4 * 64 * 64,
+    'max_image_resized_pixels': 8192,
+}
 
 
 @pytest.fixture(scope='module')
@@ -149,20 +161,76 @@ def _undecodable(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, 'images': ['data:image/png;base64,' + base64.b64encode(b'not a picture').decode()]}
 
 
+def _cut(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's picture with its header whole (64 x 64, read without decoding) and its pixels cut in half."""
+    whole = base64.b64decode(row['images'][0].partition(',')[2])
+    return {**row, 'images': ['data:image/png;base64,' + base64.b64encode(whole[: len(whole) // 2]).decode()]}
+
+
+def _file(image: Image.Image, image_format: str, **options: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=image_format, **options)
+    return buffer.getvalue()
+
+
+def _animated() -> bytes:
+    """A GIF of three 64 x 64 frames (420 bytes): only its first would reach the model."""
+    frames = [Image.new('RGB', (64, 64), (80 * i, 0, 0)) for i in range(3)]
+    return _file(frames[0], 'GIF', save_all=True, append_images=frames[1:])
+
+
+def _as_url(data: bytes) -> str:
+    return 'data:image/png;base64,' + base64.b64encode(data).decode()
+
+
+#: Images the checks refuse, each with what the 400 says (the file, and the limit as its config field).
+#: 588 x 17 (9,996 pixels, under 10,000): Qwen's smart_resize makes the short side one factor (32) and the
+#: long one floor(588 / 1.105 / 32) * 32 = 512, 16,384 pixels, over the server's 8,192 (its beta is
+#: sqrt(9996 / 8192) = 1.105). 16 x 16 BMP: 822 bytes, a format PIL reads and the service does not take.
+BAD_FILES: dict[str, tuple[bytes, str]] = {
+    'aspect': (
+        _file(Image.new('RGB', (1, 4000)), 'PNG'),
+        'image 0 is 1 x 4000 pixels, an aspect ratio of 4000.0, over the limit of 200 of the image processor',
+    ),
+    'resized': (
+        _file(Image.new('RGB', (588, 17)), 'PNG'),
+        'image 0 is 588 x 17 pixels, resized to 512 x 32 = 16384 pixels, over the limit of 8192 after resizing '
+        '(limits.max_image_resized_pixels)',
+    ),
+    'format': (
+        _file(Image.new('RGB', (16, 16)), 'BMP'),
+        'image 0 cannot be decoded as an image: it is not a PNG, JPEG, WebP or GIF file',
+    ),
+    'animated': (_animated(), 'image 0 is an animated GIF of 3 frames; accepted: a still image'),
+}
+
+
+def _bad_file(refusal: str) -> Any:
+    return lambda row: {**row, 'images': [_as_url(BAD_FILES[refusal][0])]}
+
+
 REFUSALS = {
-    'count': (lambda row: {**row, 'images': row['images'] * 5}, 'the request holds 5 images, over the limit of 4'),
+    'count': (
+        lambda row: {**row, 'images': row['images'] * 5},
+        'the request holds 5 images, over the limit of 4 per request (limits.max_images_per_request)',
+    ),
     'pixels': (
         lambda row: {**row, 'images': [data_url(Image.new('RGB', (120, 90)))]},
-        'input row 0 image 0 is 120 x 90 = 10800 pixels, over the limit of 10000 per image',
+        'input row 0 image 0 is 120 x 90 = 10800 pixels, over the limit of 10000 per image (limits.max_image_pixels)',
     ),
-    'bytes': (lambda row: {**row, 'images': [data_url(_noise(60))]}, 'bytes, over the limit of 4096 per image'),
+    'bytes': (
+        lambda row: {**row, 'images': [data_url(_noise(60))]},
+        'bytes, over the limit of 4096 per image (limits.max_image_bytes)',
+    ),
     'undecodable': (_undecodable, 'input row 0 image 0 cannot be decoded as an image'),
+    'truncated': (_cut, 'input row 0 image 0 cannot be decoded as an image: image file is truncated'),
     'tokens': (
         lambda row: {**row, 'images': [data_url(Image.new('RGB', (32, 32)))]},
         'input row 0 image 0 has 4 pad tokens, but the image is 1 tokens',
     ),
     'runs': (lambda row: {**row, 'images': row['images'] * 2}, 'input row 0 has 2 images but 1 runs of image pad'),
     'path': (lambda row: {**row, 'images': ['/etc/passwd']}, "String should match pattern '^data:image/"),
+    **{name: (_bad_file(name), f'input row 0 {message}') for name, (_, message) in BAD_FILES.items()},
 }
 
 
@@ -177,7 +245,7 @@ def test_images_over_the_limits_are_a_400_naming_the_row_image_and_limit(server,
         json={'inputs': [change(row)]},
         headers={'Authorization': f'Bearer {keys["bob"]}'},
     )
-    assert response.status_code in (400, 422), response.text
+    assert response.status_code == (422 if refusal == 'path' else 400), response.text  # refused before it queues
     assert message in response.text
     assert '/tmp' not in response.text and 'twinkle.server' not in response.text
     assert model.forward_only(inputs=features[:1]).logps  # the server serves on
@@ -278,13 +346,140 @@ def test_tinker_samples_an_image_prompt_with_the_trainers_logprobs(server, sdk_c
     assert max(abs(a - b) for a, b in zip(elsewhere[-len(tail) :], tail, strict=True)) > 1e-2
 
 
-def test_an_image_whose_pixels_do_not_decode_fails_its_request_naming_it(server, features):
-    # Its header reads (the route's checks pass, they read headers only); its pixels are cut short.
+def test_a_request_over_its_decoded_pixels_is_a_400_naming_the_total_and_the_limit(server, features):
+    # Two rows of a 100 x 90 picture each: 2 x 9,000 = 18,000 pixels to decode, over 4 x 64 x 64 = 16,384.
     url, keys, _ = server
     model = native(url, keys['bob'], seed=2)
+    rows = [{**row, 'images': [data_url(Image.new('RGB', (100, 90)))]} for row in _wire_rows(features[:2])]
+    response = httpx.post(
+        f'{url}{PREFIX}/runs/{model.runs["default"]}/ops/forward_only',
+        json={'inputs': rows},
+        headers={'Authorization': f'Bearer {keys["bob"]}'},
+    )
+    assert response.status_code == 400, response.text
+    assert (
+        "the request's 2 images are 18000 pixels (width x height, before resizing), over the limit of 16384 per "
+        'request (limits.max_image_pixels_per_request)'
+    ) in response.text
+
+
+def test_a_row_encoded_for_the_processors_own_resize_names_the_servers(server, vlm_dir, features):
+    # 100 x 90: the model's processor (at most 16,384 pixels) keeps 96 x 96, 9 tokens, as the local template
+    # encodes it; the server resizes to at most 8,192 pixels: beta = sqrt(9000 / 8192) = 1.048, 64 x 64, 4 tokens.
+    url, keys, _ = server
+    picture = Image.new('RGB', (100, 90), (200, 30, 30))
+    messages = [{'role': 'user', 'content': [{'type': 'image', 'image': picture}, {'type': 'text', 'text': 'hi'}]}]
+    row = VisionTemplate(vlm_dir).encode({'messages': messages})
+    assert sum(row['mm_token_type_ids']) == 9
+    model = native(url, keys['bob'], seed=2)
+    with pytest.raises(DataError, match=r'has 9 pad tokens, but the image is 4 tokens \(resized to 64 x 64'):
+        model.forward_only(inputs=[{**row, 'messages': messages}])
+
+
+def test_images_are_decoded_one_at_a_time_and_resized_before_the_processor(vlm_dir):
+    # Four 2000 x 2000 PNGs (4 M pixels, solid: a few kB each). PIL holds a decoded RGB image in 4 bytes a
+    # pixel (16 MB); decoding one at a time and resizing it at once holds at most one such image, and its RGB
+    # copy were it of another mode: 2 x 16 = 32 MB over the baseline. All four decoded first and copied into
+    # arrays by the processor, as before this bound, was 146 MiB. The pixels are the processor's own on the
+    # full-size images, bit for bit.
+    from twinkle.server.config import Limits
+    from twinkle.server.execution.images import ImageRows
+    from twinkle.template.vision import load_image_processor
+
+    limits = Limits(max_image_pixels=2000 * 2000, max_image_pixels_per_request=4 * 2000 * 2000)
+    rows = ImageRows.of(vlm_dir, limits)
+    assert rows is not None
+    files = [_file(Image.new('RGB', (2000, 2000), (60 * i, 90, 200)), 'PNG') for i in range(4)]
+    pads = [rows.image_token_id] * 16  # 2000 x 2000 resizes to 128 x 128: 16 tokens
+    row = {'input_ids': [1, *pads, 2, *pads, 3, *pads, 4, *pads, 5]}
+    before = _reset_peak()
+    attached = rows.attach('input row 0', row, files)
+    peak = _status('VmHWM') - before
+    assert peak < 2 * 4 * 2000 * 2000, f'{peak / 2**20:.0f} MiB over the baseline'
+    processor = load_image_processor(vlm_dir)
+    expected = processor(images=[Image.open(io.BytesIO(f)).convert('RGB') for f in files], return_tensors='pt')
+    assert attached['image_grid_thw'] == expected['image_grid_thw'].tolist() == [[1, 8, 8]] * 4
+    assert torch.equal(attached['pixel_values'], expected['pixel_values'])
+
+
+def _status(field: str) -> int:
+    """A byte figure of this process's ``/proc/self/status`` (``VmRSS``, ``VmHWM``: its peak)."""
+    line = next(line for line in Path('/proc/self/status').read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak resident memory to what it holds now (Linux's clear_refs); that figure.
+    What was freed is first handed back (glibc's malloc_trim): memory the allocator kept resident from
+    making the test's files would otherwise be reused unseen, hiding the peak."""
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+    Path('/proc/self/clear_refs').write_text('5')
+    return _status('VmRSS')
+
+
+def tinker_image_datum(data: bytes, expected: int) -> types.Datum:
+    """A datum of three text tokens, an image chunk of ``data`` and two text tokens, trained on none."""
+    chunks = [
+        types.EncodedTextChunk(tokens=[11, 12, 13]),
+        types.ImageChunk(data=data, format='png', expected_tokens=expected),
+        types.EncodedTextChunk(tokens=[14, 15]),
+    ]
+    length = 5 + expected
+    return types.Datum(
+        model_input=types.ModelInput(chunks=chunks),
+        loss_fn_inputs={'target_tokens': [0] * length, 'weights': [0.0] * length},
+    )
+
+
+def _cut_picture(features: list[dict[str, Any]]) -> bytes:
+    return base64.b64decode(_cut(_wire_rows(features[:1])[0])['images'][0].partition(',')[2])
+
+
+@pytest.mark.parametrize('refusal', ['truncated', 'count', *sorted(BAD_FILES)])
+def test_tinker_image_chunks_over_the_limits_are_a_400_naming_the_datum_and_image(
+    server, sdk_clients, features, refusal
+):
+    url, keys, _ = server
+    trainer = sdk_clients(url, keys['bob']).create_lora_training_client(base_model=VLM, rank=4).result()
+    if refusal == 'truncated':  # its header: 64 x 64, 4 tokens; its pixels cut
+        datums, message = [tinker_image_datum(_cut_picture(features), 4)], 'datum 0 image 0 cannot be decoded'
+    elif refusal == 'count':
+        datums = [tinker_datum(row) for row in (features * 2)[:5]]
+        message = 'the request holds 5 images, over the limit of 4 per request (limits.max_images_per_request)'
+    else:
+        data, message = BAD_FILES[refusal]
+        datums, message = [tinker_image_datum(data, 4)], f'datum 0 {message}'
+    with pytest.raises(tinker.BadRequestError, match=re.escape(message)):
+        trainer.forward(datums, 'cross_entropy').result()
+    assert trainer.forward([tinker_datum(features[0])], 'cross_entropy').result().loss_fn_outputs  # serves on
+
+
+@pytest.mark.parametrize('refusal', ['truncated', 'aspect'])
+def test_a_tinker_prompt_with_a_bad_image_is_a_400_on_both_sampling_routes(server, sdk_clients, features, refusal):
+    url, keys, _ = server
+    data = _cut_picture(features) if refusal == 'truncated' else BAD_FILES['aspect'][0]
+    message = 'the prompt image 0 ' + ('cannot be decoded' if refusal == 'truncated' else 'is 1 x 4000 pixels')
+    sampler = sdk_clients(url, keys['alice']).create_sampling_client(base_model=VLM).result()
+    prompt = types.ModelInput(
+        chunks=[types.EncodedTextChunk(tokens=[11, 12]), tinker_image_datum(data, 4).model_input.chunks[1]]
+    )
+    params = types.SamplingParams(max_tokens=2, seed=1)
+    with pytest.raises(tinker.BadRequestError, match=re.escape(message)):
+        sampler.sample(prompt, num_samples=1, sampling_params=params).result()
+    with pytest.raises(tinker.BadRequestError, match=re.escape(message)):
+        sampler.compute_logprobs(prompt).result()
+
+
+def test_a_native_sample_prompt_with_a_bad_image_is_a_400(server, features):
+    url, keys, _ = server
+    model = native(url, keys['alice'], seed=6)
     [row] = _wire_rows(features[:1])
-    whole = base64.b64decode(row['images'][0].partition(',')[2])
-    cut = {**row, 'images': ['data:image/png;base64,' + base64.b64encode(whole[: len(whole) // 2]).decode()]}
-    with pytest.raises(DataError, match='input row 0 image 0 cannot be decoded as an image'):
-        model.forward_only(inputs=[cut])
-    assert model.forward_only(inputs=features[:1]).logps
+    prompt = {'input_ids': row['input_ids'], 'images': [_as_url(BAD_FILES['aspect'][0])]}
+    headers = {'Authorization': f'Bearer {keys["alice"]}'}
+    for path in (f'/runs/{model.runs["default"]}/ops/sample', '/sample'):
+        body: dict[str, Any] = {'inputs': [prompt], 'sampling_params': {'max_tokens': 2}}
+        response = httpx.post(
+            f'{url}{PREFIX}{path}', json=body if 'ops' in path else {**body, 'base_model': VLM}, headers=headers
+        )
+        assert response.status_code == 400, (path, response.text)
+        assert 'prompt 0 image 0 is 1 x 4000 pixels, an aspect ratio of 4000.0' in response.text, path

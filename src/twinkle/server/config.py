@@ -62,6 +62,16 @@ class Limits(BaseModel):
     #: decompression bomb stops here); past it, 400 naming the row and the image. The default is
     #: the most Qwen's image processors keep (16,384 patches of 28 x 28) times four.
     max_image_pixels: int = Field(4 * 16_384 * 28 * 28, gt=0)
+    #: Pixels (width x height, before resizing) of a request's images together, read from their headers:
+    #: what decoding them costs in time (each is decoded twice, where the request is checked and on the
+    #: worker, one image at a time); past it, 400 naming the total. The default: two images at
+    #: max_image_pixels, or the 64 of max_images_per_request at 1.6 million pixels each.
+    max_image_pixels_per_request: int = Field(2 * 4 * 16_384 * 28 * 28, gt=0)
+    #: Pixels of one image after the model's image processor resizes it: its max_pixels is set to this
+    #: where it is lower, so the model never sees more (None: the processor's own, ``size.longest_edge``
+    #: of its preprocessor_config.json). An image that would still resize to more (long and thin: its
+    #: short side is held at one merged patch) is a 400. Rows must hold the tokens of the server's resize.
+    max_image_resized_pixels: int | None = Field(None, gt=0)
     #: Seconds a request body may stop arriving before the server answers 408 and hangs up.
     body_read_timeout_s: float = Field(30.0, gt=0)
     #: Seconds a connection may go without a request head (a new one, one between requests, or one

@@ -187,7 +187,8 @@ def _operation_endpoint(
         run = await service.adapter_of(who, run_id)
         group = service.group_of(run)
         kwargs = body.arguments()
-        group.validate(name, kwargs)  # names, token ids, sizes: a 4xx now, not a failed future
+        # names, token ids, sizes, images: a 4xx now, not a failed future (off the event loop: images take seconds)
+        await asyncio.to_thread(group.validate, name, kwargs)
         if name == 'calculate_loss' and group.config.ranks > 1:
             raise ConfigurationError(
                 'calculate_loss is not taken by a model on several ranks (each rank holds a share of the rows of '
@@ -356,7 +357,8 @@ def _sample_route(router: APIRouter, service: Service) -> None:
                 group = service.hosting(source.base_model, f'checkpoint {path!r}')
             service.check_trained_on(checkpoint, group, path)
         inputs = [prompt.model_dump(exclude_none=True) for prompt in body.inputs]
-        group.check_sample_request(inputs, body.sampling_params)  # a 4xx now, not a failed future
+        # a 4xx now, not a failed future (off the event loop: images take seconds to decode)
+        await asyncio.to_thread(group.check_sample_request, inputs, body.sampling_params)
 
         meter = Meter()
 

@@ -26,7 +26,7 @@ from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, check_optimizer_args, ch
 from twinkle.processor import PROCESSORS
 from twinkle.registry import Registry
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.images import ImageRows, Images, ImageSlot, data_url_bytes
+from twinkle.server.execution.images import ImageRows, Images, ImageSlot, RowImages, data_url_bytes
 from twinkle.template import TEMPLATES, Template
 from twinkle.wire import LORA_FIELDS, OPERATIONS, Configure
 
@@ -90,15 +90,17 @@ class RequestChecks:
         checked: known parameters with valid values, prompt token ids in the vocabulary, and
         (for prompts given as token ids; ``messages`` are counted once encoded, on the worker)
         each prompt plus ``max_tokens`` within the model context and the request within the
-        token limit; a prompt's ``images`` decoded into its pixels."""
+        token limit; a prompt's ``images`` decoded into its pixels (``decode=False``, where a request
+        is accepted: checked, ``check_images``, and left as they are)."""
         params = SamplingParams.from_dict(sampling_params)
         self.check_sampling_params(params)
         self.check_image_count(inputs)
-        prompts = [
-            self.with_images(f'prompt {i}', _prompt(i, row, self.vocab_size), decode) for i, row in enumerate(inputs)
-        ]
+        prompts = [_prompt(i, row, self.vocab_size) for i, row in enumerate(inputs)]
         self.check_prompt_lengths([(i, p['input_ids']) for i, p in enumerate(prompts) if 'input_ids' in p], params)
-        return prompts, params
+        if not decode:
+            self.check_images(_row_images('prompt', prompts))
+            return prompts, params
+        return [self.with_images(f'prompt {i}', prompt) for i, prompt in enumerate(prompts)], params
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         for token in params.stop_token_ids:
@@ -141,17 +143,27 @@ class RequestChecks:
         """Encoded rows (``twinkle.wire.InputRow`` s) checked against the model: token ids and
         labels in the vocabulary, the request's token total within the limit, and a row's
         ``images`` decoded into its pixels (``ImageRows.attach``; ``decode=False``, where a request
-        is accepted: only checked from the files' headers, ``ImageRows.check``)."""
-        features, total = [], 0
+        is accepted: checked, ``check_images``, and left as they are)."""
         self.check_image_count(inputs)
-        for index, row in enumerate(inputs):
-            feature = _feature(index, row, self.vocab_size)
-            total += len(feature['input_ids'])
-            features.append(self.with_images(f'input row {index}', feature, decode))
-        limit = self.config.limits.max_tokens_per_request
+        features = [_feature(index, row, self.vocab_size) for index, row in enumerate(inputs)]
+        total, limit = sum(len(feature['input_ids']) for feature in features), self.config.limits.max_tokens_per_request
         if total > limit:
             raise DataError(f'the request holds {total} tokens, over the limit of {limit} per request')
-        return features
+        if not decode:
+            self.check_images(_row_images('input row', features))
+            return features
+        return [self.with_images(f'input row {index}', feature) for index, feature in enumerate(features)]
+
+    def check_images(self, rows: Sequence[RowImages]) -> None:
+        """A request's images, where it is accepted, before it is queued: every route that takes
+        images calls this, for both APIs (the native rows and prompts, Tinker's datums and prompts),
+        so each limit is held in one place (``ImageRows.check``)."""
+        count = sum(len(row.files) for row in rows)
+        if count == 0:
+            return
+        if self.image_rows is None:
+            raise DataError(f'the request holds {count} images, but this model takes no images (a text model)')
+        self.image_rows.check(rows)
 
     def check_image_count(self, rows: list[JsonObject], count: int | None = None) -> None:
         """The images of a request's rows or prompts (or ``count`` of them): a model that takes
@@ -172,17 +184,23 @@ class RequestChecks:
             raise DataError(f'{where} holds {len(slots)} image chunks, but this model takes no images (a text model)')
         return self.image_rows.fill(where, tokens, slots)
 
-    def with_images(self, where: str, row: Any, decode: bool = True) -> Any:
+    def with_images(self, where: str, row: Any) -> Any:
         """``row`` with its ``images`` (data URLs) made pixels, grids and image token types."""
         urls = row.get('images')
         if not urls or self.image_rows is None:  # no images, or none allowed (check_image_count refused them)
             return row
         data = [data_url_bytes(f'{where} image {j}', url) for j, url in enumerate(urls)]
-        bare = {k: v for k, v in row.items() if k != 'images'}
-        if not decode:  # where the request is accepted: the headers only; the worker decodes
-            self.image_rows.check(where, bare, data)
-            return row
-        return self.image_rows.attach(where, bare, data)
+        return self.image_rows.attach(where, {k: v for k, v in row.items() if k != 'images'}, data)
+
+
+def _row_images(kind: str, rows: Sequence[Any]) -> list[RowImages]:
+    """The images of a request's rows (``kind`` 'input row') or prompts ('prompt'), as data URLs decoded."""
+    out = []
+    for index, row in enumerate(rows):
+        where = f'{kind} {index}'
+        files = [data_url_bytes(f'{where} image {j}', url) for j, url in enumerate(row.get('images') or [])]
+        out.append(RowImages(where, row.get('input_ids', []), files))
+    return out
 
 
 #: The registry of the component each ``twinkle.wire.Configure`` field names.

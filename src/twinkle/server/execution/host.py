@@ -12,7 +12,7 @@ checks, sampling saved weights, and its life (restart, shutdown).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, cast
 
@@ -25,7 +25,7 @@ from twinkle.errors import TwinkleError
 from twinkle.model.checkpointer import Restored
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.checks import Json, JsonObject, RequestChecks, SavedWeights
-from twinkle.server.execution.images import Images
+from twinkle.server.execution.images import Images, RowImages
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
 
 if TYPE_CHECKING:
@@ -59,10 +59,14 @@ class SamplingHost(Protocol):
     context: int | None
 
     def sample_request(
-        self, inputs: list[JsonObject], sampling_params: JsonObject | None
+        self, inputs: list[JsonObject], sampling_params: JsonObject | None, decode: bool = True
     ) -> tuple[list[JsonObject], SamplingParams]: ...
 
     def check_sampling_params(self, params: SamplingParams) -> None: ...
+
+    def check_images(self, rows: Sequence[RowImages]) -> None:
+        """A request's images, before it is queued (``RequestChecks.check_images``)."""
+        ...
 
     def sample_ids(
         self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None, images: Images = ()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -27,7 +27,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.execution.adapter_pool import AdapterOptions, AdapterPool
 from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.host import Host, Json, JsonObject, Outcome, SamplingHost
-from twinkle.server.execution.images import Images
+from twinkle.server.execution.images import Images, RowImages
 from twinkle.server.execution.model_host import is_mixable, request_tokens
 from twinkle.server.execution.run_files import KIND_FOLDERS, RELEASE_STATE, run_dir
 from twinkle.server.execution.sampler_group import SamplerGroup, saved_weights
@@ -221,7 +221,12 @@ class ModelGroup:
         self.host.validate(operation, kwargs)
 
     def check_sample_request(self, inputs: list[JsonObject], sampling_params: JsonObject | None) -> None:
-        self.sampling_host.sample_request(inputs, sampling_params)
+        self.sampling_host.sample_request(inputs, sampling_params, decode=False)
+
+    def check_images(self, rows: Sequence[RowImages], sampling: bool = False) -> None:
+        """A Tinker request's images (its datums', or with ``sampling`` its prompt's, on the host that
+        samples), as the native ones are checked: ``RequestChecks.check_images``."""
+        (self.sampling_host if sampling else self.host).check_images(rows)
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         self.sampling_host.check_sampling_params(params)

@@ -50,7 +50,7 @@ from tinker.types.topk_logprobs import MASK_LOGPROB
 
 from twinkle.data_format import SampledSequence, SampleResponse, TokenLogprob
 from twinkle.errors import DataError
-from twinkle.server.execution.images import IMAGE_SLOT, ImageSlot
+from twinkle.server.execution.images import IMAGE_SLOT, ImageSlot, RowImages
 
 #: Largest decompressed ``forward_backward`` body; a zstd bomb stops here.
 MAX_BODY_BYTES = 1 << 28
@@ -249,6 +249,11 @@ def _tokens(index: int, chunks: Sequence[pb.Chunk]) -> tuple[list[int], tuple[Im
         else:
             raise DataError(f'{where} is {kind or "empty"!r}; accepted: encoded_text and image chunks')
     return tokens, tuple(images)
+
+
+def datum_images(call: ForwardBackwardCall) -> list[RowImages]:
+    """The call's datums' tokens and image chunks, as the checks of a request's images take them."""
+    return [RowImages.of_slots(f'datum {index}', datum.tokens, datum.images) for index, datum in enumerate(call.data)]
 
 
 def image_slot(

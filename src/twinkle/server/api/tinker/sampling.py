@@ -28,7 +28,7 @@ from twinkle.errors import DataError, NotFoundError
 from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, proto_result, router
 from twinkle.server.execution import tinker_codec as codec
-from twinkle.server.execution.images import IMAGE_SLOT, Images, ImageSlot
+from twinkle.server.execution.images import IMAGE_SLOT, Images, ImageSlot, RowImages
 from twinkle.server.execution.model_group import ModelGroup, bare
 from twinkle.server.metering import Meter
 from twinkle.server.store import Store, Tenant
@@ -77,6 +77,7 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
         checkpoint = api.checkpoint(who, path, kinds=('sampler', 'training')) if path else None
         prompt, params, images = _sample_request(body, api.settings.default_max_tokens)
         group.check_sampling_params(params)
+        await asyncio.to_thread(group.check_images, [RowImages.of_slots('the prompt', prompt, images)], sampling=True)
         sequence_ids = [f'seq-{secrets.token_hex(8)}:{i}' for i in range(params.num_samples)]
         meter = Meter(session_id=session_id)
 

@@ -152,6 +152,7 @@ def _step_routes(routes: APIRouter, api: TinkerAPI) -> None:
         run = api.run_of(who, call.model_id)
         group = service.group_of(run)
         try:
+            await asyncio.to_thread(group.check_images, codec.datum_images(call))  # as the native rows' images
             call = await asyncio.to_thread(provenance.checked_call, service.store, who, run, call)
         except DataError:
             api.state.sequencer.skip(run.id, call.seq_id)  # refused before it was accepted: its turn passes
