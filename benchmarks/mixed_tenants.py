@@ -92,6 +92,11 @@ class Settings:
     startup_timeout_s: float = 300.0
 
 
+#: The admin key of the servers it starts, whose /metrics it reads.
+METRICS_KEY = 'bench-admin-' + 'k' * 32
+METRICS_AUTH = {'Authorization': f'Bearer {METRICS_KEY}'}
+
+
 class Server(ServerProcess):
     """``ServerProcess`` with more ``ServerConfig`` fields in its config file."""
 
@@ -99,7 +104,8 @@ class Server(ServerProcess):
         workdir.mkdir(parents=True, exist_ok=True)
         super().__init__(settings, workdir)
         group = {'ranks': settings.ranks, 'fsdp_size': settings.fsdp_size}
-        (workdir / 'server.json').write_text(json.dumps({'device': settings.device, **group, **config}))
+        metrics = {'admin_api_key': METRICS_KEY}  # /metrics answers the admin key only
+        (workdir / 'server.json').write_text(json.dumps({'device': settings.device, **group, **metrics, **config}))
 
     def rss_mib(self) -> float:
         status = Path(f'/proc/{self.process.pid}/status').read_text()
@@ -195,7 +201,7 @@ def mixed_mode(settings: Settings, ms: float) -> str:
 def mean_pass_jobs(url: str, operation: str) -> float:
     """Requests per pass, averaged over a mixed server's ``operation`` requests (/metrics)."""
     values = {}
-    for line in httpx.get(f'{url}/metrics').text.splitlines():
+    for line in httpx.get(f'{url}/metrics', headers=METRICS_AUTH).text.splitlines():
         for part in ('sum', 'count'):
             if line.startswith(f'twinkle_pass_jobs_{part}{{operation="{operation}"}}'):
                 values[part] = float(line.split()[-1])
@@ -252,7 +258,7 @@ def memory(settings: Settings, workdir: Path, limits_extra: dict[str, Any] | Non
 
 
 def memory_releases(url: str) -> float:
-    for line in httpx.get(f'{url}/metrics').text.splitlines():
+    for line in httpx.get(f'{url}/metrics', headers=METRICS_AUTH).text.splitlines():
         if line.startswith('twinkle_memory_releases_total '):
             return float(line.split()[-1])
     return 0.0

@@ -43,11 +43,10 @@ from schemathesis.specs.openapi.checks import (
 from server_helpers import background_server
 
 #: Operations that answer without an API key; every other one must answer 401 without a known key.
-# The routes that need no API key: health, metrics, and a download link's file (the signed link is the
-# credential: tests/test_tinker_export.py checks that an altered or expired one is a 401).
+# The routes that need no API key: health, and a download link's file (the signed link is the credential:
+# tests/test_tinker_export.py checks that an altered or expired one is a 401). The metrics need the admin key.
 PUBLIC = {
     'GET /healthz',
-    'GET /metrics',
     'GET /api/v1/healthz',
     'GET /api/v1/external_weights_files/{checkpoint_id}/{name}',
     'GET /api/v1/session_traces/{session_id}',

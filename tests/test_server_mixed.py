@@ -29,6 +29,9 @@ from twinkle_client.model import MultiLoraTransformersModel
 TOL = 1e-5
 TENANTS = {'alice': 4, 'bob': 8, 'carol': 16}  # tenant -> LoRA rank
 WAIT_S = 120
+#: The admin key the servers here are started with: /metrics answers it only.
+ADMIN_KEY = 'admin-' + 'k' * 40
+ADMIN = {'Authorization': f'Bearer {ADMIN_KEY}'}
 
 
 # Each tenant's batch, of lengths that differ across tenants (the shared pass pads them).
@@ -37,7 +40,8 @@ ROWS = {'alice': token_rows(1, [12, 7]), 'bob': token_rows(2, [25]), 'carol': to
 
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, dict[str, str], Any]]:
-    with background_server(tmp_path_factory.mktemp('mixed'), tiny_model_dir, tenants=tuple(TENANTS)) as running:
+    folder, tenants = tmp_path_factory.mktemp('mixed'), tuple(TENANTS)
+    with background_server(folder, tiny_model_dir, tenants=tenants, admin_api_key=ADMIN_KEY) as running:
         yield running
 
 
@@ -84,7 +88,7 @@ def test_three_tenants_in_one_pass_get_their_numbers_alone(server):
     models = _models(url, keys)
     _one_pass_against_alone(service, models)
     # Each request of the shared pass counts a pass of 3 (9), each twin's its pass of 1 (3 more).
-    metrics = httpx.get(f'{url}/metrics').text
+    metrics = httpx.get(f'{url}/metrics', headers=ADMIN).text
     assert 'twinkle_pass_jobs_sum{operation="forward_backward"} 12.0' in metrics
     assert 'twinkle_pass_jobs_count{operation="forward_backward"} 6.0' in metrics
 
@@ -222,12 +226,14 @@ def test_a_tenant_whose_loss_is_not_finite_fails_alone_in_a_shared_tinker_pass(t
 
 @pytest.mark.skipif(not can_release_memory(), reason='malloc_trim is glibc only')
 def test_an_idle_server_gives_freed_memory_back(tmp_path, tiny_model_dir):
-    with background_server(tmp_path, tiny_model_dir, tenants=('alice',), release_memory_after_idle_s=0.05) as running:
+    options = {'release_memory_after_idle_s': 0.05, 'admin_api_key': ADMIN_KEY}
+    with background_server(tmp_path, tiny_model_dir, tenants=('alice',), **options) as running:
         url, keys, _ = running
         model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=url, api_key=keys['alice']))
         model.add_adapter_to_model('a', LoraConfig(r=4, target_modules='all-linear'))
         model.forward_backward(inputs=ROWS['alice'], adapter_name='a')
         deadline = time.monotonic() + WAIT_S
-        while not re.search(r'^twinkle_memory_releases_total [1-9]', metrics := httpx.get(f'{url}/metrics').text, re.M):
+        released = re.compile(r'^twinkle_memory_releases_total [1-9]', re.M)
+        while not released.search(metrics := httpx.get(f'{url}/metrics', headers=ADMIN).text):
             assert time.monotonic() < deadline, metrics
             time.sleep(0.05)

@@ -42,6 +42,8 @@ from twinkle_client.model import MultiLoraTransformersModel
 from twinkle_client.sampler import vLLMSampler
 
 TOL = 1e-5
+#: The admin key of the served fixture's server: its /metrics answers it only.
+ADMIN_KEY = 'admin-' + 'k' * 40
 TENANTS = {'a': 2, 'b': 4, 'c': 8, 'd': 2, 'e': 4}  # adapter -> LoRA rank
 # One-row requests land on one rank each, so the other ranks hold no gradient for them: every
 # rank must still decide alike which adapters step together (a mismatch hangs the group).
@@ -173,6 +175,7 @@ def served(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Any]]:
     data_dir = tmp_path_factory.mktemp('ranks')
     more = [{'base_model': 'small-qwen3', 'device': 'cpu'}]
     options = {'ranks': 2, 'fsdp_size': 2, 'release_memory_after_idle_s': None, 'more_models': more}
+    options['admin_api_key'] = ADMIN_KEY  # the metrics'
     with background_server(data_dir, 'tiny-qwen3', **options) as running:
         yield running
 
@@ -276,7 +279,7 @@ def test_a_killed_worker_fails_its_request_and_the_group_comes_back(served):
     assert victim not in host.pids and len(host.pids) == 2
     restarts = service.store.history.restarts(service.default.name)
     assert [reason for reason, _ in restarts] == [str(held.error).split(';')[0]]
-    metrics = httpx.get(f'{url}/metrics', headers={'X-API-Key': keys['alice']}).text
+    metrics = httpx.get(f'{url}/metrics', headers={'X-API-Key': ADMIN_KEY}).text
     assert re.search(r'twinkle_model_restarts_total\{base_model="tiny-qwen3"\} 1\.0', metrics)
 
 

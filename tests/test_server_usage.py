@@ -44,7 +44,7 @@ PROMPTS = [{'messages': [{'role': 'user', 'content': 'What is your name?'}]}, {'
 @pytest.fixture(scope='module')
 def served(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, dict[str, str], Any]]:
     data_dir = tmp_path_factory.mktemp('usage')
-    options = {'pricing': PRICING, 'admin_api_key': ADMIN_KEY}
+    options = {'pricing': PRICING, 'admin_api_key': ADMIN_KEY, 'metrics': {'tenant_label': 'name'}}
     with background_server(data_dir, tiny_model_dir, tenants=('alice', 'bob'), **options) as running:
         yield running
 
@@ -118,7 +118,8 @@ def test_the_admin_sees_every_tenant_and_a_window_without_usage_is_empty(served,
 
 def test_prometheus_counts_the_usage_by_tenant(served, used):
     url, _, _ = served
-    metrics = httpx.get(f'{url}/metrics').text
+    # The admin key's, with tenants named by name (metrics.tenant_label: name).
+    metrics = httpx.get(f'{url}/metrics', headers={'Authorization': f'Bearer {ADMIN_KEY}'}).text
     assert 'twinkle_usage_total{kind="training",tenant="alice"} 31.0' in metrics
     assert 'twinkle_usage_total{kind="training",tenant="bob"} 25.0' in metrics
 

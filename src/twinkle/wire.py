@@ -145,6 +145,10 @@ FIGURE_NAME: dict[str, JsonValue] = {'pattern': f'^{_FIGURE_NAME.pattern}$', 'no
 QUEUE_HEADER = 'X-Twinkle-Queue'
 #: The longest such wait, in seconds.
 MAX_QUEUE_WAIT_S = 600.0
+#: The header that names one compute request (``TwinkleClient`` sends a UUID per call, the same on each
+#: retry of it): the request sent again with the same key runs no second time, it is answered the
+#: first one's future (``twinkle.server.api.idempotency``).
+IDEMPOTENCY_HEADER = 'Idempotency-Key'
 #: The binary body of the native API (``twinkle.server.api.binary``): a request sent with this
 #: ``Content-Type`` is read as MessagePack, and one that ``Accept``-s it is answered in it.
 MSGPACK = 'application/msgpack'
@@ -677,6 +681,7 @@ def parse_checkpoint_path(path: str) -> tuple[str, str, str]:
 
 __all__ = [
     'FEATURE_FIELDS',
+    'IDEMPOTENCY_HEADER',
     'LORA_FIELDS',
     'MAX_QUEUE_WAIT_S',
     'MSGPACK',

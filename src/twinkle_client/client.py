@@ -8,6 +8,7 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar, cast
@@ -19,6 +20,7 @@ from pydantic import BaseModel, JsonValue, ValidationError
 from twinkle import errors
 from twinkle.errors import DataError, TwinkleError
 from twinkle.wire import (
+    IDEMPOTENCY_HEADER,
     MAX_QUEUE_WAIT_S,
     MSGPACK,
     MSGPACK_TYPES,
@@ -43,6 +45,13 @@ PREFIX = '/twinkle/v1'
 WAIT_S = 30.0
 #: Longest ``Retry-After`` a 429 is retried after; a longer one (a daily quota spent) raises at once.
 MAX_RETRY_AFTER_S = 60.0
+#: Seconds before the first try again of a request whose connection failed, doubling up to the second
+#: (a gateway that died: a load balancer in front sends the next try to another).
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
+#: Answers of a proxy whose gateway is gone (bad gateway, its timeout): tried again, as a broken connection is.
+PROXY_FAILURES = (502, 504)
+#: Errors of a connection that never carried the request: any request may be sent again after them.
+UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
 Wire = TypeVar('Wire', bound=BaseModel)
 _default: TwinkleClient | None = None
 
@@ -122,32 +131,66 @@ class TwinkleClient:
 
     # ---- plumbing -------------------------------------------------------------------------------
     def request(
-        self, method: str, path: str, *, json: JsonValue = None, params: Mapping[str, str | int | float] | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        json: JsonValue = None,
+        params: Mapping[str, str | int | float] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> JsonValue:
-        """JSON values in and out (sent and read as MessagePack when ``binary``); a 429 (busy) or a 503
-        (the store unreachable, the gateway stopping) is retried after its ``Retry-After`` (up to
-        ``MAX_RETRY_AFTER_S``); other errors raise ``RemoteError`` with the server's message."""
-        body = {'json': json} if json is None or not self.binary else _msgpack_body(json)
-        for _ in range(self.max_retries):
-            response = self.http.request(method, path, params=params, **body)
-            retry_after = float(response.headers.get('Retry-After', '1'))
-            if response.status_code not in (429, 503) or retry_after > MAX_RETRY_AFTER_S:
-                break
-            time.sleep(retry_after)
+        """JSON values in and out (sent and read as MessagePack when ``binary``), tried up to ``max_retries``
+        times (``_exchange``); errors raise ``RemoteError`` with the server's message."""
+        response = self._exchange(method, path, json, params, dict(headers or {}))
         if response.status_code >= 400:
             raise remote_error(_detail(response), response.status_code, kind=_error_class(response))
         return _answer(response)
+
+    def _exchange(
+        self,
+        method: str,
+        path: str,
+        json: JsonValue,
+        params: Mapping[str, str | int | float] | None,
+        headers: dict[str, str],
+    ) -> httpx.Response:
+        """The server's answer to one request, sent again while it may be: after a 429 (busy) or a 503 (the
+        store unreachable, the gateway stopping), its ``Retry-After`` (up to ``MAX_RETRY_AFTER_S``) later.
+        A request that runs once however often it is sent (a GET, or a compute request with its
+        ``Idempotency-Key``) is sent again too when its connection breaks or a proxy answers 502 or 504
+        (its gateway died), any request when it could not connect: each after a back-off, the last try's
+        answer or error as it comes."""
+        content = None
+        if json is not None and self.binary:
+            json, content = None, _msgpack(json)
+            headers['Content-Type'] = MSGPACK
+        resendable = method == 'GET' or IDEMPOTENCY_HEADER in headers
+        for attempt in range(self.max_retries - 1):
+            try:
+                response = self.http.request(method, path, params=params, headers=headers, json=json, content=content)
+            except httpx.TransportError as error:
+                if not (resendable or isinstance(error, UNSENT)):
+                    raise
+                time.sleep(min(FIRST_BACKOFF_S * 2**attempt, MAX_BACKOFF_S))
+                continue
+            pause = _retry_after(response, resendable)
+            if pause is None:
+                return response
+            time.sleep(pause)
+        return self.http.request(method, path, params=params, headers=headers, json=json, content=content)
 
     def submit(self, path: str, body: BaseModel | dict[str, JsonValue]) -> str:
         """Queue a compute request (a ``twinkle.wire`` model, or its JSON); its future id."""
         return self._post_compute(path, body, wait=0.0).future_id
 
     def _post_compute(self, path: str, body: BaseModel | dict[str, JsonValue], wait: float) -> FutureAccepted:
-        """POST a compute request. With ``wait`` > 0 the server answers once the request settles
-        or ``wait`` seconds pass, with the future in the answer."""
+        """POST a compute request, named by an ``Idempotency-Key`` of its own that each try of it carries:
+        sent again (its gateway died while it waited), it runs once. With ``wait`` > 0 the server answers
+        once the request settles or ``wait`` seconds pass, with the future in the answer."""
         content = body.model_dump(mode='json') if isinstance(body, BaseModel) else body
         params = {'wait': wait} if wait > 0 else None
-        return FutureAccepted.model_validate(self.request('POST', path, json=content, params=params))
+        key = {IDEMPOTENCY_HEADER: str(uuid.uuid4())}
+        return FutureAccepted.model_validate(self.request('POST', path, json=content, params=params, headers=key))
 
     def result(self, future_id: str) -> JsonValue:
         """Wait for a compute request; its result, or ``RemoteError`` if it failed."""
@@ -298,9 +341,21 @@ def _problems(error: Exception) -> str:
     return '; '.join(f'{".".join(map(str, p["loc"])) or "body"}: {p["msg"]}' for p in error.errors())
 
 
-def _msgpack_body(value: JsonValue) -> dict[str, bytes | dict[str, str]]:
-    """httpx's keyword arguments for a MessagePack body."""
-    return {'content': cast(bytes, msgpack.packb(value, use_bin_type=True)), 'headers': {'Content-Type': MSGPACK}}
+def _msgpack(value: JsonValue) -> bytes:
+    return cast(bytes, msgpack.packb(value, use_bin_type=True))
+
+
+def _retry_after(response: httpx.Response, resendable: bool) -> float | None:
+    """Seconds to wait before sending the request of ``response`` again; None: the answer stands."""
+    if response.status_code in PROXY_FAILURES and resendable:
+        return 1.0
+    if response.status_code not in (429, 503):
+        return None
+    try:
+        pause = float(response.headers.get('Retry-After', '1'))
+    except ValueError:  # an HTTP date: not ours
+        pause = 1.0
+    return pause if pause <= MAX_RETRY_AFTER_S else None
 
 
 def _answer(response: httpx.Response) -> JsonValue:

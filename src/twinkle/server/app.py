@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from twinkle.server.api.dashboard import mount_dashboard
 from twinkle.server.api.deps import printable_path
 from twinkle.server.api.errors import install_error_handlers
+from twinkle.server.api.forwarded import ForwardedHeaders
+from twinkle.server.api.metrics import MetricsListener, metrics_router
 from twinkle.server.api.native import native_router
 from twinkle.server.api.openai_api import openai_router
 from twinkle.server.api.openai_completions import completions_router
@@ -51,6 +51,7 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.start()
+        app.state.metrics = MetricsListener(config.metrics, service.registry)  # metrics.port: without a key
         chores = [
             asyncio.create_task(_release_periodically(service)),
             asyncio.create_task(_expire_gaps(tinker)),
@@ -59,6 +60,7 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
         yield
         for chore in chores:
             chore.cancel()
+        app.state.metrics.stop()
         service.release_all()  # a graceful stop keeps every adapter's state; a restart brings them back
         service.stop()
         service.store.close()
@@ -75,12 +77,11 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {'status': 'ok'}
 
-    @app.get('/metrics', response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(service.registry), media_type=CONTENT_TYPE_LATEST)
-
+    app.include_router(metrics_router(service))  # the admin key's (metrics.port: a scraper's, without one)
     app.include_router(native_router(service))
     app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenants.for_key)
+    # Outermost: behind a trusted proxy (a gateway), the links and redirects name the address the client used.
+    app.add_middleware(ForwardedHeaders, trusted_proxies=config.trusted_proxies)
     tinker = TinkerAPI(service, TinkerState(config.tinker))
     app.state.tinker = tinker
     for tinker_router in (session_router, training_router, sampling_router, rest_router, billing_router, trace_router):

@@ -133,7 +133,9 @@ def run_gateway(config: ServerConfig, worker: str, drain_timeout_s: float, log_l
 
     if config.store is None:
         sys.exit('a gateway shares a PostgreSQL store with its worker: set store: postgresql://... or TWINKLE_STORE')
-    settings = GatewaySettings(worker_url=worker, drain_timeout_s=drain_timeout_s)
+    settings = GatewaySettings(
+        worker_url=worker, drain_timeout_s=drain_timeout_s, limits=config.limits, trusted_proxies=config.trusted_proxies
+    )
     serve_gateway(config.store, settings, config.host, config.port, log_level)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import math
 from pathlib import Path
@@ -302,6 +303,22 @@ class ModelSettings(BaseModel):
 POSTGRES_SCHEMES = ('postgresql://', 'postgres://')
 
 
+class MetricsSettings(BaseModel):
+    """Where Prometheus reads the server's metrics, and how they name tenants. ``/metrics`` on the API's
+    port answers the admin key only (``admin_api_key``); ``port`` serves them without a key on a socket of
+    their own, for a scraper on the same machine or network."""
+
+    model_config = ConfigDict(extra='forbid')
+
+    #: A port that serves the metrics alone, without a key (None: none; only ``/metrics`` with the admin key).
+    port: int | None = Field(None, ge=0, lt=65536)
+    #: The address of that port: this machine only by default.
+    host: str = '127.0.0.1'
+    #: How ``twinkle_usage_total`` names a tenant: 'id' (its store id, ``ten-...``), 'name' (the name its key
+    #: was made for) or 'none' (no tenant label: the usage of all tenants summed by kind).
+    tenant_label: Literal['id', 'name', 'none'] = 'id'
+
+
 class ServerConfig(BaseModel):
     """Example ``server.yaml``::
 
@@ -371,6 +388,13 @@ class ServerConfig(BaseModel):
     #: The key of the dashboard's admin view (tenants, queues, passes, adapters, restarts; never a
     #: tenant's runs): the key itself or ``sha256:<hex>`` of it. None: no admin view.
     admin_api_key: str | None = Field(None, min_length=32)
+    #: The proxies (addresses, or networks such as ``10.0.0.0/24``) whose ``X-Forwarded-Host``, ``-Proto``,
+    #: ``-Prefix`` and ``-For`` the server believes (``twinkle.server.api.forwarded``): its gateways, a load
+    #: balancer. The links it hands out then name the address the client used. A proxy on this machine by
+    #: default; [] believes none.
+    trusted_proxies: list[str] = Field(default_factory=lambda: ['127.0.0.1', '::1'])
+    #: Where Prometheus reads the metrics, and how they name tenants (``MetricsSettings``).
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     tinker: TinkerSettings = Field(default_factory=TinkerSettings)
     #: Run the model in a Ray actor (on any node of a cluster); None: in the server's process.
     ray: RaySettings | None = None
@@ -497,6 +521,19 @@ class ServerConfig(BaseModel):
     def store_location(self) -> str | Path:
         """What ``Store`` opens: the PostgreSQL URL, else the SQLite file in ``data_dir``."""
         return self.store or self.db_path
+
+    @field_validator('trusted_proxies')
+    @classmethod
+    def _proxy_networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f'{entry!r} is not an IP address or network; give addresses such as 10.0.0.5 or ::1, '
+                    'or networks such as 10.0.0.0/24'
+                ) from None
+        return value
 
     @field_validator('store')
     @classmethod

@@ -30,7 +30,7 @@ from twinkle.server.execution.sampler_group import SamplerGroup
 from twinkle.server.execution.scheduler import Batchable, Job
 from twinkle.server.metering import Ledger, Meter
 from twinkle.server.rate_limit import RateLimiter
-from twinkle.server.store import Checkpoint, Run, Store, Tenant
+from twinkle.server.store import Checkpoint, KnownRequest, RequestKey, Run, Store, Tenant
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -79,7 +79,7 @@ class Service:
         self.usage = Counter(
             'twinkle_usage',
             'Metered usage by tenant and kind: tokens trained, sampled and prompted, worker seconds, checkpoints',
-            ['tenant', 'kind'],
+            ['kind'] if config.metrics.tenant_label == 'none' else ['tenant', 'kind'],  # a tenant by id, name or not
             registry=self.registry,
         )
         #: The future id of each job to charge -> (tenant, run id, base model, meter, tokens admitted).
@@ -195,9 +195,11 @@ class Service:
         internal: bool = False,
         future_id: str | None = None,
         meter: Meter | None = None,
+        request_key: RequestKey | None = None,
     ) -> Job:
         """Queue ``fn`` on ``group``'s worker as the job of a future: a new one recorded for
-        ``run_id``, or ``future_id`` (recorded already). With ``batch`` it may share a pass with
+        ``run_id`` (with the client's ``request_key``: ``KnownRequest`` if the key has a future
+        already, and nothing queued), or ``future_id`` (recorded already). With ``batch`` it may share a pass with
         other tenants' jobs. An ``internal`` job (the server's own, such as releasing an idle
         adapter) is not held to the tenant's queue limit. Routes call it on the event loop: the
         future's row is committed without an fsync (``store/futures.py``), in less time than a hop to
@@ -206,10 +208,8 @@ class Service:
         future is admitted by ``ledger`` first; ``future_id``'s caller admitted it); an internal
         job is not."""
         meter = meter or Meter()
-        if future_id is None:
-            if not internal:
-                self.ledger.admit(tenant, meter)  # a 429 or 403 now, before a future is recorded
-            future_id = self.store.futures.create(tenant.id, run_id, operation).id
+        if future_id is None:  # a 429 or 403 now, before a future is recorded
+            future_id = self._new_future(tenant, run_id, operation, meter, internal, request_key)
         admitted = 0 if internal else meter.tokens  # admitted here, or by the caller that recorded the future
         if not internal:
             self._meters[future_id] = (tenant, run_id, group.name, meter, admitted)
@@ -220,10 +220,26 @@ class Service:
         except QueueFullError as e:
             self._meters.pop(future_id, None)
             self.ledger.settle(tenant, admitted)
+            if request_key is not None:  # the client sends it again with its key after the Retry-After
+                self.store.futures.release_key(future_id)
             self.store.futures.fail(future_id, str(e), 'user')
             raise
         self.queued.set(self.queued_jobs())
         return job
+
+    def _new_future(
+        self, tenant: Tenant, run_id: str | None, operation: str, meter: Meter, internal: bool, key: RequestKey | None
+    ) -> str:
+        """A new request admitted by the ledger (a tenant's) and its future recorded; its id. A request key
+        the tenant sent before is ``KnownRequest``, with nothing admitted."""
+        if not internal:
+            self.ledger.admit(tenant, meter)
+        try:
+            return self.store.futures.create(tenant.id, run_id, operation, request_key=key).id
+        except KnownRequest:
+            if not internal:
+                self.ledger.settle(tenant, meter.tokens)
+            raise
 
     async def queue(
         self,
@@ -235,18 +251,19 @@ class Service:
         batch: Batchable | None = None,
         meter: Meter | None = None,
         wait_s: float = 0.0,
+        request_key: RequestKey | None = None,
     ) -> Job:
         """``submit``, waiting up to ``wait_s`` seconds for room when the tenant's queue is full
         instead of refusing at once (a client's ``X-Twinkle-Queue``). The tenant's waiting requests
         enter in the order they came; past the wait, the 429 as ``submit`` raises it."""
         scheduler = group.scheduler_for(operation)
         if wait_s <= 0 or scheduler.queued(tenant.id) < scheduler.max_queued_per_tenant:
-            return self.submit(tenant, group, run_id, operation, fn, batch, meter=meter)
+            return self.submit(tenant, group, run_id, operation, fn, batch, meter=meter, request_key=request_key)
         deadline = time.monotonic() + wait_s
         async with self._queue_turns.setdefault((tenant.id, id(scheduler)), asyncio.Lock()):
             while scheduler.queued(tenant.id) >= scheduler.max_queued_per_tenant and time.monotonic() < deadline:
                 await asyncio.sleep(QUEUE_POLL_S)
-            return self.submit(tenant, group, run_id, operation, fn, batch, meter=meter)
+            return self.submit(tenant, group, run_id, operation, fn, batch, meter=meter, request_key=request_key)
 
     def job(self, job_id: str) -> Job | None:
         """The job of a future, on whichever group runs it (None once forgotten)."""
@@ -309,7 +326,12 @@ class Service:
             return
         for kind, amount in quantities.items():
             if amount:
-                self.usage.labels(tenant.name, kind).inc(amount)
+                self.usage.labels(*self._usage_labels(tenant, kind)).inc(amount)
+
+    def _usage_labels(self, tenant: Tenant, kind: str) -> list[str]:
+        """``twinkle_usage_total``'s labels: the tenant as ``metrics.tenant_label`` names it (or not at all)."""
+        label = self.config.metrics.tenant_label
+        return [kind] if label == 'none' else [tenant.name if label == 'name' else tenant.id, kind]
 
     # ---- runs -----------------------------------------------------------------------------------
     async def adapter_of(self, tenant: Tenant, run_id: str) -> Run:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import hmac
 import re
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Header, Request
 
 from twinkle.errors import NotFoundError, UnauthorizedError
 from twinkle.server.auth import TENANT_KEY, hash_key, key_from_headers
-from twinkle.server.service import Service
 from twinkle.server.store import Tenant
 from twinkle.wire import MAX_QUEUE_WAIT_S, QUEUE_HEADER
+
+if TYPE_CHECKING:  # a gateway imports this module (``printable_path``), without the models a Service holds
+    from twinkle.server.service import Service
 
 #: What no id or name holds: the C0 control characters and DEL.
 _CONTROL = re.compile('[\x00-\x1f\x7f]')

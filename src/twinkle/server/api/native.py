@@ -11,6 +11,12 @@ with the future in the answer: a short request then costs one round trip, not tw
 only its own runs, checkpoints and futures: anything else is a 404. Each body may be MessagePack
 instead of JSON, and compute requests and future polls are answered in it when asked
 (``twinkle.server.api.binary``).
+
+A compute request sent with an ``Idempotency-Key`` header runs once per tenant and key: the same
+request sent again with it (its gateway died while it waited, a load balancer or the client retried)
+is answered the first one's future, waited for as its ``?wait=`` asks, and runs nothing. The key is
+recorded with the future in one write (``store/futures.py``), so it holds across gateways and for as
+long as the future is kept; sent with another operation, run or body it is a 422 that says so.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from twinkle.errors import ConfigurationError, DataError, NotFoundError, Unknown
 from twinkle.server.api.binary import BinaryRoute, answer
 from twinkle.server.api.deps import QueueWait, Who, is_admin, tenant_of
 from twinkle.server.api.errors import error_responses
+from twinkle.server.api.idempotency import IdempotencyKey, check_same, known_future, request_key
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.execution.model_group import bare
 from twinkle.server.execution.model_host import request_tokens
@@ -37,7 +44,17 @@ from twinkle.server.execution.sampler_group import SYNC_NAME, version_of
 from twinkle.server.execution.scheduler import Job, wait_job
 from twinkle.server.metering import Meter, usage_report
 from twinkle.server.service import Service
-from twinkle.server.store import HOUR_S, Checkpoint, FutureRecord, Run, Tenant, check_checkpoint_name, check_name
+from twinkle.server.store import (
+    HOUR_S,
+    Checkpoint,
+    FutureRecord,
+    KnownRequest,
+    RequestKey,
+    Run,
+    Tenant,
+    check_checkpoint_name,
+    check_name,
+)
 from twinkle.wire import (
     OPERATIONS,
     CheckpointList,
@@ -178,12 +195,21 @@ def _run_routes(router: APIRouter, service: Service) -> None:
 # ---- operations ---------------------------------------------------------------------------------------
 def _operation_endpoint(
     service: Service, name: str, spec: type[Operation]
-) -> Callable[[str, Operation, Tenant, Request, float, float], Awaitable[FutureAccepted | Response]]:
+) -> Callable[[str, Operation, Tenant, Request, float, float, str | None], Awaitable[FutureAccepted | Response]]:
     """The endpoint of operation ``name``, its body typed as ``spec`` for FastAPI and the schema."""
 
     async def operation(
-        run_id: str, body: Operation, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+        run_id: str,
+        body: Operation,
+        who: Who,
+        request: Request,
+        wait: Wait = 0.0,
+        queue: QueueWait = 0.0,
+        key: IdempotencyKey = None,
     ) -> FutureAccepted | Response:
+        once = request_key(key, name, run_id, body)
+        if (known := await _known(service, who, once, wait, request)) is not None:
+            return known
         run = await service.adapter_of(who, run_id)
         group = service.group_of(run)
         kwargs = body.arguments()
@@ -206,8 +232,8 @@ def _operation_endpoint(
                 meter.sampled_json(responses)
                 return cast(JsonValue, responses)
 
-            future = await service.queue(who, group, run_id, name, sample, meter=meter, wait_s=queue)
-            return await _accepted(service, who, future, wait, request)
+            queued = service.queue(who, group, run_id, name, sample, meter=meter, wait_s=queue, request_key=once)
+            return await _accepted(service, who, queued, wait, request, once)
 
         meter = Meter(training_tokens=request_tokens(kwargs['inputs']) if name in TRAINING_OPERATIONS else 0)
 
@@ -220,8 +246,8 @@ def _operation_endpoint(
             return result
 
         batch = group.mixable(run, name, kwargs)
-        job = await service.queue(who, group, run_id, name, compute, batch, meter=meter, wait_s=queue)
-        return await _accepted(service, who, job, wait, request)
+        queued = service.queue(who, group, run_id, name, compute, batch, meter=meter, wait_s=queue, request_key=once)
+        return await _accepted(service, who, queued, wait, request, once)
 
     signature = inspect.signature(operation)
     body = signature.parameters['body'].replace(annotation=spec)
@@ -246,8 +272,17 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
     @router.post('/runs/{run_id}/save', status_code=ACCEPTED, response_model=FutureAccepted)
     async def save(
-        run_id: str, body: SaveRequest, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+        run_id: str,
+        body: SaveRequest,
+        who: Who,
+        request: Request,
+        wait: Wait = 0.0,
+        queue: QueueWait = 0.0,
+        key: IdempotencyKey = None,
     ) -> FutureAccepted | Response:
+        once = request_key(key, 'save', run_id, body)
+        if (known := await _known(service, who, once, wait, request)) is not None:
+            return known
         run = await service.adapter_of(who, run_id)
         check_checkpoint_name(body.name)
         group = service.group_of(run)
@@ -258,13 +293,23 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
 
             return group.save_checkpoint(run, 'training', body.name, answer, save_optimizer=body.save_optimizer)
 
-        job = await service.queue(who, group, run_id, 'save', write, meter=Meter(checkpoints=1), wait_s=queue)
-        return await _accepted(service, who, job, wait, request)
+        saved = Meter(checkpoints=1)
+        queued = service.queue(who, group, run_id, 'save', write, meter=saved, wait_s=queue, request_key=once)
+        return await _accepted(service, who, queued, wait, request, once)
 
     @router.post('/runs/{run_id}/load', status_code=ACCEPTED, response_model=FutureAccepted)
     async def load(
-        run_id: str, body: LoadRequest, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+        run_id: str,
+        body: LoadRequest,
+        who: Who,
+        request: Request,
+        wait: Wait = 0.0,
+        queue: QueueWait = 0.0,
+        key: IdempotencyKey = None,
     ) -> FutureAccepted | Response:
+        once = request_key(key, 'load', run_id, body)
+        if (known := await _known(service, who, once, wait, request)) is not None:
+            return known
         run = await service.adapter_of(who, run_id)
         source_run, name = parse_twinkle_path(body.path)
         checkpoint = _own_checkpoint(service, who, source_run, name, body.path)
@@ -276,15 +321,18 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
             group.load(run, Path(now.path), body.load_optimizer, body.path)
             return now.twinkle_path
 
-        job = await service.queue(who, group, run_id, 'load', read, wait_s=queue)
-        return await _accepted(service, who, job, wait, request)
+        queued = service.queue(who, group, run_id, 'load', read, wait_s=queue, request_key=once)
+        return await _accepted(service, who, queued, wait, request, once)
 
     @router.post('/runs/{run_id}/sync_sampler', status_code=ACCEPTED, response_model=FutureAccepted)
     async def sync_sampler(
-        run_id: str, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+        run_id: str, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0, key: IdempotencyKey = None
     ) -> FutureAccepted | Response:
         """Save the run's adapter weights for sampling (no optimizer): what its samples come from
         on a server with a sampler group. The future's result: ``{path, weight_version}``."""
+        once = request_key(key, 'sync_sampler', run_id, None)
+        if (known := await _known(service, who, once, wait, request)) is not None:
+            return known
         run = await service.adapter_of(who, run_id)
         group = service.group_of(run)
 
@@ -295,8 +343,8 @@ def _checkpoint_routes(router: APIRouter, service: Service) -> None:
             return group.save_checkpoint(run, 'sampler', SYNC_NAME, answer, save_optimizer=False)
 
         saved = Meter(checkpoints=1)
-        job = await service.queue(who, group, run_id, 'sync_sampler', write, meter=saved, wait_s=queue)
-        return await _accepted(service, who, job, wait, request)
+        queued = service.queue(who, group, run_id, 'sync_sampler', write, meter=saved, wait_s=queue, request_key=once)
+        return await _accepted(service, who, queued, wait, request, once)
 
     @router.get('/runs/{run_id}/checkpoints', response_model=CheckpointList)
     async def list_checkpoints(run_id: str, who: Who) -> dict[str, JsonValue]:
@@ -341,9 +389,17 @@ def _usage_route(router: APIRouter, service: Service) -> None:
 def _sample_route(router: APIRouter, service: Service) -> None:
     @router.post('/sample', status_code=ACCEPTED, response_model=FutureAccepted)
     async def sample(
-        body: SampleWeights, who: Who, request: Request, wait: Wait = 0.0, queue: QueueWait = 0.0
+        body: SampleWeights,
+        who: Who,
+        request: Request,
+        wait: Wait = 0.0,
+        queue: QueueWait = 0.0,
+        key: IdempotencyKey = None,
     ) -> FutureAccepted | Response:
         """Sample the base model, or a saved checkpoint's weights, without a training run."""
+        once = request_key(key, 'sample', None, body)
+        if (known := await _known(service, who, once, wait, request)) is not None:
+            return known
         group, path = service.group_named(body.base_model), body.model_path
         checkpoint: Checkpoint | None = None  # None: the base model
         if path is not None:
@@ -368,22 +424,49 @@ def _sample_route(router: APIRouter, service: Service) -> None:
             meter.sampled_json(responses)
             return responses
 
-        job = await service.queue(who, group, None, 'sample', run, meter=meter, wait_s=queue)
-        return await _accepted(service, who, job, wait, request)
+        queued = service.queue(who, group, None, 'sample', run, meter=meter, wait_s=queue, request_key=once)
+        return await _accepted(service, who, queued, wait, request, once)
 
 
 # ---- futures --------------------------------------------------------------------------------------
 async def _accepted(
-    service: Service, who: Tenant, job: Job, wait: float, request: Request
+    service: Service, who: Tenant, queued: Awaitable[Job], wait: float, request: Request, once: RequestKey | None
 ) -> FutureAccepted | Response:
-    """The answer to a compute request: its future's id, and with ``wait`` > 0 the future itself as
-    it stands once it settled or ``wait`` seconds (at most ``MAX_WAIT_S``) passed; in MessagePack if
-    the request accepts it."""
+    """The answer to a compute request once ``queued``: its future's id, and with ``wait`` > 0 the future
+    itself as it stands once it settled or ``wait`` seconds (at most ``MAX_WAIT_S``) passed; in MessagePack
+    if the request accepts it. Its key sent at the same moment through another gateway: that one's future."""
+    try:
+        job = await queued
+    except KnownRequest as known:
+        if once is None:
+            raise
+        check_same(once, known.record)
+        return await _replay(service, who, known.record, wait, request)
     if wait <= 0:
         return answer(request, FutureAccepted(future_id=job.id), ACCEPTED)
     record = await _waited(service, who, job, wait)
     future = None if record is None else _future_info(record)
     return answer(request, FutureAccepted(future_id=job.id, future=future), ACCEPTED)
+
+
+async def _known(
+    service: Service, who: Tenant, once: RequestKey | None, wait: float, request: Request
+) -> FutureAccepted | Response | None:
+    """The answer to a request whose key the tenant sent before (``_replay``); None for a new request."""
+    record = known_future(service, who, once)
+    return None if record is None else await _replay(service, who, record, wait, request)
+
+
+async def _replay(
+    service: Service, who: Tenant, record: FutureRecord, wait: float, request: Request
+) -> FutureAccepted | Response:
+    """The first request's answer to the same request sent again with its key: its future, waited for as
+    ``wait`` asks; nothing runs again."""
+    job = service.job(record.id)
+    if wait > 0 and job is not None and not record.finished:
+        record = await _waited(service, who, job, wait) or record
+    future = _future_info(record) if wait > 0 else None
+    return answer(request, FutureAccepted(future_id=record.id, future=future), ACCEPTED)
 
 
 async def _waited(service: Service, who: Tenant, job: Job, wait: float) -> FutureRecord | None:

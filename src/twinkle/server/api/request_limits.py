@@ -13,7 +13,8 @@
 
 Each refusal closes the connection (``Connection: close``), so the unread rest is never read.
 ``HttpLimits`` is a plain ASGI middleware that holds no more of a body than one chunk;
-``uvicorn_options`` gives the settings for the server underneath.
+``uvicorn_options`` gives the settings for the server underneath. A gateway (``twinkle.server.gateway``)
+applies the same limits before it streams a body on to its worker.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import NoReturn, TypedDict
 
 import h11
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -48,13 +50,21 @@ MAX_HEAD_BYTES = 16 * 1024
 class HttpLimits:
     """ASGI middleware: the key before the body, a cap on the body, a timeout between its chunks.
 
-    ``tenant_for_key(key)``: the tenant an API key belongs to, or None.
+    ``tenant_for_key(key)``: the tenant an API key belongs to, or None; called on a thread of its own
+    with ``lookup_in_thread`` (a store across the network: its round trip does not hold the event loop).
     """
 
-    def __init__(self, app: ASGIApp, limits: Limits, tenant_for_key: Callable[[str], object | None]):
+    def __init__(
+        self,
+        app: ASGIApp,
+        limits: Limits,
+        tenant_for_key: Callable[[str], object | None],
+        lookup_in_thread: bool = False,
+    ):
         self.app = app
         self.limits = limits
         self.tenant_for_key = tenant_for_key
+        self.lookup_in_thread = lookup_in_thread
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope['type'] != 'http':
@@ -86,7 +96,7 @@ class _Request:
         headers = {name.decode('latin-1').lower(): value.decode('latin-1') for name, value in scope['headers']}
         self.key = key_from_headers(headers)
         self.length = _content_length(headers)
-        self.cap, self.cap_name = middleware.cap(scope['path'])
+        self.cap, self.cap_name = middleware.cap(get_route_path(scope))  # the path under a proxy's prefix
         self.received = 0
         self.body_done = not (self.length or 'transfer-encoding' in headers)
         self.refusal: RequestRefused | None = None
@@ -96,7 +106,7 @@ class _Request:
 
     async def serve(self) -> None:
         try:
-            known = self.body_done or (self.key is not None and self.tenant() is not None)
+            known = self.body_done or (self.key is not None and await self.tenant() is not None)
         except TwinkleError as error:  # the store cannot say whose key it is (unreachable): that, body unread
             answer = error_response(error)
             answer.headers['Connection'] = 'close'
@@ -111,10 +121,14 @@ class _Request:
         if self.refusal is not None and not self.started:
             await self.answer(self.refusal)
 
-    def tenant(self) -> object | None:
+    async def tenant(self) -> object | None:
         """The tenant of the request's key, looked up once: kept in the scope under ``TENANT_KEY``
         for the routes' key check (``deps.key_holder``), which then makes no second lookup."""
-        tenant = self.middleware.tenant_for_key(self.key) if self.key is not None else None
+        lookup, key = self.middleware.tenant_for_key, self.key
+        if key is None:
+            tenant = None
+        else:
+            tenant = await asyncio.to_thread(lookup, key) if self.middleware.lookup_in_thread else lookup(key)
         self.scope[TENANT_KEY] = tenant
         return tenant
 
@@ -229,11 +243,13 @@ class IdleClosingH11Protocol(H11Protocol):
 
 
 class UvicornOptions(TypedDict):
-    """What ``uvicorn_options`` sets: the protocol class, seconds of idling, bytes of a request head."""
+    """What ``uvicorn_options`` sets: the protocol class, seconds of idling, bytes of a request head, and
+    uvicorn's own proxy headers off (``ServerConfig.trusted_proxies`` decides, ``api.forwarded``)."""
 
     http: type[IdleClosingH11Protocol]
     timeout_keep_alive: int  # as uvicorn annotates it; see uvicorn_options
     h11_max_incomplete_event_size: int
+    proxy_headers: bool
 
 
 def uvicorn_options(limits: Limits) -> UvicornOptions:
@@ -243,4 +259,5 @@ def uvicorn_options(limits: Limits) -> UvicornOptions:
         # uvicorn annotates int, but only hands the value to loop.call_later, which takes seconds as a float.
         'timeout_keep_alive': limits.idle_connection_timeout_s,  # type: ignore[typeddict-item]
         'h11_max_incomplete_event_size': MAX_HEAD_BYTES,
+        'proxy_headers': False,
     }

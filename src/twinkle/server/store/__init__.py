@@ -42,7 +42,14 @@ from twinkle.server.store.checkpoints import (
     check_checkpoint_name,
 )
 from twinkle.server.store.database import Database, SqliteDatabase, check_name
-from twinkle.server.store.futures import ERROR_CATEGORIES, FUTURE_STATUSES, FutureRecord, Futures
+from twinkle.server.store.futures import (
+    ERROR_CATEGORIES,
+    FUTURE_STATUSES,
+    FutureRecord,
+    Futures,
+    KnownRequest,
+    RequestKey,
+)
 from twinkle.server.store.history import History
 from twinkle.server.store.postgres import CONNECT_TIMEOUT_S, PostgresDatabase, is_postgres_url
 from twinkle.server.store.runs import RUN_STATUSES, Run, Runs
@@ -122,6 +129,8 @@ __all__ = [
     'FutureRecord',
     'Futures',
     'History',
+    'KnownRequest',
+    'RequestKey',
     'Run',
     'Runs',
     'SampledRecord',

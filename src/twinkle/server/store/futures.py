@@ -8,11 +8,16 @@ server's death (``kill -9``) all the same, and only an operating-system crash or
 the last ones, as it loses the model's state they describe; the next durable commit syncs them. Two
 fsyncs on every request's path cost more than a small request itself. A save settles its future in
 the durable transaction of its checkpoint's row (``Store.transaction``), which decides for both.
+
+A request sent with an ``Idempotency-Key`` records the key in its future's row, in the same write: one future
+per tenant and key, so the same request sent again (its gateway died during a wait, a load balancer retried)
+finds the first one's future (``by_key``) rather than running again, and two sent at once make one future
+(``create`` raises ``KnownRequest`` to the second). A key lives as long as its future does.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import pydantic_core
 from pydantic import BaseModel
@@ -41,17 +46,44 @@ class FutureRecord(BaseModel, frozen=True):
     started_at: float | None = None
     #: The Tinker session it belongs to (None: the native API's).
     session_id: str | None = None
+    #: The client's ``Idempotency-Key`` of the request (None: it sent none, or the key was released).
+    idempotency_key: str | None = None
+    #: The hash of what the request asked (its operation, run and body), against which a key sent again is checked.
+    request_hash: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.status in ('done', 'failed')
 
 
+class RequestKey(NamedTuple):
+    """A request's ``Idempotency-Key`` and the hash of what it asks (``request_hash``)."""
+
+    key: str
+    request_hash: str
+
+
+class KnownRequest(Exception):
+    """``Futures.create`` recorded nothing: the tenant's ``Idempotency-Key`` names ``record`` already."""
+
+    def __init__(self, record: FutureRecord):
+        super().__init__(f'the Idempotency-Key of request {record.id!r} was sent again')
+        self.record = record
+
+
 class Futures(Aggregate):
     """The futures table; a tenant reads only its own futures."""
 
-    def create(self, tenant_id: str, run_id: str | None, op: str, session_id: str | None = None) -> FutureRecord:
-        """A pending future of ``op`` on the tenant's run (None: on no run), in a Tinker session or none."""
+    def create(
+        self,
+        tenant_id: str,
+        run_id: str | None,
+        op: str,
+        session_id: str | None = None,
+        request_key: RequestKey | None = None,
+    ) -> FutureRecord:
+        """A pending future of ``op`` on the tenant's run (None: on no run), in a Tinker session or none;
+        with ``request_key``, the one future of that key (``KnownRequest`` if the tenant's key has one)."""
         future = FutureRecord(
             id=new_id('fut'),
             tenant_id=tenant_id,
@@ -64,17 +96,32 @@ class Futures(Aggregate):
             created_at=self._db.clock(),
             finished_at=None,
             session_id=session_id,
+            idempotency_key=request_key.key if request_key else None,
+            request_hash=request_key.request_hash if request_key else None,
         )
         try:
             self._db.execute(
-                'INSERT INTO futures (id, tenant_id, run_id, op, status, created_at, session_id) '
-                "VALUES (?, ?, ?, ?, 'pending', ?, ?)",
-                (future.id, tenant_id, run_id, op, future.created_at, session_id),
+                'INSERT INTO futures (id, tenant_id, run_id, op, status, created_at, session_id, idempotency_key, '
+                "request_hash) VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, ?)",
+                (future.id, tenant_id, run_id, op, future.created_at, session_id, *(request_key or (None, None))),
                 durable=False,
             )
         except self._db.integrity_error as exc:
+            known = self.by_key(tenant_id, request_key.key) if request_key else None
+            if known is not None:  # the same key, sent at the same time to another gateway: that one's future
+                raise KnownRequest(known) from None
             raise StateError(f'Tenant {tenant_id!r} has no run {run_id!r} to start {op!r} on') from exc
         return future
+
+    def by_key(self, tenant_id: str, key: str) -> FutureRecord | None:
+        """The tenant's future of the request sent with ``Idempotency-Key: key`` (None: none was)."""
+        rows = self._db.query('SELECT * FROM futures WHERE tenant_id = ? AND idempotency_key = ?', (tenant_id, key))
+        return _future(rows[0]) if rows else None
+
+    def release_key(self, future_id: str) -> None:
+        """Free a future's ``Idempotency-Key``: a request refused before it ran (a full queue), whose retry
+        with the same key is a new request."""
+        self._db.execute('UPDATE futures SET idempotency_key = NULL WHERE id = ?', (future_id,), durable=False)
 
     def set_running(self, future_id: str) -> bool:
         """Move a pending future to running; False if it was not pending. After a crash,

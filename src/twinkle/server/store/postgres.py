@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from twinkle.errors import MissingExtraError, StateError, StoreUnavailableError
+from twinkle.errors import DataError, MissingExtraError, StateError, StoreUnavailableError
 from twinkle.server.config import POSTGRES_SCHEMES
 from twinkle.server.store.database import Connection, Cursor, Database, SqlValue
 
@@ -194,13 +194,21 @@ class PostgresDatabase(Database):
 
     @contextmanager
     def _unavailable(self) -> Iterator[None]:
-        """A broken connection as StoreUnavailableError: the statement was not acknowledged."""
+        """A broken connection as StoreUnavailableError: the statement was not acknowledged. A text holding
+        NUL, which PostgreSQL cannot keep or compare (SQLite can), is a DataError: a name or an id a
+        request sent (``/runs/x%00``), which no row can hold."""
         try:
             yield
         except self._psycopg.OperationalError as exc:
             if self._adapter is not None and not self._adapter.conn.broken:
                 raise
             raise StoreUnavailableError(f'the PostgreSQL store stopped answering: {_reason(exc)[:200]}') from None
+        except self._psycopg.DataError as exc:
+            if 'NUL (0x00)' not in str(exc):
+                raise
+            raise DataError(
+                'a name, an id or a text of the request holds a NUL character (0x00), which none can hold'
+            ) from None
 
     def close(self) -> None:
         with self._lock:

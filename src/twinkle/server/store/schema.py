@@ -7,8 +7,9 @@ twinkle is refused rather than misread.
 - SQLite keeps its version in ``PRAGMA user_version`` and migrates with ``_MIGRATIONS``.
 - PostgreSQL gets the same schema in its own types (``postgres_schema``: 64-bit integers, double precision
   times, ``BYTEA``, and a ``rowid`` column where SQLite has its own), keeps its version in the table
-  ``twinkle_schema``, and migrates with ``_POSTGRES_MIGRATIONS`` (none yet: its first version is 8). Gateways
-  starting together take turns: the migration holds a transaction-wide advisory lock.
+  ``twinkle_schema``, and migrates with ``_POSTGRES_MIGRATIONS`` (its first version is 8; each step after it
+  SQLite's, in its types). Gateways starting together take turns: the migration holds a transaction-wide
+  advisory lock.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 from twinkle.errors import StateError
 from twinkle.server.store.database import Connection, Database
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -77,9 +78,14 @@ CREATE TABLE IF NOT EXISTS futures (
     -- When its job started on a worker (NULL: it has not), and the Tinker session it belongs to.
     started_at REAL,
     session_id TEXT,
+    -- The client's Idempotency-Key of the request (NULL: none), one future per tenant and key, and the
+    -- hash of what it asked (operation, run, body): the same key sent again is answered this future.
+    idempotency_key TEXT,
+    request_hash TEXT,
     FOREIGN KEY (run_id, tenant_id) REFERENCES runs (id, tenant_id) ON DELETE CASCADE
 );
 CREATE INDEX IF NOT EXISTS futures_by_status ON futures (status);
+CREATE UNIQUE INDEX IF NOT EXISTS futures_by_idempotency_key ON futures (tenant_id, idempotency_key);
 CREATE INDEX IF NOT EXISTS futures_by_session ON futures (session_id, created_at);
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
@@ -194,12 +200,17 @@ _MIGRATIONS = {
         'ALTER TABLE futures ADD COLUMN session_id TEXT',
         'CREATE INDEX IF NOT EXISTS futures_by_session ON futures (session_id, created_at)',
     ],
+    9: [
+        'ALTER TABLE futures ADD COLUMN idempotency_key TEXT',
+        'ALTER TABLE futures ADD COLUMN request_hash TEXT',
+        'CREATE UNIQUE INDEX IF NOT EXISTS futures_by_idempotency_key ON futures (tenant_id, idempotency_key)',
+    ],
 }
 
 
 #: The first schema version a PostgreSQL store was made at; each later one needs its step here too.
 POSTGRES_FIRST_VERSION = 8
-_POSTGRES_MIGRATIONS: dict[int, list[str]] = {}
+_POSTGRES_MIGRATIONS: dict[int, list[str]] = {9: _MIGRATIONS[9]}  # its columns' types are PostgreSQL's too
 #: Tables whose rows SQLite numbers in ``rowid``, sorted on as the order they were made in.
 _ROWID_TABLES = ('runs', 'checkpoints', 'futures', 'sessions', 'sampling_sessions')
 #: The advisory lock a PostgreSQL migration holds (any fixed number, the same in every gateway).
