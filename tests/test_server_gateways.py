@@ -363,9 +363,14 @@ def test_tinker_s_exported_weights_through_a_gateway_are_links_to_it(deployment,
 
 
 def test_a_gateway_holds_the_worker_s_limits_and_streams_a_body(deployment):
-    limits = {'body_read_timeout_s': 1.0, 'max_body_bytes': WORKER_BODY_BYTES}
+    limits = {'body_read_timeout_s': 1.0, 'idle_connection_timeout_s': 1.0, 'max_body_bytes': WORKER_BODY_BYTES}
     gateway = GatewayProcess(deployment['worker'], deployment['store'], config={'limits': limits})
     try:
+        # Half a request head, then nothing: the gateway hangs up after idle_connection_timeout_s.
+        with socket.create_connection(('127.0.0.1', gateway.port), timeout=10) as idle:
+            idle.sendall(b'POST /twinkle/v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n')
+            started = time.monotonic()
+            assert idle.recv(1024) == b'' and time.monotonic() - started < 8
         ops = b'/twinkle/v1/runs/run-none/ops/forward_backward'
         json_type = b'Content-Type: application/json'
         # No key, a 300 MB body announced and 1 KB of it sent: the worker's own 401, the body left unread.
