@@ -4,15 +4,18 @@ The loop is the one ``transformers.generate`` runs, written out so that it can r
 needs and ``generate`` does not give cheaply: the log-probability of every sampled token under
 the raw logits (what the trainer's ``forward`` computes for the same tokens), per-sequence seeds
 that do not depend on the batch, stop strings, and rows that leave the batch (and the cache) as
-soon as they finish.
+soon as they finish. Between two decode steps a generation may give the device up to other work
+(``turns``: the server's slices), the model put back as it found it meanwhile; it goes on from its
+cache and generators as they were, so the tokens are the ones it would have sampled without a pause.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from peft import PeftConfig
@@ -37,6 +40,23 @@ from twinkle.template import Template, VisionTemplate
 from twinkle.utils.weights import canonical_name, vocab_size
 
 
+class Turns(Protocol):
+    """Where a generation in progress lets other work use the device, between two decode steps
+    (``twinkle.server.execution.slicing.TURNS``: the server's sampling slices)."""
+
+    def due(self) -> bool:
+        """Whether the generation has had its turn: it should give way now."""
+        ...
+
+    def give_way(self) -> None:
+        """Let the other work run; return once it is the generation's turn again."""
+        ...
+
+    def out_of_time(self) -> bool:
+        """Whether the generation has used all its time: its rows end as at ``max_tokens``."""
+        ...
+
+
 @SAMPLERS.register
 class TorchSampler(Sampler):
     """Samples from ``model_id`` (``ms://``, ``hf://`` or a local directory), or a model built
@@ -51,7 +71,9 @@ class TorchSampler(Sampler):
 
     ``adapter_name`` picks a LoRA adapter added with ``add_adapter`` or received by a weight
     sync; without it the sampler uses the adapter the last sync installed, else the base model.
-    ``max_batch_size`` caps the sequences decoded together (all of a call by default).
+    ``max_batch_size`` caps the sequences decoded together (all of a call by default). With
+    ``turns`` set, each generation asks it between two decode steps whether to give way (it puts
+    the model back as it found it meanwhile) or to end.
 
     A vision-language model (``tiny-qwen3.5-vl``, a ``Qwen3_5ForConditionalGeneration``) takes prompts
     with images: its template is the ``VisionTemplate``, the prefill gets the pixels and Qwen's
@@ -131,6 +153,10 @@ class TorchSampler(Sampler):
         self.weight_version = 0
         #: Whether the weights are another component's (``from_model``): never loaded into.
         self.shared = shared
+        #: Asked between two decode steps whether to give the device up or to end (None: never).
+        self.turns: Turns | None = None
+        #: The adapters of the generations in progress (paused ones too), with how many use each.
+        self.busy: Counter[str | None] = Counter()
 
     # ---- adapters and weights -------------------------------------------------------------------
     @property
@@ -215,10 +241,10 @@ class TorchSampler(Sampler):
         completions: list[Completion] = []
         prompt_info: list[PromptLogprobs] = []
         size = self.max_batch_size or len(rows)
-        with self._sampling_with(adapter):
+        with self._sampling_with(adapter) as mode:
             for start in range(0, len(rows), size):
                 part = slice(start, start + size)
-                batch = _Generation(self, rows[part], images[part], seeds[part], params, want_prompt)
+                batch = _Generation(self, mode, rows[part], images[part], seeds[part], params, want_prompt)
                 completions += batch.run()
                 prompt_info += batch.prompt_logprobs
         return completions, prompt_info
@@ -236,22 +262,19 @@ class TorchSampler(Sampler):
         return adapter_name
 
     @contextlib.contextmanager
-    def _sampling_with(self, adapter: str | None) -> Iterator[None]:
-        """The model in eval mode with ``adapter`` on (``None``: every adapter off); afterwards
-        each module's mode, the rows' adapters and the ``requires_grad`` flags are put back, so
-        a model shared with a trainer (``from_model``) trains on as if nothing had happened."""
-        model = self.model
-        modes = [(module, module.training) for module in model.modules()]
-        grads = [(param, param.requires_grad) for param in model.parameters()]
-        model.train(False)  # eval(), which transformers leaves unannotated
+    def _sampling_with(self, adapter: str | None) -> Iterator[_SamplingMode]:
+        """The model set up to sample from ``adapter`` (``_SamplingMode``), put back afterwards;
+        ``adapter`` counts as busy meanwhile, pauses included."""
+        mode = _SamplingMode(self.model, adapter)
+        self.busy[adapter] += 1
         try:
-            with multi_lora.row_adapters(model, adapter):
-                yield
+            mode.enter()
+            yield mode
         finally:
-            for param, flag in grads:
-                param.requires_grad_(flag)
-            for module, mode in modes:
-                module.training = mode
+            mode.leave()
+            self.busy[adapter] -= 1
+            if not self.busy[adapter]:
+                del self.busy[adapter]
 
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
         vocab = vocab_size(self.model)
@@ -279,11 +302,53 @@ class TorchSampler(Sampler):
         return stop
 
 
+class _SamplingMode:
+    """The model set up to sample: eval mode, ``adapter`` on every row (``None``: every adapter
+    off). ``leave`` puts back each module's mode, the rows' adapters and the ``requires_grad``
+    flags as ``enter`` found them, so a model shared with a trainer (``from_model``) trains on as
+    if nothing had happened, between two slices of a generation too."""
+
+    def __init__(self, model: PreTrainedModel, adapter: str | None):
+        self.model, self.adapter = model, adapter
+        self._modes: list[tuple[torch.nn.Module, bool]] = []
+        self._grads: list[tuple[torch.nn.Parameter, bool]] = []
+        self._rows: contextlib.AbstractContextManager[object] | None = None
+
+    def enter(self) -> None:
+        self._modes = [(module, module.training) for module in self.model.modules()]
+        self._grads = [(param, param.requires_grad) for param in self.model.parameters()]
+        self.model.train(False)  # eval(), which transformers leaves unannotated
+        rows = multi_lora.row_adapters(self.model, self.adapter)
+        try:
+            rows.__enter__()
+        except BaseException:
+            self._put_back()
+            raise
+        self._rows = rows
+
+    def leave(self) -> None:
+        """Put the model back as ``enter`` found it (nothing if it is not set up)."""
+        rows, self._rows = self._rows, None
+        if rows is None:
+            return
+        try:
+            rows.__exit__(None, None, None)
+        finally:
+            self._put_back()
+
+    def _put_back(self) -> None:
+        for param, flag in self._grads:
+            param.requires_grad_(flag)
+        for module, mode in self._modes:
+            module.training = mode
+
+
 @dataclass
 class _Generation:
     """One batch of rows decoded together."""
 
     sampler: TorchSampler
+    mode: _SamplingMode
     rows: list[list[int]]
     images: list[PromptImages | None]
     seeds: list[int | None]
@@ -324,7 +389,7 @@ class _Generation:
             tokens = choose(processed_scores(logits, params, seen, never), params, generators)
             self._record(out, active, logits, tokens)
             finished = {row for row in active if self._finished(out[row], stop_ids, stop_strings, window)}
-            if step == params.max_tokens - 1 or len(finished) == len(active):
+            if step == params.max_tokens - 1 or len(finished) == len(active) or not self._take_turn(recorder):
                 break
             keep = [j for j, row in enumerate(active) if row not in finished]
             if finished:
@@ -349,6 +414,26 @@ class _Generation:
             next_pos = next_pos + 1
         routes.finish(out)
         return out
+
+    def _take_turn(self, recorder: router.RoutingRecorder | None) -> bool:
+        """Between two decode steps: False once the generation is out of time (its rows end as at
+        ``max_tokens``, their last token never fed, as there); else, if its turn is over, give way
+        with the model put back as found and the routing recorder's hooks off. A job that fails
+        meanwhile unwinds from ``give_way``, the model left put back."""
+        turns = self.sampler.turns
+        if turns is None:
+            return True
+        if turns.out_of_time():
+            return False
+        if turns.due():
+            if recorder is not None:
+                recorder.__exit__(None, None, None)
+            self.mode.leave()
+            turns.give_way()
+            self.mode.enter()
+            if recorder is not None:
+                recorder.__enter__()
+        return True
 
     def _prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache

@@ -35,6 +35,13 @@ class Limits(BaseModel):
     max_lora_rank: int = Field(64, gt=0)
     #: Tokens (summed over rows) in one forward/backward or sampling request.
     max_tokens_per_request: int = Field(65_536, gt=0)
+    #: Tokens one sampling request may ask to generate: num_samples x max_tokens, over its prompts (a
+    #: chat of n=8 and max_tokens=2,000 asks 16,000); past it, 400 naming this limit. A chat that names
+    #: no max_tokens gets an equal share of it per choice.
+    max_sampled_tokens_per_request: int = Field(65_536, gt=0)
+    #: Seconds of worker time one sampling request may take over its slices (``sampling_slice_ms``); a
+    #: reply still sampling then ends as at its max_tokens (finish reason 'length'). None: no bound.
+    max_sampling_s: float | None = Field(600.0, gt=0)
     #: Optimizer states kept on the accelerator; the least recently stepped others wait in CPU
     #: memory (a GPU server) until their adapter steps again. None: no limit.
     max_optimizers_on_device: int | None = Field(None, gt=0)
@@ -357,6 +364,11 @@ class ServerConfig(BaseModel):
     #: and reached x0.75 of one tenant's combined batch against x0.69
     #: (``benchmarks/mixed_tenants.py --mix-wait-ms 30 0``; docs/benchmarks.md).
     mix_wait_ms: float = Field(30.0, ge=0, le=1000)
+    #: Milliseconds a sampling request (a chat, a text completion, a native or Tinker sample) holds the
+    #: worker before it gives way: its next slice is its tenant's next turn, its cache kept meanwhile, so
+    #: another tenant's training step waits for a slice, not for the whole reply (``slicing.py``; None:
+    #: sampling runs whole). Slices run on the model's own worker, in this process, with the torch sampler.
+    sampling_slice_ms: float | None = Field(50.0, gt=0)
     #: When the model has had no request for this long, freed heap memory goes back to the
     #: operating system (glibc ``malloc_trim``), so a server's resident set follows what it holds
     #: (None: never; the next pass then faults its pages back in, about 20 ms on small-qwen3).

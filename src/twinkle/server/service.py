@@ -95,6 +95,14 @@ class Service:
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=self.registry,
         )
+        self.slices = Histogram(
+            'twinkle_request_slices',
+            'Slices each request ran in (1: whole; more: a sampling request that gave other tenants the worker '
+            'between them, sampling_slice_ms)',
+            ['operation'],
+            buckets=(1, 2, 4, 16, 64, 256, 1024, 4096),
+            registry=self.registry,
+        )
         self.memory_releases = Counter(
             'twinkle_memory_releases', 'Times the idle model process gave freed memory back', registry=self.registry
         )
@@ -215,8 +223,9 @@ class Service:
             self._meters[future_id] = (tenant, run_id, group.name, meter, admitted)
         try:
             job = group.scheduler_for(operation).submit(
-                tenant.id, fn, job_id=future_id, batch=batch, operation=operation, internal=internal
-            )
+                tenant.id, group.sliced(operation, fn, tenant.id), job_id=future_id, batch=batch, operation=operation,
+                internal=internal,
+            )  # fmt: skip
         except QueueFullError as e:
             self._meters.pop(future_id, None)
             self.ledger.settle(tenant, admitted)
@@ -289,7 +298,8 @@ class Service:
         self.restarts.labels(name).inc()
 
     def _on_start(self, job: Job) -> None:
-        self.store.futures.set_running(job.id)
+        if job.slices == 1:  # its first slice (a sampling request's next ones find it running)
+            self.store.futures.set_running(job.id)
 
     def _on_finish(self, job: Job) -> None:
         operation = job.operation
@@ -304,9 +314,10 @@ class Service:
             self.store.futures.fail(job.id, message, category)
         self.requests.labels(operation, job.status).inc()
         self._charge(job)
-        if job.started_at and job.finished_at:
-            self.seconds.labels(operation).observe(job.finished_at - job.started_at)
+        if (seconds := job.duration_s) is not None:
+            self.seconds.labels(operation).observe(seconds)  # its slices' time, without the other jobs' between them
             self.pass_jobs.labels(operation).observe(job.pass_size)
+            self.slices.labels(operation).observe(job.slices)
         self.queued.set(self.queued_jobs())
 
     def _charge(self, job: Job) -> None:
@@ -317,8 +328,8 @@ class Service:
         tenant, run_id, base_model, meter, admitted = charged
         self.ledger.settle(tenant, admitted)
         quantities = meter.quantities() if job.error is None else {}
-        if job.started_at and job.finished_at:
-            quantities['compute_seconds'] = (job.finished_at - job.started_at) / max(job.pass_size, 1)
+        if (seconds := job.duration_s) is not None:
+            quantities['compute_seconds'] = seconds / max(job.pass_size, 1)
         try:
             self.store.usage.add(tenant.id, run_id, meter.session_id, bare(base_model), quantities)
         except Exception as error:  # a closing store: the usage is lost, the answer is not

@@ -5,9 +5,11 @@ saved weights (``save_weights_for_sampler``, or a training checkpoint) through a
   checkpoint's model id is its ``tinker://`` path (or, as Tinker names it,
   ``<base model>;<checkpoint path>``). ``GET /v1/models/{id}`` shows one.
 - ``POST /v1/chat/completions``: the messages are encoded with the base model's chat template
-  and sampled on the worker thread, like every compute request. ``stream: true`` answers with
-  ``chat.completion.chunk`` events (sent once sampling has finished, one per token) and
-  ``data: [DONE]``.
+  and sampled on the worker thread, like every compute request, in slices that let the other
+  tenants' jobs run between them (``sampling_slice_ms``), for at most ``max_sampling_s`` of worker
+  time; n x max_tokens is held to ``max_sampled_tokens_per_request`` (a 400 naming it).
+  ``stream: true`` answers with ``chat.completion.chunk`` events (sent once sampling has
+  finished, one per token) and ``data: [DONE]``.
 
 Text completions (``POST /v1/completions``) are in :mod:`.openai_completions`. Errors come in
 OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (with the
@@ -323,12 +325,16 @@ def _chat_routes(router: APIRouter, service: Service) -> None:
         group, checkpoint = _resolve_model(service, who, body.model)
         _check_options(body)
         max_tokens = body.max_completion_tokens or body.max_tokens
+        limits = service.config.limits
         request = ChatRequest(
             params=body.sampling_params(max_tokens, body.top_logprobs if body.logprobs else None),
-            token_limit=service.config.limits.max_tokens_per_request,
+            token_limit=limits.max_tokens_per_request,
             messages=[_message(index, message) for index, message in enumerate(body.messages)],
             fit=max_tokens is None,
+            sampled_limit=limits.max_sampled_tokens_per_request,
         )
+        if not request.fit:  # the tokens it asks for: a 400 now (a fitted one is fitted to the limits)
+            group.check_sampling_params(request.params)
         reply, head = await sampled(service, who, group, request, body, checkpoint)
         head['id'] = f'chatcmpl-{head["id"]}'
         if body.stream:

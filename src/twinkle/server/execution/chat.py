@@ -72,6 +72,9 @@ class ChatRequest:
     #: Sample as many tokens as fit the context and the token limit, up to ``DEFAULT_MAX_TOKENS``
     #: (a chat request that names no ``max_tokens``: its prompt's length is known once encoded).
     fit: bool = False
+    #: With ``fit``: the most tokens to sample over all the choices (``max_sampled_tokens_per_request``),
+    #: an equal share each (None: no such limit).
+    sampled_limit: int | None = None
 
 
 def sample_chat(
@@ -107,7 +110,8 @@ def sampling_params(request: ChatRequest, prompt_tokens: int, context: int | Non
     room = min(limit // n, context if context is not None else limit) - prompt_tokens
     if room < 1:
         raise SequenceTooLongError(f'the prompt takes {prompt_tokens} tokens, leaving no room to reply')
-    return replace(request.params, max_tokens=min(DEFAULT_MAX_TOKENS, room))
+    share = DEFAULT_MAX_TOKENS if request.sampled_limit is None else max(1, request.sampled_limit // n)
+    return replace(request.params, max_tokens=min(DEFAULT_MAX_TOKENS, room, share))
 
 
 def _choice(template: Template, sequence: SampledSequence) -> ReplyChoice:

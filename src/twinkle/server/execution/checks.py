@@ -19,7 +19,14 @@ from typing import Any, Protocol, cast
 import torch
 
 from twinkle.data_format import IGNORE_INDEX, InputFeature, SampleResponse, SamplingParams
-from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, TwinkleError, UnknownNameError
+from twinkle.errors import (
+    ConfigurationError,
+    DataError,
+    FieldError,
+    SequenceTooLongError,
+    TwinkleError,
+    UnknownNameError,
+)
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
 from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, check_optimizer_args, check_scheduler_args
@@ -114,6 +121,8 @@ class RequestChecks:
             value = getattr(params, name) or 0
             if value > MAX_TOP_LOGPROBS:
                 raise ConfigurationError(f'{name}={value} is over the limit of {MAX_TOP_LOGPROBS} top logprobs')
+        if self.context is None or params.max_tokens < self.context:  # else the context's check says it better
+            self.check_sampled_tokens(params, prompts=1)
         sampler = self.config.sampler
         on_cpu_vllm = sampler is not None and sampler.backend == 'vllm' and self.device.type == 'cpu'
         if on_cpu_vllm and (params.prompt_logprobs or params.topk_prompt_logprobs):
@@ -131,12 +140,27 @@ class RequestChecks:
                     f'prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} it would exceed '
                     f'the model context of {self.context} tokens'
                 )
+        self.check_sampled_tokens(params, prompts=len(prompts))
         total = params.num_samples * sum(len(ids) + params.max_tokens for _, ids in prompts)
         limit = self.config.limits.max_tokens_per_request
         if total > limit:
             raise DataError(
                 f'sampling would hold up to {total} tokens (num_samples={params.num_samples} sequences per prompt, '
                 f'each the prompt plus max_tokens={params.max_tokens}), over the limit of {limit} per request'
+            )
+
+    def check_sampled_tokens(self, params: SamplingParams, prompts: int) -> None:
+        """The tokens a request of ``prompts`` prompts asks to sample (``num_samples`` x ``max_tokens``
+        each) within ``max_sampled_tokens_per_request``: a 400 naming the limit (``max_tokens``, as
+        OpenAI's routes name the field at fault)."""
+        asked = prompts * params.num_samples * params.max_tokens
+        limit = self.config.limits.max_sampled_tokens_per_request
+        if asked > limit:
+            each = f'{prompts} prompts x ' if prompts > 1 else ''
+            raise FieldError(
+                f'{each}{params.num_samples} samples of up to max_tokens={params.max_tokens} would generate {asked} '
+                f'tokens, over the limit of max_sampled_tokens_per_request={limit}: ask for fewer samples or tokens',
+                'max_tokens',
             )
 
     def features(self, inputs: list[JsonObject], decode: bool = True) -> list[InputFeature]:

@@ -14,6 +14,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -24,11 +25,12 @@ from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import QueueFullError, StateError
 from twinkle.model import checkpoint as ckpt
 from twinkle.server.config import ServerConfig
+from twinkle.server.execution import slicing
 from twinkle.server.execution.adapter_pool import AdapterOptions, AdapterPool
 from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.host import Host, Json, JsonObject, Outcome, SamplingHost
 from twinkle.server.execution.images import Images, RowImages
-from twinkle.server.execution.model_host import is_mixable, request_tokens
+from twinkle.server.execution.model_host import ModelHost, is_mixable, request_tokens
 from twinkle.server.execution.run_files import KIND_FOLDERS, RELEASE_STATE, run_dir
 from twinkle.server.execution.sampler_group import SamplerGroup, saved_weights
 from twinkle.server.execution.scheduler import Batchable, Job, JobCallback, Scheduler
@@ -43,6 +45,9 @@ R = TypeVar('R')
 HOUSEKEEPING = 'server-housekeeping'
 #: Operations of both APIs that take an optimizer step: the runs' step history is recorded after them.
 STEP_OPERATIONS = frozenset({'clip_grad_and_step', 'step', 'optim_step'})
+#: Operations of every API that sample (native and Tinker ``sample``, OpenAI's chats and completions):
+#: they run in slices (``ModelGroup.sliced``).
+SAMPLING_OPERATIONS = frozenset({'sample', 'chat_completion', 'completion'})
 
 
 def weighted(config: ServerConfig) -> bool:
@@ -84,6 +89,8 @@ class ModelGroup:
         #: Its sampler on devices of its own, or None: sampling runs on this group's worker.
         self.sampler = sampler
         self._running: list[Job] = []  # the jobs the worker runs now (one, or a shared pass)
+        #: The runs each paused job (a sampling request between two slices) uses: kept pinned meanwhile.
+        self._held_pins: dict[str, set[str]] = {}
         #: The runs with an adapter on the model: released when idle or to make room, restored on use.
         self.pool = AdapterPool(config, store, host, self._running_left_s)
         limits = config.limits
@@ -91,6 +98,7 @@ class ModelGroup:
             max_queued_per_tenant=limits.max_queued_per_tenant,
             on_start=self._started,
             on_finish=self._finished,
+            on_pause=self._paused,
             max_tokens_per_pass=limits.max_tokens_per_pass,
             on_idle=None if config.release_memory_after_idle_s is None else lambda: on_idle(self),
             idle_after_s=config.release_memory_after_idle_s or 2.0,
@@ -118,6 +126,20 @@ class ModelGroup:
         """The host that samples: the sampler group's, else the model's own."""
         return self.host if self.sampler is None else self.sampler.host
 
+    def sliced(self, operation: str, fn: Callable[[], object], tenant_id: str) -> Callable[[], object]:
+        """``fn`` as ``tenant_id``'s job of ``operation``: a sampling request on this model's own
+        worker, whose torch sampler is in this process, in slices of ``sampling_slice_ms`` (each
+        longer while no other tenant's job waits) for at most ``max_sampling_s`` of worker time
+        (``slicing.sliced``); any other job as it is. A sampler group's worker, a model in worker
+        processes or a Ray actor, and the vLLM engine (``sampler: vllm``) sample a request whole."""
+        slice_ms, limit_s = self.config.sampling_slice_ms, self.config.limits.max_sampling_s
+        torch_here = isinstance(self.host, ModelHost) and self.host.vllm is None
+        in_process = self.scheduler_for(operation) is self.scheduler and torch_here
+        if operation not in SAMPLING_OPERATIONS or not in_process or (slice_ms is None and limit_s is None):
+            return fn
+        contended = partial(self.scheduler.others_waiting, tenant_id)
+        return slicing.sliced(fn, None if slice_ms is None else slice_ms / 1000, limit_s, contended)
+
     def _started(self, job: Job) -> None:
         self._revive()
         self._running.append(job)
@@ -134,8 +156,23 @@ class ModelGroup:
         self.store.history.record_restart(self.name, reason)
         self._on_restart(self)
 
-    def _finished(self, job: Job) -> None:
+    def _paused(self, job: Job) -> None:
+        """After a slice of a job that goes on: the runs it pinned stay pinned until its last slice,
+        so no other tenant's restore releases them between its slices to make room."""
+        others = set().union(*(held for job_id, held in self._held_pins.items() if job_id != job.id))
+        self._held_pins[job.id] = self._held_pins.get(job.id, set()) | (self.pool.pinned - others)
+        self._unpin()
+        if job in self._running:
+            self._running.remove(job)
+
+    def _unpin(self) -> None:
+        """The worker's jobs ended: no adapter is in use but the paused jobs'."""
         self.pool.unpin_all()
+        self.pool.pinned.update(*self._held_pins.values())
+
+    def _finished(self, job: Job) -> None:
+        self._held_pins.pop(job.id, None)
+        self._unpin()
         if job in self._running:
             self._running.remove(job)
         try:

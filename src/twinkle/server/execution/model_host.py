@@ -35,7 +35,7 @@ from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
 from twinkle.sampler import TorchSampler
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution import chat, tinker_compute
+from twinkle.server.execution import chat, slicing, tinker_compute
 from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.checks import (
     MEGATRON_PROJECTIONS,
@@ -103,8 +103,10 @@ class ModelHost(RequestChecks):
         self._sampler_adapters = SavedAdapters(
             SAMPLER_PREFIX,
             lambda adapter, directory: self.model.add_adapter_to_model(adapter, str(directory)),
-            self.remove_adapter,
+            self._unload_sampler_adapter,
         )
+        #: Saved weights' adapters unloaded while a paused generation samples them: removed once it ends.
+        self._unload_later: set[str] = set()
         #: With ``sampler: vllm``: the vLLM engine beside the model (on rank 0 of a group).
         self.vllm: VllmSampling | None = None
         if config.sampler is not None and samples_on_vllm(config) and self.hosts_sampler_engine():
@@ -432,7 +434,12 @@ class ModelHost(RequestChecks):
             return self.vllm.generate(prompts, params, adapter, weight_version)
         sampler = self.sampler()
         sampler.weight_version = weight_version
-        return sampler.sample(prompts, params, adapter_name=adapter)
+        try:
+            return sampler.sample(prompts, params, adapter_name=adapter)
+        finally:
+            for idle in [name for name in self._unload_later if name not in sampler.busy]:
+                self._unload_later.discard(idle)
+                self.remove_adapter(idle)
 
     def sampler_adapter(self, directory: Path, shown_as: str | None = None) -> str:
         """The adapter holding the saved weights in ``directory`` (a ``save`` of any adapter),
@@ -462,7 +469,16 @@ class ModelHost(RequestChecks):
             )
         if self._sampler is None:
             self._sampler = TorchSampler.from_model(self.model.model, self.model_id)
+            self._sampler.turns = slicing.TURNS  # a sampling job in slices gives way between decode steps
         return self._sampler
+
+    def _unload_sampler_adapter(self, adapter: str) -> None:
+        """Unload saved weights' adapter (evicted, or its checkpoint deleted): at once, or once the
+        generations paused on it between two slices have ended (``generate``)."""
+        if self._sampler is not None and adapter in self._sampler.busy:
+            self._unload_later.add(adapter)
+        else:
+            self.remove_adapter(adapter)
 
 
 def build_model(config: ServerConfig, model_id: str) -> TransformersModel:

@@ -29,6 +29,12 @@ expecting only the tenants of the last, measured: 7 + 1 jobs a step for 8 tenant
 A tenant alone never waits, and a tenant that stops sending costs the others two waits, after
 which it is no longer expected. ``mix_wait_s=0`` starts every job at once.
 
+Slices: a job whose ``fn`` returns :class:`Continue` gives the worker up before it is done (a long
+sampling request, after each ``sampling_slice_ms``: ``slicing.py``). It goes back to the head of its
+tenant's queue, so its tenant's later jobs still run after it, and its tenant to the end of the
+rotation, so every other tenant with work runs a pass before its next slice: another tenant's
+training step waits for one slice, not the whole reply. A slice counts as a pass for the weights.
+
 >>> scheduler = Scheduler()
 >>> scheduler.start()
 >>> job = scheduler.submit('alice', lambda: 1 + 1)
@@ -54,7 +60,7 @@ from twinkle.utils.logger import get_logger
 
 logger = get_logger()
 
-JobStatus = Literal['pending', 'running', 'done', 'failed']
+JobStatus = Literal['pending', 'running', 'paused', 'done', 'failed']
 JobCallback = Callable[['Job'], None]
 
 # How many recent job durations the mean (and so ``retry_after_s``) is taken over.
@@ -78,6 +84,17 @@ class Batchable:
     run_many: Callable[[list[Any]], list[Any]] = field(repr=False)
 
 
+@dataclass(frozen=True, eq=False)
+class Continue:
+    """What a job's ``fn`` returns to give the worker up before it is done: the job waits at the
+    head of its tenant's queue, and at its tenant's next turn ``then()`` runs (its result is the
+    job's, or another ``Continue``). ``cancel()`` is called if the job fails instead of going on
+    (the scheduler stopped): what the job holds between slices is let go."""
+
+    then: Callable[[], Any] = field(repr=False)
+    cancel: Callable[[], None] | None = field(default=None, repr=False)
+
+
 @dataclass(eq=False)
 class Job:
     """One unit of compute for one tenant; times are ``time.time()`` seconds."""
@@ -94,6 +111,9 @@ class Job:
     result: Any = field(default=None, repr=False)
     error: BaseException | None = None
     status: JobStatus = 'pending'
+    # Slices the job started (1 unless its fn returned ``Continue``), and the seconds they ran.
+    slices: int = 0
+    ran_s: float = 0.0
     # Set when the job may share a pass with other tenants' jobs.
     batch: Batchable | None = field(default=None, repr=False)
     # Passes started before the job was submitted; the pass it ran in (numbered from 1) and how
@@ -105,13 +125,14 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event, repr=False)
     _callbacks: list[JobCallback] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # When its running slice started, and what to call if it fails while paused.
+    _slice_at: float = field(default=0.0, repr=False)
+    _cancel: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def duration_s(self) -> float | None:
-        """Seconds the job ran, once it finished."""
-        if self.started_at is None or self.finished_at is None:
-            return None
-        return self.finished_at - self.started_at
+        """Seconds the job ran, once it finished: its slices' (not the other jobs' between them)."""
+        return None if self.started_at is None or self.finished_at is None else self.ran_s
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job is settled; False if ``timeout`` seconds passed first."""
@@ -132,7 +153,11 @@ class Job:
                 self._callbacks.remove(fn)
 
     def fail(self, error: BaseException) -> None:
-        """Settle a job that will not run (e.g. one :meth:`Scheduler.stop` returned) as failed."""
+        """Settle a job that will not run (e.g. one :meth:`Scheduler.stop` returned) as failed;
+        a paused one's continuation is cancelled first."""
+        cancel, self._cancel = self._cancel, None
+        if cancel is not None:
+            _call_guarded(lambda job: cancel(), self, 'cancel')
         self.error, self.status = error, 'failed'
         self.finished_at = time.time()
         self._settle()
@@ -158,9 +183,11 @@ class Scheduler:
 
     ``on_start(job)`` and ``on_finish(job)`` are called on the worker thread right before a job
     runs and right after it ends (before ``job.done`` is set, so whoever waits on the job sees
-    what ``on_finish`` recorded). ``on_idle()`` is called there once the worker has had nothing
-    to do for ``idle_after_s`` seconds, then not again until a job has run. Their exceptions are
-    logged and never stop the worker.
+    what ``on_finish`` recorded); for a job in slices, ``on_start`` before each slice,
+    ``on_pause(job)`` after each but the last, and ``on_finish`` once, after the last.
+    ``on_idle()`` is called there once the worker has had nothing to do for ``idle_after_s``
+    seconds, then not again until a job has run. Their exceptions are logged and never stop the
+    worker.
     """
 
     def __init__(
@@ -174,6 +201,7 @@ class Scheduler:
         idle_after_s: float = 2.0,
         mix_wait_s: float = 0.0,
         weight_of: Callable[[str], float] | None = None,
+        on_pause: JobCallback | None = None,
     ):
         if max_queued_per_tenant < 1:
             raise ConfigurationError(f'max_queued_per_tenant must be at least 1, got {max_queued_per_tenant}')
@@ -193,7 +221,7 @@ class Scheduler:
         self.max_tokens_per_pass = max_tokens_per_pass
         # Jobs one tenant may have waiting (not counting its running one) before submit refuses.
         self.max_queued_per_tenant = max_queued_per_tenant
-        self.on_start, self.on_finish = on_start, on_finish
+        self.on_start, self.on_finish, self.on_pause = on_start, on_finish, on_pause
         self.on_idle, self.idle_after_s = on_idle, idle_after_s
         self._idle_called = True  # nothing has run yet: nothing to clean up after
         # Finished jobs kept for get(); older ones are forgotten first.
@@ -228,21 +256,29 @@ class Scheduler:
             self._thread.start()
 
     def stop(self, wait: bool = True) -> list[Job]:
-        """Let the running job finish, then end the worker; return the queued jobs, still 'pending'.
+        """Let the running job finish, then end the worker; return the queued jobs, still 'pending'
+        (or 'paused': begun, in slices).
 
         The returned jobs are removed from the queues and will never run: the caller fails them
-        (``job.fail(...)``) and tells their tenants. ``wait`` joins the worker thread first.
+        (``job.fail(...)``) and tells their tenants. ``wait`` joins the worker thread first, and
+        then returns a job the running slice paused as well.
         """
         with self._cond:
             self._stopping = True
-            left = [job for queue in self._queues.values() for job in queue]
-            left.sort(key=lambda job: job.submitted_at)
-            self._queues.clear()
-            self._ring.clear()
+            left = self._take_queued()
             self._cond.notify_all()
             thread = self._thread
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
+            with self._cond:
+                left += self._take_queued()
+        return left
+
+    def _take_queued(self) -> list[Job]:
+        """With the lock held: every queued job, oldest first, out of the queues."""
+        left = sorted((job for queue in self._queues.values() for job in queue), key=lambda job: job.submitted_at)
+        self._queues.clear()
+        self._ring.clear()
         return left
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -289,6 +325,11 @@ class Scheduler:
         """Whether a job is running or queued."""
         with self._cond:
             return bool(self._ring or self._running)
+
+    def others_waiting(self, tenant: str) -> bool:
+        """Whether a tenant other than ``tenant`` has a job queued: what a job in slices gives way to."""
+        with self._cond:
+            return any(other != tenant for other in self._ring)
 
     def get(self, job_id: str) -> Job | None:
         """The job with this id: queued, running, or among the last ``keep_finished`` finished."""
@@ -408,7 +449,8 @@ class Scheduler:
         self._idle_called = False
         now = time.time()
         for job in jobs:
-            job.status, job.started_at, job.pass_id, job.pass_size = 'running', now, self._passes, len(jobs)
+            job.status, job.pass_id, job.pass_size = 'running', self._passes, len(jobs)
+            job.started_at, job._slice_at, job.slices = job.started_at or now, now, job.slices + 1
         self._running = jobs
         logger.debug(f'pass {self._passes}: {len(jobs)} {jobs[0].operation} job(s); {len(self._ring)} tenant(s) wait')
         return jobs
@@ -461,13 +503,24 @@ class Scheduler:
 
     def _execute(self, job: Job) -> None:
         try:
-            job.result, job.status = job.fn(), 'done'
+            result = job.fn()
+            if isinstance(result, Continue):
+                job.fn, job._cancel, job.status = result.then, result.cancel, 'paused'
+            else:
+                job.result, job.status, job._cancel = result, 'done', None
         except BaseException as error:  # the worker must outlive any job, SystemExit included
+            job._cancel = None
             job.error, job.status = error, 'failed'
             logger.warning(f'Job {job.id!r} of tenant {job.tenant!r} failed: {error!r}')
 
     def _finish(self, job: Job) -> None:
-        job.finished_at = time.time()
+        now = time.time()
+        job.ran_s += now - job._slice_at
+        if job.status == 'paused':  # back in its queue by ``_retire``; settled after its last slice
+            if self.on_pause is not None:
+                _call_guarded(self.on_pause, job, 'on_pause')
+            return
+        job.finished_at = now
         if self.on_finish is not None:
             _call_guarded(self.on_finish, job, 'on_finish')
         job._settle()
@@ -477,15 +530,18 @@ class Scheduler:
         with self._cond:
             self._running = []
             for job in jobs:
-                self._completed += 1
-                self._failed += job.status == 'failed'
-                self._durations.append(job.duration_s or 0.0)
+                self._durations.append(time.time() - job._slice_at)  # a slice's: how long the worker was held
+                if job.status == 'paused':  # its next slice is its tenant's next job
+                    self._queues.setdefault(job.tenant, deque()).appendleft(job)
+                else:
+                    self._completed += 1
+                    self._failed += job.status == 'failed'
+                    self._forget_old(job.id)
                 if self._queues.get(job.tenant):
                     self._ring.append(job.tenant)
                 else:
                     self._queues.pop(job.tenant, None)
                     self._credit.pop(job.tenant, None)  # a new round starts afresh
-                self._forget_old(job.id)
             lead = jobs[0].tenant
             if self._credit.get(lead, 0.0) >= 1 and self._queues.get(lead):  # its turn goes on
                 self._ring.remove(lead)
