@@ -36,7 +36,6 @@ from server_overhead import ServerProcess
 
 from twinkle.model.checkpoint import folder_size
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.run_files import RELEASE_STATE
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
@@ -74,8 +73,8 @@ class Server(ServerProcess):
         self.memory_dir = where.memory_dir
 
     def in_memory(self, tenant_id: str, run_id: str) -> bool:
-        """Whether the run's released state is in host memory (then the newest it has)."""
-        return self.memory_dir is not None and (self.memory_dir / tenant_id / run_id / RELEASE_STATE).is_dir()
+        """Whether the run's kept state is in host memory (a folder there is the one the store names)."""
+        return self.memory_dir is not None and any((self.memory_dir / tenant_id / run_id).glob('state@*'))
 
     def memory_mib(self) -> float:
         if self.memory_dir is None or not self.memory_dir.is_dir():

@@ -2,8 +2,9 @@
 
 A child process saves ``ck``, changes its weights, and saves ``ck`` again; a hook in the child
 (the test's, not the library's) stops it at the swap and tells the test, which kills it with
-SIGKILL. The name must then hold one whole checkpoint, the old or the new, and the next load (or
-a server's restart, for the state it keeps of each run) clears what the swap left beside it.
+SIGKILL. The name must then hold one whole checkpoint, the old or the new, and the next load
+clears what the swap left beside it. A server's kept states are new folders, named by the store:
+one killed before a state's commit is tested here too.
 
 Two ways to swap are tried: Linux's ``renameat2(RENAME_EXCHANGE)``, stopped just after the
 exchange, and the portable one (park the old, move the new in), stopped between its two renames,
@@ -24,6 +25,7 @@ import pytest
 from peft import LoraConfig
 from server_helpers import add_key, free_port, server_command, start_server, wait_until_healthy
 
+from twinkle.errors import LostWorkError
 from twinkle.model import TransformersModel
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
@@ -71,6 +73,7 @@ LIBRARY_CHILD = (
     + r"""
 import torch
 from peft import LoraConfig
+from twinkle.errors import LostWorkError
 from twinkle.model import TransformersModel
 
 model_dir, out, mode = sys.argv[1:4]
@@ -89,14 +92,23 @@ model.save('ck', output_dir=f'{out}/ckpts')
 """
 )
 
-SERVER_CHILD = (
-    HOOK
-    + r"""
+#: A server whose commit of a run's kept state stops once the test arms it (``arm`` in the signal
+#: directory): the state's folder is written, the store does not name it yet, the step is not answered.
+SERVER_CHILD = r"""
+import sys, time
+from pathlib import Path
+from twinkle.server.store import states
+
+commit, signals = states.States.commit, Path(sys.argv[1])
+def stopping_commit(self, run_id, folder):
+    if (signals / 'arm').exists():
+        (signals / 'window').write_text(folder)
+        time.sleep(3600)
+    return commit(self, run_id, folder)
+states.States.commit = stopping_commit
 from twinkle.server.cli import main
-stop_at_swap('park', sys.argv[1])
 main(sys.argv[2:])
 """
-)
 
 
 def digest(checkpoint: Path) -> str:
@@ -149,33 +161,38 @@ def test_a_save_killed_in_the_swap_leaves_one_whole_checkpoint(tmp_path, tiny_mo
     assert [p.name for p in (tmp_path / 'ckpts').iterdir()] == ['ck']
 
 
-def test_a_server_killed_in_the_swap_of_a_runs_state_brings_the_run_back_whole(tmp_path, tiny_model_dir):
-    """A server keeps each run's state (``released-state``) by the same swap, and writes a
-    checkpoint into a folder of its own (``tests/test_run_lifecycle.py`` kills that at its
-    commit). Killed with the state parked, after the step that writes it and before that step
-    was answered: the restart moves the parked state back, and the run continues from it whole
-    (here the state of its creation: the 3 steps it was answered for are the most a death may
-    cost, ``save_state_every_steps - 1``)."""
+def test_a_server_killed_before_a_steps_state_is_committed_brings_the_run_back_without_that_step(
+    tmp_path, tiny_model_dir
+):
+    """A server keeps each run's state in a folder of its own, then commits it with the step's answer
+    (``tests/test_run_lifecycle.py`` kills a save at its commit). Killed after the 4th step wrote its
+    state and before its commit: the restart sweeps that folder, the step is answered 'failed', and the
+    run continues from its 3rd step's state (nothing answered is lost but the 4th ``forward_backward``,
+    which the run's next request names); it then holds the weights of 3 steps."""
     data_dir, port, signals = tmp_path / 'data', free_port(), tmp_path / 'signals'
     signals.mkdir()
     key = add_key(tiny_model_dir, data_dir, 'alice')
     command = [sys.executable, '-c', SERVER_CHILD, str(signals), *server_command(tiny_model_dir, data_dir, port)[3:]]
     server = subprocess.Popen([*command, 'serve'], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     rows = [{'input_ids': [11, 23, 5, 42, 17, 8], 'labels': [-100, 23, 5, 42, 17, 8]}]
+
+    def train(model: MultiLoraTransformersModel, steps: int) -> None:
+        for _ in range(steps):
+            model.forward_backward(inputs=rows)
+            model.clip_grad_and_step()
+
     try:
         wait_until_healthy(server, port)
         client = TwinkleClient(f'http://127.0.0.1:{port}', key)
         model = MultiLoraTransformersModel(client=client)
         run_id = model.add_adapter_to_model('default', lora(), seed=3)
         model.set_optimizer('AdamW', lr=1e-2)
-        for _ in range(3):
-            model.forward_backward(inputs=rows)
-            model.clip_grad_and_step()
-        model.forward_backward(inputs=rows)
-        step = client.submit(f'/twinkle/v1/runs/{run_id}/ops/clip_grad_and_step', {})  # the 4th: its state is kept
-        wait_for_window(server, signals)
-        state = next((data_dir / 'checkpoints').glob(f'*/{run_id}/released-state'), None)
-        assert state is None  # the window: the state of its creation is parked, the new one not yet in
+        train(model, 3)
+        lost = client.submit(f'/twinkle/v1/runs/{run_id}/ops/forward_backward', {'inputs': rows})
+        client.result(lost)
+        (signals / 'arm').write_text('')
+        step = client.submit(f'/twinkle/v1/runs/{run_id}/ops/clip_grad_and_step', {})  # the 4th: stopped at its commit
+        uncommitted = wait_for_window(server, signals)
     finally:
         kill_9(server)
 
@@ -183,17 +200,20 @@ def test_a_server_killed_in_the_swap_of_a_runs_state_brings_the_run_back_whole(t
     try:
         client = TwinkleClient(f'http://127.0.0.1:{port}', key)
         assert client.request('GET', f'/twinkle/v1/futures/{step}')['status'] == 'failed'
-        fresh = MultiLoraTransformersModel(client=client)
-        fresh.add_adapter_to_model('default', lora(), seed=3)
-        (expected,) = fresh.forward_only(inputs=rows).logps
+        assert not list(data_dir.glob(f'checkpoints/*/{run_id}/{uncommitted}'))  # swept at the start
         model = MultiLoraTransformersModel(client=client)
         model.attach(run_id)
+        with pytest.raises(LostWorkError, match=rf'forward_backward {lost}\b'):
+            model.forward_only(inputs=rows)
         (continued,) = model.forward_only(inputs=rows).logps
+        again = MultiLoraTransformersModel(client=client)
+        again.add_adapter_to_model('default', lora(), seed=3)
+        again.set_optimizer('AdamW', lr=1e-2)
+        train(again, 3)
+        (expected,) = again.forward_only(inputs=rows).logps
         assert continued == pytest.approx(expected, abs=1e-6)
-        run_dir = next((data_dir / 'checkpoints').glob(f'*/{run_id}'))
-        assert [p.name for p in run_dir.iterdir()] == ['released-state']  # nothing left beside it
-        restored = client.get_training_run(run_id).restored_from
-        assert restored is not None and (restored.step, restored.lost_steps) == (0, 3), restored
+        assert len(list(data_dir.glob(f'checkpoints/*/{run_id}/*'))) == 1  # its committed state, nothing beside it
+        assert client.get_training_run(run_id).restored_from is None  # no answered step lost
     finally:
         server.terminate()
         server.wait()

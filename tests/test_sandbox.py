@@ -346,7 +346,7 @@ def test_python_tool_answers_the_model_with_what_the_program_did() -> None:
 # /proc/<pid>/environ as a real one is: a variable set after exec is not there) holds what the
 # code should not reach: a secret in its environment, a Unix socket on a path (0777, as
 # PostgreSQL's /var/run/postgresql/.s.PGSQL.5432) and an abstract one, a data directory made as
-# twinkle.server.service makes data_dir (mkdir with the umask: 0755, its file 0644), and a
+# twinkle.server.service makes data_dir (``private_folder``: 0700, its file 0644 inside), and a
 # concurrent run's working directory. PROBE, run in the sandbox, tries each; the trainer reports
 # 'reachable' or 'blocked' per row, and the error it met.
 
@@ -457,7 +457,8 @@ def measure(config, task):
 base = tempfile.mkdtemp()
 os.chmod(base, 0o755)  # as /var/lib or /var/run: anyone may pass through
 data_dir = os.path.join(base, 'data')
-os.makedirs(data_dir, exist_ok=True)  # what twinkle.server.service does with data_dir
+os.makedirs(data_dir, mode=0o700, exist_ok=True)  # what twinkle.server.service.private_folder does with data_dir
+os.chmod(data_dir, 0o700)
 with open(os.path.join(data_dir, 'twinkle.db'), 'w') as db:
     db.write(secret)
 listeners = [socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)]
@@ -478,14 +479,14 @@ print(json.dumps({config: measure(config, task) for config in configs}))
 # as docs/agents.md's table says. Why: namespace mode's code sees a new root, so no host path
 # (socket, data, another run's directory) exists for it, and its network namespace holds none of
 # the host's abstract sockets. rlimits mode as root runs the code as a uid of its own, which the
-# trainer's 0400 environ and the other run's 0700 directory refuse, but not a 0777 socket, an
-# abstract one (no permissions at all) or a 0755 directory; as another user the code is the
+# trainer's 0400 environ, the other run's 0700 directory and the 0700 data directory refuse, but
+# not a 0777 socket or an abstract one (no permissions at all); as another user the code is the
 # trainer's user.
 REACHES: dict[tuple[str, str], set[str]] = {
     ('namespace', 'root'): set(),
     ('namespace', 'unprivileged'): set(),
     ('namespace+network', 'root'): {'unix_abstract'},  # the host's network namespace, and so its abstract sockets
-    ('rlimits', 'root'): {'unix_path', 'unix_abstract', 'data_read'},
+    ('rlimits', 'root'): {'unix_path', 'unix_abstract'},
     ('rlimits', 'unprivileged'): {'unix_path', 'unix_abstract', 'data_read', 'data_write', 'secret', 'other_run'},
 }
 ROWS = (

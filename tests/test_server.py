@@ -238,3 +238,16 @@ def test_a_compute_request_sent_with_wait_is_answered_with_its_result_in_one_rou
         assert refused.status_code == 422 and 'wait' in refused.text, (wait, refused.text)
         refused = client.http.get(f'/twinkle/v1/futures/{future["id"]}', params={'wait': wait})
         assert refused.status_code == 422 and 'wait' in refused.text, (wait, refused.text)
+
+
+def test_the_data_directory_is_the_servers_user_alone(tmp_path):
+    """The store and every tenant's weights live in ``data_dir``: made 0700 (a sandbox's code runs as
+    another user, ``twinkle.agent.sandbox``), and an existing one of the server's user is made so too."""
+    from twinkle.server.service import private_folder
+
+    new, old = tmp_path / 'new' / 'data', tmp_path / 'old'
+    old.mkdir(mode=0o755)
+    old.chmod(0o755)
+    for folder in (new, old):
+        private_folder(folder)
+        assert folder.stat().st_mode & 0o777 == 0o700, oct(folder.stat().st_mode)

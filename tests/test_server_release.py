@@ -19,7 +19,7 @@ from twinkle.model import checkpoint as ckpt
 from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.run_files import OWNER, RELEASE_STATE, claim_memory, release_memory
+from twinkle.server.execution.run_files import OWNER, RELEASE_STATE, claim_memory, kept_state, release_memory
 from twinkle.server.store import Store
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
@@ -128,10 +128,22 @@ def step_of(state) -> int:
     return int(ckpt.read_trainer_state(state)['optim_step'])
 
 
-def test_released_states_tier_between_host_memory_and_disk(tmp_path, tiny_model_dir, batches, uninterrupted):
-    """One adapter on the model and two states' room in host memory: a run released once comes
-    back from memory, released again and pushed out by three others from disk, each time with its
-    exact state (the losses of an uninterrupted run, 1e-6); a graceful stop moves memory to disk."""
+def where_kept(service, run_id: str) -> tuple[str, int]:
+    """Where the run's committed kept state is ('memory' or 'disk') and its optimizer step."""
+    config, store = service.config, service.store
+    named = store.states.get(run_id)
+    assert named is not None and named.folder is not None
+    path = kept_state(config, store.runs.by_id(run_id), named.folder)
+    assert path is not None
+    return ('memory' if path.is_relative_to(config.memory_dir) else 'disk'), step_of(path)
+
+
+def test_kept_states_tier_between_host_memory_and_disk(tmp_path, tiny_model_dir, batches, uninterrupted):
+    """One adapter on the model and two states' room in host memory: a run's state is kept in memory
+    after each step and at its release, and comes back from there; pushed out by three other runs'
+    states, it goes to disk (off the requests' path) and comes back from there, each time exact (the
+    losses of an uninterrupted run, 1e-6); only the committed state of a run is kept; a graceful stop
+    moves memory to disk."""
     budget = int(2.5 * state_bytes(tiny_model_dir, batches, tmp_path / 'one'))
     config = config_for(tiny_model_dir, tmp_path / 'data', limits={'max_adapters': 1}, memory_state_bytes=budget)
     memory_root = config.memory_dir
@@ -144,10 +156,10 @@ def test_released_states_tier_between_host_memory_and_disk(tmp_path, tiny_model_
         model = MultiLoraTransformersModel(client=client)
         run_id = model.add_adapter_to_model('default', lora(), seed=5)
         setup(model)
-        pool = server.app.state.service.default.pool
-        tenant_dir = next(config.checkpoint_dir.iterdir())
-        in_memory, on_disk = memory_root / tenant_dir.name / run_id / RELEASE_STATE, tenant_dir / run_id / RELEASE_STATE
+        service = server.app.state.service
+        pool = service.default.pool
         losses = steps(model, batches[:2])
+        assert where_kept(service, run_id) == ('memory', 2)  # kept with each step's answer
         others = MultiLoraTransformersModel(client=client)
 
         def another(name: str) -> None:  # a run of one step: it takes the model's one place
@@ -157,21 +169,27 @@ def test_released_states_tier_between_host_memory_and_disk(tmp_path, tiny_model_
             others.clip_grad_and_step(adapter_name=name)
 
         another('y')
-        # in memory at its step; on disk only as it was made (``save_state_every_steps``)
-        assert (step_of(in_memory), step_of(on_disk)) == (2, 0)
+        assert where_kept(service, run_id) == ('memory', 2) and run_id not in service.default.adapters
         losses += steps(model, batches[2:4])  # back from memory
-        assert not in_memory.exists() and step_of(on_disk) == 4  # step 4 saved on disk: the older copy dropped
-        for name in ('z', 'w', 'v'):  # each release pushes the least recently released to disk
+        assert where_kept(service, run_id) == ('memory', 4)
+        run_dirs = [memory_root / service.store.runs.by_id(run_id).tenant_id / run_id]
+        run_dirs.append(config.checkpoint_dir / service.store.runs.by_id(run_id).tenant_id / run_id)
+        assert len([f for d in run_dirs if d.is_dir() for f in d.glob('state@*')]) == 1  # the older ones deleted
+        for name in ('z', 'w', 'v'):  # each run's states push the least recently kept to disk
             another(name)
         # the spill thread moves them, off the requests' path
-        wait_until(lambda: list(pool.in_memory) == [others.runs['z'], others.runs['w']])  # 'v' holds the model
-        assert not in_memory.exists() and step_of(on_disk) == 4
-        assert sum(size for _, _, size in pool.in_memory.values()) <= budget
+        wait_until(lambda: where_kept(service, run_id) == ('disk', 4))
+        wait_until(lambda: sum(size for _, _, size in pool.in_memory.values()) <= budget)
         losses += steps(model, batches[4:6])  # back from disk
     assert losses == pytest.approx(uninterrupted, abs=1e-6)
     # the graceful stop released every run to disk and emptied memory
-    assert not any(memory_root.glob(f'*/*/{RELEASE_STATE}'))
-    assert all((tenant_dir / run / RELEASE_STATE / 'optimizer.pt').is_file() for run in others.runs.values())
+    assert not any(memory_root.glob('*/*/state@*'))
+    with Store(config.db_path) as store:
+        for run in (run_id, *others.runs.values()):
+            kept = store.states.get(run)
+            assert kept is not None and kept.folder is not None
+            tenant = store.runs.by_id(run).tenant_id
+            assert (config.checkpoint_dir / tenant / run / kept.folder / 'optimizer.pt').is_file()
 
 
 HOLD_LOCK = """
@@ -184,20 +202,20 @@ time.sleep(600)
 
 
 def test_states_a_dead_server_left_in_memory_are_moved_to_disk_at_start(tmp_path):
-    """A killed server's released states outlive it in host memory: the next start moves them to
-    disk whole (where its runs come back from) and empties memory; a half-written one is dropped,
-    and one older than its run's state on disk does not replace it. Memory folders of data
+    """A killed server's kept states outlive it in host memory: the next start moves them to disk
+    whole (where its runs come back from) and empties memory; a half-written one is dropped; an older
+    server's ``released-state`` replaces the one on disk only if newer. Memory folders of data
     directories that are gone are removed, unless their server runs (holds the folder's lock)."""
     config = ServerConfig.build(base_model='unused', data_dir=str(tmp_path / 'data'))
     root = config.memory_dir
     if root is None:
         pytest.skip('no /dev/shm here')
-    kept, half = root / 'tenant' / 'run-1' / RELEASE_STATE, root / 'tenant' / 'run-2' / RELEASE_STATE
+    kept, half = root / 'tenant' / 'run-1' / 'state@0123456789ab', root / 'tenant' / 'run-2' / 'state@0123456789ac'
     for folder in (kept, half):
         folder.mkdir(parents=True)
         (folder / 'adapter_model.safetensors').write_bytes(b'weights')
     (kept / 'trainer_state.json').write_text('{"optim_step": 3}')
-    stale = root / 'tenant' / 'run-3' / RELEASE_STATE  # its run came back and saved step 5 on disk since
+    stale = root / 'tenant' / 'run-3' / RELEASE_STATE  # an older server's; its run saved step 5 on disk since
     newer = config.checkpoint_dir / 'tenant' / 'run-3' / RELEASE_STATE
     for folder, step in ((stale, 3), (newer, 5)):
         folder.mkdir(parents=True)
@@ -211,8 +229,8 @@ def test_states_a_dead_server_left_in_memory_are_moved_to_disk_at_start(tmp_path
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == 'locked'
-        assert claim_memory(config) == 2
-        disk = config.checkpoint_dir / 'tenant' / 'run-1' / RELEASE_STATE
+        assert claim_memory(config) == 1
+        disk = config.checkpoint_dir / 'tenant' / 'run-1' / kept.name
         assert (disk / 'trainer_state.json').read_text() == '{"optim_step": 3}'
         assert (disk / 'adapter_model.safetensors').read_bytes() == b'weights'
         assert not (config.checkpoint_dir / 'tenant' / 'run-2').exists()

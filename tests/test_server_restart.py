@@ -1,7 +1,7 @@
 """A server process killed with SIGKILL mid-request: after a restart the runs and every
 acknowledged checkpoint are there, nothing half-written is, a resumed run continues with the
-losses the uninterrupted run had, and the killed run itself continues from its newest saved state
-(the server keeps it every ``save_state_every_steps`` = 4 steps: here it lost none of its 4)."""
+losses the uninterrupted run had, and the killed run itself continues from its newest kept state
+(the server keeps it with every answered step: here it lost none of its 4)."""
 
 from __future__ import annotations
 

@@ -63,6 +63,17 @@ class StateError(TwinkleError, RuntimeError):
     """A method was called when the component is not in a state to run it."""
 
 
+class LostWorkError(StateError):
+    """Requests the server answered were lost with a model worker that stopped (the server
+    restarted, or a worker died): the run came back at its last kept state without them. The
+    message lists them; send them again, in order, then the request that raised this (it did not
+    run). ``run_id`` names the run."""
+
+    def __init__(self, message: str, run_id: str = ''):
+        super().__init__(message)
+        self.run_id = run_id
+
+
 class WorkerError(TwinkleError, RuntimeError):
     """A remote worker of a component (a Ray actor) died or could not be started; the message
     names the component, its rank and its device group."""

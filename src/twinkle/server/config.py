@@ -376,26 +376,29 @@ class ServerConfig(BaseModel):
     #: Adapters idle this long are saved and released from the model, so a full pool frees
     #: itself; the next request brings one back unchanged (None: never).
     idle_release_s: float | None = Field(300.0, gt=0)
-    #: Bytes of released runs' states (weights, optimizer, counters, pending gradients) held in host
-    #: memory, a RAM-backed folder (``memory_state_dir``), per hosted model: a run released there
-    #: and brought back skips the disk both ways. Past it, the least recently released go to disk
-    #: (``data_dir``), as they all do at a graceful stop. 0: releases go straight to disk.
+    #: Bytes of runs' kept states (weights, optimizer, counters, pending gradients) held in host
+    #: memory, a RAM-backed folder (``memory_state_dir``), per hosted model: a state kept after a
+    #: step or at a release skips the disk, and a run brought back reads it from memory. It outlives
+    #: the server's process (a ``kill -9``: the next start moves it to disk), not the machine. Past
+    #: it, the least recently kept go to disk (``data_dir``) on a thread of their own, as they all do
+    #: at a graceful stop. 0: states go straight to disk.
     memory_state_bytes: int = Field(1 << 30, ge=0)
     #: The RAM-backed folder (tmpfs) of ``memory_state_bytes``, one the model's processes and the
     #: server share, as they share ``data_dir`` (on a Ray cluster of several machines: 0 bytes);
     #: each data directory keeps its states in a folder of its own there. None: ``/dev/shm``.
     memory_state_dir: str | None = None
-    #: The server saves each run's state (weights, optimizer, scheduler, counters, gradients
+    #: The server keeps each run's state (weights, optimizer, scheduler, counters, gradients
     #: waiting for a step) when the run is made, when it loads a checkpoint, and after every this
-    #: many of its optimizer steps, before the step's request is answered. So the death of a
-    #: model worker (or of the server) costs a run at most this many minus one acknowledged
-    #: optimizer steps, and the ``forward_backward`` calls acknowledged since its last step: it
-    #: comes back from whichever of that state, its release and its training checkpoints stands
-    #: at its latest step (one with the optimizer on a tie; from weights alone, ``save``'s
-    #: default, the optimizer starts afresh), said in its ``restored_from`` and its history. 4 by
-    #: default: a LoRA state is a few megabytes, and ``tests/test_run_lifecycle.py`` holds the
-    #: bound of 3 steps. None: only releases and the tenant's own saves keep a run's state.
-    save_state_every_steps: int | None = Field(4, gt=0)
+    #: many of its optimizer steps, committed with the step's answer: a step the client is told of
+    #: is in the state its run comes back from after a model worker (or the server) dies, and a
+    #: step it is not told of is not. 1, the default, loses no answered step; more loses up to this
+    #: many minus one. Requests answered after the kept state (``forward_backward`` calls since the
+    #: last step, those steps) are lost with the worker, and the run's next request fails with a
+    #: ``LostWorkError`` that names them (send them again). A run comes back from whichever of its
+    #: kept state and its training checkpoints stands at its latest step (one with the optimizer on
+    #: a tie; from weights alone, ``save``'s default, the optimizer starts afresh), said in its
+    #: ``restored_from`` and its history. None: only releases and the tenant's own saves keep a run's state.
+    save_state_every_steps: int | None = Field(1, gt=0)
     api_keys_file: str | None = None
     #: The key of the dashboard's admin view (tenants, queues, passes, adapters, restarts; never a
     #: tenant's runs): the key itself or ``sha256:<hex>`` of it. None: no admin view.

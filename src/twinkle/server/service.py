@@ -8,6 +8,7 @@ own state (``TinkerState``). Routes receive it typed; nothing is added to it aft
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -25,7 +26,13 @@ from twinkle.server.execution.host import Host
 from twinkle.server.execution.model_group import HOUSEKEEPING, ModelGroup, bare
 from twinkle.server.execution.model_host import ModelHost
 from twinkle.server.execution.placement import build_host
-from twinkle.server.execution.run_files import RELEASE_STATE, claim_memory, discard_unrecorded, release_memory
+from twinkle.server.execution.run_files import (
+    RELEASE_STATE,
+    claim_memory,
+    discard_unkept,
+    discard_unrecorded,
+    release_memory,
+)
 from twinkle.server.execution.sampler_group import SamplerGroup
 from twinkle.server.execution.scheduler import Batchable, Job
 from twinkle.server.metering import Ledger, Meter
@@ -40,6 +47,15 @@ TOUCH_INTERVAL_S = 1.0
 QUEUE_POLL_S = 0.05
 
 
+def private_folder(path: Path) -> None:
+    """Make ``path`` (the data directory: the store, every tenant's checkpoints and states) readable by
+    this user alone: code a sandbox runs as another user (``twinkle.agent.sandbox``), or any other
+    account of the machine, must not read a tenant's weights. A folder of another user's is left as it is."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_uid == os.getuid():
+        path.chmod(0o700)
+
+
 class Service:
     """What the routes share: config, store, the hosted base models and metrics.
 
@@ -48,7 +64,7 @@ class Service:
 
     def __init__(self, config: ServerConfig, host: Host | None = None):
         self.config = config
-        Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        private_folder(Path(config.data_dir))
         self.store = Store(config.store_location)
         if config.api_keys_file is not None:
             self.store.tenants.sync_keys_file(read_keys_file(config.api_keys_file))
@@ -58,10 +74,12 @@ class Service:
         if failed:
             logger.warning(f'{failed} requests were unfinished at the last shutdown; marked failed')
         recover_all(config.checkpoint_dir)  # saves of a run's state that a crash cut short in their swap
-        # Released states the last process left in host memory go to disk; the folder is ours while we run.
+        # Kept states the last process left in host memory go to disk; the folder is ours while we run.
         found = claim_memory(config)
         if found:
-            logger.warning(f'{found} released states the last server left in host memory were put on disk')
+            logger.warning(f'{found} kept states the last server left in host memory were put on disk')
+        # Kept states no row names: written just before a crash, never committed (the step was not answered).
+        discard_unkept(config.checkpoint_dir, self.store.states.folders())
         # Checkpoint folders no row names: saves a crash cut short before their row, or replaced just before one.
         discarded = discard_unrecorded(config.checkpoint_dir, self.store.checkpoints.paths())
         if discarded:
@@ -224,7 +242,7 @@ class Service:
         try:
             job = group.scheduler_for(operation).submit(
                 tenant.id, group.sliced(operation, fn, tenant.id), job_id=future_id, batch=batch, operation=operation,
-                internal=internal,
+                internal=internal, run_id=run_id,
             )  # fmt: skip
         except QueueFullError as e:
             self._meters.pop(future_id, None)

@@ -2,9 +2,13 @@
 
 A model holds at most ``max_adapters`` adapters, ``max_adapters_per_tenant`` of one tenant. A
 run's adapter comes and goes: released when idle or to make room for another (its whole state
-saved: weights, optimizer, counters, gradients waiting for a step), restored on its next request
-from the newest state it saved (``run_files.latest_state``). Released states tier: in host memory
-(``memory_state_bytes`` of them, in a RAM-backed folder), then the least recently released on disk.
+kept: weights, optimizer, counters, gradients waiting for a step), restored on its next request
+from its kept state or a newer checkpoint (``run_files.latest_state``). A state is also kept every
+``save_state_every_steps`` steps, committed with the step's answer (``keep_state``): a worker that
+dies takes no answered step with it, and what it does take (requests answered after the state was
+kept) is told to the run's client, as its next request's error (``LostWorkError``). Kept states
+tier: in host memory (``memory_state_bytes`` of them, in a RAM-backed folder, which outlives the
+server's process), then the least recently kept on disk.
 Room is made fairly: an adapter of a tenant holding more than an equal share of the pool goes
 first, least recently used first; only the adapters the running requests use are never released.
 Every method runs on the model's worker thread, where no request can use an adapter while it moves;
@@ -14,7 +18,6 @@ under the pool's lock, which every method that reads or writes a state holds.
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -24,15 +27,32 @@ from typing import TypedDict
 
 from typing_extensions import Unpack
 
-from twinkle.errors import CapacityError, NotFoundError, StateError
+from twinkle.errors import CapacityError, LostWorkError, NotFoundError, StateError
 from twinkle.model import checkpoint as ckpt
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import Host, JsonObject
-from twinkle.server.execution.run_files import RELEASE_STATE, latest_state, memory_state, run_dir, to_disk
-from twinkle.server.store import Checkpoint, Run, Store
+from twinkle.server.execution.run_files import (
+    drop,
+    kept_state,
+    latest_state,
+    new_state_folder,
+    state_in_memory,
+    state_on_disk,
+    to_disk,
+)
+from twinkle.server.store import Checkpoint, LostRequest, Run, Store
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
+#: Operations of both APIs whose effect lives in a run's kept state (its gradients, weights, optimizer,
+#: counters): answered after the state a run comes back from, they were lost with it. (Setup calls are
+#: replayed, and forwards change nothing.)
+STATEFUL_OPERATIONS = frozenset(
+    {'forward_backward', 'clip_grad_norm', 'step', 'zero_grad', 'lr_step', 'clip_grad_and_step', 'load',
+     'optim_step', 'load_weights'}
+)  # fmt: skip
+#: Lost requests a ``LostWorkError`` lists by id; more are counted.
+LISTED_LOST = 20
 
 
 class AdapterOptions(TypedDict, total=False):
@@ -52,10 +72,13 @@ class AdapterPool:
         self._running_left_s = running_left_s
         self.adapters: dict[str, str] = {}  # run id -> adapter name on the model
         self.pinned: set[str] = set()  # runs the worker's current jobs use: not released to make room
-        #: Runs released to host memory, least recently released first: run id -> (its state there,
-        #: where it goes on disk, its bytes). A state stays after its run comes back, which a dead
-        #: worker's runs come back from, until the run's next release replaces it or it goes to disk.
+        #: Runs whose kept state is in host memory, least recently kept first: run id -> (its state
+        #: there, where it goes on disk, its bytes). A state stays after its run comes back (what a
+        #: dead worker's runs come back from) until the run's next kept state replaces it or it goes to disk.
         self.in_memory: OrderedDict[str, tuple[Path, Path, int]] = OrderedDict()
+        #: Runs brought back without requests the server had answered, which their clients have not
+        #: been told of yet: their next request fails with them (``loaded``), once.
+        self.lost: dict[str, list[LostRequest]] = {}
         self._states = threading.RLock()  # held while a state is written, read or moved
         self._spiller = ThreadPoolExecutor(max_workers=1, thread_name_prefix='twinkle-spill')
 
@@ -89,11 +112,11 @@ class AdapterPool:
         return adapter
 
     def remove(self, run: Run) -> None:
-        """Take a run's adapter off the model, if it is there, and its state out of memory (worker thread)."""
+        """Take a run's adapter off the model, if it is there, and the state kept of it (worker thread)."""
         adapter = self.adapters.pop(run.id, None)
         if adapter is not None:
             self.host.remove_adapter(adapter)
-        self._drop_memory(run.id)
+        self.forget_states(run)
 
     def adapter_name(self, run: Run) -> str:
         """The name of a run's adapter on the model: its run id, unique on the server (the store
@@ -102,11 +125,19 @@ class AdapterPool:
         return run.id
 
     def loaded(self, run: Run) -> str:
-        """The run's adapter on the model, restored first if it was released (worker thread)."""
+        """The run's adapter on the model, restored first if it was released (worker thread).
+        ``LostWorkError`` instead while the run's client has not been told of requests it lost."""
         if run.id not in self.adapters:
             self.restore(self._stored_run(run.id))
+        if run.id in self.lost:
+            raise self._lost_error(run.id, self.lost[run.id])
         self.pinned.add(run.id)
         return self.adapters[run.id]
+
+    def told(self, run_id: str) -> None:
+        """A request of the run failed with its ``LostWorkError``: its client knows."""
+        if self.lost.pop(run_id, None) is not None:
+            self.store.states.told(run_id)
 
     def _stored_run(self, run_id: str) -> Run:
         """The run as the store has it now (its latest config and status)."""
@@ -115,10 +146,7 @@ class AdapterPool:
             raise NotFoundError(f'training run {run_id!r} not found')
         return run
 
-    # ---- releasing idle adapters -----------------------------------------------------------------
-    def release_state(self, run: Run) -> Path:
-        return run_dir(self.config, run) / RELEASE_STATE
-
+    # ---- kept states ------------------------------------------------------------------------------
     def saved_state(self, run: Run) -> Path | None:
         """Where a run off the model continues from (``restore``); None if it has nothing. Safe
         off the worker thread (a route asks): a state moving from memory to disk is in one or the
@@ -127,68 +155,101 @@ class AdapterPool:
         return None if found is None else found[0]
 
     def _saved_state(self, run: Run) -> tuple[Path, Checkpoint | None] | None:
-        """The saved state of the run that stands at its latest optimizer step (``latest_state``)."""
+        """The run's kept state or training checkpoint that stands at its latest optimizer step (``latest_state``)."""
         checkpoints = [c for c in self.store.checkpoints.of_run(run.tenant_id, run.id) if c.kind == 'training']
-        memory = memory_state(self.config, run)
-        kept = [self.release_state(run), *([] if memory is None else [memory])]
-        return latest_state(kept, checkpoints)
+        named = self.store.states.get(run.id)
+        kept = kept_state(self.config, run, None if named is None else named.folder)
+        return latest_state([] if kept is None else [kept], checkpoints)
 
-    def keep_state(self, run: Run, adapter: str) -> None:
-        """Save the run's state (weights, optimizer, counters, accumulation window) as its released
-        state on disk, the newest place ``restore`` brings it back from (its copy in memory, older
-        now, is dropped)."""
-        path = self.release_state(run)
+    def keep_state(
+        self, run: Run, adapter: str, to_disk: bool = False, commit: Callable[[], None] | None = None
+    ) -> None:
+        """Keep the run's whole state (weights, optimizer, counters, accumulation window) in a folder of
+        its own, in host memory while it has room (else, or ``to_disk``, on disk), then commit it: the
+        store names it the run's state in one transaction with ``commit()`` (a step's answer), and the
+        state it replaces is deleted. A crash before the commit leaves the old state and the old answer."""
+        folder = new_state_folder()
         with self._states:
-            self.host.save(adapter, path.parent, path.name, save_optimizer=True)
-            self._drop_memory(run.id)
+            path = self._write_state(run, adapter, folder, to_disk)
+            try:
+                with self.store.transaction():
+                    replaced = self.store.states.commit(run.id, folder)
+                    if commit is not None:
+                        commit()
+            except BaseException:
+                drop(path)
+                raise
+            self._forget_state(run, replaced)
+            disk = state_on_disk(self.config, run, folder)
+            if path != disk:
+                self.in_memory[run.id] = (path, disk, ckpt.folder_size(path))
+        if self.in_memory:
+            self._spiller.submit(self._spill, self.config.memory_state_bytes)
 
-    def keep_state_or_warn(self, run: Run) -> None:
+    def _write_state(self, run: Run, adapter: str, folder: str, to_disk: bool) -> Path:
+        """Save the run's state as ``folder`` in host memory (unless ``to_disk``, or memory does not
+        take it) or on disk; where it went."""
+        memory = None if to_disk else state_in_memory(self.config, run, folder)
+        if memory is not None:
+            try:
+                self.host.save(adapter, memory.parent, memory.name, save_optimizer=True)
+                if (memory / ckpt.TRAINER_STATE).is_file():
+                    return memory
+                unshared = 'memory_state_dir is not shared with its model'
+                logger.warning(f'the state of run {run.id!r} went to disk: {unshared}')
+            except OSError as error:
+                logger.warning(f'the state of run {run.id!r} went to disk, host memory did not take it: {error}')
+            drop(memory)
+        disk = state_on_disk(self.config, run, folder)
+        self.host.save(adapter, disk.parent, disk.name, save_optimizer=True)
+        return disk
+
+    def _forget_state(self, run: Run, folder: str | None) -> None:
+        """Delete a kept state no row names any more, wherever it is (under the lock)."""
+        kept = self.in_memory.get(run.id)
+        if kept is not None and (folder is None or kept[0].name == folder):
+            del self.in_memory[run.id]
+        if folder is None:
+            return
+        memory = state_in_memory(self.config, run, folder)
+        for place in (memory, state_on_disk(self.config, run, folder)):
+            if place is not None:
+                drop(place)
+
+    def keep_state_or_warn(self, run: Run, commit: Callable[[], None] | None = None) -> None:
+        """``keep_state`` if the run is on the model; a failure is logged (and ``commit`` made alone),
+        its next save or step tries again."""
         adapter = self.adapters.get(run.id)
         if adapter is None:
+            if commit is not None:
+                with self.store.transaction():
+                    commit()
             return
         try:
-            self.keep_state(run, adapter)
+            self.keep_state(run, adapter, commit=commit)
         except Exception as error:  # a dead worker, a full disk: its next save or step tries again
-            logger.warning(f'the state of run {run.id!r} was not saved: {type(error).__name__}: {error}')
+            logger.warning(f'the state of run {run.id!r} was not kept: {type(error).__name__}: {error}')
+            if commit is not None:
+                with self.store.transaction():
+                    commit()
 
     def release(self, run: Run, to_disk: bool = False) -> bool:
-        """Save a run's adapter with its optimizer, counters and accumulation window (gradients
+        """Keep a run's adapter with its optimizer, counters and accumulation window (gradients
         waiting for a step included), then take it off the model (worker thread): into host memory
-        while it has room (``memory_state_bytes``, the least recently released going to disk to
-        make it), else, or ``to_disk``, to disk. A pending forward (``forward_only``, waiting for
+        while it has room (``memory_state_bytes``, the least recently kept going to disk to make
+        it), else, or ``to_disk``, to disk. A pending forward (``forward_only``, waiting for
         ``calculate_loss``) is not kept. False if the run was not on the model."""
         adapter = self.adapters.get(run.id)
         if adapter is None:
             return False
-        memory = None if to_disk else memory_state(self.config, run)
-        with self._states:
-            if memory is None or not self._keep_in_memory(run, adapter, memory):
-                self.keep_state(run, adapter)
+        self.keep_state(run, adapter, to_disk=to_disk)
         self.host.remove_adapter(adapter)
         del self.adapters[run.id]
         self.store.runs.set_status(run.id, 'released')
-        if self.in_memory:
-            self._spiller.submit(self._spill, self.config.memory_state_bytes)
-        return True
-
-    def _keep_in_memory(self, run: Run, adapter: str, memory: Path) -> bool:
-        """Save the run's state in host memory; False if memory would not take it (a full tmpfs)."""
-        try:
-            self.host.save(adapter, memory.parent, memory.name, save_optimizer=True)
-        except OSError as error:
-            logger.warning(f'the state of run {run.id!r} went to disk, host memory did not take it: {error}')
-            self._drop_memory(run.id)
-            shutil.rmtree(memory.parent, ignore_errors=True)
-            return False
-        if not (memory / ckpt.TRAINER_STATE).is_file():  # the model's processes are on another machine
-            logger.warning(f'the state of run {run.id!r} went to disk: memory_state_dir is not shared with its model')
-            return False
-        self.in_memory[run.id] = (memory, self.release_state(run), ckpt.folder_size(memory))
-        self.in_memory.move_to_end(run.id)
         return True
 
     def spill_all(self) -> int:
-        """Move every released state in host memory to disk (a graceful stop), once the moves
+        """Move every kept state in host memory to disk (a graceful stop), once the moves
         under way are done; how many."""
         count = len(self.in_memory)
         self._spiller.submit(self._spill, 0).result()
@@ -199,7 +260,7 @@ class AdapterPool:
         self._spiller.shutdown(wait=True)
 
     def _spill(self, budget: int) -> None:
-        """Move the least recently released states in memory to disk until they hold ``budget``
+        """Move the least recently kept states in memory to disk until they hold ``budget``
         bytes (the spill thread), one state at a time under the lock."""
         while True:
             with self._states:
@@ -214,17 +275,19 @@ class AdapterPool:
                     logger.warning(f'the state of run {run_id!r} stays in memory, the disk did not take it: {error}')
                     return
 
-    def _drop_memory(self, run_id: str) -> None:
-        """Forget a run's state in host memory (it is back on the model, or deleted)."""
+    def forget_states(self, run: Run) -> None:
+        """The run was deleted: its kept state goes, from memory and disk, and its row."""
+        named = self.store.states.get(run.id)
         with self._states:
-            kept = self.in_memory.pop(run_id, None)
-            if kept is not None:
-                shutil.rmtree(kept[0].parent, ignore_errors=True)  # the run's folder in memory
+            self._forget_state(run, None if named is None else named.folder)
+        self.store.states.forget(run.id)
+        self.lost.pop(run.id, None)
 
     def restore(self, run: Run) -> None:
         """Bring a released run back: its adapter, its setup calls replayed, then its saved state
         (``_saved_state``). A state older than the run's last recorded step, or weights alone,
-        is recorded in its history (``History.record_restore``: what its ``restored_from`` says)."""
+        is recorded in its history (``History.record_restore``: what its ``restored_from`` says);
+        requests answered after the state was kept are the run's lost ones (``_find_lost``)."""
         self._state_or_refuse(run)  # before room is made: a run with nothing to restore releases no other
         self.make_room(run)
         adapter, config = self.adapter_name(run), run.config
@@ -245,6 +308,39 @@ class AdapterPool:
         event = self.store.history.record_restore(run.id, restored['optim_step'], source, restored['fresh_optimizer'])
         if event is not None:
             logger.warning(f'training run {run.id!r} came back with less than it had: {event}')
+        self._find_lost(run, path, checkpoint)
+
+    def _find_lost(self, run: Run, path: Path, checkpoint: Checkpoint | None) -> None:
+        """The requests the server answered after the state ``path`` was kept (or ``checkpoint``
+        saved) whose effect the run does not have now: added to what its client is to be told."""
+        named = self.store.states.get(run.id)
+        if checkpoint is not None:
+            since = checkpoint.created_at
+        elif named is not None and named.folder is not None:
+            since = named.at
+        else:  # an older server's state, which the store does not name
+            since = (path / ckpt.TRAINER_STATE).stat().st_mtime
+        since = max(since, named.lost_through if named is not None else 0.0)  # those told of already
+        answered = self.store.futures.answered_since(run.id, since, STATEFUL_OPERATIONS)
+        if not answered and not (named is not None and named.lost):
+            return
+        through = max((started for _, _, started in answered), default=since)
+        lost = [LostRequest(id=future_id, op=op) for future_id, op, _ in answered]
+        self.lost[run.id] = self.store.states.add_lost(run.id, lost, through)
+        if self.lost[run.id]:
+            logger.warning(f'training run {run.id!r} came back without {len(self.lost[run.id])} answered requests')
+        else:
+            del self.lost[run.id]
+
+    def _lost_error(self, run_id: str, lost: list[LostRequest]) -> LostWorkError:
+        named = ', '.join(f'{request.op} {request.id}' for request in lost[:LISTED_LOST])
+        more = f' and {len(lost) - LISTED_LOST} more' if len(lost) > LISTED_LOST else ''
+        return LostWorkError(
+            f'training run {run_id!r} came back from its last kept state after its model worker stopped (the '
+            f'server restarted, or a worker died); these {len(lost)} requests were answered after that state and '
+            f'are not in it: {named}{more}. Send them again, in order, then this request (it did not run)',
+            run_id=run_id,
+        )
 
     def _state_or_refuse(self, run: Run) -> tuple[Path, Checkpoint | None]:
         found = self._saved_state(run)

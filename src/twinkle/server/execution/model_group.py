@@ -22,7 +22,7 @@ from tinker import types as tinker_types
 from typing_extensions import Unpack
 
 from twinkle.data_format import SampleResponse, SamplingParams
-from twinkle.errors import QueueFullError, StateError
+from twinkle.errors import LostWorkError, QueueFullError, StateError
 from twinkle.model import checkpoint as ckpt
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution import slicing
@@ -91,6 +91,9 @@ class ModelGroup:
         self._running: list[Job] = []  # the jobs the worker runs now (one, or a shared pass)
         #: The runs each paused job (a sampling request between two slices) uses: kept pinned meanwhile.
         self._held_pins: dict[str, set[str]] = {}
+        #: Optimizer steps the host logged whose run's step job has not settled yet, by adapter (a
+        #: shared pass steps several runs; each job records its own run's).
+        self._step_logs: dict[str, list[dict[str, float]]] = {}
         #: The runs with an adapter on the model: released when idle or to make room, restored on use.
         self.pool = AdapterPool(config, store, host, self._running_left_s)
         limits = config.limits
@@ -153,6 +156,7 @@ class ModelGroup:
         if reason is None:
             return
         self.pool.forget_all()
+        self._step_logs.clear()  # the dead worker's
         self.store.history.record_restart(self.name, reason)
         self._on_restart(self)
 
@@ -176,31 +180,43 @@ class ModelGroup:
         if job in self._running:
             self._running.remove(job)
         try:
-            if job.error is None and job.operation in STEP_OPERATIONS:
-                self._after_steps()  # before the future settles: its caller then finds the step recorded
+            if job.error is None and job.operation in STEP_OPERATIONS and job.run_id is not None:
+                self._after_step(job, job.run_id)  # before the future settles: its caller then finds the step recorded
+            elif isinstance(job.error, LostWorkError):
+                self.pool.told(job.error.run_id)
         finally:
             self._on_finish(job)
 
-    def _after_steps(self) -> None:
-        """Each run's optimizer steps since the last record into the store (its step history), and
-        the state of each run whose step count reached a multiple of ``save_state_every_steps``."""
+    def _after_step(self, job: Job, run_id: str) -> None:
+        """A step job of ``run_id`` succeeded: its optimizer steps go into the run's step history,
+        and the run's state is kept when its step count reached a multiple of ``save_state_every_steps``,
+        both in the transaction that settles the job's future, so a step a client was told of is a step
+        its run comes back with."""
         try:
-            logs = self.host.take_step_logs()
+            for name, logged in self.host.take_step_logs().items():
+                self._step_logs.setdefault(name, []).extend(logged)
         except Exception as error:  # a dead worker: the history misses these steps, nothing else
             logger.warning(f'the step history of {self.name!r} was not recorded: {type(error).__name__}: {error}')
+        run = self.store.runs.by_id(run_id)
+        adapter = self.adapters.get(run_id)
+        steps = [] if adapter is None else self._step_logs.pop(adapter, [])
+        if run is None:
             return
+
+        def settle() -> None:
+            if steps:
+                self.store.history.add_steps(run_id, steps)
+            self.store.futures.finish(job.id, job.result)
+
         every = self.config.save_state_every_steps
-        runs = {adapter: run_id for run_id, adapter in self.adapters.items()}
-        for adapter, steps in logs.items():
-            run = self.store.runs.by_id(runs[adapter]) if adapter in runs else None
-            if run is None:
-                continue
+        try:
             if every is not None and any(int(entry['step']) % every == 0 for entry in steps):
-                self.pool.keep_state_or_warn(run)  # first: a crash while it is written leaves the step unrecorded
-            try:
-                self.store.history.add_steps(run.id, steps)
-            except Exception as error:  # a closing store: the history misses these steps, nothing else
-                logger.warning(f'the step history of run {run.id!r} was not recorded: {type(error).__name__}: {error}')
+                self.pool.keep_state_or_warn(run, commit=settle)
+            else:
+                with self.store.transaction():
+                    settle()
+        except Exception as error:  # a closing store: the answer settles as it would have (``on_finish``)
+            logger.warning(f'the step history of run {run_id!r} was not recorded: {type(error).__name__}: {error}')
 
     # ---- passes shared by tenants ----------------------------------------------------------------
     def mixable(self, run: Run, operation: str, kwargs: JsonObject) -> Batchable | None:
@@ -302,7 +318,7 @@ class ModelGroup:
         stay, each deleted on its own."""
         self.pool.remove(run)
         self.store.runs.set_status(run.id, 'deleted')
-        shutil.rmtree(run_dir(self.config, run) / RELEASE_STATE, ignore_errors=True)
+        shutil.rmtree(run_dir(self.config, run) / RELEASE_STATE, ignore_errors=True)  # an older server's
 
     # ---- the runs' adapters (``AdapterPool``) -------------------------------------------------------
     @property

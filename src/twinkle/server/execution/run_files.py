@@ -1,13 +1,15 @@
 """Where a run's files are on the server's disk: its checkpoints of each kind, each in a folder of
-its own save (``<name>@<checkpoint id>``, the store's row naming it), and its released state (what
-it continues from once off the model), on disk or in host memory (``ServerConfig.memory_dir``, the
-same files in a RAM-backed folder). What a run continues from is found here, and what no row names
-is cleared here at start, as released states left in memory are moved to disk."""
+its own save (``<name>@<checkpoint id>``, the store's row naming it), and its kept states (what it
+continues from once off the model), each in a folder of its own (``state@<id>``) on disk or in host
+memory (``ServerConfig.memory_dir``, the same files in a RAM-backed folder), the store's ``run_states``
+row naming the one that counts. What a run continues from is found here, and what no row names is
+cleared here at start, as kept states left in memory are moved to disk."""
 
 from __future__ import annotations
 
 import fcntl
 import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import IO
@@ -17,8 +19,11 @@ from twinkle.model import checkpoint as ckpt
 from twinkle.server.config import ServerConfig
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run
 
-#: Where a run's state is kept (at its release, and every ``save_state_every_steps`` steps), beside its checkpoints.
+#: Where a run's state was kept before kept states had folders of their own: read as its kept state
+#: while the store names none.
 RELEASE_STATE = 'released-state'
+#: A kept state's folder (at a release, and every ``save_state_every_steps`` steps): ``state@<id>``.
+STATE_FOLDER = re.compile(r'state@[0-9a-f]{12}')
 #: The folder of each kind of checkpoint in a run's directory ('': the run's directory itself).
 KIND_FOLDERS = {'training': '', 'sampler': TINKER_FOLDERS['sampler'], 'external': TINKER_FOLDERS['external']}
 #: A checkpoint's folder: its name and the id of the row that records it (a name holds no '@').
@@ -32,22 +37,46 @@ def run_dir(config: ServerConfig, run: Run) -> Path:
     return config.checkpoint_dir / run.tenant_id / run.id
 
 
-def memory_state(config: ServerConfig, run: Run) -> Path | None:
-    """Where a released run's state is kept in host memory (None: the server keeps none there)."""
+def new_state_folder() -> str:
+    """The name of a new kept state's folder."""
+    return f'state@{secrets.token_hex(6)}'
+
+
+def state_on_disk(config: ServerConfig, run: Run, folder: str) -> Path:
+    return run_dir(config, run) / folder
+
+
+def state_in_memory(config: ServerConfig, run: Run, folder: str) -> Path | None:
+    """Where a kept state is in host memory (None: the server keeps none there)."""
     root = config.memory_dir
-    return None if root is None else root / run.tenant_id / run.id / RELEASE_STATE
+    return None if root is None else root / run.tenant_id / run.id / folder
+
+
+def kept_state(config: ServerConfig, run: Run, folder: str | None) -> Path | None:
+    """The kept state ``folder`` of the run where it is now, in host memory or on disk (None: the
+    store names none, or it is gone); while the store names none, the state of an older server."""
+    if folder is None:
+        legacy = run_dir(config, run) / RELEASE_STATE
+        return legacy if (legacy / ckpt.TRAINER_STATE).is_file() else None
+    for place in (state_in_memory(config, run, folder), state_on_disk(config, run, folder)):
+        if place is not None and (place / ckpt.TRAINER_STATE).is_file():
+            return place
+    return None
 
 
 def to_disk(memory: Path, disk: Path) -> None:
-    """Move a released state from host memory to disk, by the same atomic swap as every save (a
-    crash leaves the old state or the new one whole), then drop it from memory. A state on disk
-    that is newer (saved after its run came back from memory) stays."""
-    newest = latest_state([disk, memory], [])
-    if newest is not None and newest[0] == memory:
+    """Move a kept state from host memory to disk, into a folder that appears whole or not at all (a
+    crash leaves it missing, and the state in memory), then drop it from memory."""
+    if not disk.exists():
         with ckpt.atomic_directory(disk) as staging:
             shutil.copytree(memory, staging, dirs_exist_ok=True)
-    shutil.rmtree(memory, ignore_errors=True)
-    for folder in (memory.parent, memory.parent.parent):  # the run's and the tenant's, once empty
+    drop(memory)
+
+
+def drop(state: Path) -> None:
+    """Delete a kept state, and its run's and tenant's folders in host memory once empty."""
+    shutil.rmtree(state, ignore_errors=True)
+    for folder in (state.parent, state.parent.parent):
         try:
             folder.rmdir()
         except OSError:
@@ -65,7 +94,7 @@ _HELD: dict[Path, IO[str]] = {}
 
 def claim_memory(config: ServerConfig) -> int:
     """At start: lock this data directory's memory folder while the server runs
-    (``release_memory``), move the released states a server left there (it crashed, or was
+    (``release_memory``), move the kept states a server left there (it crashed, or was
     killed) to disk, where its runs come back from, and remove the memory folders of data
     directories that are gone and whose server is not running. How many states were found;
     ``ConfigurationError`` if another process's server of this data directory holds the folder."""
@@ -86,13 +115,40 @@ def claim_memory(config: ServerConfig) -> int:
     found = 0
     for tenant in _folders(root):
         for run in _folders(tenant):
-            memory = run / RELEASE_STATE
-            ckpt.recover(memory)
-            if (memory / ckpt.TRAINER_STATE).is_file():  # else a save the crash cut short: the disk has older
-                to_disk(memory, config.checkpoint_dir / tenant.name / run.name / RELEASE_STATE)
-                found += 1
+            for state in _folders(run):
+                found += _claim(state, config.checkpoint_dir / tenant.name / run.name / state.name)
         shutil.rmtree(tenant, ignore_errors=True)
     return found
+
+
+def _claim(memory: Path, disk: Path) -> int:
+    """Move a kept state a dead server left in host memory to ``disk``; 1 if there was one (0: a save the
+    crash cut short, or no state: the disk has older)."""
+    if memory.name == RELEASE_STATE:  # an older server's: it replaces the disk's only if newer
+        ckpt.recover(memory)
+        newest = latest_state([disk, memory], [])
+        if newest is not None and newest[0] == memory:
+            with ckpt.atomic_directory(disk) as staging:
+                shutil.copytree(memory, staging, dirs_exist_ok=True)
+            return 1
+        return 0
+    if STATE_FOLDER.fullmatch(memory.name) and (memory / ckpt.TRAINER_STATE).is_file():
+        to_disk(memory, disk)
+        return 1
+    return 0
+
+
+def discard_unkept(root: Path, kept: dict[str, str]) -> int:
+    """At start: delete the kept-state folders under ``root`` (``state@<id>`` in a run's directory) that
+    are not the one the store names for their run (``kept``: run id -> folder): states a crash cut short
+    before their commit, or replaced just before one. How many there were."""
+    gone = 0
+    for run_dir in (path for tenant in _folders(root) for path in _folders(tenant)):
+        for folder in _folders(run_dir):
+            if STATE_FOLDER.fullmatch(folder.name) and kept.get(run_dir.name) != folder.name:
+                shutil.rmtree(folder, ignore_errors=True)
+                gone += 1
+    return gone
 
 
 def release_memory(config: ServerConfig) -> None:
@@ -189,11 +245,17 @@ __all__ = [
     'KIND_FOLDERS',
     'OWNER',
     'RELEASE_STATE',
+    'STATE_FOLDER',
     'claim_memory',
+    'discard_unkept',
     'discard_unrecorded',
+    'drop',
+    'kept_state',
     'latest_state',
-    'memory_state',
+    'new_state_folder',
     'release_memory',
     'run_dir',
+    'state_in_memory',
+    'state_on_disk',
     'to_disk',
 ]

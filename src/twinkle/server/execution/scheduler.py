@@ -104,6 +104,8 @@ class Job:
     fn: Callable[[], Any] = field(repr=False)
     # What the job does (``forward_backward``, ``save``...), for the metrics and the log.
     operation: str = 'unknown'
+    # The training run it acts on (None: none, such as sampling a checkpoint).
+    run_id: str | None = None
     submitted_at: float = field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
@@ -296,6 +298,7 @@ class Scheduler:
         batch: Batchable | None = None,
         operation: str = 'unknown',
         internal: bool = False,
+        run_id: str | None = None,
     ) -> Job:
         """Queue ``fn`` for ``tenant`` and return its pending Job at once (thread-safe). With
         ``batch`` the job may instead run in a pass shared with other tenants' jobs.
@@ -304,7 +307,7 @@ class Scheduler:
         unless the job is ``internal``: the server's own work on the tenant's behalf (releasing
         an idle adapter), which the tenant's requests must not crowd out.
         """
-        job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, fn=fn, operation=operation, batch=batch)
+        job = Job(id=job_id or uuid.uuid4().hex, tenant=tenant, fn=fn, operation=operation, run_id=run_id, batch=batch)
         with self._cond:
             if self._stopping:
                 raise StateError(f'The scheduler is stopped; job for tenant {tenant!r} was not accepted')

@@ -3,9 +3,10 @@ default), or in a PostgreSQL database that several gateways share (``Store('post
 
 ``store.tenants`` (tenants and their API keys), ``store.runs``, ``store.checkpoints``, ``store.sessions`` (Tinker
 sessions and their sampling sessions), ``store.futures``, ``store.history`` (each run's steps, each model's
-restarts), ``store.sequences`` (Tinker's sampled sequences kept for ``stable_reinforce``) and ``store.usage`` (what
-each tenant used, per hour) share one connection and its lock (``database.py``); the schema and its migrations are
-``schema.py``, run once when the store opens.
+restarts), ``store.sequences`` (Tinker's sampled sequences kept for ``stable_reinforce``), ``store.usage`` (what
+each tenant used, per hour) and ``store.states`` (the kept state each run continues from, and what it lost)
+share one connection and its lock (``database.py``); the schema and its migrations are ``schema.py``, run once
+when the store opens.
 
 Every write is its own transaction, committed with ``synchronous=FULL`` in WAL mode before the method
 returns, so a row the server has acknowledged survives a ``kill -9`` (and a power cut); the exceptions,
@@ -56,6 +57,7 @@ from twinkle.server.store.runs import RUN_STATUSES, Run, Runs
 from twinkle.server.store.schema import SCHEMA_VERSION, migrate
 from twinkle.server.store.sequences import SEQUENCE_TTL_S, SampledRecord, SampledSequences
 from twinkle.server.store.sessions import SamplingSession, Session, Sessions
+from twinkle.server.store.states import KeptState, LostRequest, States
 from twinkle.server.store.tenants import Tenant, Tenants
 from twinkle.server.store.usage import HOUR_S, USAGE_KINDS, Usage, UsageRow
 from twinkle.wire import parse_checkpoint_path, parse_twinkle_path  # checkpoint paths are the wire's
@@ -94,6 +96,7 @@ class Store:
         self.history = History(self.db)
         self.sequences = SampledSequences(self.db)
         self.usage = Usage(self.db)
+        self.states = States(self.db)
 
     def transaction(self) -> contextlib.AbstractContextManager[object]:
         """One transaction over every aggregate: the writes made inside it on this thread commit
@@ -129,7 +132,9 @@ __all__ = [
     'FutureRecord',
     'Futures',
     'History',
+    'KeptState',
     'KnownRequest',
+    'LostRequest',
     'RequestKey',
     'Run',
     'Runs',
@@ -138,6 +143,7 @@ __all__ = [
     'SamplingSession',
     'Session',
     'Sessions',
+    'States',
     'Store',
     'Tenant',
     'Tenants',

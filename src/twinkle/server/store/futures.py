@@ -17,6 +17,7 @@ finds the first one's future (``by_key``) rather than running again, and two sen
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import pydantic_core
@@ -165,6 +166,19 @@ class Futures(Aggregate):
             (session_id,),
         )
         return [_future(row) for row in rows]
+
+    def answered_since(self, run_id: str, since: float, ops: Collection[str]) -> list[tuple[str, str, float]]:
+        """The run's futures of ``ops`` that started after ``since`` (unix seconds) and are done: the
+        requests the server answered after that time, in the order they came, as (id, op, started_at)."""
+        if not ops:
+            return []
+        marks = ', '.join('?' * len(ops))
+        rows = self._db.query(
+            'SELECT id, op, started_at FROM futures '
+            f"WHERE run_id = ? AND started_at > ? AND status = 'done' AND op IN ({marks}) ORDER BY created_at, rowid",
+            (run_id, since, *sorted(ops)),
+        )
+        return [(str(row[0]), str(row[1]), float(row[2])) for row in rows]
 
     def fail_unfinished(self, reason: str) -> int:
         """At server start: fail every pending or running future as the server's fault; return how many.

@@ -7,9 +7,8 @@ twinkle is refused rather than misread.
 - SQLite keeps its version in ``PRAGMA user_version`` and migrates with ``_MIGRATIONS``.
 - PostgreSQL gets the same schema in its own types (``postgres_schema``: 64-bit integers, double precision
   times, ``BYTEA``, and a ``rowid`` column where SQLite has its own), keeps its version in the table
-  ``twinkle_schema``, and migrates with ``_POSTGRES_MIGRATIONS`` (its first version is 8; each step after it
-  SQLite's, in its types). Gateways starting together take turns: the migration holds a transaction-wide
-  advisory lock.
+  ``twinkle_schema``, and migrates with ``_POSTGRES_MIGRATIONS`` (SQLite's steps after its first version, 8, in
+  its types). Gateways starting together take turns: the migration holds a transaction-wide advisory lock.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import re
 from twinkle.errors import StateError
 from twinkle.server.store.database import Connection, Database
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -87,6 +86,8 @@ CREATE TABLE IF NOT EXISTS futures (
 CREATE INDEX IF NOT EXISTS futures_by_status ON futures (status);
 CREATE UNIQUE INDEX IF NOT EXISTS futures_by_idempotency_key ON futures (tenant_id, idempotency_key);
 CREATE INDEX IF NOT EXISTS futures_by_session ON futures (session_id, created_at);
+-- What a run brought back finds acknowledged since its state was kept (``Futures.answered_since``).
+CREATE INDEX IF NOT EXISTS futures_by_run ON futures (run_id, started_at);
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY,
     tenant_id TEXT NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
@@ -133,6 +134,16 @@ CREATE TABLE IF NOT EXISTS run_restores (
     lost_steps INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS run_restores_by_run ON run_restores (run_id, id);
+-- The kept state a run continues from (its folder, ``state@<id>``, in host memory or on disk, NULL: none)
+-- and when it was committed, the requests acknowledged after it that a worker's death lost, as JSON, until
+-- the run's client is told (NULL: none), and the time up to which acknowledged requests were looked at.
+CREATE TABLE IF NOT EXISTS run_states (
+    run_id TEXT PRIMARY KEY REFERENCES runs(id) ON DELETE CASCADE,
+    folder TEXT,
+    at REAL NOT NULL,
+    lost_json TEXT,
+    lost_through REAL NOT NULL DEFAULT 0
+);
 -- A sequence sampled with Tinker's record_stability_info: its prompt, sampled tokens (int64) and the
 -- sampler's logprobs (float32), for stable_reinforce. It expires a day after it was last used.
 CREATE TABLE IF NOT EXISTS sampled_sequences (
@@ -205,29 +216,41 @@ _MIGRATIONS = {
         'ALTER TABLE futures ADD COLUMN request_hash TEXT',
         'CREATE UNIQUE INDEX IF NOT EXISTS futures_by_idempotency_key ON futures (tenant_id, idempotency_key)',
     ],
+    10: [*_creating('run_states'), 'CREATE INDEX IF NOT EXISTS futures_by_run ON futures (run_id, started_at)'],
 }
 
 
 #: The first schema version a PostgreSQL store was made at; each later one needs its step here too.
 POSTGRES_FIRST_VERSION = 8
-_POSTGRES_MIGRATIONS: dict[int, list[str]] = {9: _MIGRATIONS[9]}  # its columns' types are PostgreSQL's too
 #: Tables whose rows SQLite numbers in ``rowid``, sorted on as the order they were made in.
 _ROWID_TABLES = ('runs', 'checkpoints', 'futures', 'sessions', 'sampling_sessions')
 #: The advisory lock a PostgreSQL migration holds (any fixed number, the same in every gateway).
 _MIGRATION_LOCK = 0x7477696E  # 'twin'
 
 
-def postgres_schema() -> list[str]:
-    """``_SCHEMA`` in PostgreSQL's types, one statement each."""
-    sql = _SCHEMA.replace('INTEGER PRIMARY KEY AUTOINCREMENT', 'BIGSERIAL PRIMARY KEY')
+def _postgres_types(sql: str) -> str:
+    """SQLite's column types in ``sql`` as PostgreSQL's: 64-bit integers, double precision, ``BYTEA``."""
+    sql = sql.replace('INTEGER PRIMARY KEY AUTOINCREMENT', 'BIGSERIAL PRIMARY KEY')
     sql = re.sub(r'\bINTEGER\b', 'BIGINT', sql)
     sql = re.sub(r'\bREAL\b', 'DOUBLE PRECISION', sql)
-    sql = re.sub(r'\bBLOB\b', 'BYTEA', sql)
+    return re.sub(r'\bBLOB\b', 'BYTEA', sql)
+
+
+def postgres_schema() -> list[str]:
+    """``_SCHEMA`` in PostgreSQL's types, one statement each."""
+    sql = _postgres_types(_SCHEMA)
     for table in _ROWID_TABLES:
         sql = sql.replace(
             f'CREATE TABLE IF NOT EXISTS {table} (\n', f'CREATE TABLE IF NOT EXISTS {table} (\n    rowid BIGSERIAL,\n'
         )
     return [statement for statement in sql.split(';') if statement.strip()]
+
+
+#: The steps after ``POSTGRES_FIRST_VERSION``: SQLite's, in PostgreSQL's types (no table they create numbers its rows).
+_POSTGRES_MIGRATIONS: dict[int, list[str]] = {
+    version: [_postgres_types(statement) for statement in _MIGRATIONS[version]]
+    for version in range(POSTGRES_FIRST_VERSION + 1, SCHEMA_VERSION + 1)
+}
 
 
 def migrate(db: Database) -> None:
