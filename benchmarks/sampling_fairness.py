@@ -16,8 +16,7 @@ is the scheduler's, not a disk's.
 Usage::
 
     .venv/bin/python benchmarks/sampling_fairness.py     # tiny-qwen3 on the CPU; results/sampling_fairness.json
-    .venv/bin/python benchmarks/sampling_fairness.py --model small-qwen3 --max-tokens 500 \\
-        --output benchmarks/results/sampling_fairness_small.json
+    .venv/bin/python benchmarks/sampling_fairness.py --slice-ms 200 --output /tmp/sampling_fairness_200.json
 """
 
 from __future__ import annotations
