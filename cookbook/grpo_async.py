@@ -9,13 +9,22 @@ continues on the new weights). ``--max-staleness k`` bounds how many steps behin
 group may be; ``--max-staleness 0`` is the synchronous loop, step for step and number for number
 (``--sync`` runs that loop without threads, for comparison).
 
+Stale groups train with the decoupled loss (``loss_settings``: the clip against the trainer's
+own policy, the sampler only in a truncated importance weight), and prompts whose samples all
+scored alike are left out (``trained_rows``): without the first a bound of 2 stalled four runs
+of five, without the second a solved run could fall back to a near-uniform policy
+(docs/async_rl.md, "Stale samples"). ``--fill-pipeline`` makes every batch exactly
+``max_staleness`` old, the bound's worst case, the same at every run of a seed.
+
     python cookbook/grpo_async.py                                  # one process, about 40 s
     python cookbook/grpo_async.py --mode ray                       # sampler and trainer in two Ray actors
-    python cookbook/grpo_async.py --mode server                    # against a server started here
+    python cookbook/grpo_async.py --mode server --sampler-group    # against a server started here
     python cookbook/grpo_async.py --max-staleness 2 --partial-chunk 4
+    python cookbook/grpo_async.py --max-staleness 4 --fill-pipeline
 
-Each log line shows the mean reward, the staleness of the step's groups, and how long the
-trainer waited for them.
+Each log line shows the mean reward, the staleness of the step's groups, the share of tokens
+whose clip bites, the range of the importance weights trainer / sampler, and how long the
+trainer waited for the groups.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import json
 import random
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -56,9 +66,16 @@ class Config(LetterWordsConfig):
     stale: str = 'drop'  # 'drop' or 'reweight' for a group staler than the bound
     partial_chunk: int = 0  # > 0: generate in chunks of this many tokens, weights may change between them
     workers: int = 1
-    # > 0: the decoupled loss for stale samples (AReaL's): clip against the trainer's policy, weight each
+    # > 0: the decoupled loss (Hilton et al. 2022; AReaL's): clip against the trainer's own policy, weight each
     # token by the truncated importance ratio trainer / sampler (rollout_correction, token level, this cap).
-    correction_cap: float = 0.0
+    # 0: GRPO's clip against the sampler, which at staleness k lets a token's probability grow by about
+    # 1.2 ** (1 / k) a step and stalls learning at k = 2 (see loss_settings and docs/async_rl.md).
+    correction_cap: float = 2.0
+    # The loop waits until the rollouts are max_staleness batches ahead before each step: every batch is exactly
+    # that stale (the worst case, and the same at every run of a seed), as with a sampler much faster than training.
+    fill_pipeline: bool = False
+    # Leave out each prompt's samples that all scored alike (advantage 0); no step when none is left (trained_rows).
+    skip_flat_groups: bool = True
     mode: str = 'local'
     sync: bool = False  # the synchronous loop, without threads
     threads: int = 0  # torch threads in each process (0: torch's default)
@@ -166,11 +183,30 @@ def _configure(model: Any, lora: LoraConfig, config: Config) -> None:
         model.remote_execute(_set_threads, config.threads, dispatch='all')
     model.add_adapter_to_model(ADAPTER, lora)
     model.set_optimizer('AdamW', lr=config.lr)
-    correction = {'level': 'token', 'mode': 'truncate', 'threshold': config.correction_cap}
-    model.set_loss(
-        'GRPOLoss', epsilon=0.2, beta=config.beta, rollout_correction=correction if config.correction_cap else None
-    )
+    model.set_loss('GRPOLoss', **loss_settings(config))
     model.add_metric('GRPOMetric')
+
+
+def loss_settings(config: Config) -> dict[str, Any]:
+    """GRPOLoss's settings: by default the decoupled objective of Hilton, Cobbe and Schulman 2022
+    ("Batch size-invariance for policy optimization", arXiv:2110.00641), which AReaL's async GRPO
+    trains with (Fu et al. 2025, arXiv:2505.24298)::
+
+        term = -min(w, cap) * min(r * A, clip(r, 1 - eps, 1 + eps) * A)
+        r = pi / sg(pi_prox),   w = pi_prox / pi_sampler                    (per token)
+
+    where the proximal policy ``pi_prox`` is the trainer's weights at the step (one update per
+    batch, so ``r = 1``). GRPO's own clip (``correction_cap=0``) takes ``r = pi / pi_sampler``
+    instead: a sample ``k`` steps old has its tokens clipped once the ``k`` updates since it was
+    drawn moved them by ``eps`` (here 23 % of the tokens at ``k = 2``), so a rewarded token's
+    probability grows by about ``(1 + eps) ** (1 / k)`` a step at most and the reward stalls.
+    On-policy (``k = 0``) both are the same loss."""
+    correction = {'level': 'token', 'mode': 'truncate', 'threshold': config.correction_cap}
+    return {
+        'epsilon': 0.2,
+        'beta': config.beta,
+        'rollout_correction': correction if config.correction_cap else None,
+    }
 
 
 def _set_threads(component: Any, threads: int) -> None:
@@ -213,10 +249,15 @@ def make_produce(runtime: Runtime, config: Config) -> Callable[[Session], Group]
     return produce
 
 
-def train_step(runtime: Runtime, batch: list[Stamped[Group]]) -> dict[str, float]:
-    """One GRPO step on the batch's groups; a reweighted stale group's advantages are scaled."""
-    sequences = [seq for item in batch for seq in item.value.sequences]
-    advantages = [a * item.weight for item in batch for a in item.value.advantages]
+def train_step(runtime: Runtime, batch: list[Stamped[Group]], config: Config) -> dict[str, float]:
+    """One GRPO step on the batch's groups; a reweighted stale group's advantages are scaled. With
+    ``skip_flat_groups`` no step is taken when every prompt's samples scored alike."""
+    sequences, advantages = trained_rows(batch, config)
+    rewards = [r for item in batch for r in item.value.rewards]
+    # signal_prompts: the share of the step's prompts whose samples scored differently (those it trains on).
+    record = {'total_reward': sum(rewards) / len(rewards), 'signal_prompts': len(sequences) / len(rewards)}
+    if not sequences:
+        return {**record, 'skipped': 1.0}
     output = runtime.model.forward_backward(
         inputs=[seq.new_input_feature for seq in sequences],
         old_logps=[seq.token_logprobs for seq in sequences],
@@ -227,10 +268,32 @@ def train_step(runtime: Runtime, batch: list[Stamped[Group]]) -> dict[str, float
     figures = {'staleness_mean': sum(staleness) / len(staleness), 'staleness_max': float(max(staleness))}
     runtime.model.log_step_figures(figures, adapter_name=ADAPTER)
     runtime.model.clip_grad_and_step()
-    rewards = [r for item in batch for r in item.value.rewards]
-    record = {'loss': float(output.loss), 'total_reward': sum(rewards) / len(rewards)}
+    record['loss'] = float(output.loss)
     record.update(runtime.model.calculate_metric(is_training=True))
     return record
+
+
+def trained_rows(batch: list[Stamped[Group]], config: Config) -> tuple[list[SampledSequence], list[float]]:
+    """The batch's sequences and advantages to train on. With ``skip_flat_groups`` a prompt's
+    samples that all scored alike are left out: DAPO's dynamic sampling (Yu et al. 2025,
+    arXiv:2503.14476, section 3.2), without its sampling more to refill the batch. Their
+    advantages are 0, so they add only the KL term's pull towards the base model; once the policy
+    solves the task every prompt is such, and that pull alone goes on unchecked until a batch
+    sampled after it shows the reward it costs: at the next step when synchronous, ``k`` steps
+    later at staleness ``k``, by when it had taken a run back to a near-uniform policy
+    (docs/async_rl.md, "Stale samples")."""
+    n = config.num_generations
+    sequences: list[SampledSequence] = []
+    advantages: list[float] = []
+    for item in batch:
+        group = item.value
+        for start in range(0, len(group.sequences), n):
+            scores = group.rewards[start : start + n]
+            if config.skip_flat_groups and max(scores) == min(scores):
+                continue
+            sequences += group.sequences[start : start + n]
+            advantages += [a * item.weight for a in group.advantages[start : start + n]]
+    return sequences, advantages
 
 
 def train(config: Config) -> dict[str, Any]:
@@ -271,7 +334,7 @@ def _sync_loop(runtime: Runtime, produce: Callable[[Session], Group], config: Co
             session = Session(index, lambda v=version: v, lambda: None)
             groups.append(Stamped(produce(session), version, index=index))
         sampled = time.perf_counter()
-        record = {'step': step, **train_step(runtime, groups), 'staleness_mean': 0.0}
+        record = {'step': step, **train_step(runtime, groups, config), 'staleness_mean': 0.0}
         # Where a synchronous step's time goes: the async loop overlaps sampling with the rest.
         record.update(sync_s=synced - started, sample_s=sampled - synced, train_s=time.perf_counter() - sampled)
         history.append(record)
@@ -293,35 +356,48 @@ def _async_loop(
     with rollouts.running(*runtime.stage()):
         for step in range(1, config.steps + 1):
             waited = time.perf_counter()
+            if config.fill_pipeline:
+                rollouts.fill()
             batch = rollouts.next_batch()
             waited = time.perf_counter() - waited
-            record = {'step': step, **train_step(runtime, batch), 'wait_s': waited}
-            record['staleness_mean'] = sum(item.staleness for item in batch) / len(batch)
-            record['staleness_max'] = max(item.staleness for item in batch)
+            record = {'step': step, **train_step(runtime, batch, config), 'wait_s': waited, **staleness_figures(batch)}
             rollouts.publish(*runtime.stage())
             history.append(record)
             _log(record)
     return history, rollouts.stats.metrics()
 
 
+def staleness_figures(batch: list[Stamped[Group]]) -> dict[str, float]:
+    """The step's staleness: mean, max, and the share of its groups at each staleness."""
+    counts = Counter(item.staleness for item in batch)
+    figures = {f'staleness/{s}': n / len(batch) for s, n in sorted(counts.items())}
+    figures['staleness_mean'] = sum(s * n for s, n in counts.items()) / len(batch)
+    figures['staleness_max'] = float(max(counts))
+    return figures
+
+
 def _log(record: dict[str, float]) -> None:
+    # clip: tokens whose clip bites; w: the importance weights trainer / sampler (their range, before the cap).
     logger.info(
         f'step {int(record["step"]):4d}  reward {record["total_reward"]:.3f}  '
-        f'staleness {record.get("staleness_mean", 0.0):.2f}  waited {record.get("wait_s", 0.0):.2f}s'
+        f'staleness {record.get("staleness_mean", 0.0):.2f}  clip {record.get("clip_frac", 0.0):.2f}  '
+        f'w {record.get("is_weight_min", 1.0):.2f}-{record.get("is_weight_max", 1.0):.2f}  '
+        f'waited {record.get("wait_s", 0.0):.2f}s'
     )
 
 
-def parse_args() -> Config:
+def parse_args(argv: list[str] | None = None) -> Config:
+    """The config from the command line (or ``argv``): each field a ``--flag``, booleans also ``--no-flag``."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     for name, default in asdict(Config()).items():
         flag = f'--{name.replace("_", "-")}'
-        if isinstance(default, bool):
-            parser.add_argument(flag, action='store_true')
+        if isinstance(default, bool):  # --flag and --no-flag
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif name == 'mode':
             parser.add_argument(flag, choices=MODES, default=default)
         else:
             parser.add_argument(flag, type=type(default), default=default)
-    return Config(**vars(parser.parse_args()))
+    return Config(**vars(parser.parse_args(argv)))
 
 
 def main() -> None:

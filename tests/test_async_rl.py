@@ -3,6 +3,8 @@ async GRPO recipe in one process, on Ray and against the service (two tenants at
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import tempfile
 import threading
@@ -15,7 +17,7 @@ import torch
 
 from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, StateError
-from twinkle.rl import AsyncRollouts, Session, generate_partial
+from twinkle.rl import AsyncRollouts, Session, Stamped, generate_partial
 
 COOKBOOK = Path(__file__).resolve().parents[1] / 'cookbook'
 
@@ -128,6 +130,32 @@ def test_weights_are_applied_between_generations_never_during_one() -> None:
     assert (first[0].value, second[0].value) == (0, 1)
 
 
+def test_fill_trains_every_batch_exactly_max_staleness_old() -> None:
+    """k=2, batches of 2: the bound plans 3 batches at version 0 (staleness 0, 1, 2 at steps 0-2); each
+    publish(v) then lets one batch start, on v, which the trainer takes two publishes later: 2 old."""
+    rollouts = AsyncRollouts(_versioned, batch_size=2, max_staleness=2)
+    seen = []
+    with rollouts.running(0):
+        for step in range(6):
+            rollouts.fill(timeout=30)
+            assert rollouts.stats.produced - rollouts.stats.trained == 2 * 3  # the whole plan is ready: 3 batches
+            batch = rollouts.next_batch(timeout=30)
+            seen.append([(item.version, item.staleness) for item in batch])
+            rollouts.publish(step + 1)
+    assert seen == [[(0, 0)] * 2, [(0, 1)] * 2, [(0, 2)] * 2, [(1, 2)] * 2, [(2, 2)] * 2, [(3, 2)] * 2]
+
+
+def test_fill_raises_a_failed_produce_and_refuses_stopped_rollouts() -> None:
+    def produce(session: Session) -> int:
+        raise ValueError('sampler gone')
+
+    rollouts = AsyncRollouts(produce, batch_size=1)
+    with rollouts.running(0), pytest.raises(StateError, match='sampler gone'):
+        rollouts.fill(timeout=30)
+    with pytest.raises(StateError, match='not running'):
+        rollouts.fill(timeout=1)
+
+
 def test_a_failing_produce_is_raised_in_the_trainer_thread() -> None:
     def produce(session: Session) -> int:
         raise ValueError('reward server down')
@@ -220,9 +248,38 @@ def test_a_partial_rollout_continues_on_the_new_weights(tiny_model_dir: str) -> 
         assert (drawn[:2] - new_logps[:2]).abs().max() > 1e-2
 
 
+# ---- the recipe's loss on stale samples --------------------------------------------------------
+def test_the_recipe_s_loss_still_trains_a_stale_token_the_updates_since_already_raised(recipe: Any) -> None:
+    """One trained token, A = +1, sampled at p = 0.1 by weights two steps old; the trainer now gives
+    it 1/4 (a vocabulary of 4, equal logits). GRPO's clip against the sampler sees r = 0.25 / 0.1 = 2.5
+    > 1.2 and gives it no gradient: the stall measured at k = 2 (docs/async_rl.md). The recipe's
+    decoupled loss has r = pi / sg(pi) = 1 and the weight min(w, 2) with w = 2.5, so its term is
+    -2 * A * logp and d/dlogits = -2 * (onehot - 1/4). (The KL term's gradient is 0 at ref = logp.)"""
+    from twinkle.loss import GRPOLoss
+
+    def gradient(loss: GRPOLoss) -> torch.Tensor:
+        logits = torch.zeros(1, 2, 4, requires_grad=True)
+        out = loss(
+            {'labels': torch.tensor([[-100, 0]])},
+            {'logits': logits},
+            advantages=[1.0],
+            old_logps=[[math.log(0.1)]],
+            ref_logps=[[-math.log(4)]],
+        )
+        out.loss.backward()
+        assert logits.grad is not None
+        return logits.grad[0, 1]
+
+    stale = recipe.Config(max_staleness=2)
+    expected = -2.0 * (torch.tensor([1.0, 0.0, 0.0, 0.0]) - 0.25)
+    torch.testing.assert_close(gradient(GRPOLoss(**recipe.loss_settings(stale))), expected)
+    coupled = recipe.loss_settings(recipe.Config(max_staleness=2, correction_cap=0.0))
+    assert gradient(GRPOLoss(**coupled)).abs().max() == 0.0
+
+
 # ---- the recipe: sync equals k=0, and the three runtimes ---------------------------------------
 def _run(recipe: Any, **overrides: Any) -> dict[str, Any]:
-    config = recipe.Config(steps=3, prompts_per_step=2, num_generations=4, **overrides)
+    config = recipe.Config(**{'steps': 3, 'prompts_per_step': 2, 'num_generations': 4, **overrides})
     return recipe.train(config)
 
 
@@ -230,9 +287,31 @@ def test_max_staleness_0_gives_the_synchronous_loop_s_numbers(recipe: Any) -> No
     sync = _run(recipe, sync=True)['history']
     zero = _run(recipe, max_staleness=0)['history']
     for a, b in zip(sync, zero, strict=True):
-        for key in ('loss', 'total_reward', 'kl', 'entropy'):
-            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+        for key in ('loss', 'total_reward', 'kl', 'entropy', 'skipped'):  # a skipped step has no loss
+            assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), key
         assert b['staleness_max'] == 0
+
+
+def test_prompts_whose_samples_all_scored_alike_are_left_out(recipe: Any) -> None:
+    """Item 0 holds two prompts of 2 samples, rewards (1, 1) and (0, 1), at weight 0.5; item 1 one
+    prompt, (0, 0). Only the (0, 1) pair trains, its advantages (-1, 1) scaled to (-0.5, 0.5); a
+    batch of flat prompts alone trains nothing, and its step is skipped."""
+    config = recipe.Config(num_generations=2)
+    batch = [
+        Stamped(recipe.Group(['a', 'b', 'c', 'd'], [1.0, 1.0, 0.0, 1.0], [0.0, 0.0, -1.0, 1.0]), 0, weight=0.5),
+        Stamped(recipe.Group(['e', 'f'], [0.0, 0.0], [0.0, 0.0]), 0),
+    ]
+    assert recipe.trained_rows(batch, config) == (['c', 'd'], [-0.5, 0.5])
+    assert recipe.trained_rows(batch[1:], config) == ([], [])
+    assert recipe.train_step(None, batch[1:], config) == {'total_reward': 0.0, 'signal_prompts': 0.0, 'skipped': 1.0}
+    everything = recipe.Config(num_generations=2, skip_flat_groups=False)
+    assert recipe.trained_rows(batch, everything)[0] == ['a', 'b', 'c', 'd', 'e', 'f']
+
+
+def test_a_filled_pipeline_trains_every_step_after_the_first_k_at_exactly_k(recipe: Any) -> None:
+    result = _run(recipe, steps=4, max_staleness=2, fill_pipeline=True)
+    assert [record['staleness_max'] for record in result['history']] == [0, 1, 2, 2]
+    assert [record['staleness/2'] for record in result['history'][2:]] == [1.0, 1.0]  # every group
 
 
 def test_async_recipe_stays_within_its_bound_in_one_process(recipe: Any) -> None:
@@ -245,6 +324,29 @@ def test_async_recipe_on_ray_sampler_and_model_groups(recipe: Any) -> None:
     result = _run(recipe, max_staleness=1, mode='ray')
     assert all(record['staleness_max'] <= 1 for record in result['history'])
     assert len(result['history']) == 3
+
+
+def test_a_cpu_sampler_group_and_its_model_split_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each taking every core had two sets of torch threads contend for them (the recipe in server
+    mode sampled 0.43 of one process's samples/s, 1.03 split: docs/async_rl.md): on 2 cores the model
+    (in the server's process) and one sampler rank get 1 each; on 16 with 3 sampler ranks, 16 // 4 = 4
+    a rank and the 4 left to the model. A model on a GPU, or on ranks of its own, keeps the old way."""
+    from twinkle.server.config import ServerConfig
+    from twinkle.server.execution import multi_rank, sampler_group
+
+    config = ServerConfig(base_model='m', device='cpu')
+    monkeypatch.setattr(sampler_group, '_cores', lambda: 2)
+    assert sampler_group.cpu_split(config, 1, 'cpu') == (1, 1)
+    monkeypatch.setattr(sampler_group, '_cores', lambda: 16)
+    assert sampler_group.cpu_split(config, 3, 'cpu') == (4, 4)
+    assert sampler_group.cpu_split(config, 1, 'cuda:1') is None
+    assert sampler_group.cpu_split(config.model_copy(update={'device': 'cuda:0'}), 1, 'cpu') is None
+    assert sampler_group.cpu_split(config.model_copy(update={'ranks': 2}), 1, 'cpu') is None
+    # The worker takes what ProcessRanks gives it, else its share of the machine among its ranks.
+    monkeypatch.setenv(multi_rank.THREADS_ENV, '3')
+    assert multi_rank.rank_threads(world=1) == 3
+    monkeypatch.delenv(multi_rank.THREADS_ENV)
+    assert multi_rank.rank_threads(world=2) == max(1, (os.cpu_count() or 1) // 2)
 
 
 def test_two_tenants_async_loops_share_one_service_each_within_its_budget(recipe: Any, tiny_model_dir: str) -> None:

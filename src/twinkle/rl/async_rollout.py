@@ -31,7 +31,16 @@ arrives later than planned (one slow generation among several threads) can still
 ``stale='reweight'`` keeps it with ``weight = decay ** (staleness - k)`` for the caller to scale
 its loss by. ``max_staleness=0`` is the synchronous loop: an item for batch ``b`` starts only
 after the trainer published the weights of step ``b``, so with seeded sampling an async run
-gives the synchronous run's numbers exactly.
+gives the synchronous run's numbers exactly. ``fill()`` before each ``next_batch`` waits until
+the plan is full, so every batch (after the first ``k``) is exactly ``k`` old: the bound's worst
+case, the same at every run.
+
+**Stale samples need the decoupled loss.** A policy loss whose clipped ratio is anchored at the
+sampler's logprobs (GRPO's, PPO's) clips every token that the ``k`` updates since sampling already
+moved by more than ``epsilon``, so a token's probability can grow by about ``(1 + epsilon) ** (1 /
+k)`` a step at most; train stale samples with ``rollout_correction=`` (the clip against the
+trainer's own policy, the sampler only in a truncated importance weight: Hilton et al. 2022's
+decoupled PPO, as AReaL trains); ``docs/async_rl.md`` has the measurement.
 
 The threads stop on ``close()`` (or leaving ``running``); an exception in ``produce`` or
 ``apply`` is raised in the trainer's thread at its next ``next_batch``.
@@ -195,6 +204,22 @@ class AsyncRollouts(Generic[T]):
             self.stats.trained += len(batch)
             self._lock.notify_all()
         return batch
+
+    def fill(self, timeout: float | None = None) -> None:
+        """Wait until the rollouts are as far ahead as the bound lets them: every item the plan
+        allows produced, none in flight. A loop that calls it before each ``next_batch`` trains
+        every batch from step ``max_staleness + 1`` on exactly ``max_staleness`` versions after
+        the weights that sampled it: the bound's worst case, which a sampler much faster than the
+        trainer meets at every step. With seeded sampling such a run is the same at every try
+        (which items see which weights no longer depends on the threads' timing), so benchmarks
+        and tests measure that case with it."""
+        with self._lock:
+            while self._may_start() or self._in_flight_items:
+                self._raise_error()
+                if not self._threads:
+                    raise StateError('these rollouts are not running: call start() or use running()')
+                if not self._lock.wait(timeout):
+                    raise StateError(f'the rollouts did not fill their plan within {timeout} s')
 
     def publish(self, version: int, apply: Callable[[], object] | None = None) -> None:
         """The trainer's weights are now ``version``; ``apply`` (if any) loads them into the

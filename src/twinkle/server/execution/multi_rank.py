@@ -64,6 +64,8 @@ from twinkle.server.execution.vllm_sampling import samples_on_vllm
 START_TIMEOUT_S = 600.0
 #: Seconds the workers get to exit at shutdown before they are killed.
 STOP_TIMEOUT_S = 10.0
+#: A CPU worker's torch threads, when ``ProcessRanks`` is given them (a sampler group beside its model).
+THREADS_ENV = 'TWINKLE_RANK_THREADS'
 #: Seconds the other ranks get to answer once one rank failed a call: every rank checks the same
 #: request, so they fail alike at once; ranks that do not answer wait in a collective for it.
 ERROR_GRACE_S = 30.0
@@ -240,8 +242,8 @@ def _rank_host(config: ServerConfig, world: int) -> RankHost:
     from twinkle.infra.runtime import Runtime, start_local
 
     device_type = 'cuda' if (config.device or '').startswith('cuda') else 'cpu'
-    if device_type == 'cpu':  # the machine's cores shared by the ranks, not each taking them all
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if device_type == 'cpu':
+        torch.set_num_threads(rank_threads(world))
     mesh = DeviceMesh.from_sizes(**config.model_copy(update={'ranks': world}).mesh_sizes(), device_type=device_type)
     start_local(Runtime('local', None, global_device_mesh=mesh))
     # One rank keeps its device as given (cuda:1, say); ranks of a mesh take cuda:LOCAL_RANK.
@@ -249,6 +251,12 @@ def _rank_host(config: ServerConfig, world: int) -> RankHost:
     if os.environ.get('TWINKLE_RANK_DEVICE'):  # the one GPU CUDA_VISIBLE_DEVICES leaves this rank
         device = None
     return RankHost(config.model_copy(update={'device': device}))
+
+
+def rank_threads(world: int) -> int:
+    """A CPU worker's torch threads: the machine's cores shared by the ranks (and by a model beside
+    them, when ``ProcessRanks`` was given ``threads``), not each taking them all."""
+    return int(os.environ.get(THREADS_ENV) or 0) or max(1, (os.cpu_count() or 1) // world)
 
 
 def _send(conn: Connection, message: Any) -> None:
@@ -384,7 +392,8 @@ class ProcessRanks:
     interpreter (the server's own script, which may lack a ``__main__`` guard, is not run again),
     each connected back over a local socket."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, threads: int | None = None):
+        """``threads``: each CPU worker's torch threads (None: the machine's cores split among the ranks)."""
         self.config, self.ranks = config, config.ranks
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -392,6 +401,9 @@ class ProcessRanks:
         with Listener(('127.0.0.1', 0), authkey=authkey) as listener:
             host, port = listener.address
             env = {**os.environ, 'TWINKLE_RANK_AUTHKEY': authkey.hex()}
+            env.pop(THREADS_ENV, None)
+            if threads is not None:
+                env[THREADS_ENV] = str(threads)
             command = [sys.executable, '-m', 'twinkle.server.execution.multi_rank', f'{host}:{port}']
             try:
                 for rank in range(self.ranks):

@@ -15,13 +15,17 @@ sampling runs on the model group, on the trainer's current weights, as before.
 from __future__ import annotations
 
 import json
+import os
+from functools import partial
 from pathlib import Path
+
+import torch
 
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.model.checkpoint import WEIGHTS_STEP
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.checks import JsonObject, SavedWeights
-from twinkle.server.execution.multi_rank import MultiRankHost
+from twinkle.server.execution.multi_rank import MultiRankHost, ProcessRanks
 from twinkle.server.execution.scheduler import Job, JobCallback, Scheduler
 from twinkle.server.execution.vllm_sampling import VllmSamplerHost
 from twinkle.server.store import Run, Store
@@ -45,10 +49,17 @@ class SamplerGroup:
         )  # fmt: skip
         self.name, self.store, self._on_start = f'{config.base_model} (sampler)', store, on_start
         self.host: MultiRankHost | VllmSamplerHost
+        self._threads_before: int | None = None  # this process's torch threads before a CPU split, put back at stop
         if settings.backend == 'vllm':
             self.host = VllmSamplerHost(sampler_config)
         else:
-            self.host = MultiRankHost(sampler_config)
+            split = cpu_split(config, settings.ranks, sampler_config.device)
+            self.host = MultiRankHost(
+                sampler_config, None if split is None else partial(ProcessRanks, threads=split[1])
+            )
+            if split is not None:
+                self._threads_before = torch.get_num_threads()
+                torch.set_num_threads(split[0])  # the model, in this process
         self.scheduler = Scheduler(
             max_queued_per_tenant=config.limits.max_queued_per_tenant, on_start=self._started, on_finish=on_finish
         )
@@ -86,7 +97,34 @@ class SamplerGroup:
     def stop(self) -> list[Job]:
         jobs = self.scheduler.stop(wait=True)
         self.host.shutdown()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
         return jobs
+
+
+def cpu_split(config: ServerConfig, sampler_ranks: int, sampler_device: str | None) -> tuple[int, int] | None:
+    """``(the server process's torch threads, each sampler rank's)`` when the model (in this process)
+    and its sampler group both compute on this machine's CPU: its cores split between the two, where
+    each taking them all has two sets of threads contend for the same cores (the async GRPO recipe
+    in server mode on 2 cores: every forward 2.3x slower, 0.43 of one process's samples/s; split,
+    1.03: ``benchmarks/async_rl.py --modes``). None on a GPU, or with the model on processes of its
+    own (``ranks`` > 1, Ray), which share the cores among themselves.
+
+    >>> cpu_split(ServerConfig(base_model='m', device='cpu'), 1, 'cpu')[1] == max(1, _cores() // 2)
+    True
+    """
+    if config.ranks > 1 or config.ray is not None or not _on_cpu(config.device) or not _on_cpu(sampler_device):
+        return None
+    share = max(1, _cores() // (sampler_ranks + 1))
+    return max(1, _cores() - share * sampler_ranks), share
+
+
+def _on_cpu(device: str | None) -> bool:
+    return (device or '').startswith('cpu') or (device is None and not torch.cuda.is_available())
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
 
 
 def saved_weights(directory: Path | None, shown_as: str | None) -> SavedWeights | None:
@@ -101,4 +139,4 @@ def version_of(directory: Path) -> int:
     return int(json.loads(state.read_text()).get('optim_step', 0)) if state.is_file() else 0
 
 
-__all__ = ['SYNC_NAME', 'SamplerGroup', 'saved_weights', 'version_of']
+__all__ = ['SYNC_NAME', 'SamplerGroup', 'cpu_split', 'saved_weights', 'version_of']
