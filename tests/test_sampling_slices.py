@@ -113,8 +113,9 @@ def test_stopping_fails_a_paused_job_and_cancels_its_continuation(scheduler):
     blocker = scheduler.submit('bob', lambda: gate.wait(TIMEOUT))
     while job.status != 'paused' or blocker.status != 'running':
         time.sleep(0.001)
-    threading.Timer(0.05, gate.set).start()
-    left = scheduler.stop()
+    left = scheduler.stop(wait=False)  # bob's job holds the worker until the gate opens: alice's is queued, paused
+    gate.set()
+    assert scheduler.stop() == []  # the worker ended after bob's job, and ran nothing more
     assert left == [job] and job.status == 'paused'
     job.fail(StateError('the server stopped before this request ran'))
     assert cancelled.is_set() and job.status == 'failed' and job.done.is_set()
@@ -131,8 +132,16 @@ def test_a_job_that_pauses_as_the_scheduler_stops_is_returned_with_the_queued_on
     scheduler.start()
     job = scheduler.submit('alice', first_slice)
     assert entered.wait(TIMEOUT)
-    threading.Timer(0.05, release.set).start()  # the slice ends while stop waits for it
+
+    def release_once_stopping() -> None:  # the slice ends while stop waits for it, however slow the machine
+        while not scheduler._stopping:
+            time.sleep(0.001)
+        release.set()
+
+    releaser = threading.Thread(target=release_once_stopping)
+    releaser.start()
     assert scheduler.stop() == [job] and job.status == 'paused'
+    releaser.join(TIMEOUT)
 
 
 # ---- slicing.sliced and the torch sampler ------------------------------------------------------------
