@@ -2,8 +2,9 @@
 
 ``--tenants`` tenants each train a run of their own on one ``twinkle-server serve`` (``forward_backward`` of
 one batch, then ``clip_grad_and_step``, each tenant on a thread of its own, every request submitted and then
-waited for). Once every tenant has had ``--kill-after`` steps answered, the server is killed with SIGKILL,
-wherever each tenant is, and started again on the same data directory. Then, for each run, against the
+waited for). Once every tenant has had ``--kill-after`` steps answered and one of them a ``forward_backward``
+since its last (so that one run has answered gradients to lose), the server is killed with SIGKILL, wherever
+each tenant is, and started again on the same data directory. Then, for each run, against the
 store's futures (what the server answered, whether or not the answer reached its client):
 
 - ``steps_kept``: the run comes back with exactly the steps the server answered: its weights are those of a
@@ -138,6 +139,10 @@ class Tenant:
         self.run_id = model.add_adapter_to_model('default', lora(), seed=self.seed)
         model.set_optimizer('AdamW', lr=LR)
 
+    def owes_a_step(self) -> bool:
+        """Whether its last answered call is a ``forward_backward`` (its gradients wait on the model)."""
+        return bool(self.answered) and self.answered[-1][1] == 'forward_backward'
+
     def steps_answered(self) -> int:
         return sum(op in STEP_OPS for _, op in self.answered)
 
@@ -221,7 +226,9 @@ def crash_run(settings: Settings, workdir: Path) -> dict[str, Any]:
         threads = [threading.Thread(target=t.train, args=(server.url,), name=t.name) for t in tenants]
         for thread in threads:
             thread.start()
-        while not all(t.steps_answered() >= settings.kill_after for t in tenants):
+        while not (
+            all(t.steps_answered() >= settings.kill_after for t in tenants) and any(map(Tenant.owes_a_step, tenants))
+        ):
             if not any(thread.is_alive() for thread in threads):
                 raise RuntimeError(f'the tenants ended before the kill: {[t.ended_by for t in tenants]}')
             time.sleep(0.01)
