@@ -3,6 +3,7 @@ training goes on as if nothing happened. A graceful restart does the same for ev
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from peft import LoraConfig
 
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
+from twinkle.errors import ConfigurationError
 from twinkle.model import TransformersModel
 from twinkle.model import checkpoint as ckpt
 from twinkle.preprocessor import SelfCognitionProcessor
@@ -248,3 +250,28 @@ def test_states_a_dead_server_left_in_memory_are_moved_to_disk_at_start(tmp_path
         release_memory(config)
         for folder in (root, orphan, running):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_memory_folder_is_this_users_alone_and_one_of_another_user_is_refused(tmp_path):
+    """Every tenant's latest state is in the memory folder, whose name anyone can work out in a place anyone may
+    write (``/dev/shm``): the server makes it 0700 (one of its own left 0755 too), and refuses one another user made."""
+    config = ServerConfig.build(base_model='unused', data_dir=str(tmp_path / 'data'))
+    root = config.memory_dir
+    if root is None:
+        pytest.skip('no /dev/shm here')
+    try:
+        root.mkdir(mode=0o755)
+        root.chmod(0o755)
+        claim_memory(config)
+        assert root.stat().st_mode & 0o777 == 0o700
+        release_memory(config)
+        if os.geteuid() != 0:
+            return  # only root can make a folder another user owns
+        shutil.rmtree(root, ignore_errors=True)  # release removed it if nothing was left in it
+        root.mkdir()
+        os.chown(root, 65534, 65534)
+        with pytest.raises(ConfigurationError, match=r'is not a folder of this user .*memory_state_dir'):
+            claim_memory(config)
+    finally:
+        release_memory(config)
+        shutil.rmtree(root, ignore_errors=True)

@@ -8,9 +8,11 @@ cleared here at start, as kept states left in memory are moved to disk."""
 from __future__ import annotations
 
 import fcntl
+import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import IO
 
@@ -101,7 +103,7 @@ def claim_memory(config: ServerConfig) -> int:
     root = config.memory_dir
     if root is None:
         return 0
-    root.mkdir(parents=True, exist_ok=True)
+    _own_folder(root)
     lock = _HELD.get(root) or _locked(root / OWNER)
     if lock is None:
         raise ConfigurationError(
@@ -119,6 +121,22 @@ def claim_memory(config: ServerConfig) -> int:
                 found += _claim(state, config.checkpoint_dir / tenant.name / run.name / state.name)
         shutil.rmtree(tenant, ignore_errors=True)
     return found
+
+
+def _own_folder(root: Path) -> None:
+    """Make the memory folder this user's alone (0700), as ``data_dir`` is: every tenant's latest
+    weights and optimizer state are in it, under a name anyone can work out, in a place anyone may write
+    (``/dev/shm``). A folder there before us that another user owns, or a link, is refused: its owner
+    could read the states, or plant one."""
+    root.mkdir(mode=0o700, exist_ok=True)
+    found = root.lstat()
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+        raise ConfigurationError(
+            f'the memory folder {root} is not a folder of this user (uid {os.getuid()}): remove it, or set '
+            'memory_state_dir to a folder of its own (memory_state_bytes: 0 keeps no state in memory)'
+        )
+    if stat.S_IMODE(found.st_mode) != 0o700:
+        root.chmod(0o700)
 
 
 def _claim(memory: Path, disk: Path) -> int:
