@@ -26,7 +26,7 @@ Printed and written (``benchmarks/results/async_rl.json``):
 ``--curves``: reward against samples seen for each staleness bound ``k`` and seed, in one process
 per run (``--mode local``, one torch thread each, ``--jobs`` runs at a time) with ``--fill-pipeline``:
 the loop waits until the sampler is ``k`` batches ahead, so every batch from step ``k + 1`` on is
-exactly ``k`` versions old (the bound's worst case, and the same at every run of a seed; ``k = 0``
+exactly ``k`` steps old (the bound's worst case, and the same at every run of a seed; ``k = 0``
 is the synchronous loop). ``--runs`` names the recipe's variants (``VARIANTS``) and the bounds each
 runs at: ``default`` (the decoupled loss, prompts that all scored alike left out), ``before`` (the
 recipe as it was: GRPO's clip against the sampler, every prompt trained), and one change at a time
@@ -115,7 +115,7 @@ KEEP = ('total_reward', 'staleness_mean', 'clip_frac', 'is_weight_min', 'is_weig
 
 
 def curve_run(variant: str, k: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One recipe run in one process, every batch exactly ``k`` old (``--fill-pipeline``); with
+    """One recipe run in one process, every batch exactly ``k`` steps old (``--fill-pipeline``); with
     ``--keep DIR`` its result is kept there, and a run already there is not run again."""
     kept = Path(args.keep) / f'{variant}_k{k}_seed{seed}_steps{args.steps}.json' if args.keep else None
     if kept is not None and kept.exists():

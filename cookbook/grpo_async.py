@@ -2,10 +2,10 @@
 
 The task, reward and hyper-parameters of ``grpo_letter_words.py`` (imported from there). A
 background thread samples one prompt's group at a time (``produce``) with the sampler's current
-weights while the loop trains on groups already scored; after each step the loop stages a copy
-of the new weights and the rollout thread loads them into the sampler between two generations
-(``--partial-chunk N``: between two chunks of N tokens, so a generation spanning an update
-continues on the new weights). ``--max-staleness k`` bounds how many steps behind the trainer a
+weights while the loop trains on groups already scored; after each step that changed the
+weights the loop stages a copy of them and the rollout thread loads them into the sampler
+between two generations (``--partial-chunk N``: between two chunks of N tokens, so a generation
+spanning an update continues on the new weights). ``--max-staleness k`` bounds how many steps behind the trainer a
 group may be; ``--max-staleness 0`` is the synchronous loop, step for step and number for number
 (``--sync`` runs that loop without threads, for comparison).
 
@@ -14,7 +14,8 @@ own policy, the sampler only in a truncated importance weight), and prompts whos
 scored alike are left out (``trained_rows``): without the first a bound of 2 stalled four runs
 of five, without the second a solved run could fall back to a near-uniform policy
 (docs/async_rl.md, "Stale samples"). ``--fill-pipeline`` makes every batch exactly
-``max_staleness`` old, the bound's worst case, the same at every run of a seed.
+``max_staleness`` steps old, the bound's worst case, the same at every run of a seed (as many
+versions old, less the steps between that were skipped: they left the weights as they were).
 
     python cookbook/grpo_async.py                                  # one process, about 40 s
     python cookbook/grpo_async.py --mode ray                       # sampler and trainer in two Ray actors
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import tempfile
 import time
@@ -72,7 +74,8 @@ class Config(LetterWordsConfig):
     # 1.2 ** (1 / k) a step and stalls learning at k = 2 (see loss_settings and docs/async_rl.md).
     correction_cap: float = 2.0
     # The loop waits until the rollouts are max_staleness batches ahead before each step: every batch is exactly
-    # that stale (the worst case, and the same at every run of a seed), as with a sampler much faster than training.
+    # that many steps old (the worst case, and the same at every run of a seed), as with a sampler much faster than
+    # training; in versions, less the skipped steps between (they change no weights).
     fill_pipeline: bool = False
     # Leave out each prompt's samples that all scored alike (advantage 0); no step when none is left (trained_rows).
     skip_flat_groups: bool = True
@@ -167,9 +170,10 @@ def _server(model_dir: str, config: Config) -> Iterator[tuple[Any, Any]]:
 
 
 def _server_stage(model: Any, sampler: Any, config: Config) -> Callable[[], tuple[int, Callable[[], object] | None]]:
-    """Versions are the run's optimizer steps (what the server records on each sequence). With a
-    sampler group, ``apply`` saves the run's weights for it; without one the server samples the
-    trainer's current weights and there is nothing to apply."""
+    """Versions are the run's optimizer steps (what the server records on each sequence): the loop
+    stages after each step that changed the weights, none after a skipped one. With a sampler
+    group, ``apply`` saves the run's weights for it; without one the server samples the trainer's
+    current weights and there is nothing to apply."""
     from twinkle_client.checkpoint_engine import CheckpointEngineManager as ClientManager
 
     manager, steps = ClientManager(model, sampler), iter(range(1_000_000))
@@ -251,7 +255,9 @@ def make_produce(runtime: Runtime, config: Config) -> Callable[[Session], Group]
 
 def train_step(runtime: Runtime, batch: list[Stamped[Group]], config: Config) -> dict[str, float]:
     """One GRPO step on the batch's groups; a reweighted stale group's advantages are scaled. With
-    ``skip_flat_groups`` no step is taken when every prompt's samples scored alike."""
+    ``skip_flat_groups`` no step is taken when every prompt's samples scored alike. ``skipped`` is
+    1 when the weights did not change: no step, or one the optimizer skipped (a NaN or infinite
+    gradient norm); the loop then stages no new weights for the sampler."""
     sequences, advantages = trained_rows(batch, config)
     rewards = [r for item in batch for r in item.value.rewards]
     # signal_prompts: the share of the step's prompts whose samples scored differently (those it trains on).
@@ -267,9 +273,11 @@ def train_step(runtime: Runtime, batch: list[Stamped[Group]], config: Config) ->
     staleness = [item.staleness for item in batch]
     figures = {'staleness_mean': sum(staleness) / len(staleness), 'staleness_max': float(max(staleness))}
     runtime.model.log_step_figures(figures, adapter_name=ADAPTER)
-    runtime.model.clip_grad_and_step()
+    grad_norm = runtime.model.clip_grad_and_step()
     record['loss'] = float(output.loss)
     record.update(runtime.model.calculate_metric(is_training=True))
+    if grad_norm is None or not math.isfinite(grad_norm):  # the model skips a step with such a norm
+        record['skipped'] = 1.0
     return record
 
 
@@ -320,12 +328,13 @@ def train(config: Config) -> dict[str, Any]:
 
 
 def _sync_loop(runtime: Runtime, produce: Callable[[Session], Group], config: Config) -> list[dict[str, float]]:
-    history = []
+    history: list[dict[str, float]] = []
     for step in range(1, config.steps + 1):
         started = time.perf_counter()
-        version, apply = runtime.stage()
-        if apply is not None:
-            apply()
+        if not history or not history[-1].get('skipped'):  # after a skipped step the sampler has the weights
+            version, apply = runtime.stage()
+            if apply is not None:
+                apply()
         synced = time.perf_counter()
         groups = []
         items = config.prompts_per_step // config.prompts_per_call
@@ -361,7 +370,10 @@ def _async_loop(
             batch = rollouts.next_batch()
             waited = time.perf_counter() - waited
             record = {'step': step, **train_step(runtime, batch, config), 'wait_s': waited, **staleness_figures(batch)}
-            rollouts.publish(*runtime.stage())
+            if record.get('skipped'):  # the weights are the last step's: no copy, no new version
+                rollouts.publish_unchanged()
+            else:
+                rollouts.publish(*runtime.stage())
             history.append(record)
             _log(record)
     return history, rollouts.stats.metrics()

@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -143,6 +144,21 @@ def test_fill_trains_every_batch_exactly_max_staleness_old() -> None:
             seen.append([(item.version, item.staleness) for item in batch])
             rollouts.publish(step + 1)
     assert seen == [[(0, 0)] * 2, [(0, 1)] * 2, [(0, 2)] * 2, [(1, 2)] * 2, [(2, 2)] * 2, [(3, 2)] * 2]
+
+
+def test_a_step_that_left_the_weights_unchanged_moves_the_plan_but_not_the_version() -> None:
+    """k=0, batches of 1: publish_unchanged() after step 0 lets item 1 start on version 0 (without it
+    the plan would stay at one batch and next_batch wait forever); it trains 0 versions old."""
+    rollouts = AsyncRollouts(_versioned, batch_size=1, max_staleness=0)
+    seen = []
+    with rollouts.running(0):
+        for publish in (rollouts.publish_unchanged, lambda: rollouts.publish(1), rollouts.publish_unchanged):
+            batch = rollouts.next_batch(timeout=30)
+            seen.append([(item.version, item.staleness) for item in batch])
+            publish()
+        seen.append([(item.version, item.staleness) for item in rollouts.next_batch(timeout=30)])
+    assert seen == [[(0, 0)], [(0, 0)], [(1, 0)], [(1, 0)]]
+    assert rollouts.trainer_version == 1
 
 
 def test_fill_raises_a_failed_produce_and_refuses_stopped_rollouts() -> None:
@@ -308,8 +324,67 @@ def test_prompts_whose_samples_all_scored_alike_are_left_out(recipe: Any) -> Non
     assert recipe.trained_rows(batch, everything)[0] == ['a', 'b', 'c', 'd', 'e', 'f']
 
 
+class _NoSignalModel:
+    """A model for the loop alone: each ``clip_grad_and_step`` returns the next of ``norms`` (a
+    NaN norm is an optimizer step the model skipped); ``versions``: the weights each
+    ``forward_backward``'s samples came from."""
+
+    def __init__(self, norms: list[float]):
+        self.norms, self.steps, self.versions = norms, 0, []
+
+    def forward_backward(self, *, inputs: list[dict[str, list[int]]], **_: Any) -> Any:
+        self.versions.append(inputs[0]['input_ids'][0])
+        return SimpleNamespace(loss=0.5)
+
+    def log_step_figures(self, figures: dict[str, float], *, adapter_name: str) -> None:
+        pass
+
+    def clip_grad_and_step(self) -> float:
+        self.steps += 1
+        return self.norms[self.steps - 1]
+
+    def calculate_metric(self, is_training: bool) -> dict[str, float]:
+        return {}
+
+
+@pytest.mark.parametrize('loop', ['sync', 'async_k0', 'async_k1'])
+def test_a_skipped_step_stages_no_weights_and_keeps_the_version(recipe: Any, loop: str) -> None:
+    """4 steps of one prompt, 2 samples: step 2's samples score alike (no prompt left to train on),
+    step 3's optimizer skips (a NaN gradient norm). Only steps 1 and 4 change the weights, so the
+    async loop stages 1 + 2 copies (versions 0, 1, 2), the synchronous one 2 (before steps 1 and 2;
+    it stages before a step), and steps 2-4 sample version 1, not 2 and 3. Before the fix every step
+    staged: 5 copies, 4."""
+    staged: list[int] = []
+
+    def stage() -> tuple[int, Any]:
+        staged.append(len(staged))
+        return staged[-1], None
+
+    def produce(session: Session) -> Any:
+        with session.sampling() as version:
+            rewards = [1.0, 1.0] if session.index == 1 else [0.0, 1.0]
+            sequence = SimpleNamespace(new_input_feature={'input_ids': [version]}, token_logprobs=[0.0])
+            return recipe.Group([sequence, sequence], rewards, [r - 0.5 for r in rewards])
+
+    model = _NoSignalModel([1.0, math.nan, 1.0])
+    runtime = recipe.Runtime(model, None, stage)
+    k = {'sync': 0, 'async_k0': 0, 'async_k1': 1}[loop]
+    config = recipe.Config(steps=4, prompts_per_step=1, num_generations=2, max_staleness=k, sync=loop == 'sync')
+    if config.sync:
+        history = recipe._sync_loop(runtime, produce, config)
+    else:
+        history = recipe._async_loop(runtime, produce, config)[0]
+    assert [record.get('skipped', 0.0) for record in history] == [0.0, 1.0, 1.0, 0.0]
+    assert model.steps == 3 and staged == ([0, 1] if config.sync else [0, 1, 2])
+    # Steps 1, 3, 4 trained: step 1 on the first weights, 3 and 4 on step 1's (at k=1 too: item 2 is
+    # planned only once step 1 published, item 3 once step 2 finished).
+    assert model.versions == [0, 1, 1]
+
+
 def test_a_filled_pipeline_trains_every_step_after_the_first_k_at_exactly_k(recipe: Any) -> None:
-    result = _run(recipe, steps=4, max_staleness=2, fill_pipeline=True)
+    """Every step trains (no prompt left out), so each changes the weights: a batch k steps old is
+    k versions old. (With prompts left out a step may change none; the staleness is then lower.)"""
+    result = _run(recipe, steps=4, max_staleness=2, fill_pipeline=True, skip_flat_groups=False)
     assert [record['staleness_max'] for record in result['history']] == [0, 1, 2, 2]
     assert [record['staleness/2'] for record in result['history'][2:]] == [1.0, 1.0]  # every group
 

@@ -21,7 +21,9 @@ when no generation is in flight (``partial=False``: every generation finishes on
 started with) or between two chunks of a generation (``generate_partial``: an interrupted
 generation continues on the new weights). The trainer never waits for it. Each item records the
 version of the oldest weights that produced any of its tokens; its **staleness** when the
-trainer takes it is the trainer's version minus that.
+trainer takes it is the trainer's version minus that. A step that left the weights as they were
+(nothing in the batch to train on, an optimizer step skipped) calls ``publish_unchanged()``
+instead: no copy to stage, the version stays, and the next batch may start.
 
 **The bound.** With ``max_staleness=k`` the rollout threads run at most ``k`` batches ahead of
 the trainer (``batch_size * (k + 1)`` items planned, in flight or ready, as tinker-cookbook's
@@ -32,8 +34,9 @@ arrives later than planned (one slow generation among several threads) can still
 its loss by. ``max_staleness=0`` is the synchronous loop: an item for batch ``b`` starts only
 after the trainer published the weights of step ``b``, so with seeded sampling an async run
 gives the synchronous run's numbers exactly. ``fill()`` before each ``next_batch`` waits until
-the plan is full, so every batch (after the first ``k``) is exactly ``k`` old: the bound's worst
-case, the same at every run.
+the plan is full, so every batch (after the first ``k``) is exactly ``k`` steps old (``k``
+versions, less the steps between that published none): the bound's worst case, the same at
+every run.
 
 **Stale samples need the decoupled loss.** A policy loss whose clipped ratio is anchored at the
 sampler's logprobs (GRPO's, PPO's) clips every token that the ``k`` updates since sampling already
@@ -158,6 +161,7 @@ class AsyncRollouts(Generic[T]):
         self._applying = False
         self._pending: tuple[int, Callable[[], object] | None] | None = None
         self._start_version = 0
+        self._unchanged_steps = 0  # steps the trainer finished without new weights (publish_unchanged)
         self.trainer_version = 0
         self.sampler_version = 0
 
@@ -176,6 +180,7 @@ class AsyncRollouts(Generic[T]):
         if self._threads:
             raise StateError('these rollouts are already running: close() them first')
         self._start_version = self.trainer_version = self.sampler_version = version
+        self._unchanged_steps = 0
         self._pending = (version, apply) if apply is not None else None
         self._stopping = False
         self._threads = [
@@ -208,8 +213,9 @@ class AsyncRollouts(Generic[T]):
     def fill(self, timeout: float | None = None) -> None:
         """Wait until the rollouts are as far ahead as the bound lets them: every item the plan
         allows produced, none in flight. A loop that calls it before each ``next_batch`` trains
-        every batch from step ``max_staleness + 1`` on exactly ``max_staleness`` versions after
-        the weights that sampled it: the bound's worst case, which a sampler much faster than the
+        every batch from step ``max_staleness + 1`` on exactly ``max_staleness`` steps after the
+        weights that sampled it (as many versions, less the steps between that ended in
+        ``publish_unchanged``): the bound's worst case, which a sampler much faster than the
         trainer meets at every step. With seeded sampling such a run is the same at every try
         (which items see which weights no longer depends on the threads' timing), so benchmarks
         and tests measure that case with it."""
@@ -232,6 +238,15 @@ class AsyncRollouts(Generic[T]):
             # Without ``apply`` the sampler already reads the trainer's weights (a server run without a
             # sampler group): the version still moves at the next boundary between generations.
             self._pending = (version, apply)
+            self._lock.notify_all()
+
+    def publish_unchanged(self) -> None:
+        """The trainer finished a step without changing its weights (nothing in the batch to
+        train on, or the optimizer skipped the step): the plan moves on one batch, as after a
+        ``publish``, but the version and the sampler's weights stay, so the items sampled on them
+        are no staler for it."""
+        with self._lock:
+            self._unchanged_steps += 1
             self._lock.notify_all()
 
     def close(self) -> None:
@@ -280,10 +295,11 @@ class AsyncRollouts(Generic[T]):
 
     def _may_start(self) -> bool:
         """Whether one more item fits in the plan: at most ``max_staleness + 1`` batches past the
-        ones the trainer has taken, counted from the version the trainer has published."""
+        ones the trainer has taken, counted from the version the trainer has published and the
+        steps it finished without new weights."""
         if self._error is not None:
             return True
-        steps = self.trainer_version - self._start_version
+        steps = self.trainer_version - self._start_version + self._unchanged_steps
         # A dropped item gives its place in the plan to a new one.
         return self._planned - self.stats.dropped < self.batch_size * (steps + 1 + self.max_staleness)
 
