@@ -22,8 +22,12 @@ from twinkle.agent.tools import Tool, ToolThreads, default_tool_threads
 from twinkle.data_format import SamplingParams
 from twinkle.template import Template
 
-LIMIT_S = 2.0  # the turn's time limit; the hung tool would wait 60 s
-MARGIN_S = 5.0  # what the rollout may take past the limit on a loaded machine
+LIMIT_S = 2.0  # the turn's time limit
+# What the rollout may take past the limit on a loaded machine (the whole test took 4.8 s here, the
+# 2 s limit: a bound of 7 s was too close). The bound, 30 s, still tells a rollout that gave up on
+# the tool from one that waited for it: the hung tool waits HANG_S, four times that, unless released.
+MARGIN_S = 28.0
+HANG_S = 120.0
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "x"}}\n</tool_call>'
 
 
@@ -61,8 +65,8 @@ class LookupEnv(ToolEnv):
 
 
 class Hang:
-    """A sync ``lookup`` that waits until the test releases it (60 s at most), and the threads it
-    ran in, for the teardown to join."""
+    """A sync ``lookup`` that waits until the test releases it (``HANG_S`` at most), and the
+    threads it ran in, for the teardown to join."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -77,7 +81,7 @@ class Hang:
                 key: what to look up
             """
             self.threads.append(threading.current_thread())
-            self.release.wait(60)
+            self.release.wait(HANG_S)
             return '5'
 
         return Tool(lookup, threads=threads)
