@@ -13,7 +13,9 @@ LoRA run (r=16, ``all-linear``, AdamW) on the same batches from the same seed:
 A step is ``forward_backward`` then ``clip_grad_and_step``, each one request that waits for its answer. The
 three take turns in blocks of ``--steps`` (rotating which goes first) for ``--repeats`` blocks, after
 ``--warmup`` untimed steps each; every step ``k`` trains batch ``k``. Figures: the median step time of
-each, its ratio to ``none``, and the bytes of one kept state.
+each, its ratio to ``none``, the bytes of one kept state, and ``max_loss_diff``: the largest absolute
+difference between the ``memory`` and ``none`` runs' losses, step for step (keeping a state should
+change none of them: 0.0).
 
 Usage::
 
@@ -133,7 +135,7 @@ def main() -> None:
         'median_step_ms': {name: 1000 * value for name, value in medians.items()},
         'ratio_to_none': {name: medians[name] / medians['none'] for name in VARIANTS},
         'state_bytes': size,
-        'losses_agree': max(abs(a - b) for a, b in zip(loops['memory'].losses, loops['none'].losses, strict=True)),
+        'max_loss_diff': max(abs(a - b) for a, b in zip(loops['memory'].losses, loops['none'].losses, strict=True)),
         'machine': describe(),
         'date': time.strftime('%Y-%m-%d'),
     }
