@@ -145,7 +145,11 @@ def _run_routes(router: APIRouter, service: Service) -> None:
         def add() -> None:
             group.add_run(run, body.lora, gradient_accumulation_steps=body.gradient_accumulation_steps, seed=body.seed)
 
-        job = service.submit(who, group, run.id, 'create_run', add)
+        try:
+            job = service.submit(who, group, run.id, 'create_run', add)
+        except Exception:  # refused (a full queue): the run goes, and the tenant's runs quota with it
+            service.store.runs.forget(who.id, run.id)
+            raise
         await wait_job(job, None)
         if job.error is not None:
             service.store.runs.set_status(run.id, 'deleted')

@@ -91,6 +91,12 @@ class Runs(Aggregate):
         """Record a request to the run now, so that it does not count as idle."""
         self._db.execute('UPDATE runs SET last_request_at = ? WHERE id = ?', (self._db.clock(), run_id))
 
+    def forget(self, tenant_id: str, run_id: str) -> bool:
+        """Remove a run whose create the server refused (a full queue, a quota), as if it had never
+        been made: its id is free for the client's retry, and the refused request's failed future,
+        if one was recorded, goes with it. False if there was no such run."""
+        return self._db.execute('DELETE FROM runs WHERE id = ? AND tenant_id = ?', (run_id, tenant_id)) > 0
+
     def set_status(self, run_id: str, status: str) -> None:
         if status not in RUN_STATUSES:
             raise one_of('run status', status, RUN_STATUSES)

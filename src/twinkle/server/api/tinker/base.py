@@ -173,13 +173,12 @@ class TinkerAPI:
         key = (who.id, run_id or '', seq_id) if seq_id is not None else None
         if key is not None and key in requests:
             return requests[key]  # a retry of a request already accepted
-        limit = service.config.limits.max_queued_per_tenant
-        if group.queued(who.id) >= limit:  # per model, as the native API's queue limit
-            raise QueueFullError(who.name, limit, retry_after_s=2.0)
-        meter = meter or Meter()
-        service.ledger.admit(who, meter)  # a 429 or 403 now
         if run_id is not None:
             await service.touch(run_id)  # an active run is not idle
+        # No await from here to the queue: a request the checks let in finds the room they found.
+        self.check_room(who, group)
+        meter = meter or Meter()
+        service.ledger.admit(who, meter)  # a 429 or 403 now
         session_id = meter.session_id
         record = service.store.futures.create(who.id, run_id, operation, session_id)  # no fsync: on the loop
         if key is not None:
@@ -200,6 +199,13 @@ class TinkerAPI:
         else:
             self.state.sequencer.add(run_id, seq_id, start, fail)
         return record.id
+
+    def check_room(self, who: Tenant, group: ModelGroup) -> None:
+        """``QueueFullError`` (a 429 the SDK retries) when the tenant's queue on ``group`` is full:
+        per model, as the native API's queue limit."""
+        limit = self.service.config.limits.max_queued_per_tenant
+        if group.queued(who.id) >= limit:
+            raise QueueFullError(who.name, limit, retry_after_s=2.0)
 
     def mixable(self, group: ModelGroup, run: Run, call: ForwardBackwardCall) -> Batchable | None:
         """How a ``forward_backward`` (or ``forward``) call can share a pass with other models':

@@ -99,23 +99,31 @@ async def _create_run(
 ) -> str:
     """Create the run ``model_id`` (seq 0 of its model) with a LoRA adapter (``loras``: its peft
     config and the Tinker config it came from) and AdamW; ``then``
-    runs on the new adapter (loading a checkpoint) and gives the result. A retry gets the first
-    request's id."""
+    runs on the new adapter (loading a checkpoint) and gives the result.
+
+    A request refused (a full queue, a quota) leaves nothing: its run is not made, or is removed
+    before the refusal is answered, so the SDK's retry of the same ``model_seq_id`` is a new
+    request. A retry of one accepted gets the first request's id, after a restart too."""
     service, requests = api.service, api.state.requests
-    if (who.id, model_id, 0) in requests:
-        return requests[(who.id, model_id, 0)]
+    key = (who.id, model_id, 0)
+    if key in requests:
+        return requests[key]
     lora, tinker_lora = loras
     setup: JsonObject = {'operation': 'set_optimizer', 'kwargs': ADAMW}
     config: JsonObject = {
         'api': 'tinker', 'lora': lora, 'tinker_lora': tinker_lora, 'setup': [setup], 'user_metadata': metadata or {}
     }  # fmt: skip
     service.ledger.admit_run(who)  # a 403 past the tenant's runs quota
+    api.check_room(who, group)  # a 429 before the run is made; accept checks again, after the await
     try:
         run = await asyncio.to_thread(
             service.store.runs.create, who.id, group.name, 'default', config, run_id=model_id, session_id=session_id
         )
-    except TwinkleError as e:  # a 400, not the store's 409: the SDK retries a 409 for minutes
-        raise DataError(f'model {model_id!r} cannot be created: {e}') from None
+    except TwinkleError as e:
+        first = await asyncio.to_thread(service.store.futures.first_of, who.id, model_id, 'create_model')
+        if first is not None:  # a retry of a request accepted before (the in-memory map forgot it)
+            return first.id
+        raise DataError(f'model {model_id!r} cannot be created: {e}') from None  # a 400: the SDK retries a 409
 
     def create() -> JsonObject:
         seed = tinker_lora.get('seed')
@@ -129,7 +137,12 @@ async def _create_run(
             service.store.runs.set_status(run.id, 'deleted')
             raise
 
-    return await api.accept(who, group, model_id, 0, 'create_model', create, meter=Meter(session_id=session_id))
+    try:
+        return await api.accept(who, group, model_id, 0, 'create_model', create, meter=Meter(session_id=session_id))
+    except Exception:  # refused before it was accepted: the run goes (with a future, if one was recorded)
+        requests.pop(key, None)
+        await asyncio.to_thread(service.store.runs.forget, who.id, model_id)
+        raise
 
 
 def _check_optimizer(config: types.OptimizerConfig | None) -> None:

@@ -1,0 +1,123 @@
+"""A Tinker model's and session's life on a real server on loopback: a create refused with a full
+queue leaves nothing (its retry succeeds, a retry of one accepted gets its first answer),
+``unload_model`` retires a model, and a LoRA rank of 128 trains.
+
+The tenant's queue is filled by holding the worker with a ``Gate`` (``server_helpers``): a request
+queued behind it waits, so the next one finds the queue full whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from server_helpers import Gate, background_server
+from tinker import types
+
+from twinkle.server.store import Store
+
+#: One queued request fills a tenant's queue.
+QUEUE = 1
+
+
+@pytest.fixture(scope='module')
+def server(tmp_path_factory, tiny_model_dir):
+    limits = {'max_queued_per_tenant': QUEUE}
+    with background_server(tmp_path_factory.mktemp('lifecycle'), tiny_model_dir, limits=limits) as running:
+        yield running
+
+
+def post(url: str, key: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f'{url}/api/v1/{route}', json=body, headers={'X-API-Key': key}, timeout=60)
+
+
+def result(url: str, key: str, request_id: str) -> dict:
+    """The future's answer once it is not ``try_again`` (the server long-polls each call); a
+    protobuf one (a sample's) as ``{'protobuf': its size}``."""
+    while True:
+        reply = post(url, key, 'retrieve_future', {'request_id': request_id})
+        if reply.headers['content-type'] == 'application/x-protobuf':
+            return {'protobuf': len(reply.content)}
+        answer = reply.json()
+        if answer.get('type') != 'try_again':
+            return answer
+
+
+def new_session(url: str, key: str) -> str:
+    body = types.CreateSessionRequest(tags=[], user_metadata=None, sdk_version='0.38.0')
+    return post(url, key, 'create_session', body.model_dump(mode='json')).json()['session_id']
+
+
+def create_model_body(session_id: str, model: str, seq: int = 0, rank: int = 4) -> dict:
+    lora = types.LoraConfig(rank=rank, seed=0)
+    request = types.CreateModelRequest(session_id=session_id, model_seq_id=seq, base_model=model, lora_config=lora)
+    return request.model_dump(mode='json')
+
+
+def sample_body(model: str) -> dict:
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    params = types.SamplingParams(max_tokens=2, seed=0)
+    request = types.SampleRequest(num_samples=1, prompt=prompt, sampling_params=params, base_model=model)
+    return request.model_dump(mode='json')
+
+
+def run_ids(store: Store, tenant_id: str) -> list[str]:
+    return [run.id for run in store.runs.page(tenant_id, limit=1000)[0]]
+
+
+def test_a_create_model_refused_with_a_full_queue_leaves_nothing_and_its_retry_succeeds(server, tiny_model_dir):
+    url, keys, background = server
+    key, service = keys['alice'], background.app.state.service
+    tenant = service.store.tenants.for_key(key)
+    session_id = new_session(url, key)
+    body = create_model_body(session_id, tiny_model_dir)
+    gate = Gate(service.default.scheduler)
+    try:
+        queued = post(url, key, 'asample', sample_body(tiny_model_dir))  # alice's one queued request
+        assert queued.status_code == 200, queued.text
+        refused = post(url, key, 'create_model', body)
+        assert refused.status_code == 429 and refused.json()['error'] == 'QueueFullError', refused.text
+        assert f'{session_id}:train:0' not in run_ids(service.store, tenant.id)  # the refusal made no run
+    finally:
+        gate.open()
+    result(url, key, queued.json()['request_id'])
+    retry = post(url, key, 'create_model', body)  # what the SDK sends after the Retry-After
+    assert retry.status_code == 200, retry.text
+    model_id = retry.json()['model_id']
+    assert model_id == f'{session_id}:train:0'
+    assert result(url, key, retry.json()['request_id']) == {'model_id': model_id, 'type': 'create_model'}
+    # A retry of the accepted request gets its answer, not a 400, from memory and from the store
+    # (after a restart, or once the remembered ids moved past it).
+    assert post(url, key, 'create_model', body).json()['request_id'] == retry.json()['request_id']
+    background.app.state.tinker.state.requests.clear()
+    again = post(url, key, 'create_model', body)
+    assert again.status_code == 200 and again.json()['request_id'] == retry.json()['request_id'], again.text
+
+
+def test_a_native_run_refused_with_a_full_queue_is_not_left_behind(server):
+    url, keys, background = server
+    key, service = keys['bob'], background.app.state.service
+    tenant = service.store.tenants.for_key(key)
+    headers = {'Authorization': f'Bearer {key}'}
+    before = run_ids(service.store, tenant.id)
+    gate = Gate(service.default.scheduler)
+    with ThreadPoolExecutor(1) as pool:
+        try:  # POST /runs answers once its job ran: it waits behind the gate, bob's one queued request
+            queued = pool.submit(httpx.post, f'{url}/twinkle/v1/runs', json={'lora': {'r': 4}}, headers=headers)
+            until(lambda: service.default.scheduler.queued(tenant.id) == QUEUE)
+            refused = httpx.post(f'{url}/twinkle/v1/runs', json={'lora': {'r': 4}}, headers=headers, timeout=60)
+            assert refused.status_code == 429, refused.text
+        finally:
+            gate.open()
+        assert queued.result(timeout=60).status_code == 201
+    assert len(run_ids(service.store, tenant.id)) == len(before) + 1  # the queued one's; the refused one left none
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, 'the condition did not come true in time'
+        time.sleep(0.01)
