@@ -79,7 +79,9 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
 
     app.include_router(metrics_router(service))  # the admin key's (metrics.port: a scraper's, without one)
     app.include_router(native_router(service))
-    app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=service.store.tenants.for_key)
+    # A store across the network (PostgreSQL) is asked on a thread: its round trip does not hold the event loop.
+    for_key, lookup = service.store.tenants.for_key, config.store is not None
+    app.add_middleware(HttpLimits, limits=config.limits, tenant_for_key=for_key, lookup_in_thread=lookup)
     # Outermost: behind a trusted proxy (a gateway), the links and redirects name the address the client used.
     app.add_middleware(ForwardedHeaders, trusted_proxies=config.trusted_proxies)
     tinker = TinkerAPI(service, TinkerState(config.tinker))

@@ -18,7 +18,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import JsonValue
 
-from twinkle.errors import ConfigurationError, NotFoundError, QueueFullError, StateError, TwinkleError
+from twinkle.errors import ConfigurationError, NotFoundError, QueueFullError, StateError
 from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
@@ -201,10 +201,14 @@ class Service:
 
     def stop(self) -> None:
         """Stop every group's workers after their running jobs; the jobs still queued fail."""
+        stopped = 'the server stopped before this request ran'
         for group in self.groups.values():
-            unrun = group.scheduler.stop(wait=True) + (group.sampler.stop() if group.sampler is not None else [])
+            unrun = group.scheduler.stop(wait=True)
+            for job in unrun:  # a paused one's continuation is cancelled, and whoever waits on it woken
+                job.fail(StateError(stopped))
+            unrun += group.sampler.stop(StateError(stopped)) if group.sampler is not None else []
             for job in unrun:
-                self.store.futures.fail(job.id, 'the server stopped before this request ran', 'server')
+                self.store.futures.fail(job.id, stopped, 'server')
             group.host.shutdown()  # model workers in a Ray actor or processes, and a vLLM engine, go with their server
             group.pool.close()
         release_memory(self.config)
@@ -324,11 +328,9 @@ class Service:
         if job.error is None:
             self.store.futures.finish(job.id, job.result)
         else:
-            category = 'user' if isinstance(job.error, TwinkleError) else 'server'
-            message = f'{type(job.error).__name__}: {job.error}'
-            if category == 'server':  # its text may name server paths: the tenant gets the request id
+            message, category = job.failure()
+            if category == 'server':
                 logger.error(f'request {job.id} ({operation}) failed: {job.error!r}')
-                message = f'{type(job.error).__name__}: the server failed; its log has the details of request {job.id}'
             self.store.futures.fail(job.id, message, category)
         self.requests.labels(operation, job.status).inc()
         self._charge(job)

@@ -32,13 +32,13 @@ from twinkle.model import checkpoint as ckpt
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import Host, JsonObject
 from twinkle.server.execution.run_files import (
+    copy_to_disk,
     drop,
-    kept_state,
+    kept_places,
     latest_state,
     new_state_folder,
     state_in_memory,
     state_on_disk,
-    to_disk,
 )
 from twinkle.server.store import Checkpoint, LostRequest, Run, Store
 from twinkle.utils.logger import get_logger
@@ -134,10 +134,15 @@ class AdapterPool:
         self.pinned.add(run.id)
         return self.adapters[run.id]
 
-    def told(self, run_id: str) -> None:
-        """A request of the run failed with its ``LostWorkError``: its client knows."""
-        if self.lost.pop(run_id, None) is not None:
-            self.store.states.told(run_id)
+    def told(self, run_id: str, fail: Callable[[], object]) -> None:
+        """A request of the run failed with its ``LostWorkError``: ``fail`` writes it in the request's
+        future, and the run's lost requests are forgotten in the same commit, so a crash between the
+        two neither leaves the client untold nor tells it twice."""
+        with self.store.transaction():
+            fail()
+            if run_id in self.lost:
+                self.store.states.told(run_id)
+        self.lost.pop(run_id, None)
 
     def _stored_run(self, run_id: str) -> Run:
         """The run as the store has it now (its latest config and status)."""
@@ -150,7 +155,7 @@ class AdapterPool:
     def saved_state(self, run: Run) -> Path | None:
         """Where a run off the model continues from (``restore``); None if it has nothing. Safe
         off the worker thread (a route asks): a state moving from memory to disk is in one or the
-        other (``run_files.to_disk``) and one vanishing while it is read counts as absent."""
+        other at every moment (``_spill``), and both are looked in (``run_files.kept_places``)."""
         found = self._saved_state(run)
         return None if found is None else found[0]
 
@@ -158,8 +163,7 @@ class AdapterPool:
         """The run's kept state or training checkpoint that stands at its latest optimizer step (``latest_state``)."""
         checkpoints = [c for c in self.store.checkpoints.of_run(run.tenant_id, run.id) if c.kind == 'training']
         named = self.store.states.get(run.id)
-        kept = kept_state(self.config, run, None if named is None else named.folder)
-        return latest_state([] if kept is None else [kept], checkpoints)
+        return latest_state(kept_places(self.config, run, None if named is None else named.folder), checkpoints)
 
     def keep_state(
         self, run: Run, adapter: str, to_disk: bool = False, commit: Callable[[], None] | None = None
@@ -260,20 +264,31 @@ class AdapterPool:
         self._spiller.shutdown(wait=True)
 
     def _spill(self, budget: int) -> None:
-        """Move the least recently kept states in memory to disk until they hold ``budget``
-        bytes (the spill thread), one state at a time under the lock."""
+        """Move the least recently kept states in memory to disk until they hold ``budget`` bytes
+        (the spill thread). A kept folder never changes, so it is copied without the lock, which
+        steps and restores hold; under it, the copy in memory goes if the run still names it, and
+        the one on disk does if the run replaced or deleted its state meanwhile."""
         while True:
             with self._states:
                 if not self.in_memory or sum(size for _, _, size in self.in_memory.values()) <= budget:
                     return
-                run_id, kept = self.in_memory.popitem(last=False)
-                try:
-                    to_disk(*kept[:2])
-                except Exception as error:  # a full disk: the state stays in memory, a later release tries again
-                    self.in_memory[run_id] = kept
-                    self.in_memory.move_to_end(run_id, last=False)
-                    logger.warning(f'the state of run {run_id!r} stays in memory, the disk did not take it: {error}')
-                    return
+                run_id, kept = next(iter(self.in_memory.items()))
+            memory, disk, _ = kept
+            try:
+                copy_to_disk(memory, disk)
+            except Exception as error:  # a full disk: the state stays in memory, a later step tries again
+                with self._states:
+                    if self.in_memory.get(run_id) == kept:
+                        self.in_memory.move_to_end(run_id, last=False)
+                        logger.warning(f'the state of run {run_id!r} stays in memory, the disk refused it: {error}')
+                        return
+                continue  # replaced or deleted while it was copied: nothing to move
+            with self._states:
+                if self.in_memory.get(run_id) == kept:
+                    del self.in_memory[run_id]
+                    drop(memory)
+                else:
+                    drop(disk)
 
     def forget_states(self, run: Run) -> None:
         """The run was deleted: its kept state goes, from memory and disk, and its row."""

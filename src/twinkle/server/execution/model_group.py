@@ -183,7 +183,7 @@ class ModelGroup:
             if job.error is None and job.operation in STEP_OPERATIONS and job.run_id is not None:
                 self._after_step(job, job.run_id)  # before the future settles: its caller then finds the step recorded
             elif isinstance(job.error, LostWorkError):
-                self.pool.told(job.error.run_id)
+                self.pool.told(job.error.run_id, lambda: self.store.futures.fail(job.id, *job.failure()))
         finally:
             self._on_finish(job)
 

@@ -57,22 +57,34 @@ def state_in_memory(config: ServerConfig, run: Run, folder: str) -> Path | None:
 def kept_state(config: ServerConfig, run: Run, folder: str | None) -> Path | None:
     """The kept state ``folder`` of the run where it is now, in host memory or on disk (None: the
     store names none, or it is gone); while the store names none, the state of an older server."""
-    if folder is None:
-        legacy = run_dir(config, run) / RELEASE_STATE
-        return legacy if (legacy / ckpt.TRAINER_STATE).is_file() else None
-    for place in (state_in_memory(config, run, folder), state_on_disk(config, run, folder)):
-        if place is not None and (place / ckpt.TRAINER_STATE).is_file():
+    for place in kept_places(config, run, folder):
+        if (place / ckpt.TRAINER_STATE).is_file():
             return place
     return None
 
 
+def kept_places(config: ServerConfig, run: Run, folder: str | None) -> list[Path]:
+    """Everywhere the kept state ``folder`` of the run can be: host memory, then disk (one moving
+    between them is in one or the other at every moment, so a reader that looks in both finds it);
+    while the store names none, where an older server left its state."""
+    if folder is None:
+        return [run_dir(config, run) / RELEASE_STATE]
+    memory = state_in_memory(config, run, folder)
+    return [*([] if memory is None else [memory]), state_on_disk(config, run, folder)]
+
+
 def to_disk(memory: Path, disk: Path) -> None:
-    """Move a kept state from host memory to disk, into a folder that appears whole or not at all (a
-    crash leaves it missing, and the state in memory), then drop it from memory."""
+    """Move a kept state from host memory to disk (``copy_to_disk``), then drop it from memory."""
+    copy_to_disk(memory, disk)
+    drop(memory)
+
+
+def copy_to_disk(memory: Path, disk: Path) -> None:
+    """Copy a kept state from host memory to disk, into a folder that appears whole or not at all (a
+    crash leaves it missing, and the state in memory)."""
     if not disk.exists():
         with ckpt.atomic_directory(disk) as staging:
             shutil.copytree(memory, staging, dirs_exist_ok=True)
-    drop(memory)
 
 
 def drop(state: Path) -> None:

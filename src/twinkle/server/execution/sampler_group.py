@@ -94,8 +94,12 @@ class SamplerGroup:
     def start(self) -> None:
         self.scheduler.start()
 
-    def stop(self) -> list[Job]:
+    def stop(self, error: BaseException) -> list[Job]:
+        """End the worker after its running slice; the jobs that will not run now (queued, or paused
+        between slices: their sequences are dropped) fail with ``error`` before the engine goes."""
         jobs = self.scheduler.stop(wait=True)
+        for job in jobs:
+            job.fail(error)
         self.host.shutdown()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)

@@ -55,7 +55,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from twinkle.errors import ConfigurationError, QueueFullError, StateError
+from twinkle.errors import ConfigurationError, QueueFullError, StateError, TwinkleError
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()
@@ -135,6 +135,15 @@ class Job:
     def duration_s(self) -> float | None:
         """Seconds the job ran, once it finished: its slices' (not the other jobs' between them)."""
         return None if self.started_at is None or self.finished_at is None else self.ran_s
+
+    def failure(self) -> tuple[str, str]:
+        """What the job's future records of its error, and whose fault it was (``Futures.fail``):
+        a ``TwinkleError``'s own words (the user's); any other error's text may name server paths,
+        so the tenant gets the request id and the server's log the rest."""
+        error = self.error
+        if isinstance(error, TwinkleError):
+            return f'{type(error).__name__}: {error}', 'user'
+        return f'{type(error).__name__}: the server failed; its log has the details of request {self.id}', 'server'
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job is settled; False if ``timeout`` seconds passed first."""

@@ -158,15 +158,6 @@ class Futures(Aggregate):
         rows = self._db.query('SELECT * FROM futures WHERE id = ? AND tenant_id = ?', (future_id, tenant_id))
         return _future(rows[0]) if rows else None
 
-    def first_of(self, tenant_id: str, run_id: str, op: str) -> FutureRecord | None:
-        """The tenant's oldest future of ``op`` on ``run_id`` (None: none): what a retried
-        ``create_model`` is answered with, whatever the server forgot since."""
-        rows = self._db.query(
-            'SELECT * FROM futures WHERE tenant_id = ? AND run_id = ? AND op = ? ORDER BY created_at, rowid LIMIT 1',
-            (tenant_id, run_id, op),
-        )
-        return _future(rows[0]) if rows else None
-
     def of_session(self, session_id: str) -> list[FutureRecord]:
         """The futures of a Tinker session, oldest first (its results left out: a trace reads the times)."""
         rows = self._db.query(
@@ -178,13 +169,14 @@ class Futures(Aggregate):
 
     def answered_since(self, run_id: str, since: float, ops: Collection[str]) -> list[tuple[str, str, float]]:
         """The run's futures of ``ops`` that started after ``since`` (unix seconds) and are done: the
-        requests the server answered after that time, in the order they came, as (id, op, started_at)."""
+        requests the server answered after that time, in the order they ran (``started_at`` is the worker's
+        clock, as ``since`` is; ``created_at`` may be a gateway's), as (id, op, started_at)."""
         if not ops:
             return []
         marks = ', '.join('?' * len(ops))
         rows = self._db.query(
             'SELECT id, op, started_at FROM futures '
-            f"WHERE run_id = ? AND started_at > ? AND status = 'done' AND op IN ({marks}) ORDER BY created_at, rowid",
+            f"WHERE run_id = ? AND started_at > ? AND status = 'done' AND op IN ({marks}) ORDER BY started_at, rowid",
             (run_id, since, *sorted(ops)),
         )
         return [(str(row[0]), str(row[1]), float(row[2])) for row in rows]
