@@ -158,6 +158,15 @@ class Futures(Aggregate):
         rows = self._db.query('SELECT * FROM futures WHERE id = ? AND tenant_id = ?', (future_id, tenant_id))
         return _future(rows[0]) if rows else None
 
+    def first_of(self, tenant_id: str, run_id: str, op: str) -> FutureRecord | None:
+        """The tenant's oldest future of ``op`` on ``run_id`` (None: none): what a retried
+        ``create_model`` is answered with, whatever the server forgot since."""
+        rows = self._db.query(
+            'SELECT * FROM futures WHERE tenant_id = ? AND run_id = ? AND op = ? ORDER BY created_at, rowid LIMIT 1',
+            (tenant_id, run_id, op),
+        )
+        return _future(rows[0]) if rows else None
+
     def of_session(self, session_id: str) -> list[FutureRecord]:
         """The futures of a Tinker session, oldest first (its results left out: a trace reads the times)."""
         rows = self._db.query(
