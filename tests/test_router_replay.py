@@ -31,17 +31,20 @@ def sampled(name: str, dtype: torch.dtype, replay: bool, **params) -> list:
     return [s for response in sampler.sample(PROMPTS, settings) for s in response.sequences]
 
 
-def logprob_gaps(trainer: TransformersModel, sequences: list, replay: bool) -> list[float]:
-    """|sampler logprob - trainer logprob| of every sampled token."""
+def logprob_gaps(trainer: TransformersModel, sequences: list, replay: bool, temperature: float = 1.0) -> list[float]:
+    """|sampler logprob - trainer logprob| of every sampled token, the trainer's of its logits over
+    ``temperature``: the distribution the sampler drew from (``sampled_logprobs``)."""
     features = [dict(s.new_input_feature) for s in sequences]
     if not replay:
         for feature in features:
             feature.pop('routed_experts', None)
-    logps = trainer.forward_only(inputs=features).logps
+    logits_BSV = trainer.forward_only(inputs=features).logits  # position i scores labels[i]
     gaps = []
     for row, (feature, sequence) in enumerate(zip(features, sequences, strict=True)):
-        trained = torch.tensor(feature['labels']) != -100
-        trainer_logps = logps[row, : len(trained)][trained]
+        labels = torch.tensor(feature['labels'])
+        trained = labels != -100
+        logps_SV = torch.log_softmax(logits_BSV[row, : len(labels)].float() / temperature, dim=-1)
+        trainer_logps = logps_SV[trained].gather(-1, labels[trained][:, None]).squeeze(-1)
         gaps += (trainer_logps - torch.tensor(sequence.token_logprobs)).abs().tolist()
     return gaps
 
@@ -87,7 +90,7 @@ def test_the_recorded_routing_is_what_the_trainer_chooses_for_the_same_tokens(na
             trainer.forward_only(inputs=[unrecorded])
             chosen = recorder.take().permute(1, 0, 2)  # [tokens, layers, K]: the trainer's own choice
         assert torch.equal(chosen[:-1].sort(-1).values, recorded[:-1].sort(-1).values)
-    assert max(logprob_gaps(trainer, sequences, replay=True)) < 1e-4
+    assert max(logprob_gaps(trainer, sequences, replay=True, temperature=1.5)) < 1e-4
 
 
 def test_replay_routes_the_recorded_experts_and_leaves_the_rest_to_the_router():

@@ -16,7 +16,7 @@ from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, 
 from twinkle.model import TransformersModel, multi_lora
 from twinkle.preprocessor import GSM8KProcessor
 from twinkle.sampler import TorchSampler
-from twinkle.sampler.logits import choose, processed_scores
+from twinkle.sampler.logits import choose, processed_scores, sampled_logprobs
 
 PROMPTS = [
     {'messages': [{'role': 'user', 'content': 'What is your name?'}], 'user_data': {'ground_truth': '7'}},
@@ -63,15 +63,64 @@ def test_greedy_is_deterministic_and_matches_transformers_generate(sampler, tiny
     'params',
     [
         SamplingParams(max_tokens=12, temperature=1.0, seed=3, num_samples=2, ignore_eos=True),
-        SamplingParams(max_tokens=12, temperature=0.6, top_k=20, top_p=0.9, seed=4, repetition_penalty=1.3),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
     ],
 )
 def test_sampled_token_logprobs_equal_teacher_forced_forward(sampler, trainer, params):
+    # At temperature 1 (top-k, top-p and the penalty off) the distribution sampled from is the
+    # model's own, and greedy reports the raw logits' logprobs: both are the trainer's.
     seqs = sequences(sampler.sample(PROMPTS, params))
     expected = completion_logps(trainer, [s.new_input_feature for s in seqs])
     for seq, logps in zip(seqs, expected, strict=True):
         assert len(seq.token_logprobs) == len(seq.tokens) == len(logps)
         assert seq.token_logprobs == pytest.approx(logps, abs=1e-5)
+
+
+def completion_logits(model: torch.nn.Module, seq) -> torch.Tensor:
+    """``[completion tokens, vocab]``: the model's own float32 logits, in one forward of prompt plus
+    completion, at each position that predicts a completion token."""
+    ids = seq.new_input_feature['input_ids']
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return logits[len(ids) - len(seq.tokens) - 1 : -1]
+
+
+@pytest.mark.parametrize('temperature', [0.5, 0.7, 1.0, 1.5])
+def test_sampled_token_logprobs_are_of_the_distribution_at_the_temperature(sampler, tiny_model_dir, temperature):
+    # Tinker's and vLLM's (processed) logprobs: log p_t(x) = log_softmax(logits / t)[x] of the model's
+    # own forward (tinker-cookbook's tests/validate_temperature_logprobs.py); before, they were of the
+    # logits at temperature 1 whatever t was. The top 3 are of the same distribution.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=42, num_samples=2, logprobs=3, ignore_eos=True)
+    for seq in sequences(sampler.sample(PROMPTS, params)):
+        expected_TV = torch.log_softmax(completion_logits(model, seq) / temperature, dim=-1)
+        assert seq.token_logprobs == pytest.approx(expected_TV[range(len(seq.tokens)), seq.tokens].tolist(), abs=1e-5)
+        values_TK, ids_TK = expected_TV.topk(3, dim=-1)
+        assert [[t for t, _ in entry[1:]] for entry in seq.logprobs] == ids_TK.tolist()
+        got = [[v for _, v in entry[1:]] for entry in seq.logprobs]
+        assert [v for row in got for v in row] == pytest.approx(values_TK.flatten().tolist(), abs=1e-5)
+
+
+def test_with_top_k_top_p_and_a_penalty_the_logprobs_are_of_the_processed_scores(sampler, tiny_model_dir):
+    # What the token was drawn from: the penalty on the tokens seen so far (prompt and completion
+    # before it), logits / 0.6, then top-k 20 and top-p 0.9, renormalised; the tokens those cut
+    # cannot be drawn, get -inf, and are left out of the top-k lists.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    params = SamplingParams(
+        max_tokens=12, temperature=0.6, top_k=20, top_p=0.9, seed=4, repetition_penalty=1.3, logprobs=30
+    )
+    for seq in sequences(sampler.sample(PROMPTS, params)):
+        ids, logits_TV = seq.new_input_feature['input_ids'], completion_logits(model, seq)
+        start = len(ids) - len(seq.tokens)
+        seen_TV = torch.zeros_like(logits_TV, dtype=torch.bool)
+        for i in range(len(seq.tokens)):
+            seen_TV[i, ids[: start + i]] = True
+        expected_TV = torch.log_softmax(processed_scores(logits_TV, params, seen_TV), dim=-1)
+        assert seq.token_logprobs == pytest.approx(expected_TV[range(len(seq.tokens)), seq.tokens].tolist(), abs=1e-5)
+        for entry, row in zip(seq.logprobs, expected_TV, strict=True):
+            kept = row.isfinite().sum().item()
+            assert 1 <= len(entry) - 1 == min(kept, 20)  # never a token that cannot be drawn
+            assert all(value > float('-inf') for _, value in entry)
 
 
 def test_prompt_logprobs_and_top_k_logprobs(sampler, trainer):
@@ -150,6 +199,23 @@ def test_logit_processing_by_hand():
     seen = torch.tensor([[True, False, False, True]])
     penalised = processed_scores(logits, SamplingParams(repetition_penalty=2.0, temperature=0.5), seen)
     assert penalised.tolist() == [[2.0, 2.0, 0.0, -4.0]]  # 2/2/0.5, 1/0.5, 0/0.5, -1*2/0.5
+
+
+def test_sampled_logprobs_by_hand():
+    logits, seen = torch.tensor([[2.0, 1.0, 0.0, -1.0]]), torch.tensor([[True, False, False, True]])
+    # Temperature 0.5: log_softmax([4, 2, 0, -2]); 4 - logsumexp = -log(1 + e^-2 + e^-4 + e^-6) = -0.1451.
+    tempered = sampled_logprobs(logits, SamplingParams(temperature=0.5), None)
+    assert tempered[0, 0].item() == pytest.approx(-0.14508, abs=1e-5)
+    assert tempered.exp().sum().item() == pytest.approx(1.0, abs=1e-6)
+    # The penalty too: scores [2, 2, 0, -4] (test above): log 1/(2 + e^-2 + e^-6) = -0.7598 for both twos.
+    penalised = sampled_logprobs(logits, SamplingParams(repetition_penalty=2.0, temperature=0.5), seen)
+    assert penalised[0, :2].tolist() == pytest.approx([-0.75978] * 2, abs=1e-5)
+    # Top-k 2 at temperature 1: log_softmax([2, 1]) = [-0.3133, -1.3133], the rest cannot be drawn.
+    cut = sampled_logprobs(logits, SamplingParams(top_k=2), None)
+    assert cut[0, :2].tolist() == pytest.approx([-0.31326, -1.31326], abs=1e-5) and cut[0, 2:].isinf().all()
+    # Greedy: the penalised logits' own logprobs (no temperature, top-k or top-p): here [1, 1, 0, -2].
+    greedy = sampled_logprobs(logits, SamplingParams(temperature=0, top_k=1, repetition_penalty=2.0), seen)
+    assert greedy[0].tolist() == pytest.approx(torch.log_softmax(torch.tensor([1.0, 1.0, 0.0, -2.0]), -1).tolist())
 
 
 def test_new_input_feature_trains_on_the_completion(sampler):
@@ -381,11 +447,12 @@ def test_vllm_sampler_without_vllm_names_the_extra_to_install(tiny_model_dir, mo
 def test_vllm_engine_arguments_need_no_vllm():
     import doctest
 
+    from twinkle.sampler import logits as logits_module
     from twinkle.sampler import vllm_sampler
 
-    assert doctest.testmod(vllm_sampler).failed == 0
+    assert doctest.testmod(vllm_sampler).failed == 0 and doctest.testmod(logits_module).failed == 0
     args = vllm_sampler.engine_arguments('/m', {'enable_lora': True, 'max_loras': 2}, None, cpu=True)
-    assert args['max_loras'] == 2 and args['logprobs_mode'] == 'raw_logprobs' and args['model'] == '/m'
+    assert args['max_loras'] == 2 and args['logprobs_mode'] == 'processed_logprobs' and args['model'] == '/m'
     assert args['worker_extension_cls'] == vllm_sampler.WORKER_EXTENSION
     with pytest.raises(ConfigurationError, match='may not set worker_extension_cls'):
         vllm_sampler.engine_arguments('/m', {'worker_extension_cls': 'x.Y'}, None, cpu=False)

@@ -18,6 +18,7 @@ from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, UnknownNameError
 from twinkle.model import TransformersModel, multi_lora
 from twinkle.sampler import vLLMSampler
+from twinkle.sampler.logits import processed_scores
 from twinkle.sampler.vllm_sampler import engine_arguments
 
 pytest.importorskip('vllm')
@@ -103,13 +104,50 @@ def test_responses_keep_the_sampling_contract(sampler):
     'params',
     [
         SamplingParams(max_tokens=10, temperature=1.0, seed=3, num_samples=2, ignore_eos=True),
-        SamplingParams(max_tokens=10, temperature=0.6, top_k=20, top_p=0.9, seed=4, repetition_penalty=1.3),
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
     ],
 )
-def test_logprobs_are_of_the_raw_logits_as_the_trainer_computes_them(sampler, trainer, params):
-    # Temperature, top-k/p and the penalty change which tokens are drawn, not the logprobs reported.
+def test_at_temperature_one_and_greedy_the_logprobs_are_the_trainers(sampler, trainer, params):
+    # At temperature 1 (no top-k, top-p or penalty) the distribution sampled from is the model's
+    # own; greedy reports the logits' own logprobs.
     seqs = sequences(sampler.sample(PROMPTS, params))
     assert worst(seqs, completion_logps(trainer, [s.new_input_feature for s in seqs])) <= TOL
+
+
+def completion_logits(model: TransformersModel, seq) -> torch.Tensor:
+    """``[completion tokens, vocab]``: the base model's float32 logits (every adapter off), in one
+    forward of prompt plus completion, at each position that predicts a completion token."""
+    ids = seq.new_input_feature['input_ids']
+    with multi_lora.row_adapters(model.model, None), torch.no_grad():
+        logits = model.model(input_ids=torch.tensor([ids])).logits[0].float()
+    return logits[len(ids) - len(seq.tokens) - 1 : -1]
+
+
+@pytest.mark.parametrize('temperature', [0.5, 0.7, 1.0, 1.5])
+def test_logprobs_are_of_the_distribution_at_the_temperature(sampler, trainer, temperature):
+    # logprobs_mode='processed_logprobs': log_softmax(logits / t) of the sampled token and of the
+    # top 3, as TorchSampler's (tests/test_sampler.py) and Tinker's.
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=42, num_samples=2, logprobs=3, ignore_eos=True)
+    for seq in sequences(sampler.sample(PROMPTS, params)):
+        expected_TV = torch.log_softmax(completion_logits(trainer, seq) / temperature, dim=-1)
+        assert seq.token_logprobs == pytest.approx(expected_TV[range(len(seq.tokens)), seq.tokens].tolist(), abs=TOL)
+        values_TK = expected_TV.topk(3, dim=-1).values
+        got = [[value for _, value in entry[1:]] for entry in seq.logprobs]
+        assert [v for row in got for v in row] == pytest.approx(values_TK.flatten().tolist(), abs=TOL)
+
+
+def test_with_top_k_top_p_and_a_penalty_the_logprobs_are_of_the_processed_scores(sampler, trainer):
+    # The penalty on the tokens seen so far, logits / 0.6, top-k 20 and top-p 0.9, renormalised:
+    # the distribution vLLM drew from, as twinkle's processed_scores computes it.
+    params = SamplingParams(max_tokens=10, temperature=0.6, top_k=20, top_p=0.9, seed=4, repetition_penalty=1.3)
+    for seq in sequences(sampler.sample(PROMPTS, params)):
+        ids, logits_TV = seq.new_input_feature['input_ids'], completion_logits(trainer, seq)
+        start = len(ids) - len(seq.tokens)
+        seen_TV = torch.zeros_like(logits_TV, dtype=torch.bool)
+        for i in range(len(seq.tokens)):
+            seen_TV[i, ids[: start + i]] = True
+        expected_TV = torch.log_softmax(processed_scores(logits_TV, params, seen_TV), dim=-1)
+        assert seq.token_logprobs == pytest.approx(expected_TV[range(len(seq.tokens)), seq.tokens].tolist(), abs=TOL)
 
 
 def test_a_seed_reproduces_a_sample_in_any_batch(sampler):

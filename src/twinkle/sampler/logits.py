@@ -1,5 +1,6 @@
 """Turning raw next-token logits into a choice: repetition penalty, temperature, top-k, top-p,
-then greedy or seeded sampling. Pure functions of tensors."""
+then greedy or seeded sampling; and the logprobs of the distribution a token was drawn from.
+Pure functions of tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from twinkle.data_format import SamplingParams
+from twinkle.data_format import SamplingParams, TokenLogprob
 
 
 def processed_scores(
@@ -19,9 +20,7 @@ def processed_scores(
     scores = logits.float()
     if never:
         scores = scores.index_fill(-1, torch.tensor(never, device=scores.device), float('-inf'))
-    if params.repetition_penalty != 1.0 and seen is not None:
-        penalized = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-        scores = torch.where(seen, penalized, scores)
+    scores = _penalized(scores, params, seen)
     if params.temperature > 0 and params.temperature != 1.0:
         scores = scores / params.temperature
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
@@ -30,6 +29,58 @@ def processed_scores(
     if params.top_p < 1.0:
         scores = _top_p(scores, params.top_p)
     return scores
+
+
+def sampled_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
+    """The float32 log-probabilities ``[rows, vocab]`` of the distribution each row's token is drawn
+    from: the log-softmax of ``processed_scores`` (after the repetition penalty, temperature, top-k
+    and top-p), what vLLM returns with ``logprobs_mode='processed_logprobs'`` and Tinker returns. With
+    top-k and top-p off, ``log_softmax(logits / temperature)``: at temperature 1 the trainer's own
+    logprobs. At temperature 0 (greedy) the token is the argmax of the penalized logits, and the
+    logprobs are theirs (no temperature, top-k or top-p, which leave the argmax alone): without a
+    penalty, the raw logits' logprobs. Tokens that top-k or top-p cut get ``-inf``.
+
+    The image pads that are never drawn (``processed_scores``' ``never``) keep their probability
+    here, as they do in the trainer's forward and in vLLM: a model's pads have next to none of it,
+    and leaving them out would move every logprob by that much.
+
+    >>> logits = torch.tensor([[2.0, 1.0, 0.0]])
+    >>> sampled_logprobs(logits, SamplingParams(temperature=0.5), None)  # log_softmax([4, 2, 0])
+    tensor([[-0.1429, -2.1429, -4.1429]])
+    >>> sampled_logprobs(logits, SamplingParams(temperature=0.5, top_k=2), None)  # log_softmax([4, 2])
+    tensor([[-0.1269, -2.1269,    -inf]])
+    >>> sampled_logprobs(logits, SamplingParams(temperature=0, top_k=1), None)  # greedy: the raw logits'
+    tensor([[-0.4076, -1.4076, -2.4076]])
+    """
+    if params.temperature == 0:
+        return torch.log_softmax(_penalized(logits.float(), params, seen), dim=-1)
+    return torch.log_softmax(processed_scores(logits, params, seen), dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[TokenLogprob]]:
+    """Per row of ``logprobs`` ``[rows, vocab]``, its ``k`` most likely ``(token, logprob)`` pairs,
+    the most likely first; tokens at ``-inf`` (cut by top-k or top-p: they cannot be drawn) are left
+    out, so a row may have fewer.
+
+    >>> top_logprobs(torch.tensor([[-0.1, float('-inf'), -2.3]]), 3)
+    [[(0, -0.10000000149011612), (2, -2.299999952316284)]]
+    """
+    if not k:
+        return [[] for _ in range(logprobs.shape[0])]
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    return [
+        [(token, value) for token, value in zip(row_ids, row_values, strict=True) if value != float('-inf')]
+        for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
+
+
+def _penalized(scores: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
+    """``scores`` with ``repetition_penalty`` applied to the tokens ``seen`` marks (CTRL's penalty:
+    positive scores divided by it, negative ones multiplied)."""
+    if params.repetition_penalty == 1.0 or seen is None:
+        return scores
+    penalized = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
+    return torch.where(seen, penalized, scores)
 
 
 def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:

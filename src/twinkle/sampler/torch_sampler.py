@@ -2,7 +2,7 @@
 
 The loop is the one ``transformers.generate`` runs, written out so that it can return what RL
 needs and ``generate`` does not give cheaply: the log-probability of every sampled token under
-the raw logits (what the trainer's ``forward`` computes for the same tokens), per-sequence seeds
+the distribution it was drawn from (``logits.sampled_logprobs``), per-sequence seeds
 that do not depend on the batch, stop strings, and rows that leave the batch (and the cache) as
 soon as they finish. Between two decode steps a generation may give the device up to other work
 (``turns``: the server's slices), the model put back as it found it meanwhile; it goes on from its
@@ -35,7 +35,7 @@ from twinkle.sampler.images import (
     placeholder_ids,
     takes_images,
 )
-from twinkle.sampler.logits import choose, processed_scores
+from twinkle.sampler.logits import choose, processed_scores, sampled_logprobs, top_logprobs
 from twinkle.template import Template, VisionTemplate
 from twinkle.utils.weights import canonical_name, vocab_size
 
@@ -387,7 +387,7 @@ class _Generation:
         next_pos = positions[:, -1] + 1
         for step in range(params.max_tokens):
             tokens = choose(processed_scores(logits, params, seen, never), params, generators)
-            self._record(out, active, logits, tokens)
+            self._record(out, active, sampled_logprobs(logits, params, seen), tokens)
             finished = {row for row in active if self._finished(out[row], stop_ids, stop_strings, window)}
             if step == params.max_tokens - 1 or len(finished) == len(active) or not self._take_turn(recorder):
                 break
@@ -456,16 +456,12 @@ class _Generation:
         ).logits
         return logits, deltas
 
-    def _record(self, out: list[Completion], active: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Append each active row's token with its raw-logit logprob (one device sync)."""
-        logps = torch.log_softmax(logits.float(), dim=-1)
+    def _record(self, out: list[Completion], active: list[int], logps: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Append each active row's token with its logprob under ``logps``, the distribution it was
+        drawn from (``sampled_logprobs``), and the ``logprobs=k`` most likely of it."""
         chosen = logps.gather(-1, tokens[:, None]).squeeze(-1)
-        k = self.params.logprobs or 0
         tokens_l, chosen_l = tokens.tolist(), chosen.tolist()
-        top: list[list[TokenLogprob]] = [[] for _ in tokens_l]
-        if k:
-            top_values, top_ids = torch.topk(logps, k, dim=-1)
-            top = [list(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
+        top = top_logprobs(logps, self.params.logprobs or 0)
         for j, row in enumerate(active):
             out[row].tokens.append(tokens_l[j])
             out[row].logprobs.append([(tokens_l[j], chosen_l[j]), *top[j]])

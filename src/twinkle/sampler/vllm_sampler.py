@@ -5,9 +5,11 @@ What it takes and returns is ``TorchSampler``'s: ``sample(inputs, SamplingParams
 the logprob of every sampled token (plus the top ``k`` with ``logprobs=k``), ``stop_reason``,
 ``decoded``, ``new_input_feature`` and ``weight_version``. Where vLLM could differ:
 
-- **Logprobs** are of the raw logits, before temperature, penalties and top-k/top-p, as the
-  trainer's ``forward`` computes them: the engine runs with ``logprobs_mode='raw_logprobs'``
-  (vLLM's default, pinned here), so ``token_logprobs`` are the ``old_logps`` an RL loss wants.
+- **Logprobs** are of the distribution each token was drawn from, after the penalty, temperature
+  and top-k/top-p, as ``TorchSampler``'s (``twinkle.sampler.logits.sampled_logprobs``): the engine
+  runs with ``logprobs_mode='processed_logprobs'`` (pinned here), so at temperature 1 they are the
+  trainer's ``forward`` of the same tokens, and at temperature t ``log_softmax(logits / t)``.
+  Prompt logprobs are of the raw logits in every mode (vLLM computes them apart from its sampler).
 - **Seeds**: sequence ``j`` of a prompt is drawn with the seed ``row_seed(seed, prompt, j)``, so
   the same seed, prompt and weights give the same sequence in any batch and any call, as with
   ``TorchSampler``; the two samplers draw their noise differently, so the same seed gives other
@@ -410,27 +412,27 @@ def import_vllm() -> Any:
 def engine_arguments(
     path: str, engine_args: Mapping[str, Any] | None, device_mesh: DeviceMesh | None, cpu: bool, vision: bool = False
 ) -> dict[str, Any]:
-    """``vllm.LLM``'s keyword arguments: ``engine_args`` over twinkle's defaults (raw logprobs;
+    """``vllm.LLM``'s keyword arguments: ``engine_args`` over twinkle's defaults (processed logprobs;
     with LoRA, ``DEFAULT_MAX_LORAS`` slots; on a CPU, a KV cache of ``CPU_KV_CACHE_BYTES``; the
     worker extension that reloads synced weights; for a ``vision`` model, ``DEFAULT_IMAGES_PER_PROMPT``
     images and no videos per prompt) and the model's folder.
 
     >>> engine_arguments('/m', {'enable_lora': True}, None, cpu=True)['max_loras']
     4
-    >>> engine_arguments('/m', {'logprobs_mode': 'processed_logprobs'}, None, cpu=False)  # doctest: +ELLIPSIS
+    >>> engine_arguments('/m', {'logprobs_mode': 'raw_logprobs'}, None, cpu=False)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    twinkle.errors.ConfigurationError: logprobs_mode must be 'raw_logprobs' ...
+    twinkle.errors.ConfigurationError: logprobs_mode must be 'processed_logprobs' ...
     """
     args = dict(engine_args or {})
     for name in ('model', 'tokenizer'):
         if name in args:
             raise ConfigurationError(f'engine_args may not set {name!r}: the sampler loads model_id')
-    mode = args.setdefault('logprobs_mode', 'raw_logprobs')
-    if mode != 'raw_logprobs':
+    mode = args.setdefault('logprobs_mode', 'processed_logprobs')
+    if mode != 'processed_logprobs':
         raise ConfigurationError(
-            "logprobs_mode must be 'raw_logprobs' (the logprobs of the raw logits, as the trainer computes them); "
-            f'got {mode!r}'
+            "logprobs_mode must be 'processed_logprobs' (the logprobs of the distribution each token is drawn "
+            f"from, as TorchSampler's); got {mode!r}"
         )
     if args.get('enable_lora'):
         args.setdefault('max_loras', DEFAULT_MAX_LORAS)
@@ -542,8 +544,13 @@ def vllm_params(params: SamplingParams, seed: int | None) -> Any:
 
 def token_entry(token: int, entry: Mapping[int, Any], k: int) -> list[TokenLogprob]:
     """``[(token, logprob), *top k]`` from vLLM's ``{token_id: Logprob}`` of one position (the
-    sampled token, and the ``k`` most likely by rank, the sampled one again if among them)."""
-    top = sorted((value.rank, other) for other, value in entry.items() if value.rank is not None and value.rank <= k)
+    sampled token, and the ``k`` most likely by rank, the sampled one again if among them; as
+    ``TorchSampler``'s ``top_logprobs``, without the tokens at ``-inf`` that top-k or top-p cut)."""
+    top = sorted(
+        (value.rank, other)
+        for other, value in entry.items()
+        if value.rank is not None and value.rank <= k and value.logprob > float('-inf')
+    )
     return [(token, entry[token].logprob), *((other, entry[other].logprob) for _, other in top)]
 
 
