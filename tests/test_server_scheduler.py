@@ -238,6 +238,35 @@ def test_stop_finishes_the_running_job_and_returns_the_queued_ones(make_schedule
     assert scheduler.get(left[1].id) is left[1]  # still findable for the caller to fail
 
 
+def test_withdraw_takes_the_chosen_waiting_jobs_and_the_others_run_in_order(make_scheduler, gate):
+    scheduler, order = make_scheduler(), []
+    gate.hold(scheduler, order=order)
+    jobs = {label: scheduler.submit(label[0], recorder(order, label)) for label in ('a0', 'b0', 'a1', 'c0')}
+    taken = scheduler.withdraw(lambda job: job.tenant in ('a', 'c'))  # a gone client's, say
+    assert taken == [jobs['a0'], jobs['a1'], jobs['c0']] and all(job.status == 'pending' for job in taken)
+    assert scheduler.queued() == 1 and scheduler.get(jobs['a0'].id) is jobs['a0']  # findable, for its caller to fail
+    gate.opened.set()
+    assert jobs['b0'].wait(TIMEOUT) and scheduler.drain(TIMEOUT)
+    assert order == ['gatekeeper-gate', 'b0']  # the withdrawn never ran
+    assert scheduler.withdraw(lambda job: True) == []
+
+
+def test_a_withdraw_during_the_wait_for_companions_leaves_the_worker_serving(make_scheduler, gate):
+    # alice and bob shared a pass, so alice's next job waits up to mix_wait_s for bob's; it is
+    # withdrawn meanwhile, leaving nothing queued when the wait ends.
+    scheduler = make_scheduler(mix_wait_s=0.5)
+    gate.hold(scheduler)
+    first = [submit_shareable(scheduler, name) for name in ('alice', 'bob')]
+    gate.opened.set()
+    assert all(job.wait(TIMEOUT) for job in first) and first[0].pass_size == 2
+    waiting = submit_shareable(scheduler, 'alice')
+    time.sleep(0.1)  # the worker starts its wait (nothing shows it; a slow one misses this test's point only)
+    assert scheduler.withdraw(lambda job: job is waiting) == [waiting]
+    time.sleep(0.6)  # past the wait's end, with nothing queued
+    later = scheduler.submit('carol', lambda: 'ran')
+    assert later.wait(TIMEOUT) and later.result == 'ran' and waiting.status == 'pending'
+
+
 def test_callbacks_run_around_each_job_on_the_worker_thread(make_scheduler):
     seen: list[tuple[str, str, str, bool]] = []
     main = threading.current_thread()

@@ -583,6 +583,23 @@ def test_tinker_sessions_sampling_sessions_and_their_runs(store):
     assert [s.id for s in store.sessions.page(alice.id)] == [session.id] and store.sessions.page(bob.id) == []
 
 
+def test_sessions_without_a_heartbeat_since_a_time_expire_once(db):
+    clock = FakeClock(1_000.0)
+    with Store(db, clock=clock) as store:
+        alice, _ = store.tenants.add('alice')
+        quiet, beating, finished = (store.sessions.create(alice.id, {}) for _ in range(3))
+        store.sessions.finish(finished.id)  # a finished session does not expire: its client said goodbye
+        clock.now = 1_100.0
+        store.sessions.heartbeat(beating.id)
+        expired = store.sessions.expire(beaten_before=1_050.0)  # quiet's last beat: 1,000; beating's: 1,100
+        assert [(s.id, s.expired_at) for s in expired] == [(quiet.id, 1_100.0)]
+        assert store.sessions.get(alice.id, quiet.id).expired_at == 1_100.0
+        assert store.sessions.get(alice.id, beating.id).expired_at is None
+        assert store.sessions.expire(beaten_before=1_050.0) == []  # marked once
+        assert store.sessions.expired([quiet.id, beating.id, finished.id, 'sess-unknown']) == {quiet.id}
+        assert store.sessions.expired([]) == set()
+
+
 def test_published_checkpoints_are_readable_by_others_and_expired_ones_go(db):
     clock = FakeClock()
     with Store(db, clock=clock) as store:

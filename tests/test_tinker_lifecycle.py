@@ -8,6 +8,7 @@ queued behind it waits, so the next one finds the queue full whatever the machin
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,10 +58,11 @@ def create_model_body(session_id: str, model: str, seq: int = 0, rank: int = 4) 
     return request.model_dump(mode='json')
 
 
-def sample_body(model: str) -> dict:
+def sample_body(model: str, sampling_session_id: str | None = None) -> dict:
     prompt = types.ModelInput.from_ints([1, 2, 3])
     params = types.SamplingParams(max_tokens=2, seed=0)
-    request = types.SampleRequest(num_samples=1, prompt=prompt, sampling_params=params, base_model=model)
+    target = {'base_model': model} if sampling_session_id is None else {'sampling_session_id': sampling_session_id}
+    request = types.SampleRequest(num_samples=1, prompt=prompt, sampling_params=params, **target)
     return request.model_dump(mode='json')
 
 
@@ -121,3 +123,79 @@ def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, 'the condition did not come true in time'
         time.sleep(0.01)
+
+
+class Heartbeats:
+    """Heartbeats every 0.1 s, on a thread of their own, for the sessions in ``beating``: a session
+    taken out of it stops beating, as a killed client's does."""
+
+    def __init__(self, url: str, key: str, *sessions: str):
+        self.url, self.key, self.beating = url, key, set(sessions)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(0.1):
+            for session_id in list(self.beating):
+                post(self.url, self.key, 'session_heartbeat', {'session_id': session_id, 'type': 'session_heartbeat'})
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def test_a_session_that_stops_heartbeating_loses_its_queue_and_another_keeps_its_own(tmp_path, tiny_model_dir):
+    # 2 s without a heartbeat expires a session; the live one beats every 0.1 s.
+    with background_server(tmp_path, tiny_model_dir, tinker={'session_timeout_s': 2.0}) as (url, keys, background):
+        key, service = keys['alice'], background.app.state.service
+        gone, live = new_session(url, key), new_session(url, key)
+        heartbeats = Heartbeats(url, key, gone, live)
+        try:
+            created = post(url, key, 'create_model', create_model_body(gone, tiny_model_dir)).json()
+            model_id = created['model_id']
+            assert result(url, key, created['request_id'])['type'] == 'create_model'
+            samplers = {
+                session: post(url, key, 'create_sampling_session', sampling_session_body(session, tiny_model_dir))
+                for session in (gone, live)
+            }
+            sampler_ids = {session: reply.json()['sampling_session_id'] for session, reply in samplers.items()}
+            gate = Gate(service.default.scheduler)
+            try:
+                # The gone session's queue: two samples and a step on the worker, a step waiting for seq 2.
+                queued = [post(url, key, 'asample', sample_body(tiny_model_dir, sampler_ids[gone])) for _ in range(2)]
+                queued += [post(url, key, 'optim_step', optim_step_body(model_id, seq)) for seq in (1, 3)]
+                kept = post(url, key, 'asample', sample_body(tiny_model_dir, sampler_ids[live]))
+                assert all(reply.status_code == 200 for reply in [*queued, kept])
+                heartbeats.beating.discard(gone)  # its client is killed
+                until(lambda: expired_requests(service) == 4)
+                for reply in queued:  # failed as the tenant's doing, naming why
+                    answer = result(url, key, reply.json()['request_id'])
+                    assert answer['category'] == 'user' and answer['error'].startswith('SessionExpiredError: ')
+                    assert 'tinker.session_timeout_s' in answer['error']
+                assert service.default.scheduler.queued(service.store.tenants.for_key(key).id) == 1  # the live one's
+                refused = post(url, key, 'asample', sample_body(tiny_model_dir, sampler_ids[gone]))
+                beat = post(url, key, 'session_heartbeat', {'session_id': gone, 'type': 'session_heartbeat'})
+                for reply in (refused, beat):  # a 410: the SDK does not retry it, and stops its heartbeat loop
+                    assert reply.status_code == 410 and reply.json()['error'] == 'SessionExpiredError', reply.text
+            finally:
+                gate.open()
+            assert result(url, key, kept.json()['request_id'])['protobuf'] > 0  # the live session's sample ran
+            assert expired_requests(service) == 4
+        finally:
+            heartbeats.stop()
+
+
+def sampling_session_body(session_id: str, model: str) -> dict:
+    request = types.CreateSamplingSessionRequest(session_id=session_id, sampling_session_seq_id=0, base_model=model)
+    return request.model_dump(mode='json')
+
+
+def optim_step_body(model_id: str, seq_id: int) -> dict:
+    return types.OptimStepRequest(model_id=model_id, seq_id=seq_id, adam_params=types.AdamParams()).model_dump(
+        mode='json'
+    )
+
+
+def expired_requests(service) -> float:
+    return service.registry.get_sample_value('twinkle_expired_requests_total') or 0.0

@@ -74,6 +74,12 @@ class LostWorkError(StateError):
         self.run_id = run_id
 
 
+class SessionExpiredError(StateError):
+    """A Tinker session that sent no heartbeat for the server's ``tinker.session_timeout_s``: its
+    client is taken for gone, its requests that had not started were dropped, and the server takes
+    no more of its requests (a 410); a new ``ServiceClient`` opens a new session."""
+
+
 class WorkerError(TwinkleError, RuntimeError):
     """A remote worker of a component (a Ray actor) died or could not be started; the message
     names the component, its rank and its device group."""

@@ -32,7 +32,7 @@ from twinkle.server.api.tinker.base import TinkerAPI
 from twinkle.server.api.tinker.billing import billing_router
 from twinkle.server.api.tinker.rest import expire_checkpoints_periodically, rest_router
 from twinkle.server.api.tinker.sampling import sampling_router
-from twinkle.server.api.tinker.session import session_router
+from twinkle.server.api.tinker.session import expire_sessions_periodically, session_router
 from twinkle.server.api.tinker.state import TinkerState
 from twinkle.server.api.tinker.trace import trace_router
 from twinkle.server.api.tinker.training import training_router
@@ -56,6 +56,7 @@ def create_app(config: ServerConfig, host: Host | None = None) -> FastAPI:
             asyncio.create_task(_release_periodically(service)),
             asyncio.create_task(_expire_gaps(tinker)),
             asyncio.create_task(expire_checkpoints_periodically(service)),
+            asyncio.create_task(expire_sessions_periodically(tinker)),
         ]
         yield
         for chore in chores:

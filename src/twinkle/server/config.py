@@ -106,6 +106,12 @@ class TinkerSettings(BaseModel):
     default_max_tokens: int = Field(64, gt=0)
     #: Seconds between two sweeps that delete checkpoints past their TTL, files included.
     checkpoint_expiry_interval_s: float = Field(5.0, gt=0)
+    #: Seconds a session may go without a heartbeat before it expires: its requests that have not
+    #: started are dropped (each fails with a SessionExpiredError) and its later ones are a 410. The
+    #: SDK beats every 10 s and warns after 120 s without one that the session will be ended; 180
+    #: leaves it a minute past that warning. The server's first 180 s count as heartbeats (clients
+    #: of the last process beat again once it is back). None: sessions never expire.
+    session_timeout_s: float | None = Field(180.0, gt=0)
 
 
 class RaySettings(BaseModel):

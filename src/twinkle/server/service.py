@@ -11,14 +11,14 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import JsonValue
 
-from twinkle.errors import ConfigurationError, NotFoundError, QueueFullError, StateError
+from twinkle.errors import ConfigurationError, NotFoundError, QueueFullError, SessionExpiredError, StateError
 from twinkle.model.checkpoint import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
@@ -123,6 +123,11 @@ class Service:
         )
         self.memory_releases = Counter(
             'twinkle_memory_releases', 'Times the idle model process gave freed memory back', registry=self.registry
+        )
+        self.expired_requests = Counter(
+            'twinkle_expired_requests',
+            'Requests dropped before they started: their Tinker session sent no heartbeat for tinker.session_timeout_s',
+            registry=self.registry,
         )
         self.restarts = Counter(
             'twinkle_model_restarts',
@@ -300,6 +305,37 @@ class Service:
         """The job of a future, on whichever group runs it (None once forgotten)."""
         schedulers = (scheduler for group in self.groups.values() for scheduler in group.schedulers)
         return next((job for scheduler in schedulers if (job := scheduler.get(job_id)) is not None), None)
+
+    def waiting_sessions(self) -> set[str]:
+        """The Tinker sessions with jobs waiting on a worker that have not begun."""
+        jobs = (job for group in self.groups.values() for s in group.schedulers for job in s.unsettled())
+        return {session for job in jobs if job.status == 'pending' and (session := self._session_of(job)) is not None}
+
+    def drop_sessions(self, session_ids: Collection[str], reason: str) -> int:
+        """Drop the jobs of these Tinker sessions that have not begun, on every worker: each future
+        fails with ``SessionExpiredError(reason)`` as the tenant's doing, its admitted tokens are let
+        go, and it counts in ``twinkle_expired_requests``; how many. A job begun is left to finish."""
+        error = SessionExpiredError(reason)
+        dropped = [
+            job
+            for group in self.groups.values()
+            for scheduler in group.schedulers
+            for job in scheduler.withdraw(lambda job: self._session_of(job) in session_ids)
+        ]
+        for job in dropped:
+            self.store.futures.fail(job.id, f'{type(error).__name__}: {error}', 'user')  # before a waiter wakes
+            job.fail(error)
+            charged = self._meters.pop(job.id, None)
+            if charged is not None:
+                self.ledger.settle(charged[0], charged[4])
+        self.expired_requests.inc(len(dropped))
+        self.queued.set(self.queued_jobs())
+        return len(dropped)
+
+    def _session_of(self, job: Job) -> str | None:
+        """The Tinker session of a tenant's job (None: the native API's, or the server's own)."""
+        charged = self._meters.get(job.id)
+        return None if charged is None else charged[3].session_id
 
     def queued_jobs(self, tenant_id: str | None = None) -> int:
         """Jobs waiting on every group, of ``tenant_id`` or of all tenants."""

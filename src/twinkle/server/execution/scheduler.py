@@ -333,6 +333,32 @@ class Scheduler:
             self._cond.notify_all()
         return job
 
+    def withdraw(self, select: Callable[[Job], bool]) -> list[Job]:
+        """Take the jobs waiting that have not begun and ``select`` picks out of their queues, and
+        return them, still 'pending': they will never run, and the caller fails them (a client
+        gone, say). A job running, or begun and paused between slices, is left to finish."""
+        with self._cond:
+            taken: list[Job] = []
+            for tenant, queue in list(self._queues.items()):
+                picked = [job for job in queue if job.status == 'pending' and select(job)]
+                if not picked:
+                    continue
+                taken += picked
+                left = deque(job for job in queue if job not in picked)
+                if left:
+                    self._queues[tenant] = left
+                    continue
+                del self._queues[tenant]  # a tenant in the ring has work queued: it leaves the ring
+                if tenant in self._ring:
+                    self._ring.remove(tenant)
+                    self._credit.pop(tenant, None)
+            for job in taken:
+                self._completed += 1
+                self._failed += 1
+                self._forget_old(job.id)
+            self._cond.notify_all()
+        return taken
+
     def busy(self) -> bool:
         """Whether a job is running or queued."""
         with self._cond:
@@ -393,6 +419,9 @@ class Scheduler:
                 if self._cond.wait_for(lambda: self._stopping or self._ring, timeout):
                     self._rotate_to_lead()
                     self._wait_for_companions()
+                    if not self._ring and not self._stopping:  # a withdraw emptied it during that wait
+                        continue
+                    self._rotate_to_lead()  # a no-op unless a withdraw took the head's jobs meanwhile
                     return self._take_pass()
                 self._idle_called = True
             self._idle()

@@ -39,6 +39,10 @@ class _Model:
     waiting: dict[int, _Waiting] = field(default_factory=dict)
 
 
+def _skipped(message: str) -> None:
+    """The ``fail`` of a number refused before it was accepted (``skip``): nothing waits on it."""
+
+
 class Sequencer:
     """Starts requests per model in ``seq_id`` order; thread-safe."""
 
@@ -72,7 +76,7 @@ class Sequencer:
             model = self._models.get(model_id)
             if model is None or model.next_seq is None or seq_id < model.next_seq or seq_id in model.waiting:
                 return
-            model.waiting[seq_id] = _Waiting(self._clock(), lambda: None, lambda message: None)
+            model.waiting[seq_id] = _Waiting(self._clock(), lambda: None, _skipped)
             ready = self._ready(model)
         for run in ready:
             run()
@@ -96,6 +100,16 @@ class Sequencer:
         for fail, message in failed:
             fail(message)
         return len(failed)
+
+    def drop(self, model_id: str, message: str) -> int:
+        """Fail the model's requests waiting for their turn with ``message`` and forget the model
+        (its client is gone); how many failed."""
+        with self._lock:
+            model = self._models.pop(model_id, None)
+            waiting = [] if model is None else [w for w in model.waiting.values() if w.fail is not _skipped]
+        for w in waiting:
+            w.fail(message)
+        return len(waiting)
 
     def forget(self, model_id: str) -> None:
         with self._lock:

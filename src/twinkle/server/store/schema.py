@@ -18,7 +18,7 @@ import re
 from twinkle.errors import StateError
 from twinkle.server.store.database import Connection, Database
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -94,7 +94,9 @@ CREATE TABLE IF NOT EXISTS sessions (
     info_json TEXT NOT NULL,
     created_at REAL NOT NULL,
     last_heartbeat_at REAL NOT NULL,
-    status TEXT NOT NULL CHECK (status IN ('active', 'finished'))
+    status TEXT NOT NULL CHECK (status IN ('active', 'finished')),
+    -- When the session was taken for gone: no heartbeat for tinker.session_timeout_s (NULL: it was not).
+    expired_at REAL
 );
 CREATE INDEX IF NOT EXISTS sessions_by_tenant ON sessions (tenant_id, created_at);
 CREATE TABLE IF NOT EXISTS sampling_sessions (
@@ -180,6 +182,13 @@ def _creating(*tables: str) -> list[str]:
     return [statement for statement in _SCHEMA.split(';') if (m := pattern.search(statement)) and m[1] in tables]
 
 
+def _without(column: str, statements: list[str]) -> list[str]:
+    """``statements`` without the definition of ``column`` (and the comments above it): a table as an
+    early step made it from ``_SCHEMA``, before a later step added the column."""
+    definition = re.compile(rf',\n(?:[ \t]*--[^\n]*\n)*[ \t]*{column} [^,\n]*')
+    return [definition.sub('', statement) for statement in statements]
+
+
 _CHECKPOINT_COLUMNS = 'id, run_id, tenant_id, name, path, kind, size_bytes, created_at, public, expires_at'
 #: Statements that bring a database of version ``n - 1`` to version ``n``.
 _MIGRATIONS = {
@@ -187,7 +196,9 @@ _MIGRATIONS = {
     3: [
         'ALTER TABLE runs ADD COLUMN session_id TEXT',
         'ALTER TABLE checkpoints RENAME TO checkpoints_v2',
-        *_creating('checkpoints', 'sessions', 'sampling_sessions'),
+        *_creating('checkpoints'),
+        *_without('expired_at', _creating('sessions')),  # step 11 adds it
+        *_creating('sampling_sessions'),
         'INSERT INTO checkpoints (id, run_id, tenant_id, name, path, kind, size_bytes, created_at) '
         'SELECT id, run_id, tenant_id, name, path, kind, size_bytes, created_at FROM checkpoints_v2',
         'DROP TABLE checkpoints_v2',
@@ -217,6 +228,7 @@ _MIGRATIONS = {
         'CREATE UNIQUE INDEX IF NOT EXISTS futures_by_idempotency_key ON futures (tenant_id, idempotency_key)',
     ],
     10: [*_creating('run_states'), 'CREATE INDEX IF NOT EXISTS futures_by_run ON futures (run_id, started_at)'],
+    11: ['ALTER TABLE sessions ADD COLUMN expired_at REAL'],
 }
 
 

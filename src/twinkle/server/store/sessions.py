@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from pydantic import BaseModel
@@ -20,6 +21,9 @@ class Session(BaseModel, frozen=True):
     last_heartbeat_at: float
     #: 'active' or 'finished'.
     status: str
+    #: When the server took the session's client for gone (no heartbeat for ``tinker.session_timeout_s``);
+    #: None: it has not.
+    expired_at: float | None = None
 
 
 class SamplingSession(BaseModel, frozen=True):
@@ -74,6 +78,26 @@ class Sessions(Aggregate):
 
     def finish(self, session_id: str) -> None:
         self._db.execute("UPDATE sessions SET status = 'finished' WHERE id = ?", (session_id,))
+
+    def expire(self, beaten_before: float) -> list[Session]:
+        """Mark every active session whose last heartbeat came before ``beaten_before`` (unix
+        seconds) expired, now; the sessions it marked."""
+        with self._db.write() as conn:
+            found = 'SELECT * FROM sessions WHERE status = ? AND expired_at IS NULL AND last_heartbeat_at < ?'
+            rows = conn.execute(found, ('active', beaten_before)).fetchall()
+            now = self._db.clock()
+            if rows:
+                conn.executemany('UPDATE sessions SET expired_at = ? WHERE id = ?', [(now, row['id']) for row in rows])
+        return [_session(row).model_copy(update={'expired_at': now}) for row in rows]
+
+    def expired(self, session_ids: Collection[str]) -> set[str]:
+        """Those of ``session_ids`` that expired."""
+        ids = sorted(session_ids)
+        if not ids:
+            return set()
+        marks = ', '.join('?' * len(ids))
+        rows = self._db.query(f'SELECT id FROM sessions WHERE expired_at IS NOT NULL AND id IN ({marks})', tuple(ids))
+        return {str(row[0]) for row in rows}
 
     def runs(self, tenant_id: str, session_id: str) -> list[str]:
         """The ids of the training runs the session created, oldest first."""

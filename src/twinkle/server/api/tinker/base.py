@@ -31,6 +31,7 @@ from twinkle.errors import (
     NotFoundError,
     QueueFullError,
     RequestTimeoutError,
+    SessionExpiredError,
     TwinkleError,
     UnauthorizedError,
 )
@@ -57,7 +58,7 @@ REMEMBERED_REQUESTS = 100_000
 MAX_JSON_DEPTH = 32
 #: How the Tinker routes may fail, for the OpenAPI schema (every body is an ``ErrorBody``).
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
-    **error_responses(400, 401, 404, 429),
+    **error_responses(400, 401, 404, 410, 429),
     422: {'model': ErrorBody, 'description': 'The body is not the type the route takes; detail names each field'},
 }
 
@@ -173,6 +174,8 @@ class TinkerAPI:
         key = (who.id, run_id or '', seq_id) if seq_id is not None else None
         if key is not None and key in requests:
             return requests[key]  # a retry of a request already accepted
+        if meter is not None and meter.session_id is not None:
+            self.live_session(who, meter.session_id)  # a 410 once its client was taken for gone
         if run_id is not None:
             await service.touch(run_id)  # an active run is not idle
         # No await from here to the queue: a request the checks let in finds the room they found.
@@ -231,6 +234,18 @@ class TinkerAPI:
         session = self.service.store.sessions.get(who.id, session_id)
         if session is None:
             raise NotFoundError(f'session {session_id!r} not found')
+        return session
+
+    def live_session(self, who: Tenant, session_id: str) -> Session:
+        """The tenant's session, while its client is not taken for gone: 404 if there is none,
+        ``SessionExpiredError`` (a 410) once it sent no heartbeat for ``session_timeout_s``."""
+        session = self.session_of(who, session_id)
+        if session.expired_at is not None:
+            raise SessionExpiredError(
+                f'session {session_id!r} expired: it sent no heartbeat for tinker.session_timeout_s='
+                f'{self.settings.session_timeout_s} s, so its requests that had not started were dropped; '
+                'a new ServiceClient opens a new session'
+            )
         return session
 
     def model_group(self, name: str | None) -> ModelGroup:

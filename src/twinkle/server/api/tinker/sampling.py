@@ -44,7 +44,7 @@ def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
 
     @routes.post('/create_sampling_session')
     async def create_sampling_session(body: types.CreateSamplingSessionRequest, who: Who) -> JsonObject:
-        api.session_of(who, body.session_id)
+        api.live_session(who, body.session_id)
         group, path = _sampling_target(api, who, body.base_model, body.model_path)
         sampling_id = f'{body.session_id}:sample:{body.sampling_session_seq_id}'
         await asyncio.to_thread(store.sessions.create_sampler, who.id, sampling_id, body.session_id, group.name, path)

@@ -1,5 +1,13 @@
 """The Tinker routes every client calls, training or sampling: the client's configuration, its
-session and heartbeat, and ``retrieve_future``, which long-polls every request's result."""
+session and heartbeat, and ``retrieve_future``, which long-polls every request's result.
+
+A session whose heartbeats stop for ``tinker.session_timeout_s`` expires (``expire_sessions``,
+a chore of the app): its client is taken for gone, as Tinker's sessions expire. Its requests
+that have not started are dropped, each future failed with a ``SessionExpiredError`` (those
+waiting on a worker, and those waiting for their ``seq_id`` turn), so a killed client's queue does
+not run on for minutes and fill its tenant's; a request already running finishes. Its later
+requests, heartbeats included, are a 410.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +20,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import JsonValue
 from tinker import types
 
-from twinkle.errors import NotFoundError
+from twinkle.errors import NotFoundError, SessionExpiredError
 from twinkle.server.api.deps import Who
 from twinkle.server.api.errors import ErrorBody
 from twinkle.server.api.tinker.base import PROTO, PROTO_KEY, JsonObject, TinkerAPI, router
 from twinkle.server.execution.model_group import bare
 from twinkle.server.execution.scheduler import wait_job
+from twinkle.utils.logger import get_logger
+
+logger = get_logger()
 
 #: A heartbeat for a finished session: the SDK stops its heartbeat loop on a 410.
 GONE: dict[int | str, dict[str, object]] = {
@@ -73,7 +84,7 @@ def _session_routes(routes: APIRouter, api: TinkerAPI) -> None:
 
     @routes.post('/session_heartbeat', responses=GONE, response_model=None)
     async def heartbeat(body: types.SessionHeartbeatRequest, who: Who) -> JsonObject | JSONResponse:
-        session = api.session_of(who, body.session_id)
+        session = api.live_session(who, body.session_id)  # an expired one's is a 410 too: the loop stops
         if session.status != 'active':
             gone = ErrorBody(detail=f'session {body.session_id!r} is finished', error='StateError')
             return JSONResponse(gone.model_dump(), status_code=410)
@@ -115,4 +126,44 @@ def _future_routes(routes: APIRouter, api: TinkerAPI) -> None:
         return result
 
 
-__all__ = ['session_router']
+async def expire_sessions_periodically(api: TinkerAPI) -> None:
+    """``expire_sessions`` four times per ``session_timeout_s`` (at least every 5 s); never if
+    sessions never expire."""
+    timeout = api.settings.session_timeout_s
+    if timeout is None:
+        return
+    started_at = api.service.store.db.clock()
+    while True:
+        await asyncio.sleep(min(timeout / 4, 5.0))
+        try:
+            await asyncio.to_thread(expire_sessions, api, started_at)
+        except Exception:  # a failed sweep must not end the expiry
+            logger.exception('expiring Tinker sessions failed; trying again at the next sweep')
+
+
+def expire_sessions(api: TinkerAPI, started_at: float) -> int:
+    """Mark the sessions with no heartbeat for ``session_timeout_s`` expired (none before the server
+    ran that long since ``started_at``: the clients of the last process beat again once it is back)
+    and drop the requests of every expired session that have not started: those on this server's
+    workers (a session another process marked, on a shared store, too), and those waiting for their
+    ``seq_id`` turn; how many were dropped."""
+    timeout = api.settings.session_timeout_s
+    if timeout is None:
+        return 0
+    service, store = api.service, api.service.store
+    cutoff = store.db.clock() - timeout
+    expired = store.sessions.expire(cutoff) if cutoff > started_at else []
+    reason = (
+        f'its Tinker session sent no heartbeat for {timeout:g} s (tinker.session_timeout_s), so the server '
+        'took its client for gone and dropped the request before it started'
+    )
+    waiting = 0
+    for session in expired:
+        logger.warning(f'session {session.id!r} sent no heartbeat for {timeout:g} s: expired, its queue dropped')
+        for run_id in store.sessions.runs(session.tenant_id, session.id):
+            waiting += api.state.sequencer.drop(run_id, f'{SessionExpiredError.__name__}: {reason}')
+    service.expired_requests.inc(waiting)
+    return waiting + service.drop_sessions(store.sessions.expired(service.waiting_sessions()), reason)
+
+
+__all__ = ['expire_sessions', 'expire_sessions_periodically', 'session_router']

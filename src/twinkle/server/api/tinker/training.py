@@ -61,7 +61,7 @@ def _model_routes(routes: APIRouter, api: TinkerAPI) -> None:
 
     @routes.post('/create_model')
     async def create_model(body: types.CreateModelRequest, who: Who) -> JsonObject:
-        api.session_of(who, body.session_id)
+        api.live_session(who, body.session_id)
         group = api.model_group(body.base_model)
         if body.lora_config is None:
             raise ConfigurationError('this server trains LoRA adapters only: send a lora_config')
@@ -303,7 +303,7 @@ async def _create_from_checkpoint(
     with ``optimizer`` its AdamW state."""
     if body.session_id is None or body.model_seq_id is None:
         raise DataError('load_weights needs a model_id, or a session_id and model_seq_id to create one')
-    api.session_of(who, body.session_id)
+    api.live_session(who, body.session_id)
     _check_optimizer(body.optimizer_config)
     source = api.service.store.runs.by_id(checkpoint.run_id)
     if source is None:  # deleted between the two reads
