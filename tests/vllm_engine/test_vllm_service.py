@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import openai
 import pytest
 import torch
 from peft import LoraConfig
 from server_helpers import background_server
 from tinker import types
+from transformers import AutoModelForCausalLM
 
+from twinkle import assets
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
 from twinkle.model import TransformersModel
@@ -124,6 +127,44 @@ def test_the_tinker_sdk_samples_its_sampler_weights_through_the_engine(beside, s
     )
     trained = trainer.forward([forced], 'cross_entropy').result().loss_fn_outputs[0]['logprobs'].tolist()
     assert len(tokens) == 4 and logprobs == pytest.approx(trained[-4:], abs=TOL)
+
+
+@pytest.mark.parametrize('temperature', [0.5, 1.5])
+def test_every_api_gives_the_logprobs_of_the_distribution_at_the_temperature(beside, sdk_clients, temperature):
+    # The engine's processed logprobs: log_softmax(logits / t) of the model's own forward at each
+    # sampled token (tests/test_temperature_logprobs.py: the same through TorchSampler).
+    url, keys, _ = beside
+    model = AutoModelForCausalLM.from_pretrained(assets.tiny_model('tiny-qwen3'), torch_dtype=torch.float32).eval()
+    prompt = [11, 23, 5, 42]
+
+    def expected(tokens: list[int]) -> list[float]:
+        with torch.no_grad():
+            logits_TV = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        return torch.log_softmax(logits_TV / temperature, dim=-1)[range(len(tokens)), tokens].tolist()
+
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=42, num_samples=2, ignore_eos=True)
+    native = vLLMSampler('tiny-qwen3', client=TwinkleClient(url, keys['alice'])).sample({'input_ids': prompt}, params)
+    sampling = sdk_clients(url, keys['bob']).create_sampling_client(base_model='tiny-qwen3').result()
+    tinker_params = types.SamplingParams(max_tokens=6, temperature=temperature, seed=42)
+    reply = sampling.sample(types.ModelInput.from_ints(prompt), 2, tinker_params).result()
+    for tokens, logprobs in [(s.tokens, s.token_logprobs) for s in native[0].sequences] + [
+        (s.tokens, s.logprobs) for s in reply.sequences
+    ]:
+        assert len(tokens) > 0 and logprobs == pytest.approx(expected(tokens), abs=TOL)
+    # OpenAI's text completion names its token by text: one token, whose text's ids include it.
+    client = openai.OpenAI(base_url=f'{url}/v1', api_key=keys['alice'], max_retries=0, timeout=120)
+    template = LocalSampler(assets.tiny_model('tiny-qwen3'), device='cpu').template
+    for seed in range(3):
+        logprobs = (
+            client.completions.create(
+                model='tiny-qwen3', prompt=prompt, max_tokens=1, temperature=temperature, seed=seed, logprobs=1
+            )
+            .choices[0]
+            .logprobs
+        )
+        [text], [logprob] = logprobs.tokens, logprobs.token_logprobs
+        ids = [i for i in range(model.config.vocab_size) if template.decode([i]) == text]
+        assert any(logprob == pytest.approx(expected([i])[0], abs=TOL) for i in ids), (text, logprob)
 
 
 def test_a_vllm_sampler_group_samples_each_runs_last_sync(grouped, tiny_model_dir):

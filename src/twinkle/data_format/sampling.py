@@ -28,11 +28,17 @@ class SamplingParams:
       complete the stop string) stay in ``tokens``; ``decoded`` ends before them.
     - ``seed``: the same seed, prompt and weights give the same sample, in whatever batch.
     - ``num_samples``: sequences per prompt.
-    - ``logprobs``: the log-probability of every sampled token is always returned, computed
-      from the raw logits (before temperature, top-k and top-p, so it equals the trainer's
-      ``forward`` of the same tokens). ``logprobs=k`` adds the ``k`` most likely tokens.
+    - ``logprobs``: the log-probability of every sampled token is always returned, under the
+      distribution it was drawn from: the logits after the repetition penalty, temperature, top-k
+      and top-p (``twinkle.sampler.logits.sampled_logprobs``; vLLM's ``processed_logprobs``, what
+      Tinker returns). With top-k and top-p off that is ``log_softmax(logits / temperature)``, so
+      at temperature 1 it equals the trainer's ``forward`` of the same tokens (which scores at
+      temperature 1); at temperature 0 (greedy) it is the raw logits' (after the penalty, if any).
+      ``logprobs=k`` adds the ``k`` most likely tokens of the same distribution (fewer where top-k
+      or top-p leave fewer).
     - ``prompt_logprobs``: also return the log-probability of each prompt token (``None`` for
-      the first); ``topk_prompt_logprobs=k`` adds the ``k`` most likely tokens there.
+      the first) under the raw logits, at temperature 1 whatever ``temperature`` is: prompt tokens
+      are given, not drawn. ``topk_prompt_logprobs=k`` adds the ``k`` most likely tokens there.
     - ``repetition_penalty``: divides positive (multiplies negative) logits of tokens already in
       the prompt or the completion, as in CTRL and transformers; 1 is off.
     - ``return_routed_experts``: on a mixture of experts, record the experts each MoE layer
@@ -144,6 +150,10 @@ class SampleResponse:
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[TokenLogprob] | None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Prompt tokens the sampler took from a prefix cache instead of computing them, counted once for
+    #: the prompt whatever ``num_samples`` is (Tinker's ``SampleResponse.prompt_cache_hit_tokens``). 0
+    #: where there is no prefix cache: ``TorchSampler`` prefills every prompt.
+    prompt_cache_hit_tokens: int = 0
 
 
 def _positive_int(name: str, value: object) -> None:
