@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import tinker
 from server_helpers import Gate, background_server
 from tinker import types
 
@@ -199,3 +200,67 @@ def optim_step_body(model_id: str, seq_id: int) -> dict:
 
 def expired_requests(service) -> float:
     return service.registry.get_sample_value('twinkle_expired_requests_total') or 0.0
+
+
+@pytest.fixture(scope='module')
+def sdk_server(tmp_path_factory, tiny_model_dir):
+    """A server with the default limits (max_lora_rank among them), for the SDK's own calls."""
+    with background_server(tmp_path_factory.mktemp('sdk'), tiny_model_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope='module')
+def carol(sdk_server, module_sdk_clients) -> tinker.ServiceClient:
+    url, keys, _ = sdk_server
+    return module_sdk_clients(url, keys['alice'])
+
+
+def sft_datum(length: int = 9) -> types.Datum:
+    tokens = [(7 * j) % 400 + 10 for j in range(length)]
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={'target_tokens': tokens[1:], 'weights': [1.0] * (length - 1)},
+    )
+
+
+def test_a_rank_128_adapter_trains_under_the_default_limit(carol, tiny_model_dir):
+    # tinker-cookbook's distillation recipes train rank 128; so do Tinker and SkyRL.
+    client = carol.create_lora_training_client(base_model=tiny_model_dir, rank=128, seed=0)
+    assert client.get_info().lora_rank == 128
+    data = [sft_datum()]
+    before = client.forward_backward(data, 'cross_entropy').result().metrics['loss:sum']
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = client.forward(data, 'cross_entropy').result().metrics['loss:sum']
+    assert after < before  # one step at lr 1e-2 on the datum it was taken on lowers its loss
+
+
+def test_a_rank_over_the_limit_names_the_limit_and_where_it_is_set(sdk_server, tiny_model_dir):
+    url, keys, _ = sdk_server
+    key = keys['alice']
+    refused = post(url, key, 'create_model', create_model_body(new_session(url, key), tiny_model_dir, rank=129))
+    assert refused.status_code == 400, refused.text
+    assert 'r=129' in refused.json()['detail'] and 'limits.max_lora_rank' in refused.json()['detail']
+    assert '[1, 128]' in refused.json()['detail']
+
+
+def test_unload_model_retires_the_model_and_keeps_its_checkpoints(sdk_server, carol, tiny_model_dir):
+    url, keys, _ = sdk_server
+    client = carol.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0)
+    client.forward_backward([sft_datum()], 'cross_entropy').result()
+    saved = client.save_weights_for_sampler('before-unload').result().path
+    accepted = post(url, keys['alice'], 'unload_model', types.UnloadModelRequest(model_id=client.model_id).model_dump())
+    assert accepted.status_code == 200 and accepted.json()['model_id'] == client.model_id, accepted.text
+    answer = result(url, keys['alice'], accepted.json()['request_id'])
+    assert types.UnloadModelResponse.model_validate(answer) == types.UnloadModelResponse(
+        model_id=client.model_id, type='unload_model'
+    )
+    with pytest.raises(tinker.NotFoundError):  # the model is gone: its requests are a 404
+        client.forward_backward([sft_datum()], 'cross_entropy').result()
+    again = post(url, keys['alice'], 'unload_model', {'model_id': client.model_id, 'type': 'unload_model'})
+    assert again.status_code == 404
+    # Its sampler weights sample on, and the sampler has no prefix cache to report hits from.
+    sampled = carol.create_sampling_client(model_path=saved).sample(
+        types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2, seed=0)
+    )
+    reply = sampled.result()
+    assert len(reply.sequences[0].tokens) == 2 and reply.prompt_cache_hit_tokens == 0

@@ -31,8 +31,10 @@ class Limits(BaseModel):
     #: a new run, or a released one used again, takes the place of the tenant's least recently
     #: used adapter (released with whatever it holds: it comes back on its next request).
     max_adapters_per_tenant: int = Field(8, gt=0)
-    #: Largest LoRA rank an adapter may have.
-    max_lora_rank: int = Field(64, gt=0)
+    #: Largest LoRA rank an adapter may have (tinker-cookbook's distillation recipes train 128). An
+    #: adapter's memory is its own rank's (weights, gradients and AdamW's two moments in float32); a
+    #: vLLM sampler reserves this rank for each of its LoRA slots (``max_loras``) at start.
+    max_lora_rank: int = Field(128, gt=0)
     #: Tokens (summed over rows) in one forward/backward or sampling request.
     max_tokens_per_request: int = Field(65_536, gt=0)
     #: Tokens one sampling request may ask to generate: num_samples x max_tokens, over its prompts (a

@@ -66,9 +66,12 @@ class RequestChecks:
         unknown = sorted(set(lora) - LORA_FIELDS)
         if unknown:
             raise ConfigurationError(f'unknown LoRA fields {unknown}; accepted: {sorted(LORA_FIELDS)}')
-        rank = lora.get('r', 8)
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limits.max_lora_rank:
-            raise ConfigurationError(f'LoRA rank r={rank!r} must be an integer in [1, {limits.max_lora_rank}]')
+        rank, limit = lora.get('r', 8), limits.max_lora_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= limit:
+            raise ConfigurationError(
+                f"LoRA rank r={rank!r} must be an integer in [1, {limit}]: {limit} is this server's "
+                'limits.max_lora_rank (ServerConfig), which its operator may raise'
+            )
         if self.config.backend == 'megatron':
             check_megatron_targets(lora)
 

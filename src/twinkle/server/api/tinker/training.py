@@ -1,5 +1,5 @@
 """The Tinker training routes: what a ``TrainingClient`` calls to create a LoRA model, run
-``forward_backward`` and ``optim_step``, and save and load its weights.
+``forward_backward`` and ``optim_step``, save and load its weights, and unload it.
 
 Each compute request is accepted at once as a future and runs in its model's ``seq_id`` order
 (see :mod:`.api`); what a request does to the model is in :mod:`.train`. A request the model
@@ -72,6 +72,25 @@ def _model_routes(routes: APIRouter, api: TinkerAPI) -> None:
         loras = (lora, body.lora_config.model_dump(mode='json'))
         request_id = await _create_run(api, who, model_id, group, loras, body.session_id, body.user_metadata)
         return {'request_id': request_id, 'model_id': model_id}
+
+    @routes.post('/unload_model')
+    async def unload_model(body: types.UnloadModelRequest, who: Who) -> JsonObject:
+        """The client is done with the model (SDKs up to 0.24 call it): as a native run's delete, its
+        adapter and the state the server kept of it go, its checkpoints stay (its sampler weights
+        sample on, its training ones load into a new model). It runs after the requests the model
+        started before; any still waiting for their seq_id turn fail, and later ones are a 404."""
+        run = api.run_of(who, body.model_id)
+        group = service.group_of(run)
+
+        def unload() -> JsonObject:
+            api.run_of(who, run.id)  # a 404 if an unload before this one deleted it
+            group.delete_run(run)
+            api.state.sequencer.drop(run.id, f'NotFoundError: model {run.id!r} was unloaded before this request ran')
+            return {'model_id': run.id, 'type': 'unload_model'}
+
+        unloading = Meter(session_id=run.session_id)
+        request_id = await api.accept(who, group, run.id, None, 'unload_model', unload, meter=unloading)
+        return {'request_id': request_id, 'model_id': run.id}
 
     @routes.post('/get_info')
     async def get_info(body: types.GetInfoRequest, who: Who) -> JsonObject:
