@@ -466,6 +466,13 @@ def test_sample_response_without_extras():
     (seq,) = reply.sequences
     assert (seq.tokens, seq.logprobs, seq.topk_logprobs) == ([42, 43], [-0.5, -1.0], None)
     assert reply.prompt_logprobs is None and reply.topk_prompt_logprobs is None
+    assert reply.prompt_cache_hit_tokens == 0  # a sampler without a prefix cache counts none
+
+
+def test_sample_response_carries_the_samplers_prompt_cache_hits():
+    # A prefix cache that served 2 of the prompt's 3 tokens says so; the SDK (0.23+) reads the field.
+    response = SampleResponse(sequences=[], prompt_token_ids=[1, 2, 3], prompt_cache_hit_tokens=2)
+    assert deserialize_sample_response(sample_response(response)).prompt_cache_hit_tokens == 2
 
 
 def test_sample_response_prompt_nan_is_none_on_the_wire():

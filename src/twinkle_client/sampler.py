@@ -58,6 +58,7 @@ class _ResponseJson(TypedDict):
     prompt_logprobs: NotRequired[list[float | None] | None]
     topk_prompt_logprobs: NotRequired[list[list[TokenLogprob] | None] | None]
     extra: NotRequired[dict[str, JsonValue] | None]
+    prompt_cache_hit_tokens: NotRequired[int]
 
 
 #: The answer of a ``sample`` request, checked (and ``(token, logprob)`` pairs made tuples).
@@ -185,6 +186,7 @@ def _response(data: _ResponseJson, user_data: object) -> SampleResponse:
         prompt_logprobs=data.get('prompt_logprobs'),
         topk_prompt_logprobs=data.get('topk_prompt_logprobs'),
         extra=dict(data.get('extra') or {}),
+        prompt_cache_hit_tokens=data.get('prompt_cache_hit_tokens', 0),
     )
 
 

@@ -417,7 +417,8 @@ def sample_response(response: SampleResponse, *, topk_sample_logprobs: int = 0, 
     ([7], [-0.5], 'stop')
     """
     message = pb.SampleResponse(
-        sequences=[_sampled_sequence(i, seq, topk_sample_logprobs) for i, seq in enumerate(response.sequences)]
+        sequences=[_sampled_sequence(i, seq, topk_sample_logprobs) for i, seq in enumerate(response.sequences)],
+        prompt_cache_hit_tokens=response.prompt_cache_hit_tokens,  # what the sampler counted (0: no prefix cache)
     )
     if response.prompt_logprobs is not None:
         values = [math.nan if value is None else value for value in response.prompt_logprobs]
