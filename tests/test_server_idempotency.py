@@ -72,11 +72,13 @@ def test_a_released_key_names_nothing(store):
 
 
 def _downgraded_to_8(db: Path | str) -> None:
-    """The store at db as version 8 had it: its futures without the key columns."""
+    """The store at db as version 8 had it: its futures without the key columns (version 9's), its
+    sessions without expired_at (version 11's)."""
     statements = [
         'DROP INDEX futures_by_idempotency_key',
         'ALTER TABLE futures DROP COLUMN idempotency_key',
         'ALTER TABLE futures DROP COLUMN request_hash',
+        'ALTER TABLE sessions DROP COLUMN expired_at',
     ]
     if isinstance(db, Path):
         with contextlib.closing(sqlite3.connect(db)) as connection:
