@@ -83,10 +83,12 @@ class Sampler(ABC):
         ``adapter_name``: the adapter to sample from; by default the one the last weight sync
         installed, else the base model (``vLLMSampler`` also takes a list, one per row)."""
         params = SamplingParams.from_dict(sampling_params)
+        # As the call starts: a call that waits for others' rows may end after another set it anew.
+        version = self.weight_version
         prompts = self._prompts(inputs)
         self._check(prompts, params)
         completions, prompt_info = self._complete(prompts, params, adapter_name)
-        return self._responses(prompts, completions, prompt_info, params)
+        return self._responses(prompts, completions, prompt_info, params, version)
 
     @abstractmethod
     def _check(self, prompts: list[Prompt], params: SamplingParams) -> None:
@@ -151,12 +153,13 @@ class Sampler(ABC):
         completions: list[Completion],
         prompt_info: list[PromptLogprobs],
         params: SamplingParams,
+        version: int,
     ) -> list[SampleResponse]:
         responses = []
         for index, prompt in enumerate(prompts):
             first = index * params.num_samples
             group = completions[first : first + params.num_samples]
-            sequences: list[SampledSequence] = [self._sequence(prompt, c, params) for c in group]
+            sequences: list[SampledSequence] = [self._sequence(prompt, c, params, version) for c in group]
             response = SampleResponse(sequences=sequences, prompt_token_ids=prompt.input_ids)
             if prompt_info:
                 response.prompt_logprobs = prompt_info[first].logprobs if params.prompt_logprobs else None
@@ -164,7 +167,9 @@ class Sampler(ABC):
             responses.append(response)
         return responses
 
-    def _sequence(self, prompt: Prompt, completion: Completion, params: SamplingParams) -> SampledSequence:
+    def _sequence(
+        self, prompt: Prompt, completion: Completion, params: SamplingParams, version: int
+    ) -> SampledSequence:
         decoded = self._decode(completion, params)
         return SampledSequence(
             stop_reason=completion.stop_reason,
@@ -174,7 +179,7 @@ class Sampler(ABC):
             new_input_feature=with_images(
                 training_feature(prompt, completion.tokens, decoded, completion.routed_experts), prompt.images
             ),
-            weight_version=self.weight_version,
+            weight_version=version,
         )
 
     def _decode(self, completion: Completion, params: SamplingParams) -> str:

@@ -13,9 +13,10 @@ time, so nothing uses the model from both. The generation keeps its state (its K
 generators) where it is: the reply is the one an unsliced run gives, the same model calls on the same
 shapes in the same order, whatever ran between its slices.
 
-``limit_s`` bounds a request's worker time over all its slices: past it the sampler ends its rows as
-at ``max_tokens`` (stop reason 'length'), so no request holds the model for longer however much it
-asked for (``max_sampling_s``).
+``limit_s`` bounds a request's worker time: the seconds of the sampler's steps its rows took part in
+(``TorchSampler`` decodes the rows of every call in flight as one batch, ``twinkle.sampler.batching``);
+past it the sampler ends its rows as at ``max_tokens`` (stop reason 'length'), so no request holds the
+model for longer however much it asked for (``max_sampling_s``).
 
 What it costs: a paused generation's cache stays on the device while the other jobs run (one per
 tenant at most, as a tenant's later jobs wait behind its paused one), and each slice hands the turn
@@ -65,7 +66,7 @@ class SliceThread(threading.Thread):
         self._ended = self._cancelled = False
         self._result: Any = None  # Any: what the job's function returns
         self._error: BaseException | None = None
-        self._slice_at, self._ran_s = 0.0, 0.0  # when this slice started; the earlier slices' seconds
+        self._slice_at = 0.0  # when this slice started
 
     # ---- the worker's side --------------------------------------------------------------------------
     def run_slice(self) -> Any:
@@ -77,7 +78,6 @@ class SliceThread(threading.Thread):
                 self.start()
             self._turn.notify_all()
             self._turn.wait_for(lambda: not self._theirs)
-            self._ran_s += time.monotonic() - self._slice_at
         if not self._ended:
             return Continue(self.run_slice, self.cancel)
         self.join()
@@ -121,10 +121,6 @@ class SliceThread(threading.Thread):
         spent = self.slice_s is not None and time.monotonic() - self._slice_at >= self.slice_s
         return spent and self._contended()
 
-    def out_of_time(self) -> bool:
-        """Whether the job's slices together have run its ``limit_s``."""
-        return self.limit_s is not None and self._ran_s + time.monotonic() - self._slice_at >= self.limit_s
-
 
 def sliced(
     fn: Callable[[], Any],
@@ -133,7 +129,7 @@ def sliced(
     contended: Callable[[], bool] = lambda: True,
 ) -> Callable[[], Any]:
     """A job function that runs ``fn`` in slices of ``slice_s`` seconds (None: whole) on a thread of
-    its own, for at most ``limit_s`` seconds of its slices (None: no bound); what it returns is
+    its own, its generations bounded to ``limit_s`` seconds of steps (None: no bound); what it returns is
     ``fn``'s result, or ``Continue``. A slice runs on past ``slice_s`` while ``contended()`` is
     False (no other tenant's job waits). ``fn`` gives way only where the code it runs asks ``TURNS``."""
     return lambda: SliceThread(fn, slice_s, limit_s, contended).run_slice()
@@ -147,9 +143,9 @@ class ThreadTurns:
         thread = threading.current_thread()
         return isinstance(thread, SliceThread) and thread.due()
 
-    def out_of_time(self) -> bool:
+    def time_limit_s(self) -> float | None:
         thread = threading.current_thread()
-        return isinstance(thread, SliceThread) and thread.out_of_time()
+        return thread.limit_s if isinstance(thread, SliceThread) else None
 
     def give_way(self) -> None:
         thread = threading.current_thread()
