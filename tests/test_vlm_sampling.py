@@ -12,6 +12,7 @@ of multimodal RoPE for its 4 tokens and shifts the text after it by -2.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -244,11 +245,14 @@ def test_image_and_video_pads_are_never_sampled(shapes: list[dict[str, Any]]) ->
 
     handle = sampler.model.lm_head.register_forward_hook(prefer_pads)
     try:
-        for temperature in (0.0, 1.0):
-            params = SamplingParams(max_tokens=6, temperature=temperature, seed=3, num_samples=2, ignore_eos=True)
+        for temperature, top_k in ((0.0, -1), (1.0, -1), (1.0, 3)):
+            params = SamplingParams(
+                max_tokens=6, temperature=temperature, top_k=top_k, seed=3, num_samples=2, ignore_eos=True
+            )
             seqs = sequences(sampler.sample(prompts(shapes), params))
             assert all(len(seq.tokens) == 6 and not set(seq.tokens) & set(pads.tolist()) for seq in seqs)
-            # The logprobs are the raw ones: the pads kept their (near 1) probability in them.
-            assert all(lp < -20 for seq in seqs for lp in seq.token_logprobs)
+            # The pads keep their (near 1) probability in the logprobs, as in the trainer's forward;
+            # top-k takes the 3 likeliest of the other tokens, as the draw did: no drawn token at -inf.
+            assert all(-math.inf < lp < -20 for seq in seqs for lp in seq.token_logprobs)
     finally:
         handle.remove()

@@ -253,7 +253,7 @@ class ContinuousBatch:
             logits = state.logits[at]
             seen = state.seen[at] if state.seen is not None else None
             chosen = choose(processed_scores(logits, params, seen, self.never), params, [r.generator for r in rows])
-            _record(rows, sampled_logprobs(logits, params, seen), chosen, params.logprobs or 0)
+            _record(rows, sampled_logprobs(logits, params, seen, self.never), chosen, params.logprobs or 0)
             tokens[at] = chosen
         return tokens
 

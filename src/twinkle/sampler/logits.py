@@ -20,9 +20,7 @@ def processed_scores(
     scores = logits.float()
     if never:
         scores = scores.index_fill(-1, torch.tensor(never, device=scores.device), float('-inf'))
-    scores = _penalized(scores, params, seen)
-    if params.temperature > 0 and params.temperature != 1.0:
-        scores = scores / params.temperature
+    scores = _tempered(_penalized(scores, params, seen), params)
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float('-inf'))
@@ -31,7 +29,9 @@ def processed_scores(
     return scores
 
 
-def sampled_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
+def sampled_logprobs(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, never: Sequence[int] = ()
+) -> torch.Tensor:
     """The float32 log-probabilities ``[rows, vocab]`` of the distribution each row's token is drawn
     from: the log-softmax of ``processed_scores`` (after the repetition penalty, temperature, top-k
     and top-p), what vLLM returns with ``logprobs_mode='processed_logprobs'`` and Tinker returns. With
@@ -40,21 +40,29 @@ def sampled_logprobs(logits: torch.Tensor, params: SamplingParams, seen: torch.T
     logprobs are theirs (no temperature, top-k or top-p, which leave the argmax alone): without a
     penalty, the raw logits' logprobs. Tokens that top-k or top-p cut get ``-inf``.
 
-    The image pads that are never drawn (``processed_scores``' ``never``) keep their probability
-    here, as they do in the trainer's forward and in vLLM: a model's pads have next to none of it,
-    and leaving them out would move every logprob by that much.
+    ``never`` (the image pads ``processed_scores`` never draws, with the same ids) keep their
+    probability here, as in the trainer's forward and in vLLM's: a model's pads have next to none of
+    it, and leaving them out would move every logprob by that much. Top-k and top-p still choose among
+    the other tokens, as the draw did, so a drawn token is never at ``-inf``.
 
     >>> logits = torch.tensor([[2.0, 1.0, 0.0]])
     >>> sampled_logprobs(logits, SamplingParams(temperature=0.5), None)  # log_softmax([4, 2, 0])
     tensor([[-0.1429, -2.1429, -4.1429]])
     >>> sampled_logprobs(logits, SamplingParams(temperature=0.5, top_k=2), None)  # log_softmax([4, 2])
     tensor([[-0.1269, -2.1269,    -inf]])
+    >>> sampled_logprobs(logits, SamplingParams(temperature=0.5, top_k=1), None, never=[0])  # [4, 2] again
+    tensor([[-0.1269, -2.1269,    -inf]])
     >>> sampled_logprobs(logits, SamplingParams(temperature=0, top_k=1), None)  # greedy: the raw logits'
     tensor([[-0.4076, -1.4076, -2.4076]])
     """
     if params.temperature == 0:
         return torch.log_softmax(_penalized(logits.float(), params, seen), dim=-1)
-    return torch.log_softmax(processed_scores(logits, params, seen), dim=-1)
+    scores = processed_scores(logits, params, seen, never)
+    if never:
+        index = torch.tensor(never, device=scores.device)
+        own = _tempered(_penalized(logits.float(), params, seen), params)
+        scores = scores.index_copy(-1, index, own.index_select(-1, index))
+    return torch.log_softmax(scores, dim=-1)
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[TokenLogprob]]:
@@ -72,6 +80,13 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[list[TokenLogprob]]:
         [(token, value) for token, value in zip(row_ids, row_values, strict=True) if value != float('-inf')]
         for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
     ]
+
+
+def _tempered(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``scores`` over the temperature (as they are at 0, greedy, and at 1)."""
+    if params.temperature > 0 and params.temperature != 1.0:
+        return scores / params.temperature
+    return scores
 
 
 def _penalized(scores: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
