@@ -1,6 +1,8 @@
 """Continuous batching on the torch sampler: calls made while another generates join its batch at the
 next step, each with its own adapter, seed, parameters and stop conditions, and get what they get
-alone; rows leave as they end, and rows past ``max_batch_size`` wait for room.
+alone; rows leave as they end, and rows past ``max_batch_size`` wait for room. Then the scheduler's
+sharing jobs (a paused one waits behind its tenant's next ones), and a real server: concurrent Tinker
+SDK requests of two tenants decode in one batch, each with the tokens it gets alone.
 
 Alone and batched differ only in the shapes the numbers are computed on (padding, batch size): the
 tokens are compared exactly, the logprobs within 1e-4 (float32 rounding of a batched matmul)."""
@@ -9,16 +11,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from peft import LoraConfig
+from server_helpers import Gate, background_server
+from tinker import types
 
 from twinkle import assets
 from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.sampler import TorchSampler
+from twinkle.server.execution.scheduler import Continue, Scheduler
 
 TIMEOUT = 120.0
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weights=False)  # B != 0: not the base
@@ -200,3 +205,77 @@ def test_a_calls_time_limit_ends_its_rows_alone(sampler):
     finally:
         sampler.turns = None
     assert [(len(s.tokens), s.stop_reason) for s in response.sequences] == [(1, 'length'), (1, 'length')]
+
+
+# ---- the scheduler: sampling jobs of one tenant pass one another ----------------------------------------
+@pytest.fixture
+def scheduler() -> Iterator[Scheduler]:
+    made = Scheduler(shares=lambda job: job.operation == 'sample')
+    yield made
+    made.stop()
+
+
+def sharing(order: list[str], label: str, count: int, joining: Callable[[], bool] | None = None) -> Callable[[], Any]:
+    """A job of ``count`` slices: each appends ``label<i>``; with ``joining`` the first records whether
+    a sampling job that has not started waits."""
+
+    def slice_at(index: int) -> Any:
+        order.append(f'{label}{index}' + ('+' if index == 0 and joining is not None and joining() else ''))
+        return f'{label} done' if index + 1 == count else Continue(lambda: slice_at(index + 1))
+
+    return lambda: slice_at(0)
+
+
+def test_a_paused_sampling_job_waits_behind_its_tenants_next_ones_not_its_training(scheduler):
+    order: list[str] = []
+    jobs = [
+        scheduler.submit('alice', sharing(order, 'x', 3, scheduler.joiners_waiting), operation='sample'),
+        scheduler.submit('alice', sharing(order, 'y', 2, scheduler.joiners_waiting), operation='sample'),
+        scheduler.submit('alice', sharing(order, 'step', 1), operation='optim_step'),
+        scheduler.submit('alice', sharing(order, 'z', 1), operation='sample'),
+    ]
+    scheduler.start()
+    assert all(job.wait(TIMEOUT) for job in jobs)
+    # x starts and sees y waiting to join (+); paused, it waits behind y, which starts (no job left to
+    # join), then they take turns. The step waits for both; z, sent after it, runs after it.
+    assert order == ['x0+', 'y0', 'x1', 'y1', 'x2', 'step0', 'z0']
+
+
+# ---- a real server ---------------------------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def server(tmp_path_factory, tiny_model_dir):
+    with background_server(tmp_path_factory.mktemp('batching'), tiny_model_dir) as (url, keys, running):
+        yield url, keys, running.app.state.service
+
+
+def test_concurrent_tinker_requests_of_two_tenants_share_a_batch(server, tiny_model_dir, sdk_clients):
+    url, keys, service = server
+    clients = {name: sdk_clients(url, keys[name]).create_sampling_client(base_model=tiny_model_dir).result()
+               for name in ('alice', 'bob')}  # fmt: skip
+    requests = [  # (tenant, prompt, max_tokens, seed, temperature)
+        ('alice', [11, 42, 7], 16, 1, 1.0),
+        ('alice', [5, 6, 7, 8, 9], 8, 2, 0.7),
+        ('alice', [3], 12, 3, 0.0),
+        ('bob', [11, 42, 7], 16, 4, 1.0),
+        ('bob', [1, 2], 10, 5, 1.2),
+    ]
+
+    def send(tenant: str, prompt: list[int], max_tokens: int, seed: int, temperature: float) -> Any:
+        params = types.SamplingParams(max_tokens=max_tokens, seed=seed, temperature=temperature)
+        return clients[tenant].sample(types.ModelInput.from_ints(prompt), 1, params)
+
+    single = [send(*request).result() for request in requests]
+    batch = service.default.host.sampler().batch
+    batch.step_sizes.clear()
+    scheduler = service.default.scheduler
+    gate = Gate(scheduler)  # holds the worker: the requests wait together, then run
+    futures = [send(*request) for request in requests]
+    wait_for(lambda: scheduler.queued() == len(requests))
+    gate.open()
+    results = [future.result() for future in futures]
+    for got, want in zip(results, single, strict=True):
+        assert got.sequences[0].tokens == want.sequences[0].tokens
+        assert got.sequences[0].logprobs == pytest.approx(want.sequences[0].logprobs, abs=1e-4)
+    sizes = list(batch.step_sizes)
+    assert max(sizes) == len(requests)  # every request's row in one step
+    assert len(sizes) < sum(max_tokens for _, _, max_tokens, _, _ in requests)

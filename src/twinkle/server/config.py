@@ -41,8 +41,9 @@ class Limits(BaseModel):
     #: chat of n=8 and max_tokens=2,000 asks 16,000); past it, 400 naming this limit. A chat that names
     #: no max_tokens gets an equal share of it per choice.
     max_sampled_tokens_per_request: int = Field(65_536, gt=0)
-    #: Seconds of worker time one sampling request may take over its slices (``sampling_slice_ms``); a
-    #: reply still sampling then ends as at its max_tokens (finish reason 'length'). None: no bound.
+    #: Seconds of worker time one sampling request may take: the decode steps of the batch its rows are
+    #: in (every sampling request in flight shares one, ``slicing.py``), over all its slices; a reply
+    #: still sampling then ends as at its max_tokens (finish reason 'length'). None: no bound.
     #: Held only where requests are sliced (the model's own worker, in the server's process, with the
     #: torch sampler): a sampler group, vLLM, worker processes or a Ray actor sample a request whole.
     max_sampling_s: float | None = Field(600.0, gt=0)
@@ -377,8 +378,9 @@ class ServerConfig(BaseModel):
     #: Milliseconds a sampling request (a chat, a text completion, a native or Tinker sample) holds the
     #: worker before it gives way: its next slice is its tenant's next turn, its cache kept meanwhile, so
     #: another tenant's training step waits for a slice, not for the whole reply (``slicing.py``; None:
-    #: sampling runs whole). Slices run on the model's own worker, in this process, with the torch sampler;
-    #: a sampler group, vLLM, worker processes (ranks > 1) or a Ray actor sample a request whole.
+    #: a request gives way only to sampling requests that join its batch). Slices run on the model's own
+    #: worker, in this process, with the torch sampler, where the sampling requests in flight decode as one
+    #: batch; a sampler group, vLLM, worker processes (ranks > 1) or a Ray actor sample a request whole.
     sampling_slice_ms: float | None = Field(50.0, gt=0)
     #: When the model has had no request for this long, freed heap memory goes back to the
     #: operating system (glibc ``malloc_trim``), so a server's resident set follows what it holds

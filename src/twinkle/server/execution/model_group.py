@@ -107,6 +107,7 @@ class ModelGroup:
             idle_after_s=config.release_memory_after_idle_s or 2.0,
             mix_wait_s=config.mix_wait_ms / 1000 if config.mixed_batches else 0.0,
             weight_of=self._weight if weighted(config) else None,
+            shares=self._shares,
         )
 
     def answers_to(self, name: str | None) -> bool:
@@ -132,16 +133,27 @@ class ModelGroup:
     def sliced(self, operation: str, fn: Callable[[], object], tenant_id: str) -> Callable[[], object]:
         """``fn`` as ``tenant_id``'s job of ``operation``: a sampling request on this model's own
         worker, whose torch sampler is in this process, in slices of ``sampling_slice_ms`` (each
-        longer while no other tenant's job waits) for at most ``max_sampling_s`` of worker time
-        (``slicing.sliced``); any other job as it is. A sampler group's worker, a model in worker
-        processes or a Ray actor, and the vLLM engine (``sampler: vllm``) sample a request whole."""
-        slice_ms, limit_s = self.config.sampling_slice_ms, self.config.limits.max_sampling_s
-        torch_here = isinstance(self.host, ModelHost) and self.host.vllm is None
-        in_process = self.scheduler_for(operation) is self.scheduler and torch_here
-        if operation not in SAMPLING_OPERATIONS or not in_process or (slice_ms is None and limit_s is None):
+        longer while no other tenant's job waits, and cut short when a sampling job waits to join
+        its batch) for at most ``max_sampling_s`` of worker time (``slicing.sliced``); any other job
+        as it is. A sampler group's worker, a model in worker processes or a Ray actor, and the vLLM
+        engine (``sampler: vllm``) sample a request whole."""
+        if not self._samples_in_slices(operation):
             return fn
+        slice_ms, limit_s = self.config.sampling_slice_ms, self.config.limits.max_sampling_s
         contended = partial(self.scheduler.others_waiting, tenant_id)
-        return slicing.sliced(fn, None if slice_ms is None else slice_ms / 1000, limit_s, contended)
+        slice_s = None if slice_ms is None else slice_ms / 1000
+        return slicing.sliced(fn, slice_s, limit_s, contended, self.scheduler.joiners_waiting)
+
+    def _samples_in_slices(self, operation: str) -> bool:
+        """Whether a job of ``operation`` samples on this group's worker with the torch sampler of this
+        process: in slices, its rows in the sampler's one batch."""
+        torch_here = isinstance(self.host, ModelHost) and self.host.vllm is None
+        return operation in SAMPLING_OPERATIONS and self.scheduler_for(operation) is self.scheduler and torch_here
+
+    def _shares(self, job: Job) -> bool:
+        """Whether ``job`` may pass its tenant's other sampling jobs (``Scheduler.shares``): they all
+        add their rows to one batch, and none changes the weights the others sample."""
+        return self._samples_in_slices(job.operation)
 
     def _started(self, job: Job) -> None:
         self._revive()

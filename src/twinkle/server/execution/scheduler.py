@@ -35,6 +35,13 @@ tenant's queue, so its tenant's later jobs still run after it, and its tenant to
 rotation, so every other tenant with work runs a pass before its next slice: another tenant's
 training step waits for one slice, not the whole reply. A slice counts as a pass for the weights.
 
+Sharing: jobs that ``shares(job)`` marks (sampling requests on one model's torch sampler, whose
+rows all decode in one running batch) commute with one another. A paused one goes back behind its
+tenant's next such jobs instead of in front of them, those not yet started first, so they start and
+join the batch it is in (:meth:`Scheduler.joiners_waiting` tells a slice one waits); any other job
+of the tenant still waits until all of them ended. Without this, a tenant's 32 requests at once
+would run one after another: its next job waits for its paused one.
+
 >>> scheduler = Scheduler()
 >>> scheduler.start()
 >>> job = scheduler.submit('alice', lambda: 1 + 1)
@@ -213,6 +220,7 @@ class Scheduler:
         mix_wait_s: float = 0.0,
         weight_of: Callable[[str], float] | None = None,
         on_pause: JobCallback | None = None,
+        shares: Callable[[Job], bool] | None = None,
     ):
         if max_queued_per_tenant < 1:
             raise ConfigurationError(f'max_queued_per_tenant must be at least 1, got {max_queued_per_tenant}')
@@ -253,6 +261,8 @@ class Scheduler:
         # requests in the current round (deficit round robin: ``_rotate_to_lead``).
         self.weight_of = weight_of
         self._credit: dict[str, float] = {}
+        # Which jobs commute with one another within a tenant (None: none): ``_requeue``.
+        self.shares = shares
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -368,6 +378,20 @@ class Scheduler:
         """Whether a tenant other than ``tenant`` has a job queued: what a job in slices gives way to."""
         with self._cond:
             return any(other != tenant for other in self._ring)
+
+    def joiners_waiting(self) -> bool:
+        """Whether a job that shares (``shares``) and has not started waits where it runs before
+        the tenant's other jobs: among the sharing jobs at the head of its tenant's queue."""
+        if self.shares is None:
+            return False
+        with self._cond:
+            for queue in self._queues.values():
+                for job in queue:
+                    if not self.shares(job):
+                        break
+                    if job.slices == 0:
+                        return True
+        return False
 
     def get(self, job_id: str) -> Job | None:
         """The job with this id: queued, running, or among the last ``keep_finished`` finished."""
@@ -572,8 +596,8 @@ class Scheduler:
             self._running = []
             for job in jobs:
                 self._durations.append(time.time() - job._slice_at)  # a slice's: how long the worker was held
-                if job.status == 'paused':  # its next slice is its tenant's next job
-                    self._queues.setdefault(job.tenant, deque()).appendleft(job)
+                if job.status == 'paused':  # its next slice is its tenant's next job, or a sharing one's
+                    self._requeue(job)
                 else:
                     self._completed += 1
                     self._failed += job.status == 'failed'
@@ -588,6 +612,20 @@ class Scheduler:
                 self._ring.remove(lead)
                 self._ring.appendleft(lead)
             self._cond.notify_all()
+
+    def _requeue(self, job: Job) -> None:
+        """With the lock held: a paused job back in its tenant's queue, at the head; one that shares
+        behind the sharing jobs at the head, those not started first (so they can join it)."""
+        queue = self._queues.setdefault(job.tenant, deque())
+        if self.shares is None or not self.shares(job):
+            queue.appendleft(job)
+            return
+        ahead: list[Job] = []
+        while queue and self.shares(queue[0]):
+            ahead.append(queue.popleft())
+        fresh = [waiting for waiting in ahead if waiting.slices == 0]
+        begun = [waiting for waiting in ahead if waiting.slices > 0]
+        queue.extendleft(reversed([*fresh, *begun, job]))
 
     def _forget_old(self, finished_id: str) -> None:
         self._finished_ids.append(finished_id)

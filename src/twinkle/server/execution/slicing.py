@@ -1,5 +1,6 @@
-"""Sampling in slices: a long generation gives the model's worker up every ``slice_s`` seconds, so
-other tenants' jobs run between its slices instead of waiting for the whole reply.
+"""Sampling in slices, and in one batch: a long generation gives the model's worker up every
+``slice_s`` seconds, so other tenants' jobs run between its slices instead of waiting for the whole
+reply; and the sampling requests waiting, of one tenant and of several, decode together.
 
 vLLM's engine interleaves requests at token granularity: each of its steps decodes one token of every
 running request within a token budget (``max_num_batched_tokens``), prefills in chunks, and preempts
@@ -10,17 +11,25 @@ thread of its own; each time the torch sampler (``TorchSampler.turns``) finds th
 the model back as it found it and hands the worker back, and the job returns ``Continue``: the
 scheduler runs the other tenants' jobs, then the next slice. Only one of the two threads runs at a
 time, so nothing uses the model from both. The generation keeps its state (its KV cache, its
-generators) where it is: the reply is the one an unsliced run gives, the same model calls on the same
-shapes in the same order, whatever ran between its slices.
+generators) where it is: the reply is the one an unsliced run gives, whatever ran between its slices.
 
-``limit_s`` bounds a request's worker time: the seconds of the sampler's steps its rows took part in
-(``TorchSampler`` decodes the rows of every call in flight as one batch, ``twinkle.sampler.batching``);
+One batch: the torch sampler decodes the rows of every call in flight as one batch
+(``twinkle.sampler.batching``: continuous batching), and each sampling job, when it holds the worker,
+adds its rows to that batch and steps the whole of it, so its slice advances every request in it; its
+job ends once its own rows have. The scheduler lets a tenant's sampling jobs pass one another
+(``Scheduler.shares``: a paused one waits behind its tenant's next ones) and a slice gives way at once
+when a sampling job that has not started waits (``joining``), so that job adds its rows at the next
+step rather than after the running one ends: 32 requests sent at once share one generation, each
+getting the tokens it would alone (its own adapter, seed, parameters and stop conditions).
+
+``limit_s`` bounds a request's worker time: the seconds of the batch's steps its rows took part in;
 past it the sampler ends its rows as at ``max_tokens`` (stop reason 'length'), so no request holds the
-model for longer however much it asked for (``max_sampling_s``).
+model for longer however much it asked for (``max_sampling_s``). A job's duration and charge are its
+own slices' time, during which it also steps the other requests' rows.
 
-What it costs: a paused generation's cache stays on the device while the other jobs run (one per
-tenant at most, as a tenant's later jobs wait behind its paused one), and each slice hands the turn
-over twice (tens of microseconds) and sets the model up for sampling again (a walk over its modules).
+What it costs: a paused generation's cache stays on the device while the other jobs run, and each
+slice hands the turn over twice (tens of microseconds) and sets the model up for sampling again (a
+walk over its modules).
 """
 
 from __future__ import annotations
@@ -54,9 +63,11 @@ class SliceThread(threading.Thread):
         slice_s: float | None,
         limit_s: float | None,
         contended: Callable[[], bool] = lambda: True,
+        joining: Callable[[], bool] = lambda: False,
     ):
         super().__init__(name=f'twinkle-slice-{next(_NUMBERS)}', daemon=True)
         self._fn, self.slice_s, self.limit_s, self._contended = fn, slice_s, limit_s, contended
+        self._joining = joining
         # The worker's CUDA device: a new thread's current device is the first one (megatron-core, for
         # one, allocates on the current device). Asked only where CUDA is up, so no CUDA starts here.
         started = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
@@ -116,10 +127,11 @@ class SliceThread(threading.Thread):
                 raise _Cancelled()
 
     def due(self) -> bool:
-        """Whether this slice has run its ``slice_s`` and other work waits for the worker (alone, a job
-        goes on: a pause would cost a hand-over and a model set-up for nothing)."""
+        """Whether this slice should end: a job waits to join the batch (``joining``), or the slice
+        has run its ``slice_s`` and other work waits for the worker (alone, a job goes on: a pause
+        would cost a hand-over and a model set-up for nothing)."""
         spent = self.slice_s is not None and time.monotonic() - self._slice_at >= self.slice_s
-        return spent and self._contended()
+        return (spent and self._contended()) or self._joining()
 
 
 def sliced(
@@ -127,12 +139,15 @@ def sliced(
     slice_s: float | None,
     limit_s: float | None,
     contended: Callable[[], bool] = lambda: True,
+    joining: Callable[[], bool] = lambda: False,
 ) -> Callable[[], Any]:
     """A job function that runs ``fn`` in slices of ``slice_s`` seconds (None: whole) on a thread of
-    its own, its generations bounded to ``limit_s`` seconds of steps (None: no bound); what it returns is
-    ``fn``'s result, or ``Continue``. A slice runs on past ``slice_s`` while ``contended()`` is
-    False (no other tenant's job waits). ``fn`` gives way only where the code it runs asks ``TURNS``."""
-    return lambda: SliceThread(fn, slice_s, limit_s, contended).run_slice()
+    its own, its generations bounded to ``limit_s`` seconds of steps (None: no bound); what it
+    returns is ``fn``'s result, or ``Continue``. A slice runs on past ``slice_s`` while
+    ``contended()`` is False (no other tenant's job waits), and ends at the next step once
+    ``joining()`` is True (a sampling job waits to add its rows). ``fn`` gives way only where the
+    code it runs asks ``TURNS``."""
+    return lambda: SliceThread(fn, slice_s, limit_s, contended, joining).run_slice()
 
 
 class ThreadTurns:
