@@ -174,11 +174,12 @@ def grpo_step(
     flat = [score for scores in rewards for score in scores]
     advantages = GRPOAdvantage()(flat, num_generations=config.group_size, scale='group').tolist()
     if any(advantages):  # when every group scored alike there is no signal, and AdamW's momentum would still move
-        model.forward_backward(
-            inputs=[seq.new_input_feature for seq in sequences],
-            old_logps=[seq.token_logprobs for seq in sequences],
-            advantages=advantages,
-        )
+        # On-policy (the sampler holds this step's weights): the ratio is against the trainer's own
+        # logprobs (old_logps None: every ratio 1). The sampler's are of the top-8 distribution it drew
+        # from, more mass on each token than the policy trained gives it: against them GRPO's clip drops
+        # the negative advantages' gradient wherever the top 8 hold under 80 % of the mass (seed 0's
+        # held-out accuracy went 0.286 -> 0.171 so, 0.286 -> 0.343 as here).
+        model.forward_backward(inputs=[seq.new_input_feature for seq in sequences], advantages=advantages)
         model.clip_grad_and_step()
     return sum(map(sum, rewards)) / sum(map(len, rewards))
 
