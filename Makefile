@@ -130,7 +130,7 @@ bench-vllm: setup-vllm  ## vLLMSampler against raw vLLM (LLM.generate) and Torch
 fuzz: setup  ## the schema-driven fuzz of every HTTP operation, 50 requests per operation and mode (make test runs 2)
 	TWINKLE_FUZZ_EXAMPLES=$${TWINKLE_FUZZ_EXAMPLES:-50} $(PY) -m pytest -q --timeout=3600 tests/test_schema_fuzz.py
 
-bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP (native and Tinker) vs local, a small request's path step by step, MessagePack vs JSON bodies, Ray and torchrun vs one process, mixed-tenant passes, a long chat beside another tenant's training, a thousand adapters, 64 tenants through two gateways on PostgreSQL, adapters stepped together, a model group of 1 and 2 ranks, LoRA on MoE experts and expert parallel, packed vs padded, streaming memory, image rows, the fused output layer, SFT and GRPO steps per speed switch
+bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP (native and Tinker) vs local, a small request's path step by step, MessagePack vs JSON bodies, Ray and torchrun vs one process, mixed-tenant passes, a long chat beside another tenant's training, 32 sampling requests at once, a thousand adapters, 64 tenants through two gateways on PostgreSQL, adapters stepped together, a model group of 1 and 2 ranks, LoRA on MoE experts and expert parallel, packed vs padded, streaming memory, image rows, the fused output layer, SFT and GRPO steps per speed switch
 	$(PY) benchmarks/lora_overhead.py
 	$(PY) benchmarks/sampler_throughput.py
 	$(PY) benchmarks/grpo_reward_curve.py
@@ -141,6 +141,7 @@ bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO rewar
 	$(PY) benchmarks/distributed_overhead.py
 	$(PY) benchmarks/mixed_tenants.py --rounds 5
 	$(PY) benchmarks/sampling_fairness.py
+	$(PY) benchmarks/sampling_concurrency.py --model small-qwen3 --output benchmarks/results/sampling_concurrency_small_qwen3.json
 	$(PY) benchmarks/many_adapters.py
 	$(PY) benchmarks/gateways.py
 	$(PY) benchmarks/multi_step.py
