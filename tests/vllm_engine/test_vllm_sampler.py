@@ -9,6 +9,9 @@ setting under which vLLM's CPU build ran base-model rows of a mixed batch throug
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -248,3 +251,92 @@ def test_after_sync_the_sampler_logprobs_equal_the_trainers(sampler, tiny_model_
         greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         seqs = sequences(sampler.sample(PROMPTS, greedy))
         assert worst(seqs, completion_logps(model, [s.new_input_feature for s in seqs], None)) <= TOL
+
+
+class _Holding:
+    """A ``Turns`` that unwinds the call at its first give-way (a job cancelled while paused)."""
+
+    def due(self) -> bool:
+        return True
+
+    def give_way(self) -> None:
+        raise KeyboardInterrupt('cancelled')
+
+
+def _calls_at_once(sampler, calls: list[tuple[dict, SamplingParams, str | None]]) -> list:
+    """``calls`` made on threads of their own while the engine is held, so every one has added its
+    requests before any steps: the first to get the engine steps them all in one generation."""
+    results: list = [None] * len(calls)
+
+    def call(index: int) -> None:
+        prompt, params, adapter = calls[index]
+        results[index] = sampler.sample(prompt, params, adapter_name=adapter)[0]
+
+    rows = sum(params.num_samples for _, params, _ in calls)
+    with sampler.calls._driving:
+        threads = [threading.Thread(target=call, args=(index,)) for index in range(len(calls))]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while sampler.calls.in_flight < rows and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sampler.calls.in_flight == rows
+        sampler.calls.widest = 0
+    for thread in threads:
+        thread.join(60)
+    assert sampler.calls.widest == rows  # one engine step held every call's requests
+    return results
+
+
+def test_calls_made_at_once_share_one_generation_and_each_gets_its_tokens_alone(sampler, trainer):
+    for name in ADAPTERS:
+        sampler.load_adapter_weights(name, multi_lora.peft_state_dict(trainer.model, name), ADAPTERS[name])
+    calls = [
+        (PROMPTS[index % len(PROMPTS)], SamplingParams(max_tokens=6 + index, seed=index, num_samples=2), adapter)
+        for index, adapter in enumerate(['a', None, 'b', 'a', None, 'b'])
+    ]
+    calls.append((PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, stop=[13]), None))
+    together = _calls_at_once(sampler, calls)
+    for (prompt, params, adapter), response in zip(calls, together, strict=True):
+        alone = sampler.sample(prompt, params, adapter_name=adapter)[0]
+        assert [s.tokens for s in response.sequences] == [s.tokens for s in alone.sequences], (params, adapter)
+        for seq, solo in zip(response.sequences, alone.sequences, strict=True):
+            assert seq.token_logprobs == pytest.approx(solo.token_logprobs, abs=1e-5)
+            assert len(seq.tokens) <= params.max_tokens
+
+
+def test_a_call_unwound_between_steps_takes_its_requests_out_of_the_engine(sampler):
+    sampler.turns = _Holding()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sampler.sample(PROMPTS[0], SamplingParams(max_tokens=8, seed=0))
+    finally:
+        sampler.turns = None
+    assert sampler.calls.in_flight == 0 and not sampler.llm.llm_engine.has_unfinished_requests()
+    after = sampler.sample(PROMPTS[0], SamplingParams(max_tokens=4, seed=0))[0].sequences[0]
+    assert len(after.tokens) == 4
+
+
+def test_an_adapter_removed_while_a_call_samples_it_goes_once_the_call_ends(sampler, trainer):
+    config = ADAPTERS['a']
+    sampler.load_adapter_weights('gone', multi_lora.peft_state_dict(trainer.model, 'a'), config)
+    lora_id = sampler._adapters['gone'].request.lora_int_id
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = sampler.sample(PROMPTS[1], params, adapter_name='gone')[0].sequences[0].tokens
+    removed: list[bool] = []
+
+    class RemoveMidway:
+        def due(self) -> bool:
+            return not removed
+
+        def give_way(self) -> None:  # another job runs between two steps and drops the adapter
+            sampler.remove_adapter('gone')
+            removed.append(lora_id in sampler.llm.llm_engine.list_loras())
+
+    sampler.turns = RemoveMidway()
+    try:
+        got = sampler.sample(PROMPTS[1], params, adapter_name='gone')[0].sequences[0].tokens
+    finally:
+        sampler.turns = None
+    assert removed == [True]  # still on the engine while the call used it
+    assert got == want and lora_id not in sampler.llm.llm_engine.list_loras()

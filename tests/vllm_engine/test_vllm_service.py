@@ -8,6 +8,7 @@ Each server's engine runs ``tiny-qwen3`` in float32 (``engine_args``), so sample
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ import openai
 import pytest
 import torch
 from peft import LoraConfig
-from server_helpers import background_server
+from server_helpers import Gate, background_server
 from tinker import types
 from transformers import AutoModelForCausalLM
 
@@ -189,3 +190,41 @@ def test_a_vllm_sampler_group_samples_each_runs_last_sync(grouped, tiny_model_di
     assert {s.weight_version for r in fresh for s in r.sequences} == {2}
     group = background.app.state.service.default
     assert group.sampler is not None and type(group.sampler.host).__name__ == 'VllmSamplerHost'
+
+
+#: (tenant, prompt, max_tokens, seed, temperature) of the requests sent at once.
+AT_ONCE = [
+    ('alice', [11, 42, 7], 16, 1, 1.0),
+    ('alice', [5, 6, 7, 8, 9], 8, 2, 0.7),
+    ('alice', [3], 12, 3, 0.0),
+    ('bob', [11, 42, 7], 16, 4, 1.0),
+    ('bob', [1, 2], 10, 5, 1.2),
+]
+
+
+@pytest.mark.parametrize('where', ['beside', 'grouped'])
+def test_concurrent_tinker_requests_of_two_tenants_share_one_generation_of_the_engine(where, request, sdk_clients):
+    url, keys, background = request.getfixturevalue(where)
+    group = background.app.state.service.default
+    clients = {name: sdk_clients(url, keys[name]).create_sampling_client(base_model='tiny-qwen3').result()
+               for name in ('alice', 'bob')}  # fmt: skip
+
+    def send(tenant: str, prompt: list[int], max_tokens: int, seed: int, temperature: float) -> Any:
+        params = types.SamplingParams(max_tokens=max_tokens, seed=seed, temperature=temperature)
+        return clients[tenant].sample(types.ModelInput.from_ints(prompt), 1, params)
+
+    single = [send(*at_once).result() for at_once in AT_ONCE]
+    engine = (group.host.vllm if group.sampler is None else group.sampler.host.sampling).sampler.calls
+    scheduler = group.scheduler_for('sample')
+    gate = Gate(scheduler)  # holds the worker: the requests wait together, then run
+    futures = [send(*at_once) for at_once in AT_ONCE]
+    deadline = time.monotonic() + 60
+    while scheduler.queued() < len(AT_ONCE) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    engine.widest = 0
+    gate.open()
+    for future, want in zip(futures, single, strict=True):
+        got = future.result()
+        assert got.sequences[0].tokens == want.sequences[0].tokens
+        assert got.sequences[0].logprobs == pytest.approx(want.sequences[0].logprobs, abs=TOL)
+    assert engine.widest == len(AT_ONCE)  # every request in one step of the engine

@@ -14,6 +14,10 @@ the logprob of every sampled token (plus the top ``k`` with ``logprobs=k``), ``s
   the same seed, prompt and weights give the same sequence in any batch and any call, as with
   ``TorchSampler``; the two samplers draw their noise differently, so the same seed gives other
   tokens on the other sampler.
+- **Concurrent calls** (other threads, the server's other sampling jobs) add their requests to the
+  generation running on the engine at its next step, and each gets the tokens it would get alone
+  (``twinkle.sampler.vllm_batching``): ``LLM.generate`` would make a call wait for the one before it.
+  An adapter removed or replaced while requests in flight use it leaves the engine once they end.
 - **Adapters** are vLLM LoRA adapters (``engine_args={'enable_lora': True}``): ``adapter_name``
   may name one adapter for every prompt, or one per prompt (``None`` for the base model), so
   several adapters sample in one call.
@@ -63,6 +67,7 @@ from twinkle.data_format import SamplingParams, TokenLogprob
 from twinkle.errors import ConfigurationError, DataError, MissingExtraError, SequenceTooLongError, UnknownNameError
 from twinkle.hub import resolve_model
 from twinkle.sampler.base import SAMPLERS, AdapterChoice, Completion, Prompt, PromptLogprobs, Sampler, row_seed
+from twinkle.sampler.vllm_batching import EngineCall, EngineCalls, Turns
 from twinkle.sampler.vllm_images import (
     DEFAULT_IMAGES_PER_PROMPT,
     check_image_counts,
@@ -154,6 +159,11 @@ class vLLMSampler(Sampler):
         self._workdir = Path(tempfile.mkdtemp(prefix='twinkle-vllm-', dir=weights_dir or _shared_memory()))
         self._files = itertools.count()
         self._zero: _Adapter | None = None
+        #: Every call in flight, stepped as one generation of the engine (``vllm_batching``).
+        self.calls = EngineCalls(self.llm, on_end=self._unload_idle)
+        #: Where a call may give the engine up between two steps (the server's sampling slices).
+        self.turns: Turns | None = None
+        self._unload_later: list[_Adapter] = []  # adapters removed while requests used them
         self._finalizer = weakref.finalize(self, shutil.rmtree, self._workdir, True)
 
     # ---- adapters -------------------------------------------------------------------------------
@@ -227,9 +237,20 @@ class vLLMSampler(Sampler):
             )
 
     def _unload(self, adapter: _Adapter) -> None:
+        """Take ``adapter`` off the engine, once no request in flight uses it (the calls of other
+        threads or paused sampling jobs keep theirs until they end)."""
+        if self.calls.uses(adapter.request.lora_int_id):
+            self._unload_later.append(adapter)
+            return
         self.llm.llm_engine.remove_lora(adapter.request.lora_int_id)
         if adapter.owned:
             shutil.rmtree(adapter.directory, ignore_errors=True)
+
+    def _unload_idle(self) -> None:
+        """The removals put off while requests used their adapters, of those no request uses now."""
+        later, self._unload_later = self._unload_later, []
+        for adapter in later:
+            self._unload(adapter)
 
     # ---- base weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> int:
@@ -288,9 +309,8 @@ class vLLMSampler(Sampler):
                 requests.append(dict(request))
                 row_params.append(vllm_params(params, row_seed(params.seed, prompt.input_ids, j)))
                 row_loras.append(lora)
-        outputs = self.llm.generate(
-            requests, row_params, lora_request=row_loras if any(row_loras) else None, use_tqdm=False
-        )
+        call = EngineCall(requests, row_params, row_loras if any(row_loras) else None)
+        outputs = self.calls.run(call, self.turns)
         completions = [self._completion(output.outputs[0], params) for output in outputs]
         want_prompt = params.prompt_logprobs or params.topk_prompt_logprobs > 0
         prompt_info = (
@@ -318,9 +338,10 @@ class vLLMSampler(Sampler):
         }
 
     def _lora_requests(self, adapter_name: AdapterChoice, rows: int) -> list[Any]:
-        """The LoRA request of each prompt. Base-model rows beside adapter rows get an adapter
-        of zeros: vLLM's CPU build, with one LoRA slot (``max_loras=1``), ran base rows of a
-        mixed batch through the adapter (tests/vllm_engine/test_vllm_sampler.py shows the workaround)."""
+        """The LoRA request of each prompt. Base-model rows get an adapter of zeros while the engine
+        holds any adapter (the rows of every call in flight share its steps): vLLM's CPU build, with
+        one LoRA slot (``max_loras=1``), ran base rows of a mixed batch through the adapter
+        (tests/vllm_engine/test_vllm_sampler.py shows the workaround)."""
         names: list[str | None]
         if adapter_name is None:
             names = [self.default_adapter] * rows
@@ -334,8 +355,8 @@ class vLLMSampler(Sampler):
             if name is not None and name not in self._adapters:
                 raise UnknownNameError('adapter', name, self.adapter_names or ['(none: no adapter was added)'])
         requests = [None if name is None else self._adapters[name].request for name in names]
-        if any(requests) and not all(requests):
-            zero = self._zero_adapter(next(self._adapters[name] for name in names if name is not None))
+        if self._adapters and not all(requests):
+            zero = self._zero_adapter(next(iter(self._adapters.values())))
             requests = [request or zero.request for request in requests]
         return requests
 

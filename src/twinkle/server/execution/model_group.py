@@ -35,6 +35,7 @@ from twinkle.server.execution.run_files import KIND_FOLDERS, RELEASE_STATE, run_
 from twinkle.server.execution.sampler_group import SamplerGroup, saved_weights
 from twinkle.server.execution.scheduler import Batchable, Job, JobCallback, Scheduler
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
+from twinkle.server.execution.vllm_sampling import VllmSamplerHost
 from twinkle.server.store import Checkpoint, Run, Store
 from twinkle.server.store.database import new_id
 from twinkle.utils.logger import get_logger
@@ -131,24 +132,30 @@ class ModelGroup:
         return self.host if self.sampler is None else self.sampler.host
 
     def sliced(self, operation: str, fn: Callable[[], object], tenant_id: str) -> Callable[[], object]:
-        """``fn`` as ``tenant_id``'s job of ``operation``: a sampling request on this model's own
-        worker, whose torch sampler is in this process, in slices of ``sampling_slice_ms`` (each
-        longer while no other tenant's job waits, and cut short when a sampling job waits to join
-        its batch) for at most ``max_sampling_s`` of worker time (``slicing.sliced``); any other job
-        as it is. A sampler group's worker, a model in worker processes or a Ray actor, and the vLLM
-        engine (``sampler: vllm``) sample a request whole."""
+        """``fn`` as ``tenant_id``'s job of ``operation``: a sampling request whose sampler this
+        process drives (the torch sampler of this model's worker, or a vLLM engine: ``sampler: vllm``,
+        or a sampler group of its own on vLLM) in slices of ``sampling_slice_ms`` (each longer while
+        no other tenant's job waits, and cut short when a sampling job waits to join its batch); on
+        the torch sampler for at most ``max_sampling_s`` of worker time (``slicing.sliced``). Any other
+        job as it is: a sampler group on worker processes, a model in worker processes or a Ray actor
+        sample a request whole."""
         if not self._samples_in_slices(operation):
             return fn
+        scheduler = self.scheduler_for(operation)
         slice_ms, limit_s = self.config.sampling_slice_ms, self.config.limits.max_sampling_s
-        contended = partial(self.scheduler.others_waiting, tenant_id)
+        contended = partial(scheduler.others_waiting, tenant_id)
         slice_s = None if slice_ms is None else slice_ms / 1000
-        return slicing.sliced(fn, slice_s, limit_s, contended, self.scheduler.joiners_waiting)
+        return slicing.sliced(fn, slice_s, limit_s, contended, scheduler.joiners_waiting)
 
     def _samples_in_slices(self, operation: str) -> bool:
-        """Whether a job of ``operation`` samples on this group's worker with the torch sampler of this
-        process: in slices, its rows in the sampler's one batch."""
-        torch_here = isinstance(self.host, ModelHost) and self.host.vllm is None
-        return operation in SAMPLING_OPERATIONS and self.scheduler_for(operation) is self.scheduler and torch_here
+        """Whether a job of ``operation`` samples with a sampler this process drives, one batch for
+        every request in flight: the torch sampler of this group's worker, or a vLLM engine (this
+        group's, or its sampler group's)."""
+        if operation not in SAMPLING_OPERATIONS:
+            return False
+        if self.sampler is not None:
+            return isinstance(self.sampler.host, VllmSamplerHost)
+        return isinstance(self.host, ModelHost)
 
     def _shares(self, job: Job) -> bool:
         """Whether ``job`` may pass its tenant's other sampling jobs (``Scheduler.shares``): they all

@@ -61,8 +61,17 @@ class SamplerGroup:
                 self._threads_before = torch.get_num_threads()
                 torch.set_num_threads(split[0])  # the model, in this process
         self.scheduler = Scheduler(
-            max_queued_per_tenant=config.limits.max_queued_per_tenant, on_start=self._started, on_finish=on_finish
+            max_queued_per_tenant=config.limits.max_queued_per_tenant,
+            on_start=self._started,
+            on_finish=on_finish,
+            shares=self._shares if isinstance(self.host, VllmSamplerHost) else None,
         )
+
+    @staticmethod
+    def _shares(job: Job) -> bool:
+        """On vLLM, sampling jobs commute (``Scheduler.shares``): their requests join one running
+        generation of the engine, and none changes the weights the others sample."""
+        return job.operation == 'sample'
 
     def _started(self, job: Job) -> None:
         """Before a job: a sampler whose worker died starts again (it holds no state of its own:

@@ -22,6 +22,12 @@ when a sampling job that has not started waits (``joining``), so that job adds i
 step rather than after the running one ends: 32 requests sent at once share one generation, each
 getting the tokens it would alone (its own adapter, seed, parameters and stop conditions).
 
+On vLLM (``sampler: vllm``, or a sampler group of its own on vLLM) the same: each sampling job adds
+its requests to the engine's running generation and steps the engine (``vLLMSampler.calls``,
+``twinkle.sampler.vllm_batching``), giving the worker up between two engine steps when its slice is
+spent or a sampling job waits to join. There the engine's process holds the generation's state, and
+``limit_s`` does not apply (a request's ``max_tokens`` and the engine's context bound it).
+
 ``limit_s`` bounds a request's worker time: the seconds of the batch's steps its rows took part in;
 past it the sampler ends its rows as at ``max_tokens`` (stop reason 'length'), so no request holds the
 model for longer however much it asked for (``max_sampling_s``). A job's duration and charge are its

@@ -27,6 +27,7 @@ from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import ConfigurationError
 from twinkle.sampler.vllm_sampler import vLLMSampler
 from twinkle.server.config import SamplerSettings, ServerConfig, gpu_indices
+from twinkle.server.execution import slicing
 from twinkle.server.execution.checks import (
     JsonObject,
     RequestChecks,
@@ -52,6 +53,7 @@ class VllmSampling:
         args.update(settings.engine_args)
         with visible_gpus(settings.device):
             self.sampler = vLLMSampler(model_id, engine_args=args)
+        self.sampler.turns = slicing.TURNS  # a sampling job in slices gives the engine up between steps
         self.vocab_size, self.context = self.sampler.vocab_size, self.sampler.context
         self._saved = SavedAdapters(
             'saved-',
