@@ -6,12 +6,13 @@ there too."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from peft import LoraConfig
-from server_helpers import background_server
+from server_helpers import Gate, background_server
 from tinker import types
 
 from twinkle.data_format import SamplingParams
@@ -99,3 +100,31 @@ def test_tinker_sampler_weights_sample_on_the_sampler_group(served, sdk_clients)
     sampled_meanwhile.set()
     assert held.wait(120) and held.result is True
     assert len(reply.sequences[0].tokens) == 3
+
+
+def test_sampling_requests_waiting_together_run_as_one_pass_each_as_alone(served, sdk_clients):
+    url, keys, background = served
+    group = background.app.state.service.default
+    clients = {name: sdk_clients(url, keys[name]).create_sampling_client(base_model='tiny-qwen3').result()
+               for name in ('alice', 'bob')}  # fmt: skip
+    requests = [('alice', [11, 42, 7], 8, 1, 1.0), ('alice', [5, 6, 7, 8], 6, 2, 0.7), ('alice', [3], 5, 3, 0.0),
+                ('bob', [11, 42, 7], 8, 4, 1.0), ('bob', [1, 2], 7, 5, 1.2)]  # fmt: skip
+
+    def send(tenant: str, prompt: list[int], max_tokens: int, seed: int, temperature: float) -> Any:
+        params = types.SamplingParams(max_tokens=max_tokens, seed=seed, temperature=temperature)
+        return clients[tenant].sample(types.ModelInput.from_ints(prompt), 1, params)
+
+    alone = [send(*request).result() for request in requests]
+    scheduler = group.sampler.scheduler
+    gate = Gate(scheduler)
+    futures = [send(*request) for request in requests]
+    deadline = time.monotonic() + 60
+    while scheduler.queued() < len(requests) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    passes = scheduler.stats()['passes']
+    gate.open()
+    for future, want in zip(futures, alone, strict=True):
+        got = future.result()
+        assert got.sequences[0].tokens == want.sequences[0].tokens
+        assert got.sequences[0].logprobs == pytest.approx(want.sequences[0].logprobs, abs=1e-4)
+    assert scheduler.stats()['passes'] - passes == 1  # after the gate's (running already), all five in one

@@ -26,21 +26,23 @@ import inspect
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated, cast
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import JsonValue
 
+from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, DataError, NotFoundError, UnknownNameError
 from twinkle.server.api.binary import BinaryRoute, answer
 from twinkle.server.api.deps import QueueWait, Who, is_admin, tenant_of
 from twinkle.server.api.errors import error_responses
 from twinkle.server.api.idempotency import IdempotencyKey, check_same, known_future, request_key
 from twinkle.server.api.links import signed_links, weight_files
-from twinkle.server.execution.model_group import bare
+from twinkle.server.execution.model_group import SampleCall, bare, sampling_tokens
 from twinkle.server.execution.model_host import request_tokens
-from twinkle.server.execution.sampler_group import SYNC_NAME, version_of
+from twinkle.server.execution.sampler_group import SYNC_NAME, saved_weights, version_of
 from twinkle.server.execution.scheduler import Job, wait_job
 from twinkle.server.metering import Meter, usage_report
 from twinkle.server.service import Service
@@ -231,12 +233,16 @@ def _operation_endpoint(
                 sampler.weights_of(run)  # a 409 now if the run has none yet
             meter = Meter()
 
-            def sample() -> JsonValue:
-                responses = sampler.sample_run(run, kwargs)
+            def sampled(responses: list[dict[str, JsonValue]]) -> JsonValue:
                 meter.sampled_json(responses)
                 return cast(JsonValue, responses)
 
-            queued = service.queue(who, group, run_id, name, sample, meter=meter, wait_s=queue, request_key=once)
+            params = cast('dict[str, JsonValue] | None', kwargs.get('sampling_params'))
+            tokens = sampling_tokens(
+                cast('list[dict[str, JsonValue]]', kwargs['inputs']), SamplingParams.from_dict(params)
+            )
+            sample, batch = group.sampling_job(partial(sampler.sample_call, run, kwargs), sampled, tokens)
+            queued = service.queue(who, group, run_id, name, sample, batch, meter=meter, wait_s=queue, request_key=once)
             return await _accepted(service, who, queued, wait, request, once)
 
         meter = Meter(training_tokens=request_tokens(kwargs['inputs']) if name in TRAINING_OPERATIONS else 0)
@@ -422,13 +428,17 @@ def _sample_route(router: APIRouter, service: Service) -> None:
 
         meter = Meter()
 
-        def run() -> object:
+        def call() -> SampleCall:
             folder = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
-            responses = group.sample_weights(inputs, body.sampling_params, folder, path)
+            return 'sample_weights', (inputs, body.sampling_params, saved_weights(folder, path))
+
+        def sampled(responses: list[dict[str, JsonValue]]) -> object:
             meter.sampled_json(responses)
             return responses
 
-        queued = service.queue(who, group, None, 'sample', run, meter=meter, wait_s=queue, request_key=once)
+        tokens = sampling_tokens(inputs, SamplingParams.from_dict(body.sampling_params))
+        run, batch = group.sampling_job(call, sampled, tokens)
+        queued = service.queue(who, group, None, 'sample', run, batch, meter=meter, wait_s=queue, request_key=once)
         return await _accepted(service, who, queued, wait, request, once)
 
 

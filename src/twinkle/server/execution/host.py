@@ -162,7 +162,7 @@ class Host(SamplingHost, Protocol):
 Forwarded = Literal[
     'add_adapter', 'remove_adapter', 'save', 'load', 'restore_state', 'run', 'run_mixed',
     'run_steps', 'tinker_forward_backward', 'tinker_optim_step', 'sample_chat', 'sample_ids', 'sample_weights',
-    'forget_sampler_weights', 'take_step_logs', 'release_free_memory', 'footprint', 'ping',
+    'sample_many', 'forget_sampler_weights', 'take_step_logs', 'release_free_memory', 'footprint', 'ping',
 ]  # fmt: skip
 FORWARDED: frozenset[str] = frozenset(Forwarded.__args__)  # type: ignore[attr-defined]  # Literal's members
 
@@ -217,6 +217,10 @@ class ForwardingHost(RequestChecks):
         self, inputs: list[JsonObject], sampling_params: JsonObject | None, weights: SavedWeights | None = None
     ) -> list[JsonObject]:
         return cast('list[JsonObject]', self.forward('sample_weights', inputs, sampling_params, weights))
+
+    def sample_many(self, calls: list[tuple[str, tuple[object, ...]]]) -> list[object]:
+        """``ModelHost.sample_many``: a pass of sampling calls, decoded as one batch where the model is."""
+        return cast('list[object]', self.forward('sample_many', calls))
 
     def sample_ids(
         self, prompt: list[int], params: SamplingParams, weights: SavedWeights | None, images: Images = ()

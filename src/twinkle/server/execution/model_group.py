@@ -31,6 +31,7 @@ from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.host import Host, Json, JsonObject, Outcome, SamplingHost
 from twinkle.server.execution.images import Images, RowImages
 from twinkle.server.execution.model_host import ModelHost, is_mixable, request_tokens
+from twinkle.server.execution.multi_rank import MultiRankHost
 from twinkle.server.execution.run_files import KIND_FOLDERS, RELEASE_STATE, run_dir
 from twinkle.server.execution.sampler_group import SamplerGroup, saved_weights
 from twinkle.server.execution.scheduler import Batchable, Job, JobCallback, Scheduler
@@ -49,6 +50,8 @@ STEP_OPERATIONS = frozenset({'clip_grad_and_step', 'step', 'optim_step'})
 #: Operations of every API that sample (native and Tinker ``sample``, OpenAI's chats and completions):
 #: they run in slices (``ModelGroup.sliced``).
 SAMPLING_OPERATIONS = frozenset({'sample', 'chat_completion', 'completion'})
+#: A sampling request as the sampling host's method to call (``sample_weights``, ``sample_ids``) and its arguments.
+SampleCall = tuple[str, tuple[object, ...]]
 
 
 def weighted(config: ServerConfig) -> bool:
@@ -479,6 +482,35 @@ class ModelGroup:
         weights, on the sampler if the model has one (worker thread)."""
         return self.sampling_host.sample_ids(prompt, params, saved_weights(directory, shown_as), images)
 
+    def sampling_job(
+        self, call: Callable[[], SampleCall], finish: Callable[[R], object], tokens: int
+    ) -> tuple[Callable[[], object], Batchable | None]:
+        """A sampling request's job, and how it joins a pass: ``call()`` (on the worker thread) names
+        the sampling host's method, ``sample_weights`` or ``sample_ids``, and its arguments; ``finish``
+        makes the job's result of what it returns. On a sampler group in worker processes the waiting
+        requests, of one tenant and of several, run as one pass of at most ``max_tokens_per_pass``
+        ``tokens`` (each request's prompt and sampled tokens), decoded as one batch there
+        (``sampling_pass.py``); elsewhere the sampler in this process batches them itself (None)."""
+
+        def fn() -> object:
+            name, args = call()
+            return finish(cast(R, getattr(self.sampling_host, name)(*args)))
+
+        if self.sampler is None or not isinstance(self.sampler.host, MultiRankHost):
+            return fn, None
+        host = self.sampler.host
+
+        def run_many(payloads: list[tuple[Callable[[], SampleCall], Callable[[R], object]]]) -> list[object]:
+            made = [_outcome(call) for call, _ in payloads]
+            sampled = iter(host.sample_many([m for m in made if not isinstance(m, Exception)]))
+            results: list[object] = []
+            for (_, done), m in zip(payloads, made, strict=True):
+                outcome = m if isinstance(m, Exception) else next(sampled)
+                results.append(outcome if isinstance(outcome, Exception) else _outcome(partial(done, cast(R, outcome))))
+            return results
+
+        return fn, Batchable(('sample',), tokens, (call, finish), run_many, commutes=True)
+
     def sample_chat(self, request: ChatRequest) -> ChatReply:
         """An OpenAI-style completion of the base model or saved weights (worker thread)."""
         return self.host.sample_chat(request)
@@ -527,4 +559,19 @@ class ModelGroup:
         return max(1.0, started + mean - time.time())
 
 
-__all__ = ['HOUSEKEEPING', 'ModelGroup', 'bare']
+def sampling_tokens(prompts: list[JsonObject], params: SamplingParams) -> int:
+    """A sampling request's tokens for a pass's budget: its prompts' token ids (a ``messages``
+    prompt, not encoded yet, counts none) and the tokens it may sample."""
+    prompt_tokens = sum(len(cast(list[int], prompt.get('input_ids') or ())) for prompt in prompts)
+    return prompt_tokens + len(prompts) * params.num_samples * params.max_tokens
+
+
+def _outcome(call: Callable[[], R]) -> R | Exception:
+    """``call()``, or the error it raised (a pass's request fails alone)."""
+    try:
+        return call()
+    except Exception as error:
+        return error
+
+
+__all__ = ['HOUSEKEEPING', 'ModelGroup', 'SampleCall', 'bare', 'sampling_tokens']

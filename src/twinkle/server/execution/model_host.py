@@ -15,6 +15,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import TypedDict, cast
 
@@ -51,6 +52,7 @@ from twinkle.server.execution.checks import (
 )
 from twinkle.server.execution.host import AdapterRequest, Footprint, Json, JsonObject, Outcome
 from twinkle.server.execution.images import ImageRows, Images
+from twinkle.server.execution.sampling_pass import SamplingPass
 from twinkle.server.execution.tinker_codec import ForwardBackwardCall
 from twinkle.server.execution.vllm_sampling import VllmSampling, samples_on_vllm
 from twinkle.template import TEMPLATES
@@ -107,6 +109,8 @@ class ModelHost(RequestChecks):
         )
         #: Saved weights' adapters unloaded while a paused generation samples them: removed once it ends.
         self._unload_later: set[str] = set()
+        #: The sampling pass running now (``sample_many``), whose calls sample together.
+        self._pass: SamplingPass | None = None
         #: With ``sampler: vllm``: the vLLM engine beside the model (on rank 0 of a group).
         self.vllm: VllmSampling | None = None
         if config.sampler is not None and samples_on_vllm(config) and self.hosts_sampler_engine():
@@ -433,13 +437,38 @@ class ModelHost(RequestChecks):
         if self.vllm is not None:
             return self.vllm.generate(prompts, params, adapter, weight_version)
         sampler = self.sampler()
-        sampler.weight_version = weight_version
+        if self._pass is None:
+            try:
+                return versioned(sampler.sample(prompts, params, adapter_name=adapter), weight_version)
+            finally:
+                self._unload_idle()
+        with self._pass.sampling():  # with the other calls of the pass, in one batch
+            return versioned(sampler.sample(prompts, params, adapter_name=adapter), weight_version)
+
+    def sample_many(self, calls: list[tuple[str, tuple[object, ...]]]) -> list[object]:
+        """Several sampling calls at once (``sample_weights`` or ``sample_ids``, by name, with their
+        arguments: a sampler group's pass), their rows decoded in one batch (``SamplingPass``); each
+        call's result, or its error, in order."""
+        methods: dict[str, Callable[..., object]] = {
+            'sample_weights': self.sample_weights,
+            'sample_ids': self.sample_ids,
+        }
+        if len(calls) == 1 or self.model.uses_fsdp:  # FSDP ranks sample in step, one call after another
+            return [_outcome(partial(methods[name], *args)) for name, args in calls]
+        self._pass = SamplingPass(len(calls))
         try:
-            return sampler.sample(prompts, params, adapter_name=adapter)
+            return self._pass.run([partial(methods[name], *args) for name, args in calls])
         finally:
-            for idle in [name for name in self._unload_later if name not in sampler.busy]:
-                self._unload_later.discard(idle)
-                self.remove_adapter(idle)
+            self._pass = None
+            self._unload_idle()
+
+    def _unload_idle(self) -> None:
+        """The saved weights' adapters unloaded while generations sampled them, of those none samples now."""
+        if self._sampler is None:
+            return
+        for idle in [name for name in self._unload_later if name not in self._sampler.busy]:
+            self._unload_later.discard(idle)
+            self.remove_adapter(idle)
 
     def sampler_adapter(self, directory: Path, shown_as: str | None = None) -> str:
         """The adapter holding the saved weights in ``directory`` (a ``save`` of any adapter),
@@ -594,3 +623,20 @@ def _check_scalars(operation: str, kwargs: Mapping[str, Json]) -> None:
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, float) and not math.isfinite(item):
                 raise DataError(f'{operation} argument {key!r} is {item}; it must be a finite number')
+
+
+def versioned(responses: list[SampleResponse], weight_version: int) -> list[SampleResponse]:
+    """``responses`` with every sequence marked as sampled from weights of ``weight_version`` (set
+    per call: calls of one pass sample one sampler at once)."""
+    for response in responses:
+        for sequence in response.sequences:
+            sequence.weight_version = weight_version
+    return responses
+
+
+def _outcome(call: Callable[[], object]) -> object:
+    """``call()``, or the error it raised (a pass's call fails alone)."""
+    try:
+        return call()
+    except Exception as error:
+        return error

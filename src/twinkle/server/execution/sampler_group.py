@@ -92,13 +92,13 @@ class SamplerGroup:
             )
         return Path(saved[-1].path)
 
-    def sample_run(self, run: Run, kwargs: JsonObject) -> list[JsonObject]:
-        """A run's ``sample`` request on the sampler: its last synced weights (``base_model``: the
-        base model), each sequence marked with their version."""
+    def sample_call(self, run: Run, kwargs: JsonObject) -> tuple[str, tuple[object, ...]]:
+        """A run's ``sample`` request on the sampler, as the host's method and its arguments: its
+        last synced weights (``base_model``: the base model), each sequence marked with their version."""
         weights = None
         if not kwargs.get('base_model', False):  # a load error names the run's weights, not their folder
             weights = saved_weights(self.weights_of(run), f'the sampler weights of training run {run.id!r}')
-        return self.host.sample_weights(kwargs['inputs'], kwargs.get('sampling_params'), weights)
+        return 'sample_weights', (kwargs['inputs'], kwargs.get('sampling_params'), weights)
 
     def start(self) -> None:
         self.scheduler.start()

@@ -16,7 +16,9 @@ Mixing: a job may say it can share a pass (:class:`Batchable`). When the device 
 the worker takes the job at the head of the rotation and, if it can share, the first waiting job
 of each following tenant with the same ``key``, while the pass stays within ``max_tokens_per_pass``;
 they run as one pass (each tenant's rows through its own adapter). Only the first waiting job of
-a tenant is ever taken, so a tenant's order, and its optimizer steps between passes, hold.
+a tenant is ever taken, so a tenant's order, and its optimizer steps between passes, hold; but jobs
+whose ``Batchable.commutes`` (sampling on a sampler group: none changes what another computes) join
+with the run of such jobs at the head of their tenant's queue, so one tenant's many requests share a pass.
 
 Waiting for companions: tenants training in step with each other send their next requests
 within a few milliseconds of one another, so the first to arrive would start alone on the idle
@@ -89,6 +91,10 @@ class Batchable:
     # in place of a result fails that job alone. ``run_many`` may raise only before it changes
     # any state (the jobs are then run one by one with their own ``fn``).
     run_many: Callable[[list[Any]], list[Any]] = field(repr=False)
+    # Whether jobs of this key commute with one another (sampling on a sampler group: none changes
+    # what the others compute): then a tenant's waiting run of them joins the pass too, not only
+    # its first job, so one tenant's many requests share a pass.
+    commutes: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -507,7 +513,9 @@ class Scheduler:
             self._credit[lead] -= 1
         jobs = [self._queues[lead].popleft()]
         if jobs[0].batch is not None:
-            jobs += self._companions(jobs[0].batch)
+            tokens = [jobs[0].batch.tokens]
+            jobs += self._commuting(self._queues[lead], jobs[0].batch, tokens)
+            jobs += self._companions(jobs[0].batch, tokens)
             members = self._members.setdefault(jobs[0].batch.key, deque(maxlen=2))
             members.append(frozenset(job.tenant for job in jobs))
         self._passes += 1
@@ -520,19 +528,33 @@ class Scheduler:
         logger.debug(f'pass {self._passes}: {len(jobs)} {jobs[0].operation} job(s); {len(self._ring)} tenant(s) wait')
         return jobs
 
-    def _companions(self, lead: Batchable) -> list[Job]:
+    def _companions(self, lead: Batchable, tokens: list[int]) -> list[Job]:
         """The first waiting job of each following tenant in the rotation that can share the
-        lead's pass, while the pass's tokens fit ``max_tokens_per_pass``; their tenants leave the ring."""
-        taken, tokens = [], lead.tokens
+        lead's pass (with ``commutes``, the run of such jobs at the head of its queue), while the
+        pass's tokens (``tokens[0]``, counted on) fit ``max_tokens_per_pass``; their tenants leave the ring."""
+        taken = []
         for tenant in list(self._ring):
-            head = self._queues[tenant][0]
+            queue = self._queues[tenant]
+            head = queue[0]
             if head.batch is None or head.batch.key != lead.key:
                 continue
-            if tokens + head.batch.tokens > self.max_tokens_per_pass:
+            if tokens[0] + head.batch.tokens > self.max_tokens_per_pass:
                 continue
-            tokens += head.batch.tokens
-            taken.append(self._queues[tenant].popleft())
+            tokens[0] += head.batch.tokens
+            taken.append(queue.popleft())
+            taken += self._commuting(queue, lead, tokens)
             self._ring.remove(tenant)
+        return taken
+
+    def _commuting(self, queue: deque[Job], lead: Batchable, tokens: list[int]) -> list[Job]:
+        """With ``lead.commutes``: the jobs of ``lead``'s key at the head of a tenant's ``queue``,
+        while the pass's tokens fit (``tokens[0]``, counted on)."""
+        taken: list[Job] = []
+        while lead.commutes and queue and (batch := queue[0].batch) is not None and batch.key == lead.key:
+            if tokens[0] + batch.tokens > self.max_tokens_per_pass:
+                break
+            tokens[0] += batch.tokens
+            taken.append(queue.popleft())
         return taken
 
     def _run(self, job: Job) -> None:
@@ -603,7 +625,8 @@ class Scheduler:
                     self._failed += job.status == 'failed'
                     self._forget_old(job.id)
                 if self._queues.get(job.tenant):
-                    self._ring.append(job.tenant)
+                    if job.tenant not in self._ring:  # a pass of commuting jobs holds several of a tenant
+                        self._ring.append(job.tenant)
                 else:
                     self._queues.pop(job.tenant, None)
                     self._credit.pop(job.tenant, None)  # a new round starts afresh

@@ -29,7 +29,8 @@ from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, proto_result, router
 from twinkle.server.execution import tinker_codec as codec
 from twinkle.server.execution.images import IMAGE_SLOT, Images, ImageSlot, RowImages
-from twinkle.server.execution.model_group import ModelGroup, bare
+from twinkle.server.execution.model_group import ModelGroup, SampleCall, bare
+from twinkle.server.execution.sampler_group import saved_weights
 from twinkle.server.metering import Meter
 from twinkle.server.store import Store, Tenant
 
@@ -81,9 +82,11 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
         sequence_ids = [f'seq-{secrets.token_hex(8)}:{i}' for i in range(params.num_samples)]
         meter = Meter(session_id=session_id)
 
-        def sample() -> dict[str, str]:
+        def call() -> SampleCall:
             directory = service.folder_now(who, checkpoint, path) if checkpoint is not None and path else None
-            response = group.sample_ids(prompt, params, directory, path, images)
+            return 'sample_ids', (prompt, params, saved_weights(directory, path), images)
+
+        def sampled(response: SampleResponse) -> dict[str, str]:
             meter.sampled([len(prompt)], [len(sequence.tokens) for sequence in response.sequences])
             if body.record_stability_info and session_id is not None:
                 _record(service.store, who, session_id, prompt, sequence_ids, response)
@@ -95,7 +98,9 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
                 )
             )
 
-        request_id = await api.accept(who, group, None, None, 'sample', sample, meter=meter)
+        tokens = len(prompt) + params.num_samples * params.max_tokens
+        sample, batch = group.sampling_job(call, sampled, tokens)
+        request_id = await api.accept(who, group, None, None, 'sample', sample, batch, meter=meter)
         return {'request_id': request_id, 'sample_sequence_ids': list(sequence_ids)}
 
 
