@@ -17,14 +17,17 @@ figure: the tokens sampled and the largest batch the sampler decoded (from its `
 same prompts as one ``TorchSampler.sample`` call of 1, 8 and 32 rows in this process, no server
 (``sampler_alone``), say what the batch itself costs; the rest is the server's per-request path.
 
-vLLM (``sampler: vllm``) batches in its own engine: a vLLM server samples each request whole on the
-worker, so this benchmark does not apply to it until requests reach that engine concurrently (the
-vLLM suite, ``make test-vllm``; docs/benchmarks.md).
+``--sampler vllm``: the server samples through a vLLM engine beside the model (``sampler: vllm``),
+every request in flight added to one generation of vLLM's own engine (``twinkle.sampler.vllm_batching``;
+the largest batch is the most requests one engine step held), and ``sampler_alone`` is one
+``vLLMSampler.sample`` call of as many rows; run it with vLLM installed (``make setup-vllm``).
 
 Usage::
 
     .venv/bin/python benchmarks/sampling_concurrency.py    # tiny-qwen3 on the CPU; results/sampling_concurrency.json
     .venv/bin/python benchmarks/sampling_concurrency.py --model small-qwen3 --output /tmp/concurrency.json
+    .venv-vllm/bin/python benchmarks/sampling_concurrency.py --sampler vllm \
+        --output benchmarks/results/sampling_concurrency_vllm.json
 """
 
 from __future__ import annotations
@@ -50,12 +53,15 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.store import Store
 
 TENANTS = ('alice', 'bob', 'carol', 'dave')
+#: The vLLM engine's arguments with ``--sampler vllm`` (the server's and the sampler alone's).
+VLLM_ENGINE = {'dtype': 'float32', 'max_model_len': 1024}
 
 
 @dataclass
 class Settings:
     model: str = 'tiny-qwen3'
     device: str = 'cpu'
+    sampler: str = 'torch'  # or 'vllm': a vLLM engine beside the model
     max_tokens: int = 64
     prompt_len: int = 32
     concurrency: str = '1,8,32'
@@ -70,9 +76,10 @@ class Server:
 
     def __init__(self, settings: Settings, data_dir: Path):
         self.model_dir = assets.tiny_model(settings.model)
+        vllm = {'sampler': {'backend': 'vllm', 'group': False, 'engine_args': VLLM_ENGINE}}
         config = ServerConfig.build(
             base_model=self.model_dir, port=0, data_dir=str(data_dir), device=settings.device,
-            save_state_every_steps=None,
+            save_state_every_steps=None, **(vllm if settings.sampler == 'vllm' else {}),
         )  # fmt: skip
         with Store(config.store_location) as store:
             self.keys = {name: store.tenants.add(name)[1] for name in TENANTS}
@@ -91,9 +98,21 @@ class Server:
             service.close('success').result(timeout=30)
         self.server.stop()
 
-    @property
-    def batch(self) -> Any:  # Any: the sampler's ContinuousBatch, read for its step sizes
-        return self.server.app.state.service.default.host.sampler().batch
+    def _host(self) -> Any:  # Any: the server's ModelHost
+        return self.server.app.state.service.default.host
+
+    def reset_largest(self) -> None:
+        if self.settings.sampler == 'vllm':
+            self._host().vllm.sampler.calls.widest = 0
+        else:
+            self._host().sampler().batch.step_sizes.clear()
+
+    def largest(self) -> int:
+        """The most rows one step decoded since ``reset_largest``: of the torch sampler's batch, or
+        the requests one step of the vLLM engine held."""
+        if self.settings.sampler == 'vllm':
+            return int(self._host().vllm.sampler.calls.widest)
+        return max(self._host().sampler().batch.step_sizes, default=0)
 
     def round(self, count: int, tenants: int, first_seed: int) -> tuple[float, int, int]:
         """``count`` requests at once, dealt to ``tenants`` tenants: (seconds until the last answer,
@@ -101,7 +120,7 @@ class Server:
         gen = torch.Generator().manual_seed(first_seed)
         length = self.settings.prompt_len
         prompts = [torch.randint(0, self.vocab, (length,), generator=gen).tolist() for _ in range(count)]
-        self.batch.step_sizes.clear()
+        self.reset_largest()
         began = time.perf_counter()
         futures = []
         for i, prompt in enumerate(prompts):
@@ -110,7 +129,7 @@ class Server:
         responses = [future.result() for future in futures]
         seconds = time.perf_counter() - began
         tokens = sum(len(seq.tokens) for response in responses for seq in response.sequences)
-        return seconds, tokens, max(self.batch.step_sizes, default=0)
+        return seconds, tokens, self.largest()
 
 
 def measure(server: Server, settings: Settings, count: int, tenants: int) -> dict[str, Any]:
@@ -128,8 +147,15 @@ def measure(server: Server, settings: Settings, count: int, tenants: int) -> dic
 def sampler_alone(settings: Settings, counts: list[int]) -> dict[int, float]:
     """Seconds of one ``TorchSampler.sample`` call of ``count`` rows (the median of ``repeats``), on a
     sampler of its own in this process: what the batch costs without the server."""
-    sampler = TorchSampler(assets.tiny_model(settings.model), device=settings.device)
-    vocab = sampler.model.config.vocab_size
+    model_dir = assets.tiny_model(settings.model)
+    sampler: Any  # a TorchSampler or a vLLMSampler
+    if settings.sampler == 'vllm':
+        from twinkle.sampler import vLLMSampler
+
+        sampler = vLLMSampler(model_dir, engine_args=VLLM_ENGINE)
+    else:
+        sampler = TorchSampler(model_dir, device=settings.device)
+    vocab = json.loads((Path(model_dir) / 'config.json').read_text())['vocab_size']
     gen = torch.Generator().manual_seed(settings.seed)
     prompts = [{'input_ids': torch.randint(0, vocab, (settings.prompt_len,), generator=gen).tolist()}
                for _ in range(max(counts))]  # fmt: skip
@@ -143,6 +169,8 @@ def sampler_alone(settings: Settings, counts: list[int]) -> dict[int, float]:
             sampler.sample(prompts[:count], params)
             times.append(time.perf_counter() - began)
         seconds[count] = statistics.median(times)
+    if settings.sampler == 'vllm':
+        sampler.close()  # its engine's memory and processes, before the server's starts
     return seconds
 
 
@@ -170,7 +198,8 @@ def main() -> None:
     output = Path(output_path)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + '\n')
-    print(f'{settings.model} on {settings.device}: requests of {settings.max_tokens} tokens; one alone {one:.2f} s')
+    head = f'{settings.model} on {settings.device} ({settings.sampler} sampler)'
+    print(f'{head}: requests of {settings.max_tokens} tokens; one alone {one:.2f} s')
     for run in runs:
         print(
             f'  {run["concurrency"]:3d} at once from {run["tenants"]} tenant(s): {run["wall_s"]:.2f} s '

@@ -44,8 +44,8 @@ class Limits(BaseModel):
     #: Seconds of worker time one sampling request may take: the decode steps of the batch its rows are
     #: in (every sampling request in flight shares one, ``slicing.py``), over all its slices; a reply
     #: still sampling then ends as at its max_tokens (finish reason 'length'). None: no bound.
-    #: Held only where requests are sliced (the model's own worker, in the server's process, with the
-    #: torch sampler): a sampler group, vLLM, worker processes or a Ray actor sample a request whole.
+    #: Held only on the torch sampler of the model's own worker, in the server's process; elsewhere
+    #: (vLLM, a sampler group, worker processes, a Ray actor) a request is bounded by its tokens only.
     max_sampling_s: float | None = Field(600.0, gt=0)
     #: Optimizer states kept on the accelerator; the least recently stepped others wait in CPU
     #: memory (a GPU server) until their adapter steps again. None: no limit.
@@ -380,7 +380,9 @@ class ServerConfig(BaseModel):
     #: another tenant's training step waits for a slice, not for the whole reply (``slicing.py``; None:
     #: a request gives way only to sampling requests that join its batch). Slices run on the model's own
     #: worker, in this process, with the torch sampler, where the sampling requests in flight decode as one
-    #: batch; a sampler group, vLLM, worker processes (ranks > 1) or a Ray actor sample a request whole.
+    #: batch, and on a vLLM engine this process drives (its slices step the engine for every request in it);
+    #: a sampler group on the torch sampler runs the waiting requests as one pass; worker processes
+    #: (ranks > 1) or a Ray actor sample a request whole.
     sampling_slice_ms: float | None = Field(50.0, gt=0)
     #: When the model has had no request for this long, freed heap memory goes back to the
     #: operating system (glibc ``malloc_trim``), so a server's resident set follows what it holds
