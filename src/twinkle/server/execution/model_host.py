@@ -39,6 +39,7 @@ from twinkle.server.config import ServerConfig
 from twinkle.server.execution import chat, slicing, tinker_compute
 from twinkle.server.execution.chat import ChatReply, ChatRequest
 from twinkle.server.execution.checks import (
+    MAX_SAMPLER_ADAPTERS,
     MEGATRON_PROJECTIONS,
     RequestChecks,
     SavedAdapters,
@@ -455,12 +456,15 @@ class ModelHost(RequestChecks):
         }
         if len(calls) == 1 or self.model.uses_fsdp:  # FSDP ranks sample in step, one call after another
             return [_outcome(partial(methods[name], *args)) for name, args in calls]
-        self._pass = SamplingPass(len(calls))
-        try:
-            return self._pass.run([partial(methods[name], *args) for name, args in calls])
-        finally:
-            self._pass = None
-            self._unload_idle()
+        results: list[object] = []
+        for chunk in adapter_chunks(calls):  # no call's adapter is evicted by another's of its pass
+            self._pass = SamplingPass(len(chunk))
+            try:
+                results += self._pass.run([partial(methods[name], *args) for name, args in chunk])
+            finally:
+                self._pass = None
+                self._unload_idle()
+        return results
 
     def _unload_idle(self) -> None:
         """The saved weights' adapters unloaded while generations sampled them, of those none samples now."""
@@ -623,6 +627,26 @@ def _check_scalars(operation: str, kwargs: Mapping[str, Json]) -> None:
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, float) and not math.isfinite(item):
                 raise DataError(f'{operation} argument {key!r} is {item}; it must be a finite number')
+
+
+def adapter_chunks(calls: list[tuple[str, tuple[object, ...]]]) -> list[list[tuple[str, tuple[object, ...]]]]:
+    """``calls`` in order, cut where a pass would sample more saved weights than the
+    ``MAX_SAMPLER_ADAPTERS`` that stay loaded (a call's ``SavedWeights`` argument names them).
+
+    >>> calls = [('sample_ids', (SavedWeights(Path(str(i % 6))),)) for i in range(8)]
+    >>> [len(chunk) for chunk in adapter_chunks(calls)]
+    [4, 4]
+    """
+    chunks: list[list[tuple[str, tuple[object, ...]]]] = [[]]
+    seen: set[Path] = set()
+    for call in calls:
+        weights = {arg.directory for arg in call[1] if isinstance(arg, SavedWeights)}
+        if len(seen | weights) > MAX_SAMPLER_ADAPTERS and chunks[-1]:
+            chunks.append([])
+            seen = set()
+        seen |= weights
+        chunks[-1].append(call)
+    return chunks
 
 
 def versioned(responses: list[SampleResponse], weight_version: int) -> list[SampleResponse]:
