@@ -7,7 +7,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from twinkle.data_format import (
     InputFeature,
@@ -62,6 +62,24 @@ class Completion:
     text_end: int | None = None  # where a matched stop string starts in the decoded text
     # [prompt + completion tokens][MoE layers][top_k] experts, with ``return_routed_experts``.
     routed_experts: list[list[list[int]]] | None = None
+
+
+class Turns(Protocol):
+    """Where a generation in progress lets other work use the device, between two decode steps
+    (``twinkle.server.execution.slicing.TURNS``: the server's sampling slices)."""
+
+    def due(self) -> bool:
+        """Whether the generation has had its turn: it should give way now."""
+        ...
+
+    def give_way(self) -> None:
+        """Let the other work run; return once it is the generation's turn again."""
+        ...
+
+    def time_limit_s(self) -> float | None:
+        """Seconds of batch steps a generation asked for now may take part in: past them its rows end
+        as at ``max_tokens`` (None: no bound; ``vLLMSampler`` does not ask)."""
+        ...
 
 
 class Sampler(ABC):

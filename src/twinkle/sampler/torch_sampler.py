@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from peft import PeftConfig
@@ -29,29 +29,20 @@ from twinkle.hub import resolve_model
 from twinkle.model import multi_lora
 from twinkle.model.loading import load_causal_lm, resolve_device
 from twinkle.model.lora_adapter import RowAssignment
-from twinkle.sampler.base import SAMPLERS, AdapterChoice, Completion, Prompt, PromptLogprobs, Sampler, row_seed
+from twinkle.sampler.base import (
+    SAMPLERS,
+    AdapterChoice,
+    Completion,
+    Prompt,
+    PromptLogprobs,
+    Sampler,
+    Turns,
+    row_seed,
+)
 from twinkle.sampler.batching import ContinuousBatch, Request
 from twinkle.sampler.images import check_takes_images, placeholder_ids, takes_images
 from twinkle.template import Template, VisionTemplate
 from twinkle.utils.weights import canonical_name, vocab_size
-
-
-class Turns(Protocol):
-    """Where a generation in progress lets other work use the device, between two decode steps
-    (``twinkle.server.execution.slicing.TURNS``: the server's sampling slices)."""
-
-    def due(self) -> bool:
-        """Whether the generation has had its turn: it should give way now."""
-        ...
-
-    def give_way(self) -> None:
-        """Let the other work run; return once it is the generation's turn again."""
-        ...
-
-    def time_limit_s(self) -> float | None:
-        """Seconds of batch steps a generation asked for now may take part in: past them its rows end
-        as at ``max_tokens`` (None: no bound)."""
-        ...
 
 
 @SAMPLERS.register

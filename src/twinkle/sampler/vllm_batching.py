@@ -24,15 +24,9 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-
-class Turns(Protocol):
-    """Where a call lets other work run between two engine steps (``TorchSampler``'s ``Turns``)."""
-
-    def due(self) -> bool: ...
-
-    def give_way(self) -> None: ...
+from twinkle.sampler.base import Turns
 
 
 @dataclass(eq=False)

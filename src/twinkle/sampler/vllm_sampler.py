@@ -66,8 +66,8 @@ from safetensors.torch import save_file
 from twinkle.data_format import SamplingParams, TokenLogprob
 from twinkle.errors import ConfigurationError, DataError, MissingExtraError, SequenceTooLongError, UnknownNameError
 from twinkle.hub import resolve_model
-from twinkle.sampler.base import SAMPLERS, AdapterChoice, Completion, Prompt, PromptLogprobs, Sampler, row_seed
-from twinkle.sampler.vllm_batching import EngineCall, EngineCalls, Turns
+from twinkle.sampler.base import SAMPLERS, AdapterChoice, Completion, Prompt, PromptLogprobs, Sampler, Turns, row_seed
+from twinkle.sampler.vllm_batching import EngineCall, EngineCalls
 from twinkle.sampler.vllm_images import (
     DEFAULT_IMAGES_PER_PROMPT,
     check_image_counts,

@@ -29,7 +29,7 @@ from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, proto_result, router
 from twinkle.server.execution import tinker_codec as codec
 from twinkle.server.execution.images import IMAGE_SLOT, Images, ImageSlot, RowImages
-from twinkle.server.execution.model_group import ModelGroup, SampleCall, bare
+from twinkle.server.execution.model_group import ModelGroup, SampleCall, bare, sampling_tokens
 from twinkle.server.execution.sampler_group import saved_weights
 from twinkle.server.metering import Meter
 from twinkle.server.store import Store, Tenant
@@ -98,8 +98,7 @@ def _sample_route(routes: APIRouter, api: TinkerAPI) -> None:
                 )
             )
 
-        tokens = len(prompt) + params.num_samples * params.max_tokens
-        sample, batch = group.sampling_job(call, sampled, tokens)
+        sample, batch = group.sampling_job(call, sampled, sampling_tokens([{'input_ids': prompt}], params))
         request_id = await api.accept(who, group, None, None, 'sample', sample, batch, meter=meter)
         return {'request_id': request_id, 'sample_sequence_ids': list(sequence_ids)}
 
