@@ -46,8 +46,11 @@ from twinkle.server.store import Store
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
-#: Logprobs of the run on the server and of its local replay agree to this (float32, the same kernels).
-ABS_TOL = 1e-5
+#: Logprobs of the run on the server and of its local replay agree to this. Not to float32's rounding: AdamW's
+#: first steps move a weight whose gradient is near zero by about ``lr`` whatever its sign, so the kernels'
+#: summation order (another CPU, another batch layout) shows as 2e-4 after 3 steps (seen on CI). One step
+#: more or less moves them by 1.7 (tiny-qwen3, 2 against 3 steps), four orders of magnitude above this.
+ABS_TOL = 2e-3
 #: Rows every run is read on: its weights, as logprobs.
 PROBE = [
     {'input_ids': [11, 23, 5, 42, 17, 8, 9], 'labels': [-100, 23, 5, 42, 17, 8, 9]},

@@ -328,7 +328,9 @@ def test_a_graceful_stop_saves_every_run_whatever_its_last_request(tmp_path, tin
         pending.attach(run_ids['pending'])
         pending.clip_grad_and_step()  # the step its gradients waited for
         losses.append(pending.forward_backward(inputs=batch(5)).loss)
-    assert losses == pytest.approx(expected[3:5], abs=1e-6)
+    # AdamW at lr 5e-2 turns the kernels' summation order into 3e-5 by step 4 on some CPUs (seen on CI), where
+    # 'pending' losing its step 4 moves its step 5 loss by 8e-4 (8.87315 against 8.87397).
+    assert losses == pytest.approx(expected[3:5], abs=2e-4)
 
 
 # ---- the pool and its tenants -------------------------------------------------------------------
