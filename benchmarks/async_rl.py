@@ -262,7 +262,7 @@ def child_main(args: argparse.Namespace) -> None:
     import grpo_async
 
     if args.child == 'server_unsplit':
-        from twinkle.server.execution import sampler_group
+        from twinkle.server.execution.groups import sampler_group
 
         sampler_group.cpu_split = lambda *_: None  # type: ignore[assignment]  # every process on every core
     calls: dict[str, list[float]] = {}

@@ -1,4 +1,4 @@
-"""The chunked output layer (``twinkle.model.fused_output``) against the unfused one, on the CPU.
+"""The chunked output layer (``twinkle.model.output.fused``) against the unfused one, on the CPU.
 
 One forward and backward of the output projection and a cross-entropy loss over 800 tokens at
 Qwen3's vocabulary (H = 1024, V = 151,936, float32), the way a LoRA step sees it: the projection's
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from machine import describe
 
 from twinkle.data_format import IGNORE_INDEX
-from twinkle.model.fused_output import fused_token_logprobs
+from twinkle.model.output.fused import fused_token_logprobs
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 

@@ -53,7 +53,7 @@ from server_overhead import ServerProcess
 
 from twinkle import assets
 from twinkle.server.config import Limits
-from twinkle.server.execution.images import Header, ImageRows
+from twinkle.server.execution.checks.images import Header, ImageRows
 from twinkle_client import TwinkleClient
 from twinkle_client.client import PREFIX
 from twinkle_client.model import MultiLoraTransformersModel

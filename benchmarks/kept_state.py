@@ -38,7 +38,7 @@ from machine import describe, settings_from_args
 from peft import LoraConfig
 from server_overhead import ServerProcess
 
-from twinkle.model import checkpoint as ckpt
+from twinkle.model.checkpoint import files as ckpt
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 

@@ -34,7 +34,7 @@ from typing import Any
 from peft import LoraConfig
 from server_overhead import ServerProcess
 
-from twinkle.model.checkpoint import folder_size
+from twinkle.model.checkpoint.files import folder_size
 from twinkle.server.config import ServerConfig
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel

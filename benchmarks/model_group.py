@@ -1,4 +1,4 @@
-"""A model group of 1 and 2 ranks (``twinkle.server.execution.multi_rank``): memory, step time, dispatch.
+"""A model group of 1 and 2 ranks (``twinkle.server.execution.hosts.multi_rank``): memory, step time, dispatch.
 
 All in one run on small-qwen3, each group a ``MultiRankHost`` (worker processes joined over gloo,
 the server's side in this process), against an in-process ``ModelHost`` as the baseline:
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.model_host import ModelHost
-from twinkle.server.execution.multi_rank import MultiRankHost
+from twinkle.server.execution.hosts.model_host import ModelHost
+from twinkle.server.execution.hosts.multi_rank import MultiRankHost
 
 MIB = 2**20
 LAYOUTS = {'1 rank': (1, 1), '2 ranks, data parallel': (2, 1), '2 ranks, FSDP2': (2, 2)}

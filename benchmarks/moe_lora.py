@@ -43,7 +43,7 @@ import twinkle
 from twinkle import DeviceMesh, assets
 from twinkle.infra import distributed
 from twinkle.model import AdapterCall, StepCall, TransformersModel
-from twinkle.model.expert_lora import MultiLoraExperts
+from twinkle.model.lora.experts import MultiLoraExperts
 
 
 def rows(seed: int, count: int, length: int) -> list[dict]:

@@ -4,8 +4,8 @@ default Adam kernel against the fused one.
 A shared server steps many small adapters. ``clip_grad_and_step`` per adapter with torch's
 default AdamW kernel (``fused=False`` here, what ``torch.optim.AdamW(params)`` takes on the CPU)
 is the baseline. Beside it: the same one by one with the fused kernel (twinkle's default,
-``twinkle.model.optim.fused_by_default``), and ``clip_grad_and_step_many``, which steps the
-adapters together (``twinkle.model.multi_step``) with each kernel, with the numbers of one by one
+``twinkle.model.optim.registry.fused_by_default``), and ``clip_grad_and_step_many``, which steps the
+adapters together (``twinkle.model.optim.multi_step``) with each kernel, with the numbers of one by one
 bit for bit. Each round gives every adapter a gradient (one ``forward_backward``, not timed), then
 times the steps of each way in turn; the first round makes the optimizers' state and is not counted.
 

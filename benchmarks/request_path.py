@@ -128,7 +128,7 @@ def serve_marked(cli_args: list[str]) -> None:
     from uvicorn.protocols.http import h11_impl
 
     from twinkle.server.api import request_limits
-    from twinkle.server.execution import scheduler
+    from twinkle.server.execution.scheduling import scheduler
     from twinkle.server.service import Service
     from twinkle.server.store import runs, tenants
 

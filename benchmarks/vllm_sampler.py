@@ -48,7 +48,8 @@ from sampler_throughput import encode_prompts  # the same GSM8K prompts (this fo
 from twinkle import assets
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
-from twinkle.model import TransformersModel, multi_lora
+from twinkle.model import TransformersModel
+from twinkle.model.lora import multi as multi_lora
 from twinkle.sampler import TorchSampler, vLLMSampler
 
 

@@ -62,7 +62,8 @@ from transformers import AutoModelForImageTextToText
 from twinkle import assets
 from twinkle.assets.vlm import VLM_RECIPES, VisionRecipe, write_vlm
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
-from twinkle.model import TransformersModel, multi_lora
+from twinkle.model import TransformersModel
+from twinkle.model.lora import multi as multi_lora
 from twinkle.processor import InputProcessor
 from twinkle.sampler import TorchSampler
 from twinkle.template import VisionTemplate

@@ -26,7 +26,7 @@ from twinkle import DeviceMesh, assets
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.infra import distributed
 from twinkle.model import AdapterCall, TransformersModel
-from twinkle.model.expert_lora import MultiLoraExperts
+from twinkle.model.lora.experts import MultiLoraExperts
 
 # Scenario -> (the mesh under torchrun, the router's loss coefficient). 'dp-aux' has no ep: the
 # router's loss is each rank's own (as data parallel has it), so 'ep-aux' is compared with it.

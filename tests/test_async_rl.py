@@ -407,7 +407,8 @@ def test_a_cpu_sampler_group_and_its_model_split_the_cores(monkeypatch: pytest.M
     (in the server's process) and one sampler rank get 1 each; on 16 with 3 sampler ranks, 16 // 4 = 4
     a rank and the 4 left to the model. A model on a GPU, or on ranks of its own, keeps the old way."""
     from twinkle.server.config import ServerConfig
-    from twinkle.server.execution import multi_rank, sampler_group
+    from twinkle.server.execution.groups import sampler_group
+    from twinkle.server.execution.hosts import multi_rank
 
     config = ServerConfig(base_model='m', device='cpu')
     monkeypatch.setattr(sampler_group, '_cores', lambda: 2)

@@ -38,7 +38,7 @@ REACH_S = 300.0
 HOOK = r"""
 import hashlib, os, shutil, sys, time
 from pathlib import Path
-from twinkle.model import checkpoint as ckpt
+from twinkle.model.checkpoint import files as ckpt
 
 def _digest(path):
     return hashlib.sha256((Path(path) / 'adapter_model.safetensors').read_bytes()).hexdigest()

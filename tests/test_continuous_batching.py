@@ -23,7 +23,7 @@ from tinker import types
 from twinkle import assets
 from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.sampler import TorchSampler
-from twinkle.server.execution.scheduler import Continue, Scheduler
+from twinkle.server.execution.scheduling.scheduler import Continue, Scheduler
 
 TIMEOUT = 120.0
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', init_lora_weights=False)  # B != 0: not the base

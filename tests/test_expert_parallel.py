@@ -19,7 +19,7 @@ from server_helpers import here_and_under_torchrun
 
 import twinkle
 from twinkle.errors import ConfigurationError
-from twinkle.model.expert_parallel import ExpertShard
+from twinkle.model.parallel.experts import ExpertShard
 
 SCRIPT = Path(__file__).with_name('dist_experts.py')
 TOLERANCE = 1e-5

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from twinkle import assets
 from twinkle.errors import CheckpointError, ConfigurationError
 from twinkle.model import TransformersModel
-from twinkle.model.export import export_checkpoint, write_tinker_adapter
+from twinkle.model.checkpoint.export import export_checkpoint, write_tinker_adapter
 
 TOKENS = torch.tensor([[3, 17, 42, 99, 5, 8, 64, 21], [7, 7, 120, 33, 2, 90, 11, 4]])
 

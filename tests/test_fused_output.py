@@ -1,4 +1,4 @@
-"""The chunked output layer (twinkle.model.fused_output) against the unfused path.
+"""The chunked output layer (twinkle.model.output.fused) against the unfused path.
 
 The unfused path builds the whole ``[N, V]`` float32 logits, takes ``log_softmax``, gathers the
 labels and sums ``-p log p``; autograd differentiates it. The fused path must give the same values
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from twinkle.data_format import IGNORE_INDEX
 from twinkle.errors import ConfigurationError, DataError
-from twinkle.model import fused_output
-from twinkle.model.fused_output import HeadLora, fused_token_logprobs
+from twinkle.model.output import fused as fused_output
+from twinkle.model.output.fused import HeadLora, fused_token_logprobs
 
 TOL = 1e-5
 
@@ -250,7 +250,7 @@ _PEAK_SCRIPT = """
 import math, sys
 from pathlib import Path
 import torch
-from twinkle.model.fused_output import fused_token_logprobs
+from twinkle.model.output.fused import fused_token_logprobs
 
 def kib(field):
     return next(int(l.split()[1]) for l in Path('/proc/self/status').read_text().splitlines() if l.startswith(field))

@@ -273,7 +273,7 @@ def test_the_switch_refuses_a_non_bool(base: TransformersModel) -> None:
 def test_the_default_is_on_from_a_real_vocabulary(tiny_model_dir: str) -> None:
     from torch import nn
 
-    from twinkle.model.output_layer import FUSED_BY_DEFAULT_FROM, fuses_by_default
+    from twinkle.model.output.layer import FUSED_BY_DEFAULT_FROM, fuses_by_default
 
     class Headed(nn.Module):
         def __init__(self, outputs: int | None) -> None:
@@ -306,7 +306,7 @@ def test_a_head_lora_with_dropout_runs_unfused_even_after_an_evaluation_pass(tin
 def test_models_whose_logits_are_more_than_the_projection_run_unfused() -> None:
     from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from twinkle.model.output_layer import fusable
+    from twinkle.model.output.layer import fusable
 
     sizes = {'vocab_size': 64, 'hidden_size': 16, 'intermediate_size': 32, 'num_hidden_layers': 1}
     heads = {'num_attention_heads': 2, 'num_key_value_heads': 1, 'head_dim': 8}

@@ -12,7 +12,7 @@ from twinkle import assets
 from twinkle.errors import ConfigurationError
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import FORWARDED, ForwardingHost
-from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.hosts.model_host import ModelHost
 from twinkle.wire import OPERATIONS
 
 

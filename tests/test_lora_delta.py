@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from twinkle.model.lora_delta import Run, add_run_deltas
+from twinkle.model.lora.delta import Run, add_run_deltas
 
 IN, OUT = 6, 5
 

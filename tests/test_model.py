@@ -19,8 +19,9 @@ from twinkle.errors import (
     StateError,
     UnknownNameError,
 )
-from twinkle.model import TransformersModel, multi_lora
-from twinkle.model import checkpoint as ckpt
+from twinkle.model import TransformersModel
+from twinkle.model.checkpoint import files as ckpt
+from twinkle.model.lora import multi as multi_lora
 from twinkle.preprocessor import SelfCognitionProcessor
 
 

@@ -20,8 +20,10 @@ from twinkle import assets
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError
-from twinkle.model import AdapterCall, TransformersModel, multi_lora, output_layer
-from twinkle.model.expert_lora import MultiLoraExperts
+from twinkle.model import AdapterCall, TransformersModel
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.experts import MultiLoraExperts
+from twinkle.model.output import layer as output_layer
 from twinkle.sampler import TorchSampler
 
 TOL = 1e-5

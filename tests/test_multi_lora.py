@@ -1,4 +1,4 @@
-"""Per-row LoRA (twinkle.model.multi_lora) against peft holding one adapter at a time.
+"""Per-row LoRA (twinkle.model.lora.multi) against peft holding one adapter at a time.
 
 Reference values come from an independent implementation: for each adapter, a peft model holding
 only that adapter with the same A/B weights, run on that adapter's rows alone.
@@ -19,7 +19,7 @@ from torch import nn
 
 from twinkle import assets
 from twinkle.errors import ConfigurationError, DataError, StateError, UnknownNameError
-from twinkle.model.multi_lora import (
+from twinkle.model.lora.multi import (
     LoraSpec,
     MultiLoraLinear,
     adapter_named_parameters,

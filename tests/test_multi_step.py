@@ -11,8 +11,8 @@ from peft import LoraConfig
 
 from twinkle.errors import ConfigurationError
 from twinkle.model import StepCall, TransformersModel
-from twinkle.model import multi_step as multi_step_module
-from twinkle.model.offload import OptimizerOffloader
+from twinkle.model.optim import multi_step as multi_step_module
+from twinkle.model.optim.offload import OptimizerOffloader
 
 # name: (rank, optimizer, its options, max_grad_norm, gradient_accumulation_steps)
 ADAPTERS: dict[str, tuple[int, str, dict[str, float], float, int]] = {

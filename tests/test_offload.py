@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from twinkle.errors import CheckpointError, ConfigurationError, StateError, UnknownNameError
-from twinkle.model import offload
-from twinkle.model.offload import (
+from twinkle.model.optim import offload
+from twinkle.model.optim.offload import (
     OptimizerOffloader,
     load_spilled_optimizer_state,
     move_optimizer_state,

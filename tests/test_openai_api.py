@@ -19,8 +19,8 @@ from tinker import types
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
 from twinkle.sampler import TorchSampler
 from twinkle.server.api.openai_api import error_response
-from twinkle.server.execution.chat import DEFAULT_MAX_TOKENS
-from twinkle.server.execution.scheduler import QueueFullError
+from twinkle.server.execution.sampling.chat import DEFAULT_MAX_TOKENS
+from twinkle.server.execution.scheduling.scheduler import QueueFullError
 from twinkle.template import Template
 
 MESSAGES = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Count to three.'}]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from twinkle.errors import ConfigurationError, UnknownNameError
-from twinkle.model.optim import SCHEDULERS, build_optimizer, build_scheduler
+from twinkle.model.optim.registry import SCHEDULERS, build_optimizer, build_scheduler
 
 
 def lrs(name: str, steps: int, **kwargs) -> list[float]:

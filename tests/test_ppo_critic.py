@@ -1,5 +1,5 @@
 """PPO with a critic: GAE and the clipped value loss by hand, and a value-head adapter that
-trains beside a policy adapter on one base model (twinkle.model.value_head)."""
+trains beside a policy adapter on one base model (twinkle.model.output.value_head)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from twinkle.advantage import gae, per_sequence, token_rewards
 from twinkle.errors import CheckpointError, ConfigurationError, DataError, StateError
 from twinkle.loss import LOSSES, ValueLoss
 from twinkle.model import AdapterCall, TransformersModel
-from twinkle.model.value_head import VALUE_HEAD_WEIGHTS
+from twinkle.model.output.value_head import VALUE_HEAD_WEIGHTS
 
 IGN = -100
 

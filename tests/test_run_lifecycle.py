@@ -47,7 +47,7 @@ from twinkle.errors import StateError
 from twinkle.model import TransformersModel
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.run_files import STATE_FOLDER
+from twinkle.server.execution.groups.run_files import STATE_FOLDER
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 

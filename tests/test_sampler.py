@@ -13,7 +13,8 @@ from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import IGNORE_INDEX, SamplingParams
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, UnknownNameError
-from twinkle.model import TransformersModel, multi_lora
+from twinkle.model import TransformersModel
+from twinkle.model.lora import multi as multi_lora
 from twinkle.preprocessor import GSM8KProcessor
 from twinkle.sampler import TorchSampler
 from twinkle.sampler.logits import choose, processed_scores, sampled_logprobs

@@ -32,9 +32,9 @@ from twinkle.errors import StateError
 from twinkle.model import TransformersModel
 from twinkle.sampler import TorchSampler
 from twinkle.server.api.openai_api import ChatCompletionRequest
-from twinkle.server.execution import slicing
-from twinkle.server.execution.chat import ChatRequest
-from twinkle.server.execution.scheduler import Continue, Job, Scheduler
+from twinkle.server.execution.sampling import slicing
+from twinkle.server.execution.sampling.chat import ChatRequest
+from twinkle.server.execution.scheduling.scheduler import Continue, Job, Scheduler
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 from twinkle_client.sampler import TorchSampler as RunSampler

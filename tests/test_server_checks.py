@@ -14,7 +14,7 @@ from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.errors import ConfigurationError, DataError
 from twinkle.model import TransformersModel
-from twinkle.model.optim import check_optimizer_args, check_scheduler_args
+from twinkle.model.optim.registry import check_optimizer_args, check_scheduler_args
 from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel

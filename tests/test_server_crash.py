@@ -22,9 +22,9 @@ from server_helpers import add_key, free_port, start_server
 from tinker import types
 
 from twinkle.errors import LostWorkError
-from twinkle.model import checkpoint as ckpt
+from twinkle.model.checkpoint import files as ckpt
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.run_files import kept_state
+from twinkle.server.execution.groups.run_files import kept_state
 from twinkle.server.store import Store
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel

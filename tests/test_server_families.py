@@ -15,8 +15,9 @@ from server_helpers import background_server
 from tinker import types
 
 from twinkle import assets
-from twinkle.model import TransformersModel, multi_lora
-from twinkle.model.expert_lora import MultiLoraExperts
+from twinkle.model import TransformersModel
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.experts import MultiLoraExperts
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 

@@ -29,7 +29,7 @@ from peft import LoraConfig
 
 from twinkle.loss import LOSSES
 from twinkle.metric import METRICS
-from twinkle.model.optim import OPTIMIZERS, SCHEDULERS
+from twinkle.model.optim.registry import OPTIMIZERS, SCHEDULERS
 from twinkle.processor import PROCESSORS
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig

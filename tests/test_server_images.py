@@ -383,7 +383,7 @@ def test_images_are_decoded_one_at_a_time_and_resized_before_the_processor(vlm_d
     # arrays by the processor, as before this bound, was 146 MiB. The pixels are the processor's own on the
     # full-size images, bit for bit.
     from twinkle.server.config import Limits
-    from twinkle.server.execution.images import ImageRows
+    from twinkle.server.execution.checks.images import ImageRows
     from twinkle.template.vision import load_image_processor
 
     limits = Limits(max_image_pixels=2000 * 2000, max_image_pixels_per_request=4 * 2000 * 2000)

@@ -191,8 +191,8 @@ def test_a_tenant_whose_loss_is_not_finite_fails_alone_in_a_shared_tinker_pass(t
     # an error known only after the shared backward. 'good' keeps its result, and its
     # gradient is that of one pass (the same as a twin's alone), not of a pass and a rerun.
     from twinkle.server.config import ServerConfig
-    from twinkle.server.execution.model_host import ModelHost
-    from twinkle.server.execution.tinker_codec import Datum, ForwardBackwardCall
+    from twinkle.server.execution.hosts.model_host import ModelHost
+    from twinkle.server.execution.tinker.codec import Datum, ForwardBackwardCall
 
     host = ModelHost(ServerConfig.build(base_model=tiny_model_dir, device='cpu', data_dir=str(tmp_path)))
     for name in ('good', 'bad', 'twin'):

@@ -34,8 +34,8 @@ from twinkle import assets
 from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, DataError, UnknownNameError
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.model_host import ModelHost, base_dtype
-from twinkle.server.execution.multi_rank import MultiRankHost, gpu_env, row_share
+from twinkle.server.execution.hosts.model_host import ModelHost, base_dtype
+from twinkle.server.execution.hosts.multi_rank import MultiRankHost, gpu_env, row_share
 from twinkle_client import TwinkleClient, init_twinkle_client
 from twinkle_client.checkpoint_engine import CheckpointEngineManager
 from twinkle_client.model import MultiLoraTransformersModel

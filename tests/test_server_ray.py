@@ -15,7 +15,7 @@ ray = pytest.importorskip('ray')
 from twinkle.infra.ray.cluster import LOCAL_SYSTEM_CONFIG  # noqa: E402
 from twinkle.server.cli import BackgroundServer  # noqa: E402
 from twinkle.server.config import ServerConfig  # noqa: E402
-from twinkle.server.execution.remote_host import RemoteHost  # noqa: E402
+from twinkle.server.execution.hosts.remote_host import RemoteHost  # noqa: E402
 from twinkle.server.store import Store  # noqa: E402
 
 

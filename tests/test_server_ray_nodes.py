@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from twinkle import assets  # noqa: E402
 from twinkle.infra.ray.cluster import LOCAL_SYSTEM_CONFIG  # noqa: E402
 from twinkle.server.config import ServerConfig  # noqa: E402
-from twinkle.server.execution.model_host import ModelHost  # noqa: E402
+from twinkle.server.execution.hosts.model_host import ModelHost  # noqa: E402
 from twinkle.server.execution.placement import build_host  # noqa: E402
 
 

@@ -17,11 +17,11 @@ from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.errors import ConfigurationError
 from twinkle.model import TransformersModel
-from twinkle.model import checkpoint as ckpt
+from twinkle.model.checkpoint import files as ckpt
 from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.run_files import OWNER, RELEASE_STATE, claim_memory, kept_state, release_memory
+from twinkle.server.execution.groups.run_files import OWNER, RELEASE_STATE, claim_memory, kept_state, release_memory
 from twinkle.server.store import Store
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from twinkle.errors import ConfigurationError, StateError, TwinkleError
-from twinkle.server.execution.scheduler import Batchable, Job, QueueFullError, Scheduler, wait_job
+from twinkle.server.execution.scheduling.scheduler import Batchable, Job, QueueFullError, Scheduler, wait_job
 
 # Seconds any wait in these tests may take before the test counts as hung.
 TIMEOUT = 5.0
@@ -340,7 +340,7 @@ def test_bad_arguments_name_the_value(make_scheduler):
 def test_module_docstring_example_runs():
     import doctest
 
-    import twinkle.server.execution.scheduler as scheduler_module
+    import twinkle.server.execution.scheduling.scheduler as scheduler_module
 
     assert doctest.testmod(scheduler_module).failed == 0
 

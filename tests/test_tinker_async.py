@@ -28,7 +28,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from twinkle.errors import DataError
 from twinkle.loss.tinker import RECORDED_LOGPROBS, RECORDED_MASK, tinker_loss_terms
-from twinkle.server.execution.tinker_codec import Span, parse_forward_backward
+from twinkle.server.execution.tinker.codec import Span, parse_forward_backward
 from twinkle.server.store import SEQUENCE_TTL_S, Store
 
 pytest.importorskip('chz')  # tinker-cookbook's config library, installed beside it by `make setup`

@@ -25,9 +25,9 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 
 from twinkle.data_format import SampledSequence, SampleResponse
 from twinkle.errors import DataError
-from twinkle.server.execution import tinker_codec as codec
-from twinkle.server.execution.images import IMAGE_SLOT, ImageSlot
-from twinkle.server.execution.tinker_codec import forward_backward_output, parse_forward_backward, sample_response
+from twinkle.server.execution.checks.images import IMAGE_SLOT, ImageSlot
+from twinkle.server.execution.tinker import codec
+from twinkle.server.execution.tinker.codec import forward_backward_output, parse_forward_backward, sample_response
 
 # --------------------------------------------------------------------------- helpers
 

@@ -13,7 +13,7 @@ from tinker import types
 
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.model import TransformersModel
-from twinkle.model.optim import build_optimizer, set_hyperparams
+from twinkle.model.optim.registry import build_optimizer, set_hyperparams
 
 
 def first_adamw_step(param: torch.Tensor, grad: torch.Tensor, lr: float, eps: float, decay: float) -> torch.Tensor:
@@ -60,7 +60,7 @@ def test_an_optimizer_without_the_hyperparameter_says_which_it_has():
 
 
 def test_the_tinker_optim_step_is_adamw_with_the_requests_hyperparameters(tiny_model_dir):
-    from twinkle.server.execution.tinker_compute import optim_steps
+    from twinkle.server.execution.tinker.compute import optim_steps
 
     model = TransformersModel(tiny_model_dir, device='cpu')
     model.add_adapter_to_model('a', LoraConfig(r=2, target_modules=['q_proj']))
@@ -80,7 +80,7 @@ def test_the_tinker_optim_step_is_adamw_with_the_requests_hyperparameters(tiny_m
 def test_optim_steps_of_several_models_equal_their_steps_alone(tiny_model_dir):
     # Three models' optim_steps as one update (two share hyperparameters, one has its own; one
     # clips, one does not), against twins stepped one at a time: the same weights, bit for bit.
-    from twinkle.server.execution.tinker_compute import optim_steps
+    from twinkle.server.execution.tinker.compute import optim_steps
 
     model = TransformersModel(tiny_model_dir, device='cpu')
     adams = {
@@ -112,8 +112,8 @@ def out_of_memory(optimizers: object) -> None:
 def test_a_shared_step_that_fails_after_clipping_fails_every_request(tiny_model_dir, monkeypatch):
     # Once gradients may be clipped, a failure must reach each tenant as an error: rerunning
     # each request alone would step unclipped gradients, or none (its boundary is used up).
-    from twinkle.model import multi_step
-    from twinkle.server.execution.tinker_compute import optim_steps
+    from twinkle.model.optim import multi_step
+    from twinkle.server.execution.tinker.compute import optim_steps
 
     model = TransformersModel(tiny_model_dir, device='cpu')
     for name in ('a', 'b'):

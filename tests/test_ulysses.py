@@ -21,7 +21,7 @@ from transformers import Qwen3MoeConfig
 import twinkle
 from twinkle import assets
 from twinkle.errors import ConfigurationError
-from twinkle.model.ulysses import check_model
+from twinkle.model.parallel.ulysses import check_model
 
 SCRIPT = Path(__file__).with_name('dist_ulysses.py')
 TOLERANCE = 1e-5

@@ -35,8 +35,9 @@ from transformers import (
 import twinkle.assets
 from twinkle.assets import DATASETS, MODELS, dataset, images, resolve_images, tiny_model
 from twinkle.assets import tokenizer as tok_recipe
-from twinkle.model import TransformersModel, multi_lora
+from twinkle.model import TransformersModel
 from twinkle.model.loading import auto_model_class
+from twinkle.model.lora import multi as multi_lora
 
 VLMS = {'tiny-qwen3.5-vl': 'Qwen3_5ForConditionalGeneration', 'tiny-qwen3-vl': 'Qwen3VLForConditionalGeneration'}
 #: The text models whose shape each VLM's language model takes.

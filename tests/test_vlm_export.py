@@ -30,10 +30,11 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextTo
 from twinkle import assets
 from twinkle.assets import dataset, resolve_images
 from twinkle.cli import main
-from twinkle.model import TransformersModel, multi_lora
-from twinkle.model.export import PROCESSOR_FILES, export_checkpoint
+from twinkle.model import TransformersModel
+from twinkle.model.checkpoint.export import PROCESSOR_FILES, export_checkpoint
+from twinkle.model.lora import multi as multi_lora
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.hosts.model_host import ModelHost
 
 TOL = 1e-5
 #: LoRA on the language model only, named by a regex over full module paths: Qwen3.5's full

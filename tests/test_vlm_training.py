@@ -27,7 +27,9 @@ from twinkle.assets import dataset, resolve_images, tiny_model
 from twinkle.data_format import IGNORE_INDEX, InputFeature
 from twinkle.dataset import IterableDataset, PackedStream, PackingDataset
 from twinkle.errors import ConfigurationError, DataError
-from twinkle.model import AdapterCall, TransformersModel, multi_lora, output_layer
+from twinkle.model import AdapterCall, TransformersModel
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.output import layer as output_layer
 from twinkle.model.runner import mrope_positions
 from twinkle.processor import InputProcessor
 from twinkle.processor.base import split_rows

@@ -115,12 +115,12 @@ def add_assets_parser(commands: Subparsers) -> None:
 
 def export(args: argparse.Namespace) -> int:
     """Write a checkpoint as a merged Hugging Face model (``--merge``) or as its peft adapter."""
-    from twinkle.model.export import export_checkpoint
+    from twinkle.model.checkpoint.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, base_model=args.base, dtype=args.dtype)
     print(out)
     if args.push_to_hub:
-        from twinkle.model.export import push_to_hub
+        from twinkle.model.checkpoint.export import push_to_hub
 
         print(push_to_hub(out, args.push_to_hub, private=not args.public))
     return 0
@@ -128,7 +128,7 @@ def export(args: argparse.Namespace) -> int:
 
 def add_export_parser(commands: Subparsers) -> None:
     """``twinkle export CHECKPOINT [--merge] --out DIR``: trained weights in a form other tools load."""
-    from twinkle.model.export import DTYPES
+    from twinkle.model.checkpoint.export import DTYPES
 
     parser = commands.add_parser(
         'export',

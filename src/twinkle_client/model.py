@@ -204,7 +204,7 @@ class MultiLoraTransformersModel:
         imported in this call only so that the client imports without them; where they are not
         installed, a ``MissingExtraError`` before anything is downloaded."""
         with _training_stack('export'):
-            from twinkle.model.export import export_checkpoint
+            from twinkle.model.checkpoint.export import export_checkpoint
 
         with tempfile.TemporaryDirectory() as scratch:
             downloaded = self.client.download_checkpoint(path, Path(scratch) / 'checkpoint')
@@ -221,7 +221,7 @@ class MultiLoraTransformersModel:
         Like ``export``, it needs torch, peft and transformers, imported in this call only;
         without them, a ``MissingExtraError`` before anything is downloaded."""
         with _training_stack('upload_to_hub'):
-            from twinkle.model.export import push_to_hub
+            from twinkle.model.checkpoint.export import push_to_hub
 
         with tempfile.TemporaryDirectory() as scratch:
             folder = self.export(path, Path(scratch) / 'export', merge=merge)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from twinkle import assets
-from twinkle.model import multi_lora
-from twinkle.model.lora_adapter import LoraSpec
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.adapter import LoraSpec
 from twinkle.model.megatron import lora, lora_files
 
 LAYOUTS = {'one': {'dp_size': 2}, 'ep2': {'dp_size': 2, 'ep_size': 2}, 'tp2': {'tp_size': 2}}

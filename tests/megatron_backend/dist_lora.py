@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from twinkle import assets
 from twinkle.errors import ConfigurationError
-from twinkle.model import multi_lora
-from twinkle.model.lora_adapter import LoraSpec
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.adapter import LoraSpec
 from twinkle.model.megatron import lora, lora_files
 
 LAYOUTS = {'tp1': (1, 1), 'tp2': (2, 1), 'pp2': (1, 2)}

@@ -179,7 +179,8 @@ def pipeline_refusals(model_name: str, mesh: DeviceMesh | None) -> dict[str, str
 
 def transformers_main(out: Path, init: str, model_name: str) -> None:
     """The same steps on ``TransformersModel`` in this process: what every layout is held to (1e-4)."""
-    from twinkle.model import TransformersModel, multi_lora
+    from twinkle.model import TransformersModel
+    from twinkle.model.lora import multi as multi_lora
 
     results: dict[str, Any] = {}
     model = TransformersModel(model_id=assets.tiny_model(model_name), router_aux_loss_coef=0.0)

@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM
 
 from twinkle import assets
 from twinkle.errors import ConfigurationError
-from twinkle.model import multi_lora
-from twinkle.model.lora_adapter import LoraSpec
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.adapter import LoraSpec
 
 MODEL = 'tiny-qwen3-moe'
 ROWS_OF = {name: [i for i, row in enumerate(dist_experts.ROWS) if row == name] for name in dist_experts.SPECS}

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from twinkle import assets
 from twinkle.errors import ConfigurationError
-from twinkle.model.lora_adapter import LoraSpec
+from twinkle.model.lora.adapter import LoraSpec
 from twinkle.model.megatron import lora
 
 ROWS_OF = {name: [i for i, row in enumerate(dist_lora.ROWS) if row == name] for name in dist_lora.SPECS}
@@ -179,7 +179,7 @@ def test_attention_lora_on_a_mixture_of_experts_matches_peft() -> None:
     that seed. 'all-linear' is refused: peft turns it into the attention projections, the router's
     weight and the expert stacks (gate_up_proj at rank 2r), and the router takes no adapter here
     (the expert stacks do: test_megatron_experts.py)."""
-    from twinkle.model import multi_lora
+    from twinkle.model.lora import multi as multi_lora
     from twinkle.model.megatron import convert, state
 
     state.initialize(None)

@@ -146,7 +146,7 @@ def test_a_pipeline_parallel_group_trains_as_the_transformers_server(reference, 
 
 
 def test_a_tensor_parallel_group_of_ray_actors_trains_as_the_transformers_server(reference, tmp_path_factory):
-    """``ray:``: the two ranks are Ray actors of a local Ray (``twinkle.server.execution.ray_ranks``)."""
+    """``ray:``: the two ranks are Ray actors of a local Ray (``twinkle.server.execution.hosts.ray_ranks``)."""
     ray = pytest.importorskip('ray')
     from twinkle.infra.ray.cluster import LOCAL_SYSTEM_CONFIG
 
@@ -169,7 +169,7 @@ SAMPLE_ON_THE_WORKER = """
 import json, sys
 from twinkle.errors import ConfigurationError
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.model_host import ModelHost
+from twinkle.server.execution.hosts.model_host import ModelHost
 
 host = ModelHost(ServerConfig(base_model='tiny-qwen3', backend='megatron', device='cpu'))
 host.add_adapter('a', {'r': 4, 'lora_alpha': 8, 'target_modules': 'all-linear'}, seed=5)

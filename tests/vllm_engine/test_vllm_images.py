@@ -27,7 +27,8 @@ from PIL import Image
 from twinkle.assets import dataset, resolve_images, tiny_model
 from twinkle.data_format import SampledSequence, SamplingParams
 from twinkle.errors import ConfigurationError, DataError, MissingExtraError
-from twinkle.model import TransformersModel, multi_lora
+from twinkle.model import TransformersModel
+from twinkle.model.lora import multi as multi_lora
 from twinkle.sampler import vLLMSampler
 from twinkle.sampler.base import Prompt
 from twinkle.sampler.images import prompt_images

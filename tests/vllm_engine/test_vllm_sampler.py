@@ -19,7 +19,8 @@ from peft import LoraConfig
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, UnknownNameError
-from twinkle.model import TransformersModel, multi_lora
+from twinkle.model import TransformersModel
+from twinkle.model.lora import multi as multi_lora
 from twinkle.sampler import vLLMSampler
 from twinkle.sampler.logits import processed_scores
 from twinkle.sampler.vllm_sampler import engine_arguments

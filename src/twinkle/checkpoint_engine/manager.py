@@ -16,7 +16,7 @@ import torch
 
 from twinkle.errors import ConfigurationError
 from twinkle.infra.ray.handle import RemoteHandle
-from twinkle.model import multi_lora
+from twinkle.model.lora import multi as multi_lora
 from twinkle.model.train_group import FULL
 from twinkle.model.transformers import TransformersModel
 from twinkle.sampler.torch_sampler import TorchSampler

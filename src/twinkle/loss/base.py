@@ -51,7 +51,7 @@ class Loss:
     needs_values: bool = False
     #: What the loss reads of the output layer (``OutputReads``). A loss that reads no more than
     #: the labels' ``logps`` lets a model built with ``fused_output=True`` compute them in chunks of
-    #: tokens, without the ``[batch, seq, vocab]`` logits (``twinkle.model.fused_output``): then
+    #: tokens, without the ``[batch, seq, vocab]`` logits (``twinkle.model.output.fused``): then
     #: ``outputs`` holds ``logps`` (with gradient, 0 at ignored labels), ``hits`` (the label is the
     #: argmax) and, for ``'logps+entropy'``, ``entropy``, and no ``logits``. It is inherited: a
     #: subclass of such a loss that reads the logits sets ``output_reads = 'logits'`` again.

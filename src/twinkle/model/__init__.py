@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING
 
 from twinkle.infra.ray import remote_class
 from twinkle.model.base import AdapterCall, StepCall, StepResult, TwinkleModel
-from twinkle.model.optim import OPTIMIZERS, SCHEDULERS, CosineWarmupScheduler, LinearWarmupScheduler
+from twinkle.model.optim.registry import OPTIMIZERS, SCHEDULERS, CosineWarmupScheduler, LinearWarmupScheduler
 from twinkle.model.transformers import TransformersModel
 
 # In ray mode, TransformersModel(..., remote_group='model') is one actor per rank: each gets its

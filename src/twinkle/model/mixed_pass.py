@@ -25,8 +25,8 @@ import torch
 from twinkle.data_format import IGNORE_INDEX, InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError
 from twinkle.loss import LossOutput
-from twinkle.model import multi_lora
 from twinkle.model.base import AdapterCall
+from twinkle.model.lora import multi as multi_lora
 from twinkle.model.passes import (
     accumulate,
     carried,

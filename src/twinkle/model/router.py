@@ -92,7 +92,7 @@ NOT_RECORDED = -1
 def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The routers of ``model``'s MoE layers, in layer order: the ``gate`` of every block that
     holds fused experts (wrapped with adapters or not)."""
-    from twinkle.model.expert_lora import MultiLoraExperts, is_fused_experts
+    from twinkle.model.lora.experts import MultiLoraExperts, is_fused_experts
 
     gates = []
     for module in model.modules():

@@ -23,11 +23,13 @@ from twinkle.data_format import InputFeature, ModelOutput
 from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.loss import Loss, LossOutput
 from twinkle.metric import ExpertLoad, Metric
-from twinkle.model import multi_lora, output_layer, packed_recurrence, router
+from twinkle.model import packed_recurrence, router
 from twinkle.model.base import Inputs
+from twinkle.model.layout import ModelParallel
 from twinkle.model.loading import Precision
-from twinkle.model.lora_adapter import RowAssignment
-from twinkle.model.parallel import ModelParallel
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.adapter import RowAssignment
+from twinkle.model.output import layer as output_layer
 from twinkle.model.passes import (
     accumulate,
     carried,

@@ -15,7 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from twinkle.errors import CheckpointError, DataError
 from twinkle.loss import CrossEntropyLoss, Loss, LossOutput
 from twinkle.metric import Accuracy, GRPOMetric, LossMetric, Metric, TrainMetric
-from twinkle.model.value_head import ValueHead
+from twinkle.model.output.value_head import ValueHead
 from twinkle.processor import InputProcessor
 from twinkle.template import Template
 from twinkle.wire import RESERVED_FIGURES
@@ -161,7 +161,7 @@ class TrainGroup:
     params: list[torch.nn.Parameter]
     gradient_accumulation_steps: int = 1
     config: Any = None  # the adapter's PeftConfig; None for FULL
-    # A critic's scalar head (``value_head.py``): its parameters are among ``params``; None for a policy.
+    # A critic's scalar head (``output/value_head.py``): its parameters are among ``params``; None for a policy.
     value_head: ValueHead | None = None
     optimizer: Optimizer | None = None
     scheduler: LRScheduler | None = None

@@ -4,8 +4,8 @@ own optimizer, schedule, loss and accumulation count, behind the methods the use
 The model is the front; its parts work behind it, each handed what it needs (none imports this
 module): ``ModelRunner`` (``runner.py``) runs rows through the model to losses and gradients,
 ``mixed_pass.py`` runs several adapters' calls as one pass through it, ``Stepper``
-(``stepping.py``) builds and steps the optimizers, ``Checkpointer`` (``checkpointer.py``) saves
-and loads, and ``ModelParallel`` (``parallel.py``) spreads all of it over a device mesh.
+(``optim/stepping.py``) builds and steps the optimizers, ``Checkpointer`` (``checkpoint/checkpointer.py``) saves
+and loads, and ``ModelParallel`` (``layout.py``) spreads all of it over a device mesh.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss
 from twinkle.metric import METRICS, Metric, TrainMetric
-from twinkle.model import mixed_pass, multi_lora, packed_recurrence
+from twinkle.model import mixed_pass, packed_recurrence
 from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, TwinkleModel
-from twinkle.model.checkpointer import Checkpointer, Restored, existing_checkpoint
+from twinkle.model.checkpoint.checkpointer import Checkpointer, Restored, existing_checkpoint
+from twinkle.model.layout import ModelParallel
 from twinkle.model.loading import (
     Precision,
     compile_blocks,
@@ -39,16 +40,16 @@ from twinkle.model.loading import (
     load_causal_lm,
     resolve_device,
 )
-from twinkle.model.lora_adapter import check_name
-from twinkle.model.offload import OptimizerOffloader
-from twinkle.model.output_layer import fuses_by_default
-from twinkle.model.parallel import ModelParallel
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.adapter import check_name
+from twinkle.model.optim.offload import OptimizerOffloader
+from twinkle.model.optim.stepping import Stepper, describe_optimizer
+from twinkle.model.output.layer import fuses_by_default
+from twinkle.model.output.value_head import has_saved_head, new_value_head
 from twinkle.model.passes import check_positive
 from twinkle.model.router import Router, model_router
 from twinkle.model.runner import ModelRunner, packs_by_default
-from twinkle.model.stepping import Stepper, describe_optimizer
 from twinkle.model.train_group import FULL, TrainGroup
-from twinkle.model.value_head import has_saved_head, new_value_head
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 
@@ -70,7 +71,7 @@ class TransformersModel(TwinkleModel):
     GPU that supports it; ``'no'`` on a CPU). Weights keep ``dtype`` (float32 unless given).
 
     ``device_mesh`` (default: the runtime's ``global_device_mesh``) spreads the model over the
-    torchrun processes (see ``twinkle.model.parallel``): data parallel over ``dp`` (not
+    torchrun processes (see ``twinkle.model.layout``): data parallel over ``dp`` (not
     ``DistributedDataParallel``: each adapter's summed gradients and item counts are all-reduced
     at its step), FSDP2 sharding over ``fsdp`` (``fully_shard`` at the first forward, so adapters
     come first). Each rank runs its slice of the global batch; losses, metrics and updates are
@@ -80,7 +81,7 @@ class TransformersModel(TwinkleModel):
     the mixed pass) whose loss reads no more than the labels' log-probabilities (cross entropy,
     the policy-gradient, preference and Tinker losses; ``Loss.output_reads``): each label's
     logprob comes from the last hidden states in chunks of tokens, and the ``[tokens, vocab]``
-    logits never exist whole (``twinkle.model.fused_output``). The numbers equal the unfused
+    logits never exist whole (``twinkle.model.output.fused``). The numbers equal the unfused
     ones to 1e-5; ``forward``/``forward_only`` still return logits. By default (``None``) it is on
     for a head of a real vocabulary (``output_layer.FUSED_BY_DEFAULT_FROM``, 32,768 outputs or more),
     where it was measured faster and leaner, and off for the small ones. It can be switched at any
@@ -273,10 +274,10 @@ class TransformersModel(TwinkleModel):
     ) -> None:
         """Add a LoRA adapter named ``adapter_name``; from then on the base weights are frozen.
         ``config_or_dir`` is a peft ``LoraConfig``, or a saved adapter directory whose config and
-        weights are loaded. The layers are this project's (``twinkle.model.multi_lora``): every
+        weights are loaded. The layers are this project's (``twinkle.model.lora.multi``): every
         adapter stays in the model, and one forward pass can run each row through its own.
 
-        ``value_head=True`` makes the adapter a critic (``twinkle.model.value_head``): a scalar
+        ``value_head=True`` makes the adapter a critic (``twinkle.model.output.value_head``): a scalar
         head on the last hidden state, trained, saved and loaded with it; its forwards return
         ``values`` and it takes a value loss (``ValueLoss``). A directory saved from a critic
         brings its head back whatever ``value_head`` says."""
@@ -437,7 +438,7 @@ class TransformersModel(TwinkleModel):
 
     def forward_values(self, *, inputs: Inputs, adapter_name: str | None = None) -> torch.Tensor:
         """A critic's values of ``inputs``, ``[batch, seq]`` float32 (evaluation mode, no gradient):
-        at position ``t`` the value of the state that chooses label ``t`` (``twinkle.model.value_head``).
+        at position ``t`` the value of the state that chooses label ``t`` (``twinkle.model.output.value_head``).
         ``ConfigurationError`` before any compute if the adapter has no value head."""
         group = self.train_group(adapter_name)
         if group.value_head is None:

@@ -66,7 +66,7 @@ class Completion:
 
 class Turns(Protocol):
     """Where a generation in progress lets other work use the device, between two decode steps
-    (``twinkle.server.execution.slicing.TURNS``: the server's sampling slices)."""
+    (``twinkle.server.execution.sampling.slicing.TURNS``: the server's sampling slices)."""
 
     def due(self) -> bool:
         """Whether the generation has had its turn: it should give way now."""

@@ -26,9 +26,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, UnknownNameError
 from twinkle.hub import resolve_model
-from twinkle.model import multi_lora
 from twinkle.model.loading import load_causal_lm, resolve_device
-from twinkle.model.lora_adapter import RowAssignment
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.adapter import RowAssignment
 from twinkle.sampler.base import (
     SAMPLERS,
     AdapterChoice,

@@ -8,7 +8,7 @@ scheduler and drives its ``LLMEngine`` itself: a call adds its requests (``LLM.e
 rendering of the prompts and LoRA requests) at the next step, whoever steps, and each thread steps
 the engine, advancing every call's requests, until its own have ended; each finished output goes to
 the call it belongs to. Between two steps a call may give the engine up (``turns``: the server's
-sampling slices, ``twinkle.server.execution.slicing``), its requests waiting in the engine, so a
+sampling slices, ``twinkle.server.execution.sampling.slicing``), its requests waiting in the engine, so a
 sampling job that arrives while another generates adds its requests to the running generation
 instead of waiting for it to end.
 

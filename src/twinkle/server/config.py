@@ -42,7 +42,7 @@ class Limits(BaseModel):
     #: no max_tokens gets an equal share of it per choice.
     max_sampled_tokens_per_request: int = Field(65_536, gt=0)
     #: Seconds of worker time one sampling request may take: the decode steps of the batch its rows are
-    #: in (every sampling request in flight shares one, ``slicing.py``), over all its slices; a reply
+    #: in (every sampling request in flight shares one, ``execution/sampling/slicing.py``), over all its slices; a reply
     #: still sampling then ends as at its max_tokens (finish reason 'length'). None: no bound.
     #: Held only on the torch sampler of the model's own worker, in the server's process; elsewhere
     #: (vLLM, a sampler group, worker processes, a Ray actor) a request is bounded by its tokens only.
@@ -118,7 +118,7 @@ class TinkerSettings(BaseModel):
 
 
 class RaySettings(BaseModel):
-    """Where the model worker runs when the service uses Ray (see ``twinkle.server.execution.remote_host``)."""
+    """Where the model worker runs when the service uses Ray (see ``twinkle.server.execution.hosts.remote_host``)."""
 
     model_config = ConfigDict(extra='forbid')
 
@@ -185,12 +185,12 @@ def check_layout(model: ServerConfig | ModelSettings) -> None:
 
 class SamplerSettings(BaseModel):
     """How a hosted model samples: ``backend``, and with ``group`` on devices of its own
-    (``twinkle.server.execution.sampler_group``) or beside the model on its worker."""
+    (``twinkle.server.execution.groups.sampler_group``) or beside the model on its worker."""
 
     model_config = ConfigDict(extra='forbid')
 
     #: 'torch': ``TorchSampler``; 'vllm': a vLLM engine (``twinkle[vllm]``), the runs' weights
-    #: as its LoRA adapters (``twinkle.server.execution.vllm_sampling``).
+    #: as its LoRA adapters (``twinkle.server.execution.sampling.vllm``).
     backend: Literal['torch', 'vllm'] = 'torch'
     #: True: a sampler group of its own (training and sampling at the same time; a run samples
     #: its weights as of its last sync for sampling). False: sampling runs on the model's worker,
@@ -377,7 +377,7 @@ class ServerConfig(BaseModel):
     mix_wait_ms: float = Field(30.0, ge=0, le=1000)
     #: Milliseconds a sampling request (a chat, a text completion, a native or Tinker sample) holds the
     #: worker before it gives way: its next slice is its tenant's next turn, its cache kept meanwhile, so
-    #: another tenant's training step waits for a slice, not for the whole reply (``slicing.py``; None:
+    #: another tenant's training step waits for a slice, not for the whole reply (``sampling/slicing.py``; None:
     #: a request gives way only to sampling requests that join its batch). Slices run on the model's own
     #: worker, in this process, with the torch sampler, where the sampling requests in flight decode as one
     #: batch, and on a vLLM engine this process drives (its slices step the engine for every request in it);
@@ -428,10 +428,10 @@ class ServerConfig(BaseModel):
     tinker: TinkerSettings = Field(default_factory=TinkerSettings)
     #: Run the model in a Ray actor (on any node of a cluster); None: in the server's process.
     ray: RaySettings | None = None
-    #: Worker processes that hold the model (``twinkle.server.execution.multi_rank``): 1 keeps it in the
+    #: Worker processes that hold the model (``twinkle.server.execution.hosts.multi_rank``): 1 keeps it in the
     #: server's process (or its Ray actor); N > 1 starts N processes that join over
     #: torch.distributed (one GPU each on a CUDA device) and split every pass over them; with
-    #: ``ray`` set, N Ray actors on the cluster's nodes (``twinkle.server.execution.ray_ranks``).
+    #: ``ray`` set, N Ray actors on the cluster's nodes (``twinkle.server.execution.hosts.ray_ranks``).
     ranks: int = Field(1, ge=1)
     #: Of those ranks, how many shard the base model with FSDP2; the rest replicate it (data
     #: parallel): the mesh ``DeviceMesh.from_sizes(fsdp_size=fsdp_size, dp_size=ranks // fsdp_size)``.

@@ -19,22 +19,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import JsonValue
 
 from twinkle.errors import ConfigurationError, NotFoundError, QueueFullError, SessionExpiredError, StateError
-from twinkle.model.checkpoint import recover_all
+from twinkle.model.checkpoint.files import recover_all
 from twinkle.server.auth import read_keys_file
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.host import Host
-from twinkle.server.execution.model_group import HOUSEKEEPING, ModelGroup, bare
-from twinkle.server.execution.model_host import ModelHost
-from twinkle.server.execution.placement import build_host
-from twinkle.server.execution.run_files import (
+from twinkle.server.execution.groups.model_group import HOUSEKEEPING, ModelGroup, bare
+from twinkle.server.execution.groups.run_files import (
     RELEASE_STATE,
     claim_memory,
     discard_unkept,
     discard_unrecorded,
     release_memory,
 )
-from twinkle.server.execution.sampler_group import SamplerGroup
-from twinkle.server.execution.scheduler import Batchable, Job
+from twinkle.server.execution.groups.sampler_group import SamplerGroup
+from twinkle.server.execution.host import Host
+from twinkle.server.execution.hosts.model_host import ModelHost
+from twinkle.server.execution.placement import build_host
+from twinkle.server.execution.scheduling.scheduler import Batchable, Job
 from twinkle.server.metering import Ledger, Meter
 from twinkle.server.rate_limit import RateLimiter
 from twinkle.server.store import Checkpoint, KnownRequest, RequestKey, Run, Store, Tenant

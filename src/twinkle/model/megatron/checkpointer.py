@@ -4,7 +4,7 @@ The weights are gathered whole (over tensor-parallel slices, pipeline stages and
 renamed to the Hugging Face model's names by ``convert`` (the full model) and ``lora`` (adapters,
 in peft's keys), so a checkpoint written at TP=2 loads on the Hugging Face model with plain
 peft, and on a ``MegatronModel`` of any layout. Rank 0 writes, atomically, as for
-``TransformersModel`` (``twinkle.model.checkpoint``).
+``TransformersModel`` (``twinkle.model.checkpoint.files``).
 
 The optimizer state is each rank's own (moments of its slices): under tensor or pipeline
 parallel every rank's is gathered and kept by its coordinates, and a resume needs the same
@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from twinkle.errors import CheckpointError, ConfigurationError, StateError
-from twinkle.model import checkpoint as ckpt
-from twinkle.model.checkpointer import Checkpointer, Tokenizer, _Save
+from twinkle.model.checkpoint import files as ckpt
+from twinkle.model.checkpoint.checkpointer import Checkpointer, Tokenizer, _Save
 from twinkle.model.megatron import convert, lora_files
 from twinkle.model.train_group import FULL, TrainGroup
 

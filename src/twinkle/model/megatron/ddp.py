@@ -40,9 +40,9 @@ from torch.optim import Optimizer
 
 from twinkle.errors import CheckpointError, ConfigurationError, StateError
 from twinkle.model.base import StepCall, StepResult
-from twinkle.model.optim import check_optimizer_args, set_hyperparams
-from twinkle.model.parallel import ModelParallel
-from twinkle.model.stepping import DEFAULT_LR, DEFAULT_OPTIMIZER, Stepper
+from twinkle.model.layout import ModelParallel
+from twinkle.model.optim.registry import check_optimizer_args, set_hyperparams
+from twinkle.model.optim.stepping import DEFAULT_LR, DEFAULT_OPTIMIZER, Stepper
 from twinkle.model.train_group import TrainGroup
 from twinkle.utils.logger import get_logger
 

@@ -5,7 +5,7 @@ transformers 5 holds a Qwen3-MoE layer's experts as two 3-D stacks, ``mlp.expert
 ``LoraConfig(target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])`` (its
 ``ParamWrapper``): one rank-r pair per expert, kept as ``lora_A`` [r * E, in] and ``lora_B``
 [out, r * E], expert e's pair ``A_e = lora_A.view(E, r, in)[e]``, ``B_e = lora_B.view(out, r, E)[:, :, e]``
-(``twinkle.model.expert_lora`` says more). megatron holds expert e as an MLP of its own,
+(``twinkle.model.lora.experts`` says more). megatron holds expert e as an MLP of its own,
 ``mlp.experts.local_experts.k`` (k = e - the first expert this rank holds), whose ``linear_fc1`` is
 [gate; up] and ``linear_fc2`` is down. Here each local expert's two linears are wrapped
 (``MultiLoraExpertLinear``) and hold, per adapter, that expert's (A_e, B_e): saving restacks them into
@@ -54,9 +54,9 @@ import torch.distributed as dist
 from torch import nn
 
 from twinkle.errors import ConfigurationError, StateError
-from twinkle.model import multi_lora
-from twinkle.model.expert_lora import EXPERT_PARAMETERS, expert_stacks, peft_stack_prefix
-from twinkle.model.lora_adapter import LoraSpec, RowAssignment, initialise
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.adapter import LoraSpec, RowAssignment, initialise
+from twinkle.model.lora.experts import EXPERT_PARAMETERS, expert_stacks, peft_stack_prefix
 
 #: Hugging Face expert stack -> the linear of a megatron expert holding it.
 LINEARS = {'gate_up_proj': 'linear_fc1', 'down_proj': 'linear_fc2'}

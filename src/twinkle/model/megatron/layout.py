@@ -1,7 +1,7 @@
 """How a ``MegatronModel`` spreads over its device mesh: megatron-core's tensor, pipeline and
 expert parallel groups, and data parallel between them.
 
-The project's loss semantics hold as for ``TransformersModel`` (``twinkle.model.parallel``): each
+The project's loss semantics hold as for ``TransformersModel`` (``twinkle.model.layout``): each
 rank's loss is a sum with an item count, and the step divides the gradient summed over the data
 shards by the item count over the data shards. What changes is who holds what:
 
@@ -35,7 +35,7 @@ from twinkle.errors import ConfigurationError, StateError
 from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
 from twinkle.metric import Metric
-from twinkle.model.parallel import BUCKET_BYTES, ModelParallel
+from twinkle.model.layout import BUCKET_BYTES, ModelParallel
 from twinkle.model.train_group import TrainGroup, Window
 
 

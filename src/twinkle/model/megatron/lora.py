@@ -53,8 +53,8 @@ import torch.distributed as dist
 from torch import nn
 
 from twinkle.errors import ConfigurationError, StateError
-from twinkle.model import multi_lora
-from twinkle.model.lora_adapter import LoraSpec, RowAssignment, check_name, check_spec, initialise
+from twinkle.model.lora import multi as multi_lora
+from twinkle.model.lora.adapter import LoraSpec, RowAssignment, check_name, check_spec, initialise
 from twinkle.model.megatron import experts
 
 #: Hugging Face projection -> (its block in a decoder layer, the megatron module holding it), in the

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from twinkle.errors import ConfigurationError, UnknownNameError
-from twinkle.model import multi_lora
+from twinkle.model.lora import multi as multi_lora
 from twinkle.model.megatron import experts
 from twinkle.model.megatron.lora import PROJECTIONS, Layout, Projection, adapted_layers, over_stages
 

@@ -43,8 +43,8 @@ from twinkle.hub import resolve_model
 from twinkle.infra import distributed
 from twinkle.infra.mesh import DeviceMesh
 from twinkle.infra.runtime import get_runtime
-from twinkle.model import multi_lora
 from twinkle.model.loading import Precision, default_precision, resolve_device
+from twinkle.model.lora import multi as multi_lora
 from twinkle.model.megatron import compat, convert, ddp, lora, state
 from twinkle.model.megatron.checkpointer import HFCheckpoint, MegatronCheckpointer
 from twinkle.model.megatron.layout import MegatronParallel, mark_tp_partial

@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse
 from pydantic import JsonValue
 
 from twinkle.errors import NotFoundError, UnauthorizedError
-from twinkle.model.export import TRAINING_FILES
+from twinkle.model.checkpoint.export import TRAINING_FILES
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint
 

@@ -40,10 +40,10 @@ from twinkle.server.api.deps import QueueWait, Who, is_admin, tenant_of
 from twinkle.server.api.errors import error_responses
 from twinkle.server.api.idempotency import IdempotencyKey, check_same, known_future, request_key
 from twinkle.server.api.links import signed_links, weight_files
-from twinkle.server.execution.model_group import SampleCall, bare, sampling_tokens
-from twinkle.server.execution.model_host import request_tokens
-from twinkle.server.execution.sampler_group import SYNC_NAME, saved_weights, version_of
-from twinkle.server.execution.scheduler import Job, wait_job
+from twinkle.server.execution.groups.model_group import SampleCall, bare, sampling_tokens
+from twinkle.server.execution.groups.sampler_group import SYNC_NAME, saved_weights, version_of
+from twinkle.server.execution.hosts.model_host import request_tokens
+from twinkle.server.execution.scheduling.scheduler import Job, wait_job
 from twinkle.server.metering import Meter, usage_report
 from twinkle.server.service import Service
 from twinkle.server.store import (

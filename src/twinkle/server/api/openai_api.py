@@ -53,10 +53,10 @@ from twinkle.data_format import SamplingParams
 from twinkle.errors import BusyError, DataError, FieldError, NotFoundError, SequenceTooLongError, TwinkleError
 from twinkle.server.api.deps import Who
 from twinkle.server.api.errors import location_name, problems_sentence, retry_after_header, status_of, unparsable
-from twinkle.server.execution.chat import ChatReply, ChatRequest, ChatTurn, ReplyToken
-from twinkle.server.execution.checks import MAX_TOP_LOGPROBS, SavedWeights
-from twinkle.server.execution.model_group import ModelGroup, bare
-from twinkle.server.execution.scheduler import wait_job
+from twinkle.server.execution.checks.requests import MAX_TOP_LOGPROBS, SavedWeights
+from twinkle.server.execution.groups.model_group import ModelGroup, bare
+from twinkle.server.execution.sampling.chat import ChatReply, ChatRequest, ChatTurn, ReplyToken
+from twinkle.server.execution.scheduling.scheduler import wait_job
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Store, Tenant, parse_checkpoint_path
 from twinkle.utils.logger import get_logger

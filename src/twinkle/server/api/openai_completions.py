@@ -48,9 +48,9 @@ from twinkle.server.api.openai_api import (
     sampled,
     served_only,
 )
-from twinkle.server.execution.chat import ChatReply, ChatRequest, ReplyToken
-from twinkle.server.execution.checks import MAX_TOP_LOGPROBS
-from twinkle.server.execution.model_group import ModelGroup
+from twinkle.server.execution.checks.requests import MAX_TOP_LOGPROBS
+from twinkle.server.execution.groups.model_group import ModelGroup
+from twinkle.server.execution.sampling.chat import ChatReply, ChatRequest, ReplyToken
 from twinkle.server.service import Service
 from twinkle.template.base import load_tokenizer
 

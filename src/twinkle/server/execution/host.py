@@ -22,19 +22,17 @@ from typing_extensions import TypedDict
 
 from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import TwinkleError
-from twinkle.model.checkpointer import Restored
+from twinkle.model.checkpoint.checkpointer import Restored
 from twinkle.server.config import ServerConfig
-from twinkle.server.execution.checks import Json, JsonObject, RequestChecks, SavedWeights
-from twinkle.server.execution.images import Images, RowImages
-from twinkle.server.execution.tinker_codec import ForwardBackwardCall
+from twinkle.server.execution.checks.images import Images, RowImages
+from twinkle.server.execution.checks.requests import Json, JsonObject, Outcome, RequestChecks, SavedWeights
+from twinkle.server.execution.tinker.codec import ForwardBackwardCall
 
 if TYPE_CHECKING:
-    from twinkle.server.execution.chat import ChatReply, ChatRequest
+    from twinkle.server.execution.sampling.chat import ChatReply, ChatRequest
 
 #: A request of a shared pass: its adapter and its arguments.
 AdapterRequest = tuple[str, JsonObject]
-#: The result of one request of a shared pass, or the error of that request alone (the others keep theirs).
-Outcome = Json | Exception
 
 
 class Footprint(TypedDict):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.host import Host
-from twinkle.server.execution.model_host import ModelHost
-from twinkle.server.execution.multi_rank import MultiRankHost
-from twinkle.server.execution.remote_host import RemoteHost
+from twinkle.server.execution.hosts.model_host import ModelHost
+from twinkle.server.execution.hosts.multi_rank import MultiRankHost
+from twinkle.server.execution.hosts.remote_host import RemoteHost
 
 
 def build_host(config: ServerConfig) -> Host:
     """The model host a config asks for: in this process, in a Ray actor (``ray:`` set), on
     worker processes of this machine (``ranks`` > 1), or on Ray actors of a cluster (both)."""
     if config.ranks > 1 and config.ray is not None:
-        from twinkle.server.execution.ray_ranks import RayRanks
+        from twinkle.server.execution.hosts.ray_ranks import RayRanks
 
         return MultiRankHost(config, RayRanks)
     if config.ranks > 1:

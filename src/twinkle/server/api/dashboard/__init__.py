@@ -30,7 +30,7 @@ from twinkle.server.api.deps import Who, is_admin, key_holder
 from twinkle.server.api.errors import error_responses
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.api.tinker.rest import delete_checkpoint
-from twinkle.server.execution.model_group import bare
+from twinkle.server.execution.groups.model_group import bare
 from twinkle.server.service import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint
 

@@ -38,9 +38,9 @@ from twinkle.errors import (
 from twinkle.server.api.deps import key_holder
 from twinkle.server.api.errors import ErrorBody, error_responses, problems_sentence
 from twinkle.server.api.tinker.state import TinkerState
-from twinkle.server.execution.model_group import ModelGroup
-from twinkle.server.execution.scheduler import Batchable
-from twinkle.server.execution.tinker_codec import ForwardBackwardCall
+from twinkle.server.execution.groups.model_group import ModelGroup
+from twinkle.server.execution.scheduling.scheduler import Batchable
+from twinkle.server.execution.tinker.codec import ForwardBackwardCall
 from twinkle.server.metering import Meter
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Session, Tenant, parse_checkpoint_path

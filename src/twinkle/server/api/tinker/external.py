@@ -1,7 +1,7 @@
 """Tinker's export path: weights saved for download, and short-lived signed links to their files.
 
 - ``POST /save_weights_external`` (``TrainingClient.save_weights_external``) saves the model's
-  adapter in Tinker's layout (``twinkle.model.export.write_tinker_adapter``) as the checkpoint
+  adapter in Tinker's layout (``twinkle.model.checkpoint.export.write_tinker_adapter``) as the checkpoint
   ``tinker://<run>/external_weights/<name>``. With ``age_encryption_recipients`` each file is
   encrypted to them with age (``pyrage``) and stored as ``<file>.age``; the plain files never stay
   on disk.
@@ -25,11 +25,11 @@ import pyrage
 from fastapi import Request
 
 from twinkle.errors import DataError
-from twinkle.model import checkpoint as ckpt
-from twinkle.model.export import write_tinker_adapter
+from twinkle.model.checkpoint import files as ckpt
+from twinkle.model.checkpoint.export import write_tinker_adapter
 from twinkle.server.api.links import signed_links, weight_files
 from twinkle.server.api.tinker.base import JsonObject
-from twinkle.server.execution.run_files import EXPORT_SCRATCH
+from twinkle.server.execution.groups.run_files import EXPORT_SCRATCH
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run
 

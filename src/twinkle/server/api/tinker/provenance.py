@@ -27,7 +27,7 @@ import torch
 
 from twinkle.errors import DataError
 from twinkle.loss.tinker import RECORDED_LOGPROBS, RECORDED_MASK
-from twinkle.server.execution.tinker_codec import Datum, ForwardBackwardCall, Span
+from twinkle.server.execution.tinker.codec import Datum, ForwardBackwardCall, Span
 from twinkle.server.store import Run, SampledRecord, Store, Tenant
 
 STABLE_REINFORCE = 'stable_reinforce'

@@ -35,7 +35,7 @@ from twinkle.server.api import links
 from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker import external
 from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, router
-from twinkle.server.execution.model_group import ModelGroup, bare
+from twinkle.server.execution.groups.model_group import ModelGroup, bare
 from twinkle.server.service import Service
 from twinkle.server.store import TINKER_FOLDERS, Checkpoint, Run, Session, Store, Tenant, check_name
 from twinkle.utils.logger import get_logger

@@ -27,10 +27,10 @@ from twinkle.data_format import SampleResponse, SamplingParams
 from twinkle.errors import DataError, NotFoundError
 from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker.base import JsonObject, TinkerAPI, proto_result, router
-from twinkle.server.execution import tinker_codec as codec
-from twinkle.server.execution.images import IMAGE_SLOT, Images, ImageSlot, RowImages
-from twinkle.server.execution.model_group import ModelGroup, SampleCall, bare, sampling_tokens
-from twinkle.server.execution.sampler_group import saved_weights
+from twinkle.server.execution.checks.images import IMAGE_SLOT, Images, ImageSlot, RowImages
+from twinkle.server.execution.groups.model_group import ModelGroup, SampleCall, bare, sampling_tokens
+from twinkle.server.execution.groups.sampler_group import saved_weights
+from twinkle.server.execution.tinker import codec
 from twinkle.server.metering import Meter
 from twinkle.server.store import Store, Tenant
 

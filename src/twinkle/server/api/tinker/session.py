@@ -24,8 +24,8 @@ from twinkle.errors import NotFoundError, SessionExpiredError
 from twinkle.server.api.deps import Who
 from twinkle.server.api.errors import ErrorBody
 from twinkle.server.api.tinker.base import PROTO, PROTO_KEY, JsonObject, TinkerAPI, router
-from twinkle.server.execution.model_group import bare
-from twinkle.server.execution.scheduler import wait_job
+from twinkle.server.execution.groups.model_group import bare
+from twinkle.server.execution.scheduling.scheduler import wait_job
 from twinkle.utils.logger import get_logger
 
 logger = get_logger()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from twinkle.server.config import TinkerSettings
-from twinkle.server.execution.sequencer import Sequencer
+from twinkle.server.execution.scheduling.sequencer import Sequencer
 
 
 class TinkerState:

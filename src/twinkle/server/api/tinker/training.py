@@ -29,9 +29,9 @@ from twinkle.errors import ConfigurationError, DataError, NotFoundError, Twinkle
 from twinkle.server.api.deps import Who
 from twinkle.server.api.tinker import external, provenance
 from twinkle.server.api.tinker.base import PROTO, JsonObject, TinkerAPI, proto_result, router
-from twinkle.server.execution import tinker_codec as codec
-from twinkle.server.execution.model_group import ModelGroup, bare
-from twinkle.server.execution.tinker_compute import check_adam, lora_config
+from twinkle.server.execution.groups.model_group import ModelGroup, bare
+from twinkle.server.execution.tinker import codec
+from twinkle.server.execution.tinker.compute import check_adam, lora_config
 from twinkle.server.metering import Meter
 from twinkle.server.service import Service
 from twinkle.server.store import Checkpoint, Run, Tenant, check_checkpoint_name

@@ -1,0 +1,1 @@
+"""What a request must satisfy before it is queued, images included."""

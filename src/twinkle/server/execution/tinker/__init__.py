@@ -1,0 +1,1 @@
+"""What the Tinker protocol's requests do on a host: its protobuf bodies and its training computations."""
