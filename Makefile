@@ -21,7 +21,7 @@ MEGATRON_CORE ?= megatron-core==0.19.2
 # megatron-core's pipeline schedules import triton unconditionally (transformer/moe/ops/paged_stash.py); torch 2.13's own pin.
 TRITON ?= triton==3.7.1
 
-.PHONY: setup browser postgres train grpo agent vlm test fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs \
+.PHONY: setup browser postgres train grpo agent vlm test test-quick fuzz lint bench clean setup-vllm test-vllm bench-vllm dashboard-assets docs \
 	setup-megatron test-megatron bench-megatron
 
 setup: $(VENV)/.installed
@@ -54,7 +54,7 @@ vlm: setup  ## images: LoRA SFT of the embedded tiny VLM on its pictures' colour
 browser:  ## Debian's chromium for the dashboard's browser test
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q --no-install-recommends chromium \
 		|| { apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }; } \
-		|| echo 'make browser: chromium is missing and this is not root: tests/test_dashboard.py will be skipped'; }
+		|| echo 'make browser: chromium is missing and this is not root: tests/server/test_dashboard.py will be skipped'; }
 
 # The store's tests on PostgreSQL start a server of their own from Debian's package (tests/pg_helpers.py), installed
 # here with apt-get when missing (as root, as CI runs; elsewhere install it yourself, or its tests are skipped).
@@ -71,12 +71,18 @@ dashboard-assets:  ## refresh the vendored uPlot from npm
 		&& cp package/dist/uPlot.iife.min.js package/dist/uPlot.min.css package/LICENSE ../static/vendor/uplot/ \
 		&& cd .. && rm -rf .npm-pack
 
+test-quick: setup  ## the quick tier: the unit tests and every docstring example of src/, nothing started (at most 3 minutes)
+	$(PY) -m pytest -q --quick
+
+# The quick tier, then the rest (tests/tiers.py): each run prints its time and its slowest tests that
+# tests/durations.json does not hold yet.
 test: setup browser postgres  ## lint, layer contracts, types (mypy over src/), then the whole test suite (CPU only, offline)
 	$(VENV)/bin/ruff check src tests cookbook benchmarks
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --quick
+	$(PY) -m pytest -q -m 'integration or slow'
 
 # The docs site (mkdocs.yml, docs/) into site/. --strict fails on a broken link or anchor, a missing page or a reference
 # that does not resolve; mkdocstrings reads the sources without importing them. `$(VENV)/bin/mkdocs serve` previews it.
@@ -128,7 +134,7 @@ bench-vllm: setup-vllm  ## vLLMSampler against raw vLLM (LLM.generate) and Torch
 	$(VPY) benchmarks/vllm_sampler.py
 
 fuzz: setup  ## the schema-driven fuzz of every HTTP operation, 50 requests per operation and mode (make test runs 2)
-	TWINKLE_FUZZ_EXAMPLES=$${TWINKLE_FUZZ_EXAMPLES:-50} $(PY) -m pytest -q --timeout=3600 tests/test_schema_fuzz.py
+	TWINKLE_FUZZ_EXAMPLES=$${TWINKLE_FUZZ_EXAMPLES:-50} $(PY) -m pytest -q --timeout=3600 tests/server/test_schema_fuzz.py
 
 bench: setup  ## overhead vs raw PyTorch + PEFT, sampler vs generate, GRPO reward curve, HTTP (native and Tinker) vs local, a small request's path step by step, MessagePack vs JSON bodies, Ray and torchrun vs one process, mixed-tenant passes, a long chat beside another tenant's training, 32 sampling requests at once, a thousand adapters, 64 tenants through two gateways on PostgreSQL, adapters stepped together, a model group of 1 and 2 ranks, LoRA on MoE experts and expert parallel, packed vs padded, streaming memory, image rows, the fused output layer, SFT and GRPO steps per speed switch
 	$(PY) benchmarks/lora_overhead.py

@@ -18,7 +18,7 @@ store's futures (what the server answered, whether or not the answer reached its
 Usage::
 
     .venv/bin/python benchmarks/worker_crash.py                 # 8 tenants; writes results/worker_crash.json
-    .venv/bin/python benchmarks/worker_crash.py --tenants 3     # what tests/test_server_crash.py runs
+    .venv/bin/python benchmarks/worker_crash.py --tenants 3     # what tests/server/test_server_crash.py runs
 """
 
 from __future__ import annotations

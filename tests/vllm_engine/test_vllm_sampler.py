@@ -130,7 +130,7 @@ def completion_logits(model: TransformersModel, seq) -> torch.Tensor:
 @pytest.mark.parametrize('temperature', [0.5, 0.7, 1.0, 1.5])
 def test_logprobs_are_of_the_distribution_at_the_temperature(sampler, trainer, temperature):
     # logprobs_mode='processed_logprobs': log_softmax(logits / t) of the sampled token and of the
-    # top 3, as TorchSampler's (tests/test_sampler.py) and Tinker's.
+    # top 3, as TorchSampler's (tests/sampler/test_sampler.py) and Tinker's.
     params = SamplingParams(max_tokens=8, temperature=temperature, seed=42, num_samples=2, logprobs=3, ignore_eos=True)
     for seq in sequences(sampler.sample(PROMPTS, params)):
         expected_TV = torch.log_softmax(completion_logits(trainer, seq) / temperature, dim=-1)

@@ -133,7 +133,7 @@ def test_the_tinker_sdk_samples_its_sampler_weights_through_the_engine(beside, s
 @pytest.mark.parametrize('temperature', [0.5, 1.5])
 def test_every_api_gives_the_logprobs_of_the_distribution_at_the_temperature(beside, sdk_clients, temperature):
     # The engine's processed logprobs: log_softmax(logits / t) of the model's own forward at each
-    # sampled token (tests/test_temperature_logprobs.py: the same through TorchSampler).
+    # sampled token (tests/server/test_temperature_logprobs.py: the same through TorchSampler).
     url, keys, _ = beside
     model = AutoModelForCausalLM.from_pretrained(assets.tiny_model('tiny-qwen3'), torch_dtype=torch.float32).eval()
     prompt = [11, 23, 5, 42]

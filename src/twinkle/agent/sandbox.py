@@ -12,7 +12,7 @@ runs the code: ``RLIMIT_CPU`` (SIGXCPU), ``RLIMIT_AS`` (``MemoryError``), ``RLIM
 ``RLIMIT_NPROC``. Wall time and output size are enforced by the parent, which reads at most
 ``output_bytes`` per stream and kills the group past that.
 
-What each mode isolates (docs/agents.md has the table, each cell measured by tests/test_sandbox.py):
+What each mode isolates (docs/agents.md has the table, each cell measured by tests/agent/test_sandbox.py):
 
 - ``'namespace'``, what ``mode='auto'`` takes (where it does not work, ``auto`` refuses rather than
   fall back): ``unshare --user --map-root-user --mount --net --pid --ipc --uts --fork``, then the

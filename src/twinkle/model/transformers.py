@@ -141,7 +141,7 @@ class TransformersModel(TwinkleModel):
             raise ConfigurationError(f'compile_layers must be True or False; got {compile_layers!r}')
         if compile_layers and gradient_checkpointing:
             # transformers checkpoints inside each layer's forward; dynamo then compiles no graph and
-            # the layers run eager (tests/test_compiled_layers.py), so the pair would only pretend.
+            # the layers run eager (tests/model/test_compiled_layers.py), so the pair would only pretend.
             raise ConfigurationError(
                 'compile_layers=True and gradient_checkpointing=True do not combine: checkpointed layers run eager '
                 'under torch.compile; choose one'

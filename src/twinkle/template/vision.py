@@ -13,7 +13,7 @@ image's temporal, height and width patches). Each image's one ``<|image_pad|>`` 
 (``Qwen2VLProcessor``, ``Qwen3VLProcessor``) do. The project expands the tokens itself rather than
 calling ``AutoProcessor``: transformers' Qwen3-VL processor always builds its video processor,
 which needs torchvision, and torchvision cannot be installed beside the CPU torch the project pins;
-the image processor alone (its PIL backend) needs nothing more. ``tests/test_vlm_training.py``
+the image processor alone (its PIL backend) needs nothing more. ``tests/model/test_vlm_training.py``
 checks the expansion against the count the grid gives.
 
 Image tokens are never trained on: their labels are ``IGNORE_INDEX``. A row's ``mm_token_type_ids``

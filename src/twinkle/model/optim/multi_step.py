@@ -10,7 +10,7 @@ multi-tensor kernels).
 
 The arithmetic per tensor is torch's own (its functional ``adam``, and the norms and scaling of
 ``clip_grad_norm_``), and the multi-tensor kernels compute each tensor on its own, so an adapter
-gets the numbers it gets alone, bit for bit (``tests/test_multi_step.py``): who steps beside it
+gets the numbers it gets alone, bit for bit (``tests/model/test_multi_step.py``): who steps beside it
 does not change its training.
 """
 

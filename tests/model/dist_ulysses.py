@@ -1,7 +1,7 @@
 """The training loops ``test_ulysses.py`` runs in one process and under torchrun (2 ranks, gloo),
 where both ranks form one Ulysses group (``ulysses_size=2``) and share every batch.
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/dist_ulysses.py OUT_DIR
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/model/dist_ulysses.py OUT_DIR
 
 Each scenario writes its per-step losses and gradient norms, the training metrics, and the
 label logprobs of a ``forward_only`` (the whole sequence's, on every rank).

@@ -1,6 +1,6 @@
 """The training loop ``test_distributed.py`` runs in one process and under torchrun (2 ranks, gloo).
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/dist_train.py OUT_DIR
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/infra/dist_train.py OUT_DIR
 
 Only the ``initialize`` line differs between the two (a mesh under torchrun); every scenario
 writes its per-step global losses, gradient norms and metrics, and saves its last checkpoint.

@@ -1,6 +1,6 @@
 """Two torchrun ranks (gloo) read one stream with 2 DataLoader workers each; ``test_streaming.py`` checks them.
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/dist_stream.py DATA_DIR OUT_DIR
+    python -m torch.distributed.run --nproc_per_node=2 tests/dataset/dist_stream.py DATA_DIR OUT_DIR
 
 Each rank writes the rows of every batch it got (``rank<r>.json``): with a filter that leaves
 the shards uneven, every rank must stop at the same step, and together the ranks read every

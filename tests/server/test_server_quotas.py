@@ -2,7 +2,7 @@
 and when it resets or what to delete; the others keep being served.
 
 ``dave`` may use 60 tokens a day and keep 1 byte of checkpoints (so one checkpoint at a time);
-every tenant may hold 2 runs and queue 1 request. Weighted turns are ``tests/test_server_scheduler.py``'s.
+every tenant may hold 2 runs and queue 1 request. Weighted turns are ``tests/server/test_server_scheduler.py``'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A user's torchrun job, trimmed for ``test_exit_clean.py``: FSDP2 LoRA over 2 ranks (gloo), two
 optimizer steps and a save, then the script simply ends.
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/exit_job.py OUT_DIR
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/infra/exit_job.py OUT_DIR
 
 Before twinkle starts anything it registers an exit hook; exit hooks run last in, first out, so
 this one runs after twinkle's own and writes the names of the threads still alive in this

@@ -1,6 +1,6 @@
 """twinkle.dataset: loading local files and in-memory rows, slicing, mapping, encoding, mixing.
 
-Hub ids (an hf cache layout) are covered in tests/test_hub.py.
+Hub ids (an hf cache layout) are covered in tests/utils/test_hub.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A model group whose ranks are Ray actors on two nodes (``ranks: 2`` with ``ray:``): a local
 Ray cluster of two nodes on loopback (``ray.cluster_utils.Cluster``, one CPU each, so the two
 ranks must land on different nodes), FSDP2 over gloo across them, and three tenants that get the
-numbers of a one-rank host in this process (1e-5, as ``tests/test_server_ranks.py``)."""
+numbers of a one-rank host in this process (1e-5, as ``tests/server/test_server_ranks.py``)."""
 
 from __future__ import annotations
 

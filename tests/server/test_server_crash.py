@@ -29,7 +29,7 @@ from twinkle.server.store import Store
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'benchmarks'))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / 'benchmarks'))
 import worker_crash  # the benchmark's run: tenants, the kill, the checks against the store
 
 

@@ -33,7 +33,7 @@ from twinkle.server.tinker.common import input_feature_to_datum as seed_000_impo
 from twinkle.tinker_sdk import check_tinker_version
 from twinkle_client import init_tinker_compat_client
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 ENV_NAMES = ('TINKER_BASE_URL', 'TINKER_API_KEY', 'TWINKLE_SERVER_URL', 'TWINKLE_API_KEY')
 KEY = 'tml-' + 'k' * 40
 

@@ -44,7 +44,8 @@ from server_helpers import background_server
 
 #: Operations that answer without an API key; every other one must answer 401 without a known key.
 # The routes that need no API key: health, and a download link's file (the signed link is the credential:
-# tests/test_tinker_export.py checks that an altered or expired one is a 401). The metrics need the admin key.
+# tests/server/tinker/test_tinker_export.py checks that an altered or expired one is a 401). The metrics need the
+# admin key.
 PUBLIC = {
     'GET /healthz',
     'GET /api/v1/healthz',
@@ -69,7 +70,7 @@ REQUEST_TIMEOUT_S = 60.0
 # Tinker's forward_backward body is protobuf: schemathesis sends the bytes it draws as they are.
 schemathesis.serializer.alias('application/x-protobuf', 'application/octet-stream')
 #: Bodies a schema cannot describe: bytes that must parse as a protobuf message. A request that fits
-#: the schema (any bytes) may be refused; tests/test_tinker_codec.py fuzzes the messages themselves.
+#: the schema (any bytes) may be refused; tests/server/tinker/test_tinker_codec.py fuzzes the messages themselves.
 OPAQUE_BODIES = {'application/x-protobuf'}
 #: Sampling parameters of a request that fits the schema as the fuzz sends them (the sampler checks
 #: each parameter's value and that the prompt and max_tokens fit the model's context).

@@ -1,5 +1,5 @@
 """``ForwardedHeaders``: a trusted proxy's ``X-Forwarded-*`` make the request's address the client's; any
-other caller's change nothing. (Through a real gateway: ``tests/test_server_gateways.py``.)"""
+other caller's change nothing. (Through a real gateway: ``tests/server/test_server_gateways.py``.)"""
 
 from __future__ import annotations
 

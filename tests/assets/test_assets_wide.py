@@ -3,7 +3,7 @@ output layer's real share of a step (the other embedded models' 4,096 outputs hi
 
 The folder is built in the session's ``TWINKLE_HOME`` (``tests/conftest.py``), once per cache: its
 750 MB of float32 weights are not built twice to compare bytes (the seeded draw is the same code
-``tests/test_assets.py`` checks on ``tiny-qwen3``)."""
+``tests/assets/test_assets.py`` checks on ``tiny-qwen3``)."""
 
 from __future__ import annotations
 

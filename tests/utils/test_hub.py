@@ -26,7 +26,7 @@ OFFLINE_VARS = ('TWINKLE_OFFLINE', 'HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE', 'MO
 
 
 def _no_network(*args: object, **kwargs: object) -> None:
-    raise OSError('network access is disabled in tests/test_hub.py')
+    raise OSError('network access is disabled in tests/utils/test_hub.py')
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from twinkle.errors import ConfigurationError, DataError, StateError
 from twinkle.server.auth import hash_key, key_from_headers, new_api_key, read_keys_file
 from twinkle.server.store import SCHEMA_VERSION, Store, check_name, parse_checkpoint_path, parse_twinkle_path
 
-SRC = str(Path(__file__).resolve().parent.parent / 'src')
+SRC = str(Path(__file__).resolve().parents[2] / 'src')
 
 
 class FakeClock:

@@ -31,6 +31,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
 )
+from vlm_helpers import VLMS, image_inputs
 
 import twinkle.assets
 from twinkle.assets import DATASETS, MODELS, dataset, images, resolve_images, tiny_model
@@ -39,7 +40,6 @@ from twinkle.model import TransformersModel
 from twinkle.model.loading import auto_model_class
 from twinkle.model.lora import multi as multi_lora
 
-VLMS = {'tiny-qwen3.5-vl': 'Qwen3_5ForConditionalGeneration', 'tiny-qwen3-vl': 'Qwen3VLForConditionalGeneration'}
 #: The text models whose shape each VLM's language model takes.
 TEXT_MODELS = {'tiny-qwen3.5-vl': 'tiny-qwen3.5', 'tiny-qwen3-vl': 'tiny-qwen3'}
 #: Every linear layer of the two language models (Qwen3.5's gated deltanet has the in_proj_* and
@@ -154,20 +154,6 @@ def test_the_chat_template_renders_text_as_before_and_images_as_qwen_does(vlm_di
 
 
 # ---- loading and a forward with an image --------------------------------------------------------------
-
-
-def image_inputs(path: str, picture: Image.Image, question: str) -> dict[str, torch.Tensor]:
-    """What Qwen3-VL's processor gives for one user turn holding ``picture`` then ``question``:
-    each ``<|image_pad|>`` repeated grid_t * grid_h * grid_w / merge_size**2 times, and
-    ``mm_token_type_ids`` 1 on those tokens."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    pixels = AutoImageProcessor.from_pretrained(path)(images=[picture], return_tensors='pt')
-    messages = [{'role': 'user', 'content': [{'type': 'image'}, {'type': 'text', 'text': question}]}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    pads = int(pixels['image_grid_thw'][0].prod()) // 2**2
-    ids = tokenizer(text.replace('<|image_pad|>', '<|image_pad|>' * pads), return_tensors='pt')['input_ids']
-    mm = (ids == tokenizer.convert_tokens_to_ids('<|image_pad|>')).long()
-    return {'input_ids': ids, 'mm_token_type_ids': mm, **pixels}
 
 
 @pytest.mark.parametrize('name', VLMS)

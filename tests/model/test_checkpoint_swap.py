@@ -165,7 +165,7 @@ def test_a_server_killed_before_a_steps_state_is_committed_brings_the_run_back_w
     tmp_path, tiny_model_dir
 ):
     """A server keeps each run's state in a folder of its own, then commits it with the step's answer
-    (``tests/test_run_lifecycle.py`` kills a save at its commit). Killed after the 4th step wrote its
+    (``tests/server/test_run_lifecycle.py`` kills a save at its commit). Killed after the 4th step wrote its
     state and before its commit: the restart sweeps that folder, the step is answered 'failed', and the
     run continues from its 3rd step's state (nothing answered is lost but the 4th ``forward_backward``,
     which the run's next request names); it then holds the weights of 3 steps."""

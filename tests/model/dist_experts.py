@@ -1,6 +1,6 @@
 """The expert-parallel loop ``test_expert_parallel.py`` runs in one process and under torchrun (2 ranks, gloo).
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/dist_experts.py OUT_DIR
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 tests/model/dist_experts.py OUT_DIR
 
 On ``tiny-qwen3-moe`` (8 experts, top 2) two adapters train, 'a' on every linear layer and every
 expert stack, 'b' on the experts' ``down_proj`` alone, alternating, then both in one mixed pass.

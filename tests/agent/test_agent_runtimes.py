@@ -21,7 +21,7 @@ from twinkle.data_format import SamplingParams
 from twinkle.model import TransformersModel
 from twinkle.template import Template
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE_ARGS = ('--steps', '2', '--warmup-steps', '1', '--games-per-step', '2', '--group-size', '2')
 
 

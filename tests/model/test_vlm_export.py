@@ -5,7 +5,7 @@ not, the export keeps the processor's files, so it is used as the original folde
 ``shapes`` dataset copied by ``twinkle assets dataset --out`` with its images, and a server's model
 host on a VLM reporting its context length (read from the text config).
 
-Image inputs are built as ``test_vlm_assets.image_inputs`` does (the PIL image processor and each
+Image inputs are built as ``vlm_helpers.image_inputs`` does (the PIL image processor and each
 ``<|image_pad|>`` expanded by the grid): ``AutoProcessor`` needs torchvision, absent here.
 """
 
@@ -24,8 +24,8 @@ import torch
 import transformers
 from peft import LoraConfig, PeftModel
 from PIL import Image
-from test_vlm_assets import VLMS, image_inputs
 from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+from vlm_helpers import VLMS, image_inputs
 
 from twinkle import assets
 from twinkle.assets import dataset, resolve_images

@@ -2,10 +2,10 @@
 
 ``/metrics`` on the API's port answers the admin key only (a tenant's key is a 401, as no key is);
 ``metrics.port`` serves them alone without a key, and closes with the server; ``metrics.tenant_label``
-names tenants by id (the default, ``tests/test_server_gateways.py``), by name
-(``tests/test_server_usage.py``) or not at all (here). The routes that answer without a key are the health
+names tenants by id (the default, ``tests/server/test_server_gateways.py``), by name
+(``tests/server/test_server_usage.py``) or not at all (here). The routes that answer without a key are the health
 checks, the API's schema and its pages, the dashboard's page and files, and the signed links' files (whose
-signature is the credential: ``tests/test_tinker_export.py``); none names a tenant or a server path.
+signature is the credential: ``tests/server/tinker/test_tinker_export.py``); none names a tenant or a server path.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The store keeps one future per tenant and key, written with the future (SQLite and PostgreSQL); a request
 refused before it ran (its tenant's queue full) frees its key, so the client's retry with it after the
-``Retry-After`` runs. (Through gateways, one killed during a wait: ``tests/test_server_gateways.py``.)
+``Retry-After`` runs. (Through gateways, one killed during a wait: ``tests/server/test_server_gateways.py``.)
 """
 
 from __future__ import annotations
