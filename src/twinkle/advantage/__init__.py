@@ -3,8 +3,8 @@ advantages on a forward's ``[B, T]`` grid (GAE with a critic, REINFORCE++) and D
 
 from twinkle.advantage.base import ADVANTAGES, Advantage
 from twinkle.advantage.dynamic_sampling import DynamicBatch, GroupFilter, filter_groups, sample_until_full
-from twinkle.advantage.gae import gae, per_sequence, token_rewards
 from twinkle.advantage.grpo import GRPOAdvantage
+from twinkle.advantage.per_token import gae, per_sequence, token_rewards
 from twinkle.advantage.reinforce_pp import reinforce_pp, reinforce_pp_baseline
 from twinkle.advantage.rloo import RLOOAdvantage
 

@@ -16,7 +16,7 @@ REINFORCE++-baseline (the paper's variant for reasoning tasks with several sampl
 first subtracts each group's mean score from its scores (groups contiguous, as in
 ``twinkle.advantage.base``), then does the same.
 
-Inputs are ``[B, T]`` grids as in ``twinkle.advantage.gae``; ``gae.per_sequence`` turns the result
+Inputs are ``[B, T]`` grids as in ``twinkle.advantage.per_token``; ``per_token.per_sequence`` turns the result
 into the per-token ``advantages`` the losses take.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from twinkle.advantage.base import EPS
-from twinkle.advantage.gae import Scores, as_mask, as_scores, check_unit, token_rewards
+from twinkle.advantage.per_token import Scores, as_mask, as_scores, check_unit, token_rewards
 from twinkle.errors import ConfigurationError, DataError
 
 

@@ -26,7 +26,7 @@ class ValueLoss(Loss):
     Loss inputs, per sequence in batch order (or ``[batch, seq]`` tensors, see ``twinkle.loss.rl``):
 
     - ``returns`` (required): the regression targets, per completion token (GAE's returns,
-      ``twinkle.advantage.gae``) or one number per sequence;
+      ``twinkle.advantage.per_token``) or one number per sequence;
     - ``old_values``: the values the returns were computed with, per completion token. Left out,
       or ``value_clip=None``: the plain squared error ``(V - R)^2 / 2``.
 

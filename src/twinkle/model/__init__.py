@@ -3,7 +3,7 @@
 from typing import TYPE_CHECKING
 
 from twinkle.infra.ray import remote_class
-from twinkle.model.base import AdapterCall, StepCall, StepResult, TwinkleModel
+from twinkle.model.base import AdapterCall, OptimizerStep, StepCall, TwinkleModel
 from twinkle.model.optim.registry import OPTIMIZERS, SCHEDULERS, CosineWarmupScheduler, LinearWarmupScheduler
 from twinkle.model.transformers import TransformersModel
 
@@ -41,8 +41,8 @@ __all__ = [
     'CosineWarmupScheduler',
     'LinearWarmupScheduler',
     'MegatronModel',
+    'OptimizerStep',
     'StepCall',
-    'StepResult',
     'TransformersModel',
     'TwinkleModel',
 ]

@@ -38,7 +38,7 @@ class StepCall:
 
 
 @dataclass(frozen=True)
-class StepResult:
+class OptimizerStep:
     """What one adapter's ``clip_grad_and_step`` did: the gradient norm before clipping (None
     between accumulation boundaries) and whether the optimizer stepped (a step with a NaN or
     infinite gradient norm is skipped)."""
@@ -87,7 +87,7 @@ class TwinkleModel(ABC):
         self.lr_step(adapter_name=adapter_name)
         return norm
 
-    def clip_grad_and_step_many(self, calls: Sequence[StepCall]) -> list[StepResult]:
+    def clip_grad_and_step_many(self, calls: Sequence[StepCall]) -> list[OptimizerStep]:
         """``clip_grad_and_step`` of several adapters, one result per call, in order. A model may
         step them together (``TransformersModel`` does); the numbers are those of the calls made
         one by one."""
@@ -97,7 +97,7 @@ class TwinkleModel(ABC):
             stepped = self.step(adapter_name=call.adapter_name)
             self.zero_grad(adapter_name=call.adapter_name)
             self.lr_step(adapter_name=call.adapter_name)
-            results.append(StepResult(norm, stepped))
+            results.append(OptimizerStep(norm, stepped))
         return results
 
     def save(

@@ -29,7 +29,7 @@ from twinkle.infra.runtime import get_runtime
 from twinkle.loss import LOSSES, Loss
 from twinkle.metric import METRICS, Metric, TrainMetric
 from twinkle.model import mixed_pass, packed_recurrence
-from twinkle.model.base import AdapterCall, Inputs, StepCall, StepResult, TwinkleModel
+from twinkle.model.base import AdapterCall, Inputs, OptimizerStep, StepCall, TwinkleModel
 from twinkle.model.checkpoint.checkpointer import Checkpointer, Restored, existing_checkpoint
 from twinkle.model.layout import ModelParallel
 from twinkle.model.loading import (
@@ -513,7 +513,7 @@ class TransformersModel(TwinkleModel):
         ``forward_backward`` starts the next window (``zero_grad`` after it changes nothing)."""
         return self._stepper.step(self.train_group(adapter_name))
 
-    def clip_grad_and_step_many(self, calls: Sequence[StepCall]) -> list[StepResult]:
+    def clip_grad_and_step_many(self, calls: Sequence[StepCall]) -> list[OptimizerStep]:
         """``clip_grad_and_step`` of several adapters, one result per call, in order. The adapters
         at an accumulation boundary whose optimizers allow it (``multi_step.fusable``: Adam or
         AdamW after their first step) are clipped and stepped together, with multi-tensor

@@ -81,7 +81,7 @@ class Stamped(Generic[T]):
 
 
 @dataclass
-class RolloutStats:
+class AsyncRolloutStats:
     """What the rollouts did so far."""
 
     produced: int = 0
@@ -148,7 +148,7 @@ class AsyncRollouts(Generic[T]):
         self.stale = stale
         self.decay = decay
         self.workers = workers
-        self.stats = RolloutStats()
+        self.stats = AsyncRolloutStats()
         self._lock = threading.Condition()
         self._ready: deque[Stamped[T]] = deque()
         self._threads: list[threading.Thread] = []

@@ -39,7 +39,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from twinkle.errors import CheckpointError, ConfigurationError, StateError
-from twinkle.model.base import StepCall, StepResult
+from twinkle.model.base import OptimizerStep, StepCall
 from twinkle.model.layout import ModelParallel
 from twinkle.model.optim.registry import check_optimizer_args, set_hyperparams
 from twinkle.model.optim.stepping import DEFAULT_LR, DEFAULT_OPTIMIZER, Stepper
@@ -285,7 +285,7 @@ class DistributedOptimizerStepper(Stepper):
         if group.at_boundary('zero_grad'):
             self._close(group)
 
-    def step_fused(self, groups: Sequence[TrainGroup], calls: Sequence[StepCall]) -> dict[int, StepResult]:
+    def step_fused(self, groups: Sequence[TrainGroup], calls: Sequence[StepCall]) -> dict[int, OptimizerStep]:
         """Nothing fused: the one group steps through megatron's optimizer."""
         return {}
 

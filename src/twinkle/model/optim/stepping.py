@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from twinkle.errors import StateError
-from twinkle.model.base import StepCall, StepResult
+from twinkle.model.base import OptimizerStep, StepCall
 from twinkle.model.layout import ModelParallel
 from twinkle.model.optim import multi_step
 from twinkle.model.optim.offload import OptimizerOffloader
@@ -137,14 +137,14 @@ class Stepper:
         group.step_log.on_step(group.optim_step, lr, elapsed_s)
 
     # ---- several adapters -----------------------------------------------------------------------
-    def step_fused(self, groups: Sequence[TrainGroup], calls: Sequence[StepCall]) -> dict[int, StepResult]:
+    def step_fused(self, groups: Sequence[TrainGroup], calls: Sequence[StepCall]) -> dict[int, OptimizerStep]:
         """``clip_grad_and_step`` of the groups (``calls[i]`` is ``groups[i]``'s) that can be
         clipped and stepped together: at an open accumulation boundary, with an optimizer that
         ``multi_step.fusable`` allows and whole (not sharded) parameters, at most as many at once
         as the offloader keeps on the device. Returns their results by index; the others are left
         for one-by-one calls. Under a mesh every rank's gradients are reduced first, so every
         rank decides alike."""
-        results: dict[int, StepResult] = {}
+        results: dict[int, OptimizerStep] = {}
         ready = [i for i, group in enumerate(groups) if group.at_open_boundary() and group.optimizer is not None]
         ready = [i for i in ready if not self.parallel.holds_shards(groups[i].params)]
         if self.parallel.enabled:
@@ -162,7 +162,7 @@ class Stepper:
                 results.update(zip(together, stepped, strict=True))
         return results
 
-    def _step_together(self, groups: list[TrainGroup], calls: list[StepCall]) -> list[StepResult]:
+    def _step_together(self, groups: list[TrainGroup], calls: list[StepCall]) -> list[OptimizerStep]:
         """``clip_grad_and_step`` of groups at an open boundary with ``fusable`` optimizers on
         the device, as one clip and one optimizer update; each group books an equal share of the time."""
         started = time.perf_counter()
@@ -181,7 +181,7 @@ class Stepper:
         for group in groups:
             self.zero_grad(group)
             self.lr_step(group)
-        return [StepResult(norm, group in stepping) for norm, group in zip(grad_norms, groups, strict=True)]
+        return [OptimizerStep(norm, group in stepping) for norm, group in zip(grad_norms, groups, strict=True)]
 
     def _hot_optimizers(self, wanted: int) -> int:
         """How many optimizers may be on the device at once to step together (the offloader's limit)."""

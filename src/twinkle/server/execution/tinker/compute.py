@@ -19,7 +19,7 @@ from tinker import types
 from twinkle.data_format import InputFeature
 from twinkle.errors import ConfigurationError, DataError, SequenceTooLongError, StateError, TwinkleError
 from twinkle.loss.tinker import TinkerLoss
-from twinkle.model import AdapterCall, StepCall, StepResult, TransformersModel
+from twinkle.model import AdapterCall, OptimizerStep, StepCall, TransformersModel
 from twinkle.server.config import ServerConfig
 from twinkle.server.execution.checks.images import ImageSlot
 from twinkle.server.execution.checks.requests import JsonObject, Outcome
@@ -179,7 +179,7 @@ def optim_steps(model: TransformersModel, requests: list[tuple[str, types.AdamPa
         return [error] * len(requests)
 
 
-def _step_metrics(result: StepResult) -> JsonObject:
+def _step_metrics(result: OptimizerStep) -> JsonObject:
     norm = result.grad_norm
     metrics: JsonObject = {'grad_norm:mean': norm} if norm is not None and math.isfinite(norm) else {}
     if not result.stepped:

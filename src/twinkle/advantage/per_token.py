@@ -1,4 +1,6 @@
-"""Generalized Advantage Estimation over completion tokens, for PPO with a critic.
+"""Per-token advantages: Generalized Advantage Estimation over completion tokens (PPO with a critic), and the
+``[B, T]`` grid helpers the per-token estimators share (``gae``, the function, lives here: the module is not named
+after it, so ``twinkle.advantage.gae`` is the function alone).
 
 Everything here works on the ``[B, T]`` grid a forward gives (``ModelOutput.logps``,
 ``TransformersModel.forward_values``): one row per sequence, ``mask`` marking its completion
