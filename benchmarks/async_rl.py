@@ -270,19 +270,19 @@ def child_main(args: argparse.Namespace) -> None:
 
     @contextmanager
     def timed_start(config: Any) -> Iterator[Any]:
-        with started(config) as runtime:
+        with started(config) as parts:
             for name in TIMED:
-                setattr(runtime.model, name, _timed(getattr(runtime.model, name), calls.setdefault(name, [])))
-            runtime.sampler.sample = _timed(runtime.sampler.sample, calls.setdefault('sample', []))
-            stage = runtime.stage
+                setattr(parts.model, name, _timed(getattr(parts.model, name), calls.setdefault(name, [])))
+            parts.sampler.sample = _timed(parts.sampler.sample, calls.setdefault('sample', []))
+            stage = parts.stage_weights
             applied = calls.setdefault('weight_sync', [])
 
             def timed_stage() -> tuple[int, Any]:
                 version, apply = stage()
                 return version, None if apply is None else _timed(apply, applied)
 
-            runtime.stage = timed_stage
-            yield runtime
+            parts.stage_weights = timed_stage
+            yield parts
 
     grpo_async.start = timed_start
     # Every prompt trained, so that each step does the same work in every mode.

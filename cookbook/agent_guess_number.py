@@ -17,7 +17,7 @@ The loop is the GRPO loop of the seeds with ``engine.rollout`` where ``sampler.s
 sync the adapter to the sampler, roll out a group of episodes per game, take each episode's
 return as its reward, advantages against the game's mean (scaled by the batch's spread), one
 policy-gradient step on the episodes' own tokens (only the model's are trained; ``old_logps``
-are the sampler's). ``start`` is the only code that knows the runtime:
+are the sampler's). ``start`` (over ``twinkle.recipe``) is the only code that knows the mode:
 
     python cookbook/agent_guess_number.py                      # one process
     python cookbook/agent_guess_number.py --mode ray           # model and sampler on Ray groups
@@ -29,8 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,18 +38,17 @@ from typing import Any
 from peft import LoraConfig
 from tqdm import tqdm
 
-import twinkle
-from twinkle import DeviceGroup, assets, get_logger
+from twinkle import assets, get_logger
 from twinkle.advantage import GRPOAdvantage
 from twinkle.agent import Action, RolloutEngine
 from twinkle.agent.tasks.guess_number import GuessNumberEnv, guess_number_envs
 from twinkle.data_format import SamplingParams
 from twinkle.metric import MetricWriter, add_sink_arguments
+from twinkle.recipe import RECIPE_MODES, ModeSettings, RecipeParts, add_config_arguments, start_parts
 from twinkle.template import Template
 
 logger = get_logger()
 ADAPTER = 'default'
-MODES = ('local', 'ray', 'server')
 # The output layer too: the tiny model is random, and with its output layer and final norm frozen no
 # logit moves more than about 2.6 nats, too little to make 9 digits of 4096 tokens likely (the
 # cold start's loss stalls at 2.4 nats a token, against 1.1 for a uniform digit; with it, 1.1).
@@ -77,55 +75,14 @@ class Config:
 
 
 @contextmanager
-def start(config: Config) -> Iterator[tuple[Any, Any, Callable[[], None]]]:
-    """The model, the sampler and the weight sync of ``config.mode``: the one runtime-aware part."""
-    model_dir = assets.tiny_model(config.model)
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules=LORA_TARGETS)
-    if config.mode == 'server':
-        with _server(model_dir) as (model, sampler):
-            model.add_adapter_to_model(ADAPTER, lora)
-            _configure(model, config)
-            yield model, sampler, lambda: None  # the server samples the run's current weights
-        return
-    from twinkle.checkpoint_engine import CheckpointEngineManager
-    from twinkle.model import TransformersModel
-    from twinkle.sampler import TorchSampler
-
-    if config.mode == 'ray':
-        groups = [DeviceGroup('model', 1, 'cpu'), DeviceGroup('sampler', 1, 'cpu')]
-        twinkle.initialize(mode='ray', groups=groups, seed=config.seed)
-    else:
-        twinkle.initialize(mode='local', seed=config.seed)
-    model = TransformersModel(model_dir, device='cpu', remote_group='model')
-    model.add_adapter_to_model(ADAPTER, lora)
-    _configure(model, config)
-    sampler = TorchSampler(model_dir, device='cpu', remote_group='sampler')
-    manager = CheckpointEngineManager(model, sampler)
-    yield model, sampler, lambda: manager.sync_weights(merge_and_sync=False)
-
-
-@contextmanager
-def _server(model_dir: str) -> Iterator[tuple[Any, Any]]:
-    """A server on the tiny model in this process, one tenant, and its client model and sampler."""
-    from twinkle.server.cli import BackgroundServer
-    from twinkle.server.config import ServerConfig
-    from twinkle.server.store import Store
-    from twinkle_client import init_twinkle_client
-    from twinkle_client.model import MultiLoraTransformersModel
-    from twinkle_client.sampler import TorchSampler as ClientSampler
-
-    with tempfile.TemporaryDirectory() as data_dir:
-        server_config = ServerConfig.build(base_model=model_dir, port=0, data_dir=data_dir)
-        with Store(server_config.db_path) as store:
-            key = store.tenants.add('agent')[1]
-        with BackgroundServer(server_config) as url:
-            client = init_twinkle_client(base_url=url, api_key=key)
-            model = MultiLoraTransformersModel(client=client)
-            yield model, ClientSampler(model=model)
-
-
-def _configure(model: Any, config: Config) -> None:
-    model.set_optimizer('AdamW', lr=config.warmup_lr)
+def start(config: Config) -> Iterator[RecipeParts]:
+    """The model (its adapter, the cold start's optimizer), the sampler and their weight sync in ``config.mode``."""
+    mode = ModeSettings(config.mode, config.seed, device='cpu')  # type: ignore[arg-type]
+    with start_parts(mode, assets.tiny_model(config.model)) as parts:
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules=LORA_TARGETS)
+        parts.model.add_adapter_to_model(ADAPTER, lora)
+        parts.model.set_optimizer('AdamW', lr=config.warmup_lr)
+        yield parts
 
 
 def warm_up(model: Any, template: Template, config: Config) -> None:
@@ -157,18 +114,16 @@ def random_game(rng: random.Random, max_guesses: int) -> dict[str, Any]:
 
 def train(config: Config, writer: MetricWriter | None = None) -> list[dict[str, float]]:
     """The loop; each step's record also goes to ``writer`` when given."""
-    if config.mode not in MODES:
-        raise SystemExit(f'--mode must be one of {MODES}; got {config.mode!r}')
     history = []
-    with start(config) as (model, sampler, sync_weights):
+    with start(config) as parts:
         template = Template(assets.tiny_model(config.model))
         params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature)
-        engine = RolloutEngine(sampler, template, params, max_turns=config.max_guesses)
-        warm_up(model, template, config)
+        engine = RolloutEngine(parts.sampler, template, params, max_turns=config.max_guesses)
+        warm_up(parts.model, template, config)
         progress = tqdm(total=config.steps, desc='agent', unit='step')
         for step in range(1, config.steps + 1):
-            sync_weights()
-            record = rl_step(model, engine, config, step)
+            parts.sync_weights()
+            record = rl_step(parts.model, engine, config, step)
             history.append(record)
             if writer is not None:
                 writer.write({k: v for k, v in record.items() if k != 'step'}, step=step)
@@ -211,8 +166,7 @@ def rl_step(model: Any, engine: RolloutEngine, config: Config, step: int) -> dic
 
 def parse_args() -> tuple[Config, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    for name, default in asdict(Config()).items():
-        parser.add_argument(f'--{name.replace("_", "-")}', type=type(default), default=default)
+    add_config_arguments(parser, Config(), choices={'mode': RECIPE_MODES})
     add_sink_arguments(parser, log_dir='output/agent-guess-number/logs')
     args = vars(parser.parse_args())
     sinks = argparse.Namespace(report_to=args.pop('report_to'), log_dir=args.pop('log_dir'))

@@ -1,7 +1,8 @@
 """FSDP2 LoRA SFT on self-cognition: one script for one process, torchrun and Ray.
 
 The "Local Multi-GPU Training" loop of the seed's Qwen3.5 best-practices page, on the embedded
-tiny model and self-cognition set. ``start_runtime`` is the only code that knows the runtime:
+tiny model and self-cognition set. ``twinkle.recipe.start_runtime`` is the only code that knows
+the runtime:
 
 - one process: no mesh;
 - torchrun: ``DeviceMesh(fsdp_size=WORLD_SIZE // dp, dp_size=dp)``, one rank per process;
@@ -28,43 +29,20 @@ import json
 import os
 from pathlib import Path
 
-import torch
 from peft import LoraConfig
 
-import twinkle
-from twinkle import DeviceGroup, DeviceMesh, assets, get_logger
+from twinkle import DeviceMesh, assets, get_logger
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.infra import distributed
 from twinkle.metric import MetricWriter, add_sink_arguments
 from twinkle.model import TransformersModel
 from twinkle.preprocessor import SelfCognitionProcessor
+from twinkle.recipe import ModeSettings, start_runtime
 
 logger = get_logger()
-DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 MODES = ('local', 'ray')
 ACCUMULATION = 2  # batches per optimizer step, as in the seed
-
-
-def start_runtime(mode: str, ranks: int, dp: int) -> DeviceMesh | None:
-    """The one place that differs between the runtimes; returns the model's mesh (None: one process)."""
-    if mode == 'ray':
-        start_local_ray(ranks)
-        twinkle.initialize(mode='ray', groups=[DeviceGroup('model', ranks, DEVICE)], seed=0)
-        return DeviceMesh.from_sizes(fsdp_size=ranks // dp, dp_size=dp, device_type=DEVICE)
-    world = int(os.environ.get('WORLD_SIZE', '1'))
-    mesh = DeviceMesh.from_sizes(fsdp_size=world // dp, dp_size=dp, device_type=DEVICE) if world > 1 else None
-    twinkle.initialize(mode='local', global_device_mesh=mesh, seed=0)
-    return mesh
-
-
-def start_local_ray(num_cpus: int) -> None:
-    """Without ``RAY_ADDRESS``: a new local Ray with ``num_cpus`` logical CPUs, one per rank, however
-    many cores the machine has (``twinkle.initialize`` then uses it; with ``RAY_ADDRESS`` it joins)."""
-    if DEVICE == 'cpu' and not os.environ.get('RAY_ADDRESS'):
-        from twinkle.infra.ray.cluster import start_local
-
-        start_local(num_cpus)  # its workers at this process's priority, not Ray's niceness 15
 
 
 def build_dataset(model_id: str, rows: range) -> Dataset:
@@ -83,7 +61,18 @@ def evaluate(model: TransformersModel, dataset: Dataset, batch_size: int) -> dic
 
 
 def train(args: argparse.Namespace) -> list[float]:
-    mesh = start_runtime(args.mode, args.ranks, args.dp)
+    """The runtime of ``--mode``: one process, torchrun, or a Ray group ``'model'`` of ``--ranks`` workers."""
+    mode = ModeSettings(args.mode, seed=0, model_ranks=args.ranks, sampler_ranks=0)
+    with start_runtime(mode, mesh=lambda ranks, device: fsdp_mesh(ranks, args.dp, device)) as mesh:
+        return train_on(mesh, args)
+
+
+def fsdp_mesh(ranks: int, dp: int, device_type: str) -> DeviceMesh:
+    """The model's ranks as ``dp`` data-parallel replicas, each sharded over ``ranks // dp`` ranks (FSDP2)."""
+    return DeviceMesh.from_sizes(fsdp_size=ranks // dp, dp_size=dp, device_type=device_type)
+
+
+def train_on(mesh: DeviceMesh | None, args: argparse.Namespace) -> list[float]:
     model_id = assets.tiny_model()
     dataset = build_dataset(model_id, range(args.steps * args.batch_size))
     eval_dataset = build_dataset(model_id, range(2 * args.batch_size))  # as the seed: rows it also trains on

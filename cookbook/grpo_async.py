@@ -1,21 +1,20 @@
 """Async GRPO on the letter-words task: sampling overlaps training, within a staleness bound.
 
-The task, reward and hyper-parameters of ``grpo_letter_words.py`` (imported from there). A
+The task, reward and settings of ``grpo_letter_words.py`` (``twinkle.reward.letter_words``). A
 background thread samples one prompt's group at a time (``produce``) with the sampler's current
 weights while the loop trains on groups already scored; after each step that changed the
 weights the loop stages a copy of them and the rollout thread loads them into the sampler
 between two generations (``--partial-chunk N``: between two chunks of N tokens, so a generation
-spanning an update continues on the new weights). ``--max-staleness k`` bounds how many steps behind the trainer a
-group may be; ``--max-staleness 0`` is the synchronous loop, step for step and number for number
-(``--sync`` runs that loop without threads, for comparison).
+spanning an update continues on the new weights). ``--max-staleness k`` bounds how many steps
+behind the trainer a group may be; ``--max-staleness 0`` is the synchronous loop, step for step
+and number for number (``--sync`` runs that loop without threads, for comparison). ``start``
+(over ``twinkle.recipe``) is the only code that knows the mode.
 
-Stale groups train with the decoupled loss (``loss_settings``: the clip against the trainer's
-own policy, the sampler only in a truncated importance weight), and prompts whose samples all
+Stale groups train with the decoupled loss (``loss_settings``) and prompts whose samples all
 scored alike are left out (``trained_rows``): without the first a bound of 2 stalled four runs
 of five, without the second a solved run could fall back to a near-uniform policy
 (docs/async_rl.md, "Stale samples"). ``--fill-pipeline`` makes every batch exactly
-``max_staleness`` steps old, the bound's worst case, the same at every run of a seed (as many
-versions old, less the steps between that were skipped: they left the weights as they were).
+``max_staleness`` steps old, the bound's worst case, the same at every run of a seed.
 
     python cookbook/grpo_async.py                                  # one process, about 40 s
     python cookbook/grpo_async.py --mode ray                       # sampler and trainer in two Ray actors
@@ -34,35 +33,46 @@ import argparse
 import json
 import math
 import random
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from grpo_letter_words import ADAPTER, LetterWordsReward, prompt
-from grpo_letter_words import Config as LetterWordsConfig
 from peft import LoraConfig
 
-import twinkle
-from twinkle import DeviceGroup, assets, get_logger
+from twinkle import assets, get_logger
 from twinkle.advantage import GRPOAdvantage
+from twinkle.advantage.dynamic_sampling import filter_groups
 from twinkle.data_format import SampledSequence, SamplingParams
+from twinkle.recipe import RECIPE_MODES, ModeSettings, RecipeParts, add_config_arguments, start_parts
+from twinkle.reward import LetterWordsReward
+from twinkle.reward.letter_words import letter_words_prompts
 from twinkle.rl import AsyncRollouts, Session, Stamped, generate_partial
 
 logger = get_logger()
-MODES = ('local', 'ray', 'server')
+ADAPTER = 'default'
 
 
 @dataclass
-class Config(LetterWordsConfig):
-    """``grpo_letter_words``'s settings (the task, the model, the optimizer) and the async loop's."""
-
+class Config:
+    # The task, the model and the optimizer: grpo_letter_words.py's settings (there 80 steps).
     steps: int = 60
+    prompts_per_step: int = 6
+    num_generations: int = 8
+    max_tokens: int = 8
+    target_words: int = 4
+    lr: float = 3e-3
+    lora_rank: int = 16
+    beta: float = 0.01
+    temperature: float = 1.0
+    seed: int = 0
+    letters: str = 's'  # the letters prompts ask for ('scp': the policy must read the prompt)
+    model: str = 'tiny-qwen3'
+    output: str = ''  # a JSON file for the per-step log, if given
     prompts_per_call: int = 1  # prompts per sampler call (one rollout item); divides prompts_per_step
     max_staleness: int = 1
     stale: str = 'drop'  # 'drop' or 'reweight' for a group staler than the bound
@@ -79,8 +89,9 @@ class Config(LetterWordsConfig):
     fill_pipeline: bool = False
     # Leave out each prompt's samples that all scored alike (advantage 0); no step when none is left (trained_rows).
     skip_flat_groups: bool = True
-    mode: str = 'local'
     sync: bool = False  # the synchronous loop, without threads
+    # Where it runs (twinkle.recipe.ModeSettings): 'local', 'ray' (sampler and trainer in two actors) or 'server'.
+    mode: str = 'local'
     threads: int = 0  # torch threads in each process (0: torch's default)
     url: str = ''  # --mode server: a running server to train on (with --api-key); else one starts here
     api_key: str = ''
@@ -96,115 +107,33 @@ class Group:
     advantages: list[float]
 
 
-class Runtime:
-    """The model, the sampler and the weight sync of one mode: the one runtime-aware part."""
-
-    def __init__(self, model: Any, sampler: Any, stage: Callable[[], tuple[int, Callable[[], object] | None]]):
-        self.model, self.sampler, self.stage = model, sampler, stage
-
-
 @contextmanager
-def start(config: Config) -> Iterator[Runtime]:
-    model_dir = assets.tiny_model(config.model)
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules='all-linear')
-    if config.mode == 'server':
-        with _server(model_dir, config) as (model, sampler):
-            _configure(model, lora, config)
-            yield Runtime(model, sampler, _server_stage(model, sampler, config))
-        return
-    from twinkle.checkpoint_engine import CheckpointEngineManager
-    from twinkle.model import TransformersModel
-    from twinkle.sampler import TorchSampler
-
-    if config.mode == 'ray':
-        from twinkle.infra.ray.cluster import start_local
-
-        start_local(2)
-        groups = [DeviceGroup('model', 1, 'cpu'), DeviceGroup('sampler', 1, 'cpu')]
-        twinkle.initialize(mode='ray', groups=groups, seed=config.seed)
-    else:
-        twinkle.initialize(mode='local', seed=config.seed)
-    model = TransformersModel(model_dir, device='cpu', remote_group='model')
-    _configure(model, lora, config)
-    sampler = TorchSampler(model_dir, device='cpu', remote_group='sampler')
-    if config.threads and config.mode == 'ray':
-        sampler.remote_execute(_set_threads, config.threads, dispatch='all')
-    manager = CheckpointEngineManager(model, sampler)
-
-    def stage() -> tuple[int, Callable[[], object]]:
-        staged = manager.stage_weights(merge_and_sync=False)
-        return staged.version, lambda: manager.apply_staged(staged)
-
-    try:
-        yield Runtime(model, sampler, stage)
-    finally:
-        if config.mode == 'ray':
-            import ray
-
-            ray.shutdown()
-
-
-@contextmanager
-def _server(model_dir: str, config: Config) -> Iterator[tuple[Any, Any]]:
-    """The client model and sampler of a run on the server at ``config.url``; without one, a
-    server on the tiny model in this process (with a sampler group if asked), one tenant."""
-    from twinkle_client import init_twinkle_client
-    from twinkle_client.model import MultiLoraTransformersModel
-    from twinkle_client.sampler import TorchSampler as ClientSampler
-
-    if config.url:
-        model = MultiLoraTransformersModel(client=init_twinkle_client(base_url=config.url, api_key=config.api_key))
-        yield model, ClientSampler(model=model)
-        return
-    from twinkle.server.cli import BackgroundServer
-    from twinkle.server.config import ServerConfig
-    from twinkle.server.store import Store
-
-    sampler = {'sampler': {'ranks': 1, 'device': 'cpu'}} if config.sampler_group else {}
-    with tempfile.TemporaryDirectory() as data_dir:
-        server_config = ServerConfig.build(base_model=model_dir, port=0, data_dir=data_dir, **sampler)
-        with Store(server_config.db_path) as store:
-            key = store.tenants.add('async')[1]
-        with BackgroundServer(server_config) as url, _server(model_dir, replace(config, url=url, api_key=key)) as pair:
-            yield pair
-
-
-def _server_stage(model: Any, sampler: Any, config: Config) -> Callable[[], tuple[int, Callable[[], object] | None]]:
-    """Versions are the run's optimizer steps (what the server records on each sequence): the loop
-    stages after each step that changed the weights, none after a skipped one. With a sampler
-    group, ``apply`` saves the run's weights for it; without one the server samples the trainer's
-    current weights and there is nothing to apply."""
-    from twinkle_client.checkpoint_engine import CheckpointEngineManager as ClientManager
-
-    manager, steps = ClientManager(model, sampler), iter(range(1_000_000))
-    if not config.sampler_group:
-        return lambda: (next(steps), None)
-    return lambda: (next(steps), lambda: manager.sync_weights())
-
-
-def _configure(model: Any, lora: LoraConfig, config: Config) -> None:
-    if config.threads and config.mode == 'ray':
-        model.remote_execute(_set_threads, config.threads, dispatch='all')
-    model.add_adapter_to_model(ADAPTER, lora)
-    model.set_optimizer('AdamW', lr=config.lr)
-    model.set_loss('GRPOLoss', **loss_settings(config))
-    model.add_metric('GRPOMetric')
+def start(config: Config) -> Iterator[RecipeParts]:
+    """The model (set up for GRPO), the sampler and their weight sync in ``config.mode``."""
+    mode = ModeSettings(
+        config.mode, config.seed, device='cpu', threads=config.threads, url=config.url, api_key=config.api_key,
+        sampler_group=config.sampler_group,
+    )  # fmt: skip
+    with start_parts(mode, assets.tiny_model(config.model)) as parts:
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules='all-linear')
+        parts.model.add_adapter_to_model(ADAPTER, lora)
+        parts.model.set_optimizer('AdamW', lr=config.lr)
+        parts.model.set_loss('GRPOLoss', **loss_settings(config))
+        parts.model.add_metric('GRPOMetric')
+        yield parts
 
 
 def loss_settings(config: Config) -> dict[str, Any]:
     """GRPOLoss's settings: by default the decoupled objective of Hilton, Cobbe and Schulman 2022
-    ("Batch size-invariance for policy optimization", arXiv:2110.00641), which AReaL's async GRPO
-    trains with (Fu et al. 2025, arXiv:2505.24298)::
+    (arXiv:2110.00641), as AReaL's async GRPO trains (Fu et al. 2025, arXiv:2505.24298)::
 
         term = -min(w, cap) * min(r * A, clip(r, 1 - eps, 1 + eps) * A)
         r = pi / sg(pi_prox),   w = pi_prox / pi_sampler                    (per token)
 
     where the proximal policy ``pi_prox`` is the trainer's weights at the step (one update per
-    batch, so ``r = 1``). GRPO's own clip (``correction_cap=0``) takes ``r = pi / pi_sampler``
-    instead: a sample ``k`` steps old has its tokens clipped once the ``k`` updates since it was
-    drawn moved them by ``eps`` (here 23 % of the tokens at ``k = 2``), so a rewarded token's
-    probability grows by about ``(1 + eps) ** (1 / k)`` a step at most and the reward stalls.
-    On-policy (``k = 0``) both are the same loss."""
+    batch, so ``r = 1``). GRPO's own clip (``correction_cap=0``) takes ``r = pi / pi_sampler``:
+    at staleness ``k`` it clips the tokens the ``k`` updates since moved by ``eps`` and the reward
+    stalls (docs/async_rl.md, "Stale samples"). On-policy both are the same loss."""
     correction = {'level': 'token', 'mode': 'truncate', 'threshold': config.correction_cap}
     return {
         'epsilon': 0.2,
@@ -213,21 +142,12 @@ def loss_settings(config: Config) -> dict[str, Any]:
     }
 
 
-def _set_threads(component: Any, threads: int) -> None:
-    torch.set_num_threads(threads)
-
-
-def prompts_of(config: Config) -> list[dict[str, Any]]:
-    """Every group's prompt, drawn up front from the run's seed."""
-    rng = random.Random(config.seed)
-    return [prompt(rng.choice(config.letters)) for _ in range(config.steps * config.prompts_per_step)]
-
-
-def make_produce(runtime: Runtime, config: Config) -> Callable[[Session], Group]:
+def make_produce(parts: RecipeParts, config: Config) -> Callable[[Session], Group]:
     """Sample and score rollout item ``session.index``: ``prompts_per_call`` prompts, whose
     prompts and seed depend on the index only, so any run of the same config draws the same
     groups from the same weights."""
-    prompts, reward_fn, advantage_fn = prompts_of(config), LetterWordsReward(config.target_words), GRPOAdvantage()
+    prompts = letter_words_prompts(config.letters, config.steps * config.prompts_per_step, config.seed)
+    reward_fn, advantage_fn = LetterWordsReward(config.target_words), GRPOAdvantage()
     per_call = config.prompts_per_call
 
     def produce(session: Session) -> Group:
@@ -241,10 +161,10 @@ def make_produce(runtime: Runtime, config: Config) -> Callable[[Session], Group]
         )
         rows = prompts[first : first + per_call]
         if config.partial_chunk:
-            responses = generate_partial(runtime.sampler, session, rows, params, config.partial_chunk)
+            responses = generate_partial(parts.sampler, session, rows, params, config.partial_chunk)
         else:
             with session.sampling():
-                responses = runtime.sampler.sample(rows, params)
+                responses = parts.sampler.sample(rows, params)
         sequences = [seq for response in responses for seq in response.sequences]
         rewards = reward_fn([seq.new_input_feature for seq in sequences])
         advantages = advantage_fn(rewards, num_generations=config.num_generations, scale='group').tolist()
@@ -253,7 +173,7 @@ def make_produce(runtime: Runtime, config: Config) -> Callable[[Session], Group]
     return produce
 
 
-def train_step(runtime: Runtime, batch: list[Stamped[Group]], config: Config) -> dict[str, float]:
+def train_step(parts: RecipeParts, batch: list[Stamped[Group]], config: Config) -> dict[str, float]:
     """One GRPO step on the batch's groups; a reweighted stale group's advantages are scaled. With
     ``skip_flat_groups`` no step is taken when every prompt's samples scored alike. ``skipped`` is
     1 when the weights did not change: no step, or one the optimizer skipped (a NaN or infinite
@@ -264,7 +184,7 @@ def train_step(runtime: Runtime, batch: list[Stamped[Group]], config: Config) ->
     record = {'total_reward': sum(rewards) / len(rewards), 'signal_prompts': len(sequences) / len(rewards)}
     if not sequences:
         return {**record, 'skipped': 1.0}
-    output = runtime.model.forward_backward(
+    output = parts.model.forward_backward(
         inputs=[seq.new_input_feature for seq in sequences],
         old_logps=[seq.token_logprobs for seq in sequences],
         advantages=advantages,
@@ -272,35 +192,29 @@ def train_step(runtime: Runtime, batch: list[Stamped[Group]], config: Config) ->
     # The step's staleness joins its log (a server's run history and dashboard) beside the loss's figures.
     staleness = [item.staleness for item in batch]
     figures = {'staleness_mean': sum(staleness) / len(staleness), 'staleness_max': float(max(staleness))}
-    runtime.model.log_step_figures(figures, adapter_name=ADAPTER)
-    grad_norm = runtime.model.clip_grad_and_step()
+    parts.model.log_step_figures(figures, adapter_name=ADAPTER)
+    grad_norm = parts.model.clip_grad_and_step()
     record['loss'] = float(output.loss)
-    record.update(runtime.model.calculate_metric(is_training=True))
+    record.update(parts.model.calculate_metric(is_training=True))
     if grad_norm is None or not math.isfinite(grad_norm):  # the model skips a step with such a norm
         record['skipped'] = 1.0
     return record
 
 
 def trained_rows(batch: list[Stamped[Group]], config: Config) -> tuple[list[SampledSequence], list[float]]:
-    """The batch's sequences and advantages to train on. With ``skip_flat_groups`` a prompt's
-    samples that all scored alike are left out: DAPO's dynamic sampling (Yu et al. 2025,
-    arXiv:2503.14476, section 3.2), without its sampling more to refill the batch. Their
-    advantages are 0, so they add only the KL term's pull towards the base model; once the policy
-    solves the task every prompt is such, and that pull alone goes on unchecked until a batch
-    sampled after it shows the reward it costs: at the next step when synchronous, ``k`` steps
-    later at staleness ``k``, by when it had taken a run back to a near-uniform policy
-    (docs/async_rl.md, "Stale samples")."""
-    n = config.num_generations
+    """The batch's sequences and advantages (times each item's weight) to train on. With
+    ``skip_flat_groups`` a prompt's samples that all scored alike are left out: DAPO's dynamic
+    sampling (Yu et al. 2025, arXiv:2503.14476, section 3.2) without the refill. Their advantages
+    are 0, so they add only the KL term's pull towards the base model, which once the task is
+    solved goes on unchecked and took stale runs back to a near-uniform policy (docs/async_rl.md)."""
     sequences: list[SampledSequence] = []
     advantages: list[float] = []
     for item in batch:
-        group = item.value
-        for start in range(0, len(group.sequences), n):
-            scores = group.rewards[start : start + n]
-            if config.skip_flat_groups and max(scores) == min(scores):
-                continue
-            sequences += group.sequences[start : start + n]
-            advantages += [a * item.weight for a in group.advantages[start : start + n]]
+        group, rows = item.value, range(len(item.value.rewards))
+        if config.skip_flat_groups:
+            rows = filter_groups(group.rewards, config.num_generations).kept_rows
+        sequences += [group.sequences[row] for row in rows]
+        advantages += [group.advantages[row] * item.weight for row in rows]
     return sequences, advantages
 
 
@@ -312,27 +226,25 @@ def train(config: Config) -> dict[str, Any]:
         )
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    with start(config) as runtime:
-        produce = make_produce(runtime, config)
+    with start(config) as parts:
+        produce = make_produce(parts, config)
         started = time.perf_counter()
         if config.sync:
-            history = _sync_loop(runtime, produce, config)
+            history = _sync_loop(parts, produce, config)
             stats: dict[str, float] = {}
         else:
-            history, stats = _async_loop(runtime, produce, config)
+            history, stats = _async_loop(parts, produce, config)
         seconds = time.perf_counter() - started
     samples = config.steps * config.prompts_per_step * config.num_generations
     return {'history': history, 'seconds': seconds, 'samples_per_s': samples / seconds, 'stats': stats}
 
 
-def _sync_loop(runtime: Runtime, produce: Callable[[Session], Group], config: Config) -> list[dict[str, float]]:
+def _sync_loop(parts: RecipeParts, produce: Callable[[Session], Group], config: Config) -> list[dict[str, float]]:
     history: list[dict[str, float]] = []
     for step in range(1, config.steps + 1):
         started = time.perf_counter()
         if not history or not history[-1].get('skipped'):  # after a skipped step the sampler has the weights
-            version, apply = runtime.stage()
+            version, apply = parts.stage_weights()
             if apply is not None:
                 apply()
         synced = time.perf_counter()
@@ -343,7 +255,7 @@ def _sync_loop(runtime: Runtime, produce: Callable[[Session], Group], config: Co
             session = Session(index, lambda v=version: v, lambda: None)
             groups.append(Stamped(produce(session), version, index=index))
         sampled = time.perf_counter()
-        record = {'step': step, **train_step(runtime, groups, config), 'staleness_mean': 0.0}
+        record = {'step': step, **train_step(parts, groups, config), 'staleness_mean': 0.0}
         # Where a synchronous step's time goes: the async loop overlaps sampling with the rest.
         record.update(sync_s=synced - started, sample_s=sampled - synced, train_s=time.perf_counter() - sampled)
         history.append(record)
@@ -352,7 +264,7 @@ def _sync_loop(runtime: Runtime, produce: Callable[[Session], Group], config: Co
 
 
 def _async_loop(
-    runtime: Runtime, produce: Callable[[Session], Group], config: Config
+    parts: RecipeParts, produce: Callable[[Session], Group], config: Config
 ) -> tuple[list[dict[str, float]], dict[str, float]]:
     rollouts = AsyncRollouts(
         produce,
@@ -362,18 +274,18 @@ def _async_loop(
         workers=config.workers,
     )
     history = []
-    with rollouts.running(*runtime.stage()):
+    with rollouts.running(*parts.stage_weights()):
         for step in range(1, config.steps + 1):
             waited = time.perf_counter()
             if config.fill_pipeline:
                 rollouts.fill()
             batch = rollouts.next_batch()
             waited = time.perf_counter() - waited
-            record = {'step': step, **train_step(runtime, batch, config), 'wait_s': waited, **staleness_figures(batch)}
+            record = {'step': step, **train_step(parts, batch, config), 'wait_s': waited, **staleness_figures(batch)}
             if record.get('skipped'):  # the weights are the last step's: no copy, no new version
                 rollouts.publish_unchanged()
             else:
-                rollouts.publish(*runtime.stage())
+                rollouts.publish(*parts.stage_weights())
             history.append(record)
             _log(record)
     return history, rollouts.stats.metrics()
@@ -401,14 +313,7 @@ def _log(record: dict[str, float]) -> None:
 def parse_args(argv: list[str] | None = None) -> Config:
     """The config from the command line (or ``argv``): each field a ``--flag``, booleans also ``--no-flag``."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    for name, default in asdict(Config()).items():
-        flag = f'--{name.replace("_", "-")}'
-        if isinstance(default, bool):  # --flag and --no-flag
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif name == 'mode':
-            parser.add_argument(flag, choices=MODES, default=default)
-        else:
-            parser.add_argument(flag, type=type(default), default=default)
+    add_config_arguments(parser, Config(), choices={'mode': RECIPE_MODES})
     return Config(**vars(parser.parse_args(argv)))
 
 

@@ -3,8 +3,8 @@
 The GRPO loop of the seed's Qwen3.5 best-practices page (model and sampler as two components,
 ``CheckpointEngineManager.sync_weights`` before each sampling step, group-relative advantages,
 ``GRPOLoss``), with ``TorchSampler`` instead of vLLM, on the task and reward of
-``grpo_letter_words.py`` (imported from there). ``start_runtime`` is the only code that knows
-the runtime:
+``grpo_letter_words.py`` (``twinkle.reward.letter_words``). ``twinkle.recipe.start_parts`` is the
+only code that knows the runtime:
 
 - one process: the model and the sampler side by side;
 - torchrun: the model is data parallel over the processes (``dp_size=WORLD_SIZE``) and **every
@@ -41,37 +41,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from grpo_letter_words import ADAPTER, Config, LetterWordsReward, prompt
 from peft import LoraConfig
 
-import twinkle
-from twinkle import DeviceGroup, DeviceMesh, assets, get_logger
+from twinkle import assets, get_logger
 from twinkle.advantage import GRPOAdvantage
-from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SampledSequence, SamplingParams
 from twinkle.dataloader import DataLoader
 from twinkle.infra import distributed
 from twinkle.metric import CompletionRewardMetric, MetricWriter, add_sink_arguments
-from twinkle.model import TransformersModel
-from twinkle.sampler import TorchSampler
+from twinkle.recipe import ModeSettings, add_config_arguments, start_parts
+from twinkle.reward import LetterWordsReward
+from twinkle.reward.letter_words import letter_words_prompts
 
 logger = get_logger()
-DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
+ADAPTER = 'default'
 MODES = ('local', 'ray')
 
 
 @dataclass
-class ModeConfig(Config):
+class ModeConfig:
+    # The task, the model and the optimizer: grpo_letter_words.py's settings (there 80 steps of 6 prompts).
     steps: int = 60
     # The global batch of prompts; under torchrun each process samples prompts_per_step / WORLD_SIZE.
     prompts_per_step: int = 2
+    num_generations: int = 8
+    max_tokens: int = 8
+    target_words: int = 4
+    lr: float = 3e-3
+    lora_rank: int = 16
+    beta: float = 0.01
+    temperature: float = 1.0
+    seed: int = 0
+    letters: str = 's'  # the letters prompts ask for ('scp': the policy must read the prompt)
+    model: str = 'tiny-qwen3'
+    output: str = ''  # a JSON file for the per-step log, if given
     # 'local' (one process, or torchrun) or 'ray'; the TWINKLE_MODE environment variable sets the default.
     mode: str = 'local'
     # Ray mode: workers of the 'model' group (data parallel) and of the 'sampler' group.
@@ -79,51 +87,16 @@ class ModeConfig(Config):
     sampler_ranks: int = 1
 
 
-def start_runtime(config: ModeConfig) -> DeviceMesh | None:
-    """The one place that differs between the runtimes; returns the model's mesh (None: one process)."""
-    if config.mode == 'ray':
-        start_local_ray(config.model_ranks + config.sampler_ranks)
-        model_group = DeviceGroup('model', config.model_ranks, DEVICE)
-        sampler_group = DeviceGroup('sampler', config.sampler_ranks, DEVICE)
-        twinkle.initialize(mode='ray', groups=[model_group, sampler_group], seed=config.seed)
-        return DeviceMesh.from_sizes(dp_size=config.model_ranks, device_type=DEVICE)
-    world = int(os.environ.get('WORLD_SIZE', '1'))
-    mesh = DeviceMesh.from_sizes(dp_size=world, device_type=DEVICE) if world > 1 else None
-    twinkle.initialize(mode='local', global_device_mesh=mesh, seed=config.seed)
-    return mesh
-
-
-def start_local_ray(num_cpus: int) -> None:
-    """Without ``RAY_ADDRESS``: a new local Ray with ``num_cpus`` logical CPUs, one per rank, however
-    many cores the machine has (``twinkle.initialize`` then uses it; with ``RAY_ADDRESS`` it joins)."""
-    if DEVICE == 'cpu' and not os.environ.get('RAY_ADDRESS'):
-        from twinkle.infra.ray.cluster import start_local
-
-        start_local(num_cpus)  # its workers at this process's priority, not Ray's niceness 15
-
-
-def build(config: ModeConfig, mesh: DeviceMesh | None) -> tuple[TransformersModel, TorchSampler]:
-    model_dir = assets.tiny_model(config.model)
-    model = TransformersModel(model_dir, device_mesh=mesh, remote_group='model')
+def configure(model: Any, config: ModeConfig) -> None:
+    """The seed's GRPO set-up: a LoRA on every linear layer, AdamW, GRPOLoss with a small KL penalty."""
     lora = LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules='all-linear')
     model.add_adapter_to_model(ADAPTER, lora)
     model.set_optimizer('AdamW', lr=config.lr)
     model.set_loss('GRPOLoss', epsilon=0.2, beta=config.beta)
     model.add_metric('GRPOMetric')
-    # Ray: the workers of the 'sampler' group. torchrun: one per process (see the module docstring).
-    sampler = TorchSampler(model_dir, remote_group='sampler')
-    return model, sampler
 
 
-def prompt_rows(config: ModeConfig) -> list[dict[str, Any]]:
-    """Every step's prompts, drawn up front from the run's seed (the same on every rank)."""
-    rng = random.Random(config.seed)
-    return [prompt(rng.choice(config.letters)) for _ in range(config.steps * config.prompts_per_step)]
-
-
-def sample(
-    sampler: TorchSampler, prompts: list[dict[str, Any]], config: ModeConfig, step: int
-) -> list[SampledSequence]:
+def sample(sampler: Any, prompts: list[dict[str, Any]], config: ModeConfig, step: int) -> list[SampledSequence]:
     params = SamplingParams(
         max_tokens=config.max_tokens,
         num_samples=config.num_generations,
@@ -135,33 +108,37 @@ def sample(
 
 def train(config: ModeConfig, writer: MetricWriter | None = None) -> list[dict[str, float]]:
     """The GRPO loop; each step's record also goes to ``writer`` (rank 0's) when given."""
-    mesh = start_runtime(config)
-    model, sampler = build(config, mesh)
-    manager = CheckpointEngineManager(model, sampler)
-    # The global batch of prompts; under torchrun each process gets its slice.
-    loader = DataLoader(prompt_rows(config), batch_size=config.prompts_per_step)
-    reward_fn, advantage_fn = LetterWordsReward(config.target_words), GRPOAdvantage()
-    history = []
-    for step, prompts in enumerate(loader, start=1):
-        started = time.perf_counter()
-        sync = manager.sync_weights(merge_and_sync=False)
-        sampled = time.perf_counter()
-        sequences = sample(sampler, prompts, config, step)
-        generate_time = time.perf_counter() - sampled
-        features = [seq.new_input_feature for seq in sequences]
-        rewards = reward_fn(features)
-        advantages = advantage_fn(rewards, num_generations=config.num_generations, scale='group').tolist()
-        output = model.forward_backward(
-            inputs=features, old_logps=[seq.token_logprobs for seq in sequences], advantages=advantages
-        )
-        model.clip_grad_and_step()
-        record = {'step': step, 'loss': float(output.loss), 'seconds': time.perf_counter() - started}
-        record.update(reward_metrics(rewards, sequences, generate_time, sync.seconds))
-        record.update(model.calculate_metric(is_training=True))
-        history.append(record)
-        log(record)
-        if writer is not None:
-            writer.write({k: v for k, v in record.items() if k != 'step'}, step=step)
+    # Ray: the model on a 'model' group, the sampler on a 'sampler' group. torchrun: a sampler per process.
+    mode = ModeSettings(config.mode, config.seed, config.model_ranks, config.sampler_ranks)  # type: ignore[arg-type]
+    with start_parts(mode, assets.tiny_model(config.model)) as parts:
+        model, sampler = parts.model, parts.sampler
+        configure(model, config)
+        # Every step's prompts, drawn up front from the run's seed (the same on every rank), in global batches:
+        # under torchrun each process gets its slice.
+        prompts = letter_words_prompts(config.letters, config.steps * config.prompts_per_step, config.seed)
+        loader = DataLoader(prompts, batch_size=config.prompts_per_step)
+        reward_fn, advantage_fn = LetterWordsReward(config.target_words), GRPOAdvantage()
+        history = []
+        for step, batch in enumerate(loader, start=1):
+            started = time.perf_counter()
+            sync = parts.sync_weights()
+            sampled = time.perf_counter()
+            sequences = sample(sampler, batch, config, step)
+            generate_time = time.perf_counter() - sampled
+            features = [seq.new_input_feature for seq in sequences]
+            rewards = reward_fn(features)
+            advantages = advantage_fn(rewards, num_generations=config.num_generations, scale='group').tolist()
+            output = model.forward_backward(
+                inputs=features, old_logps=[seq.token_logprobs for seq in sequences], advantages=advantages
+            )
+            model.clip_grad_and_step()
+            record = {'step': step, 'loss': float(output.loss), 'seconds': time.perf_counter() - started}
+            record.update(reward_metrics(rewards, sequences, generate_time, sync.seconds))
+            record.update(model.calculate_metric(is_training=True))
+            history.append(record)
+            log(record)
+            if writer is not None:
+                writer.write({k: v for k, v in record.items() if k != 'step'}, step=step)
     return history
 
 
@@ -198,10 +175,7 @@ def log(record: dict[str, float]) -> None:
 def parse_args() -> tuple[ModeConfig, argparse.Namespace]:
     """The run's ``ModeConfig`` and the metric sinks' flags."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = asdict(ModeConfig(mode=os.environ.get('TWINKLE_MODE', 'local')))
-    for name, default in defaults.items():
-        choices = MODES if name == 'mode' else None
-        parser.add_argument(f'--{name.replace("_", "-")}', type=type(default), default=default, choices=choices)
+    add_config_arguments(parser, ModeConfig(mode=os.environ.get('TWINKLE_MODE', 'local')), choices={'mode': MODES})
     add_sink_arguments(parser, log_dir='output/grpo-every-mode/logs')
     args = vars(parser.parse_args())
     sinks = argparse.Namespace(report_to=args.pop('report_to'), log_dir=args.pop('log_dir'))

@@ -2,7 +2,8 @@
 
 The task: "Write words that start with the letter s." The reward is the number of words in the
 completion that start with that letter, divided by ``--target-words`` (4) and capped at 1: a
-completion of 8 tokens must spend half of them on such words to score 1.
+completion of 8 tokens must spend half of them on such words to score 1 (both the prompt and the
+reward are ``twinkle.reward.letter_words``'s).
 
 Why a random model can learn it: the embedded tokenizer has whole-word tokens with a leading
 space for each letter (209 of its 4096 tokens start a word with "s"), so even the untrained
@@ -28,10 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft import LoraConfig
@@ -42,8 +41,8 @@ from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import SamplingParams
 from twinkle.metric import CompletionRewardMetric, MetricWriter, add_sink_arguments
 from twinkle.model import TransformersModel
-from twinkle.reward import Reward
-from twinkle.reward.base import completion_of, user_data_of
+from twinkle.reward import LetterWordsReward
+from twinkle.reward.letter_words import letter_words_prompt
 from twinkle.sampler import TorchSampler
 
 logger = get_logger()
@@ -65,27 +64,6 @@ class Config:
     letters: str = 's'  # the letters prompts ask for ('scp': the policy must read the prompt)
     model: str = 'tiny-qwen3'
     output: str = ''  # a JSON file for the per-step log, if given
-
-
-class LetterWordsReward(Reward):
-    """The share of ``target_words`` words in the completion that start with the letter the
-    prompt asks for (``user_data['letter']``), capped at 1."""
-
-    def __init__(self, target_words: int = 4):
-        self.target_words = target_words
-
-    def score(self, row: dict[str, Any], index: int) -> float:
-        letter = user_data_of(row, index)['letter']
-        words = re.findall(r'\S+', completion_of(row, index))
-        hits = sum(word[0].lower() == letter for word in words)
-        return min(1.0, hits / self.target_words)
-
-
-def prompt(letter: str) -> dict[str, Any]:
-    return {
-        'messages': [{'role': 'user', 'content': f'Write words that start with the letter {letter}.'}],
-        'user_data': {'letter': letter},
-    }
 
 
 def build(config: Config) -> tuple[TransformersModel, TorchSampler, CheckpointEngineManager]:
@@ -110,7 +88,7 @@ def train(config: Config, writer: MetricWriter | None = None) -> list[dict[str, 
     history = []
     for step in range(1, config.steps + 1):
         manager.sync_weights(merge_and_sync=False)
-        prompts = [prompt(random.choice(config.letters)) for _ in range(config.prompts_per_step)]
+        prompts = [letter_words_prompt(random.choice(config.letters)) for _ in range(config.prompts_per_step)]
         params = SamplingParams(
             max_tokens=config.max_tokens,
             num_samples=config.num_generations,

@@ -1,11 +1,11 @@
 """PPO with a critic on the letter-words task, one base model for the policy and the critic.
 
-The task and reward of ``grpo_letter_words.py`` (imported from there): write words that start with
-a letter. Where GRPO compares the samples of one prompt, PPO learns a value function, the critic,
-and credits each token by how much better things went than the critic expected (GAE). The critic
-here is a second LoRA adapter with a value head on the same base model
-(``add_adapter_to_model('critic', lora, value_head=True)``): each adapter has its own optimizer,
-and one forward runs each row through its own adapter.
+The task and reward of ``grpo_letter_words.py`` (``twinkle.reward.letter_words``): write words
+that start with a letter. Where GRPO compares the samples of one prompt, PPO learns a value
+function, the critic, and credits each token by how much better things went than the critic
+expected (GAE). The critic here is a second LoRA adapter with a value head on the same base
+model (``add_adapter_to_model('critic', lora, value_head=True)``): each adapter has its own
+optimizer, and one forward runs each row through its own adapter.
 
 Each step: sync the policy to the sampler; sample; score; the critic's values and the reference's
 (the base model's) log-probabilities of the samples; per-token rewards (the score on the last
@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from grpo_letter_words import LetterWordsReward, prompt
 from peft import LoraConfig
 
 from twinkle import assets, get_logger
@@ -45,6 +44,8 @@ from twinkle.advantage.reinforce_pp import batch_normalize
 from twinkle.checkpoint_engine import CheckpointEngineManager
 from twinkle.data_format import IGNORE_INDEX, InputFeature, SampledSequence, SamplingParams
 from twinkle.model import AdapterCall, StepCall, TransformersModel
+from twinkle.reward import LetterWordsReward
+from twinkle.reward.letter_words import letter_words_prompt
 from twinkle.sampler import TorchSampler
 
 logger = get_logger()
@@ -101,7 +102,7 @@ def on_grid(per_token: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample(config: Config, sampler: TorchSampler, step: int) -> list[SampledSequence]:
-    prompts = [prompt(random.choice(config.letters)) for _ in range(config.prompts_per_step)]
+    prompts = [letter_words_prompt(random.choice(config.letters)) for _ in range(config.prompts_per_step)]
     params = SamplingParams(
         max_tokens=config.max_tokens,
         num_samples=config.num_generations,

@@ -4,8 +4,9 @@ The loop of ``sft_self_cognition.py`` (the seed's SFT: a LoRA on ``all-linear``,
 schedule, evaluation before and after, the adapter saved in peft's format) on the embedded tiny
 model and self-cognition set, with the model split by megatron-core over ``--tp`` (tensor
 parallel: each rank holds a slice of every linear layer), ``--pp`` (pipeline stages: each rank
-holds some of the layers) and ``--dp`` (data-parallel replicas). ``start_runtime`` is the only
-code that knows the runtime; the loop is the same in all of them:
+holds some of the layers) and ``--dp`` (data-parallel replicas). ``start`` (over
+``twinkle.recipe.start_runtime``) is the only code that knows the runtime; the loop is the same
+in all of them:
 
 - one process (``--tp 1 --pp 1 --dp 1``, the default): no mesh;
 - torchrun: ``DeviceMesh(tp_size=tp, pp_size=pp, dp_size=dp)`` over ``tp * pp * dp`` processes;
@@ -33,15 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from peft import LoraConfig
 
-import twinkle
-from twinkle import DeviceGroup, DeviceMesh, assets, get_logger
+from twinkle import DeviceMesh, assets, get_logger
 from twinkle.dataloader import DataLoader
 from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.errors import ConfigurationError
@@ -49,9 +50,9 @@ from twinkle.infra import distributed
 from twinkle.metric import MetricWriter, add_sink_arguments
 from twinkle.model import MegatronModel
 from twinkle.preprocessor import SelfCognitionProcessor
+from twinkle.recipe import ModeSettings, start_runtime
 
 logger = get_logger()
-DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
 MODES = ('local', 'ray')
 
 
@@ -82,32 +83,20 @@ class Config:
         return self.tp * self.pp * self.dp
 
 
-def start_runtime(config: Config) -> DeviceMesh | None:
-    """The one place that differs between the runtimes; returns the model's mesh (None: one process)."""
-    mesh = DeviceMesh.from_sizes(tp_size=config.tp, pp_size=config.pp, dp_size=config.dp, device_type=DEVICE)
-    if config.mode == 'ray':
-        start_local_ray(config.ranks)
-        twinkle.initialize(mode='ray', groups=[DeviceGroup('model', config.ranks, DEVICE)], seed=config.seed)
-        return mesh
+@contextmanager
+def start(config: Config) -> Iterator[DeviceMesh | None]:
+    """The runtime of ``config.mode``; gives the model's mesh (None: one process)."""
     world = distributed.world_size()
-    if world != config.ranks:
+    if config.mode == 'local' and world != config.ranks:
         raise ConfigurationError(
             f'--tp {config.tp} --pp {config.pp} --dp {config.dp} make {config.ranks} rank(s), but {world} '
             f'process(es) run this script: start torchrun with --nproc_per_node={config.ranks}'
             + (f', or set --dp {world // (config.tp * config.pp)}' if world % (config.tp * config.pp) == 0 else '')
         )
-    mesh_or_none = mesh if world > 1 else None
-    twinkle.initialize(mode='local', global_device_mesh=mesh_or_none, seed=config.seed)
-    return mesh_or_none
-
-
-def start_local_ray(num_cpus: int) -> None:
-    """Without ``RAY_ADDRESS``: a new local Ray with ``num_cpus`` logical CPUs, one per rank, however
-    many cores the machine has (``twinkle.initialize`` then uses it; with ``RAY_ADDRESS`` it joins)."""
-    if DEVICE == 'cpu' and not os.environ.get('RAY_ADDRESS'):
-        from twinkle.infra.ray.cluster import start_local
-
-        start_local(num_cpus)  # its workers at this process's priority, not Ray's niceness 15
+    mode = ModeSettings(config.mode, config.seed, model_ranks=config.ranks, sampler_ranks=0)  # type: ignore[arg-type]
+    sizes = {'tp_size': config.tp, 'pp_size': config.pp, 'dp_size': config.dp}
+    with start_runtime(mode, mesh=lambda ranks, device: DeviceMesh.from_sizes(**sizes, device_type=device)) as mesh:
+        yield mesh
 
 
 def build_dataset(model_id: str, rows: range, max_length: int) -> Dataset:
@@ -139,7 +128,11 @@ def build_model(config: Config, model_id: str, mesh: DeviceMesh | None) -> Megat
 
 def train(config: Config, sinks: argparse.Namespace) -> dict[str, Any]:
     """The SFT loop; returns the per-step losses and the evaluation loss before and after."""
-    mesh = start_runtime(config)
+    with start(config) as mesh:
+        return train_on(mesh, config, sinks)
+
+
+def train_on(mesh: DeviceMesh | None, config: Config, sinks: argparse.Namespace) -> dict[str, Any]:
     model_id = assets.tiny_model(config.model) if config.model in assets.MODELS else config.model
     dataset = build_dataset(model_id, range(config.steps * config.batch_size), config.max_length)
     eval_rows = range(config.steps * config.batch_size, (config.steps + 2) * config.batch_size)

@@ -367,13 +367,13 @@ def test_a_skipped_step_stages_no_weights_and_keeps_the_version(recipe: Any, loo
             return recipe.Group([sequence, sequence], rewards, [r - 0.5 for r in rewards])
 
     model = _NoSignalModel([1.0, math.nan, 1.0])
-    runtime = recipe.Runtime(model, None, stage)
+    parts = SimpleNamespace(model=model, stage_weights=stage)  # what the loops use of a RecipeParts
     k = {'sync': 0, 'async_k0': 0, 'async_k1': 1}[loop]
     config = recipe.Config(steps=4, prompts_per_step=1, num_generations=2, max_staleness=k, sync=loop == 'sync')
     if config.sync:
-        history = recipe._sync_loop(runtime, produce, config)
+        history = recipe._sync_loop(parts, produce, config)
     else:
-        history = recipe._async_loop(runtime, produce, config)[0]
+        history = recipe._async_loop(parts, produce, config)[0]
     assert [record.get('skipped', 0.0) for record in history] == [0.0, 1.0, 1.0, 0.0]
     assert model.steps == 3 and staged == ([0, 1] if config.sync else [0, 1, 2])
     # Steps 1, 3, 4 trained: step 1 on the first weights, 3 and 4 on step 1's (at k=1 too: item 2 is

@@ -3,6 +3,7 @@
 from twinkle.reward.base import REWARDS, Reward
 from twinkle.reward.format import FormatReward
 from twinkle.reward.gsm8k import GSM8KAccuracyReward, GSM8KFormatReward
+from twinkle.reward.letter_words import LetterWordsReward
 from twinkle.reward.overlong import OverlongPunishment, overlong_penalty
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     'FormatReward',
     'GSM8KAccuracyReward',
     'GSM8KFormatReward',
+    'LetterWordsReward',
     'OverlongPunishment',
     'Reward',
     'overlong_penalty',
