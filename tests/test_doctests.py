@@ -12,6 +12,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / 'src'
 #: Modules importable only where an optional extra is installed: their examples run in that extra's suite.
 OPTIONAL = {'vllm': 'vllm', 'megatron': 'megatron'}
+#: Modules whose examples start a process (the sandbox runs code in one): outside the quick tier.
+STARTS_PROCESSES = {'twinkle.agent.sandbox'}
 
 
 def modules_with_examples() -> list[str]:
@@ -31,7 +33,9 @@ def test_the_examples_are_found() -> None:
     assert 'twinkle.wire' in MODULES or any(m.startswith('twinkle.wire.') for m in MODULES)
 
 
-@pytest.mark.parametrize('name', MODULES)
+@pytest.mark.parametrize(
+    'name', [pytest.param(m, marks=pytest.mark.integration) if m in STARTS_PROCESSES else m for m in MODULES]
+)
 def test_examples(name: str) -> None:
     try:
         module = importlib.import_module(name)

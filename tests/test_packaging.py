@@ -9,6 +9,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -3,8 +3,8 @@
 How the mode is started is checked with a stand-in ``twinkle.initialize`` (the layer below), so no
 Ray or torchrun starts here; the parts themselves are real: the tiny model and its sampler in this
 process, and the native client's against a server on a thread of this process. The docstring
-examples run in tests/test_doctests.py; the recipes run in every mode in tests/test_async_rl.py,
-tests/agent/test_agent_runtimes.py and tests/test_cookbook_modes.py.
+examples run in tests/test_doctests.py; the recipes run in every mode in tests/rl/test_async_rl.py,
+tests/agent/test_agent_runtimes.py and tests/cookbook/test_cookbook_modes.py.
 """
 
 from __future__ import annotations

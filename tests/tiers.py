@@ -38,7 +38,8 @@ NEW_SHOWN = 10
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup('twinkle tiers')
     group.addoption('--quick', action='store_true', help=f'the quick tier ({QUICK!r}), with nothing started')
-    group.addoption('--write-durations', action='store_true', help=f"write every test's seconds to {BASELINE.name}")
+    group.addoption('--write-durations', action='store_true', help="write every test's seconds to the durations file")
+    group.addoption('--durations-file', default=str(BASELINE), help="the known tests' seconds (default: %(default)s)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -48,6 +49,12 @@ def pytest_configure(config: pytest.Config) -> None:
             given = config.option.markexpr
             raise pytest.UsageError(f'--quick selects {QUICK!r} itself; it takes no -m (got {given!r})')
         config.option.markexpr = QUICK
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """From here on (the tests, not their modules' imports: a module's skip conditions may probe with a
+    process), a quick run starts nothing."""
+    if session.config.getoption('--quick'):
         _forbid_starting_anything()
 
 
@@ -104,20 +111,21 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section('tiers and durations')
     budget = f' (budget {QUICK_BUDGET_S} s)' if config.getoption('--quick') else ''
     write(f'{tier}: {len(_SEEN)} tests in {wall:.0f} s{budget}')
-    known = _baseline()
+    baseline = Path(config.getoption('--durations-file'))
+    known = _known(baseline)
     new = sorted(((s, nodeid) for nodeid, s in _SEEN.items() if nodeid not in known), reverse=True)
     if known and new:
-        write(f'{len(new)} tests not in {BASELINE.name}, {sum(s for s, _ in new):.0f} s in all; the slowest:')
+        write(f'{len(new)} tests not in {baseline.name}, {sum(s for s, _ in new):.0f} s in all; the slowest:')
         for seconds, nodeid in new[:NEW_SHOWN]:
             write(f'  {seconds:7.2f} s  {nodeid}')
     if config.getoption('--write-durations'):
         merged = {**known, **{nodeid: round(s, 2) for nodeid, s in _SEEN.items()}}
-        BASELINE.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + '\n')
-        write(f'wrote {len(merged)} durations to {BASELINE}')
+        baseline.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + '\n')
+        write(f'wrote {len(merged)} durations to {baseline}')
 
 
-def _baseline() -> dict[str, float]:
-    if not BASELINE.exists():
+def _known(baseline: Path) -> dict[str, float]:
+    if not baseline.exists():
         return {}
-    loaded: dict[str, float] = json.loads(BASELINE.read_text())
+    loaded: dict[str, float] = json.loads(baseline.read_text())
     return loaded

@@ -203,7 +203,9 @@ def test_format_reward_refuses_a_bad_pattern():
 
 
 def test_rewards_are_registered_by_name():
-    assert REWARDS.names() == ['FormatReward', 'GSM8KAccuracyReward', 'GSM8KFormatReward', 'OverlongPunishment']
+    assert REWARDS.names() == [
+        'FormatReward', 'GSM8KAccuracyReward', 'GSM8KFormatReward', 'LetterWordsReward', 'OverlongPunishment',
+    ]  # fmt: skip
     assert isinstance(REWARDS.build('GSM8KFormatReward', base=GSM8KFormatReward), GSM8KFormatReward)
 
 

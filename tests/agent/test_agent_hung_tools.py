@@ -120,6 +120,7 @@ def rollout_within(
     return out, elapsed
 
 
+@pytest.mark.slow
 def test_a_hung_sync_tool_ends_its_episode_only_and_keeps_its_turn(template, hang):
     envs = [LookupEnv(ToolBox([lookup])), LookupEnv(ToolBox([hang.tool()])), LookupEnv(ToolBox([lookup]))]
     engine = RolloutEngine(CallThenAnswer(template), template, max_turns=4, turn_timeout_s=LIMIT_S)
@@ -144,6 +145,7 @@ def test_a_hung_sync_tool_ends_its_episode_only_and_keeps_its_turn(template, han
     assert hang.threads[0] in default_tool_threads.abandoned  # until the teardown releases it
 
 
+@pytest.mark.slow
 def test_an_abandoned_thread_is_forgotten_once_its_tool_returns(template, hang):
     threads = ToolThreads(max_abandoned=4)
     engine = RolloutEngine(CallThenAnswer(template), template, max_turns=4, turn_timeout_s=LIMIT_S)
@@ -154,6 +156,7 @@ def test_an_abandoned_thread_is_forgotten_once_its_tool_returns(template, hang):
     assert threads.abandoned == []
 
 
+@pytest.mark.slow
 def test_past_max_abandoned_a_sync_tool_is_refused_and_its_episode_ends_with_an_error(template, hang):
     # Two episodes whose tool hangs, with room for one abandoned thread: the first turn of both
     # starts its thread (the room is counted when a call is given up), both time out, and a third
@@ -199,6 +202,7 @@ def test_bad_tool_threads_settings_are_refused() -> None:
         ToolThreads(max_abandoned=0)
 
 
+@pytest.mark.slow
 def test_a_slow_async_step_keeps_its_turn_too(template):
     # An environment whose own step outlasts the limit (no sync tool): the turn stays, its call
     # answered as timed out.
@@ -254,6 +258,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_a_process_whose_sync_tool_never_returns_exits_after_the_rollout(tmp_path: Path, tiny_model_dir: str):
     script = tmp_path / 'hung_tool.py'
     script.write_text(SCRIPT)

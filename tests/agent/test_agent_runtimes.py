@@ -21,6 +21,9 @@ from twinkle.data_format import SamplingParams
 from twinkle.model import TransformersModel
 from twinkle.template import Template
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE_ARGS = ('--steps', '2', '--warmup-steps', '1', '--games-per-step', '2', '--group-size', '2')
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import doctest
 import functools
 import json
 import os
@@ -77,11 +76,7 @@ def listening_port() -> Iterator[int]:
         yield server.getsockname()[1]
 
 
-def test_doctests() -> None:
-    result = doctest.testmod(sandbox_module)
-    assert result.attempted >= 2 and result.failed == 0
-
-
+@pytest.mark.integration
 @pytest.mark.parametrize('mode', MODES)
 def test_a_normal_program_gives_its_stdout_stdin_and_exit_code(mode: str) -> None:
     result = make(mode).run_python('import sys\nprint(sum(map(int, sys.stdin.read().split())))\nsys.exit(3)', '4 5')
@@ -90,6 +85,7 @@ def test_a_normal_program_gives_its_stdout_stdin_and_exit_code(mode: str) -> Non
     assert result.as_tool_output() == '9\n[exit code 3]'
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ('code', 'last_line'),
     [('def f(:\n', 'SyntaxError: invalid syntax'), ('raise ValueError("boom")', 'ValueError: boom')],
@@ -101,6 +97,7 @@ def test_bad_code_is_a_result_with_its_traceback(code: str, last_line: str) -> N
     assert result.as_tool_output().endswith(f'{last_line}\n[exit code 1]')
 
 
+@pytest.mark.integration
 def test_an_endless_loop_is_stopped_by_the_cpu_limit() -> None:
     result = make(cpu_seconds=1).run_python('while True:\n    pass')
     # SIGXCPU at the 1 s soft limit; the loop would otherwise run until the 30 s wall limit.
@@ -108,12 +105,14 @@ def test_an_endless_loop_is_stopped_by_the_cpu_limit() -> None:
     assert result.as_tool_output() == '[exit code -24 (CPU time limit of 1s)]'
 
 
+@pytest.mark.integration
 def test_a_loop_that_ignores_sigxcpu_is_killed_at_the_hard_cpu_limit() -> None:
     code = 'import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass'
     result = make(cpu_seconds=1).run_python(code)
     assert result.exit_code == -9 and result.error == 'CPU time limit of 1s'
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('mode', MODES)
 def test_wall_time_kills_the_code_and_every_process_it_started(mode: str) -> None:
     marker = uuid.uuid4().hex
@@ -137,6 +136,7 @@ def test_wall_time_kills_the_code_and_every_process_it_started(mode: str) -> Non
     assert processes_with(marker) == []
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('mode', MODES)
 def test_a_process_the_code_leaves_behind_dies_with_the_run(mode: str) -> None:
     if mode == 'rlimits' and os.geteuid() != 0:
@@ -153,6 +153,7 @@ def test_a_process_the_code_leaves_behind_dies_with_the_run(mode: str) -> None:
     assert processes_with(marker) == []
 
 
+@pytest.mark.integration
 def test_allocating_past_the_memory_limit_fails_and_is_flagged() -> None:
     code = 'block = bytearray(1 << 30)\nprint(len(block))'
     result = make(memory_mb=256).run_python(code)
@@ -162,6 +163,7 @@ def test_allocating_past_the_memory_limit_fails_and_is_flagged() -> None:
     assert make(memory_mb=2048).run_python(code).stdout == f'{1 << 30}\n'
 
 
+@pytest.mark.integration
 def test_output_past_the_limit_is_cut_flagged_and_never_held_in_full() -> None:
     tracemalloc.start()
     try:
@@ -173,6 +175,7 @@ def test_output_past_the_limit_is_cut_flagged_and_never_held_in_full() -> None:
     assert peak < 2_000_000  # 50 MB of output went through; reads are 64 KiB, and 1000 bytes kept
 
 
+@pytest.mark.integration
 def test_writing_past_the_file_size_limit_fails() -> None:
     code = 'with open("big.bin", "wb") as f:\n    f.write(b"0" * (10 << 20))'
     result = make(file_bytes=1 << 20).run_python(code)
@@ -180,11 +183,13 @@ def test_writing_past_the_file_size_limit_fails() -> None:
     assert result.exit_code == 1 and result.error == 'file size limit of 1048576 bytes'
 
 
+@pytest.mark.integration
 def test_opening_past_the_file_descriptor_limit_fails() -> None:
     result = make(max_files=32).run_python('files = [open("main.py") for _ in range(64)]')
     assert '[Errno 24] Too many open files' in result.stderr and result.error == 'open files limit of 32'
 
 
+@pytest.mark.integration
 def test_each_run_has_a_fresh_directory_that_is_removed() -> None:
     sandbox = make()
     first = sandbox.run_python('import os\nopen("note.txt", "w").write("hi")\nprint(os.getcwd())')
@@ -193,6 +198,7 @@ def test_each_run_has_a_fresh_directory_that_is_removed() -> None:
     assert not os.path.exists(first.stdout.strip())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('mode', MODES)
 def test_the_parent_environment_is_not_visible(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv('TWINKLE_SECRET', 'hunter2')
@@ -216,6 +222,7 @@ except OSError as error:
 """
 
 
+@pytest.mark.integration
 @needs_namespaces
 def test_namespace_mode_has_no_network(listening_port: int) -> None:
     result = make('namespace').run_python(CONNECT, str(listening_port))
@@ -223,16 +230,19 @@ def test_namespace_mode_has_no_network(listening_port: int) -> None:
     assert result.stdout == 'OSError 101\n'
 
 
+@pytest.mark.integration
 def test_rlimits_mode_keeps_the_network_so_the_check_above_can_fail(listening_port: int) -> None:
     assert make('rlimits').run_python(CONNECT, str(listening_port)).stdout == 'connected\n'
 
 
+@pytest.mark.integration
 @needs_namespaces
 def test_namespace_mode_with_network_keeps_it(listening_port: int) -> None:
     result = make('namespace', network=True).run_python(CONNECT, str(listening_port))
     assert result.stdout == 'connected\n'
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('mode', MODES)
 def test_the_code_cannot_raise_its_limits(mode: str) -> None:
     # As root the old rlimits mode's code could: now it is a uid of its own (or the trainer's
@@ -247,6 +257,7 @@ def test_an_interpreter_installed_in_root_would_show_everything() -> None:
         sandbox_module._read_only_paths(sandbox_module._Interpreter('/python3', ('/',)), network=False)
 
 
+@pytest.mark.integration
 @needs_namespaces
 def test_namespace_code_cannot_raise_its_limits_or_see_the_trainer() -> None:
     code = (
@@ -261,6 +272,7 @@ def test_namespace_code_cannot_raise_its_limits_or_see_the_trainer() -> None:
     assert make('namespace').run_python(code).stdout == 'limit held\n[1, 2]\n'
 
 
+@pytest.mark.integration
 def test_many_concurrent_runs_each_get_their_own_answer() -> None:
     sandbox = make()
 
@@ -304,6 +316,7 @@ def test_auto_refuses_rather_than_fall_back_to_rlimits(monkeypatch: pytest.Monke
         Sandbox(mode='namespace')
 
 
+@pytest.mark.integration
 @needs_root
 def test_rlimits_mode_as_root_refuses_an_interpreter_its_uid_cannot_run(tmp_path: Path) -> None:
     hidden = tmp_path / 'private'  # 0700 of root: the run's own uid cannot pass through it
@@ -331,6 +344,7 @@ def test_the_uid_lock_directory_must_be_roots_alone(tmp_path: Path) -> None:
         sandbox_module._UidLease(tmp_path).__enter__()
 
 
+@pytest.mark.integration
 def test_python_tool_answers_the_model_with_what_the_program_did() -> None:
     # Through a ToolBox, as a rollout calls it: a program's output, and a broken program's error as text.
     box = ToolBox([python_tool(Sandbox(SandboxLimits(wall_seconds=30)))])
@@ -535,12 +549,14 @@ def rows_seen(config: str, user: str, rows: tuple[str, ...]) -> tuple[Verdicts, 
     return measured, expected, seen
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(('config', 'user'), CELLS)
 def test_host_unix_sockets_on_a_path_and_abstract(config: str, user: str) -> None:
     measured, expected, seen = rows_seen(config, user, ('unix_path', 'unix_abstract'))
     assert measured == expected, seen
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(('config', 'user'), CELLS)
 def test_the_environment_is_minimal_and_the_trainers_secret_out_of_reach(config: str, user: str) -> None:
     # /proc/<trainer>/environ, /proc/<parent>/environ and /proc/1/environ.
@@ -552,12 +568,14 @@ def test_the_environment_is_minimal_and_the_trainers_secret_out_of_reach(config:
     assert seen['environment'] == {'PATH': path, 'LANG': 'C.UTF-8', 'HOME': cwd, 'TMPDIR': cwd}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(('config', 'user'), CELLS)
 def test_concurrent_runs_and_the_servers_data_directory(config: str, user: str) -> None:
     measured, expected, seen = rows_seen(config, user, ('other_run', 'data_read', 'data_write'))
     assert measured == expected, seen
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(('config', 'user'), CELLS)
 def test_the_code_holds_no_capability_and_cannot_write_the_system(config: str, user: str) -> None:
     # The interpreter's prefix, / and /proc/sys/kernel/hostname (opened for writing, not written).

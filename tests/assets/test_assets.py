@@ -117,6 +117,7 @@ def test_build_once_leaves_nothing_when_the_build_fails(tmp_path: Path) -> None:
 # --- the model --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_model_loads_and_gives_logits(tiny_path: str) -> None:
     model, info = AutoModelForCausalLM.from_pretrained(tiny_path, output_loading_info=True)
     assert not info['missing_keys'] and not info['unexpected_keys']
@@ -152,6 +153,7 @@ def test_small_qwen3_parameter_count_from_config() -> None:
     assert sum(p.numel() for p in model.parameters()) == 4194304 + 8 * 2950272 + 512 == 27_796_992
 
 
+@pytest.mark.slow
 def test_two_builds_are_byte_identical(
     tiny_path: str, shared_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -216,6 +218,7 @@ def test_tokenizer_round_trips_examples(tokenizer, text: str) -> None:
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(text=st.text())
 def test_tokenizer_round_trips_any_text(tokenizer, text: str) -> None:

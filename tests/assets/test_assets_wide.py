@@ -47,6 +47,7 @@ def test_parameter_count_from_config() -> None:
     assert sum(p.numel() for p in model.parameters()) == 155582464 + 2 * 15730944 + 1024 == 187_045_376
 
 
+@pytest.mark.slow
 def test_folder_holds_one_shared_matrix(wide_path: str) -> None:
     folder = Path(wide_path)
     assert json.loads((folder / 'config.json').read_text())['vocab_size'] == VOCAB

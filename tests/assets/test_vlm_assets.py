@@ -84,6 +84,7 @@ def test_the_vlms_and_the_dataset_are_listed() -> None:
     assert 'shapes' in DATASETS
 
 
+@pytest.mark.slow
 def test_two_builds_are_byte_identical(
     vlm_dirs: dict[str, str], home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,6 +157,7 @@ def test_the_chat_template_renders_text_as_before_and_images_as_qwen_does(vlm_di
 # ---- loading and a forward with an image --------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', VLMS)
 def test_a_vlm_loads_and_sees_the_image(name: str, vlm_dirs: dict[str, str]) -> None:
     path = vlm_dirs[name]
@@ -271,6 +273,7 @@ def digit_of(mask: np.ndarray) -> int:
     return DIGITS[''.join(s for s, (y, x) in probes.items() if mask[y, x])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('split', ['train', 'test'])
 def test_every_answer_is_what_the_picture_shows(home: Path, split: str) -> None:
     rows = resolve_images(dataset('shapes', split))
@@ -332,6 +335,7 @@ def vision_tower(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith('model.visual.')}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', VLMS)
 def test_lora_on_the_language_model_trains_and_loads_in_plain_peft(
     name: str, vlm_dirs: dict[str, str], tmp_path: Path

@@ -46,6 +46,7 @@ def run_python(code: str) -> str:
     return done.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('module', CLIENT_MODULES)
 def test_the_client_imports_without_torch_peft_or_transformers(module):
     code = f"""
@@ -56,6 +57,7 @@ def test_the_client_imports_without_torch_peft_or_transformers(module):
     assert json.loads(run_python(code)) == [], f'importing {module} loaded the training stack'
 
 
+@pytest.mark.integration
 def test_a_merged_export_without_torch_names_what_to_install():
     # torch made unimportable (None in sys.modules): the client still imports and builds a model;
     # export and upload_to_hub fail before any request, with the packages to install.
@@ -120,6 +122,7 @@ def test_a_config_without_lora_fields_is_refused():
 
 
 # ---- twinkle's public names, resolved on first use -----------------------------------------------------
+@pytest.mark.integration
 def test_import_twinkle_loads_no_runtime_until_a_name_is_read():
     code = """
         import json, sys

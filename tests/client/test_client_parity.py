@@ -20,6 +20,9 @@ from twinkle.model import TransformersModel
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 TRAIN = [
     {'input_ids': [5 + i, 17, 42, 99, 3 + i, 8, 61], 'labels': [-100, -100, 42, 99, 3 + i, 8, 61]} for i in range(4)
 ]

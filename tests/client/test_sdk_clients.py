@@ -12,6 +12,9 @@ from server_helpers import background_server
 
 from twinkle_client import init_tinker_compat_client
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, str]]:

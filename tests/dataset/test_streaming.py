@@ -74,6 +74,7 @@ def test_a_stream_reads_every_file_kind_in_order(files):
     assert [row['i'] for row in IterableDataset(files[0].parent)] == list(range(230))  # a folder, sorted
 
 
+@pytest.mark.integration
 def test_two_ranks_of_two_workers_read_every_row_once(files, monkeypatch):
     seen = []
     for rank in (0, 1):
@@ -108,6 +109,7 @@ def test_encode_tokenizes_each_row_when_read():
     assert stream.counts['rows_read'] == 6  # nothing past the rows asked for was read
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('workers', [0, 2])
 @pytest.mark.parametrize('ranks', [1, 2])
 def test_a_resumed_run_gets_exactly_the_rows_an_uninterrupted_one_gets_next(files, monkeypatch, workers, ranks):
@@ -205,6 +207,7 @@ def test_streams_concatenate_or_take_turns(two_sources):
         MixedStream([IterableDataset(chat), IterableDataset(math)], [0.5])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('workers', [0, 2])
 def test_a_mixture_resumes_exactly(two_sources, monkeypatch, workers):
     def mixed() -> MixedStream:
@@ -224,6 +227,7 @@ def ids_of(batch: list[dict]) -> list[tuple[str, int]]:
     return [(row['src'], row['i']) for row in batch]
 
 
+@pytest.mark.integration
 def test_under_torchrun_two_ranks_of_two_workers_stop_together_and_read_each_row_once(tmp_path):
     data, out = tmp_path / 'data', tmp_path / 'out'
     data.mkdir(), out.mkdir()
@@ -288,11 +292,13 @@ def ids_text(batch: list[dict]) -> list[str]:
     return [row['text'] for row in batch]
 
 
+@pytest.mark.integration
 def test_drop_last_drops_each_shard_s_short_last_batch(files, monkeypatch):
     batches = list(loader(IterableDataset(files), monkeypatch, 0, 1, batch_size=8, drop_last=True, num_workers=2))
     assert {len(batch) for batch in batches} == {8}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('workers', [0, 2])
 def test_the_loader_reports_what_the_stream_counted(tmp_path, monkeypatch, workers):
     path = write_jsonl(tmp_path / 'rows.jsonl', [{'i': i} for i in range(40)], {5: 'oops', 30: '[]'})
@@ -407,6 +413,7 @@ def modelscope_hub(tmp_path, monkeypatch):
     thread.join(timeout=10)
 
 
+@pytest.mark.integration
 def test_a_modelscope_dataset_streams_without_a_download_and_resumes_mid_file(modelscope_hub):
     """``ms://`` reads the hub's files in ranged blocks, as ModelScope's streaming mode reads
     them: the first rows cost one block, not the file, and a resume seeks into the middle."""
@@ -426,6 +433,7 @@ def test_a_modelscope_dataset_streams_without_a_download_and_resumes_mid_file(mo
     assert first_read == state['position']['offset'] > 0
 
 
+@pytest.mark.integration
 def test_an_unknown_modelscope_dataset_is_not_found(modelscope_hub):
     with pytest.raises(AssetNotFoundError, match='org/missing'):
         IterableDataset('ms://org/missing')

@@ -339,6 +339,7 @@ def test_to_torch_needs_a_process_group() -> None:
         DeviceMesh.from_sizes(device_type='cpu').to_torch()
 
 
+@pytest.mark.integration
 def test_to_torch_in_a_gloo_world_of_one(gloo_world_of_one: None) -> None:
     torch_mesh = DeviceMesh.from_sizes(device_type='cpu').to_torch()
     assert torch_mesh.device_type == 'cpu'
@@ -349,6 +350,7 @@ def test_to_torch_in_a_gloo_world_of_one(gloo_world_of_one: None) -> None:
     assert DeviceMesh.from_sizes(device_type='GPU').to_torch(device_type='cpu').device_type == 'cpu'
 
 
+@pytest.mark.integration
 def test_to_torch_refuses_a_mesh_larger_than_the_world(gloo_world_of_one: None) -> None:
     with pytest.raises(ConfigurationError, match='world size 2 but the process group has 1 ranks'):
         DeviceMesh.from_sizes(dp_size=2, device_type='cpu').to_torch()
@@ -367,6 +369,7 @@ def fake_world_of_eight_as_rank_5() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.mark.integration
 def test_to_torch_keeps_the_grid_and_drops_size_one_dims(fake_world_of_eight_as_rank_5: None) -> None:
     mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2, device_type='cpu')
     torch_mesh = mesh.to_torch()

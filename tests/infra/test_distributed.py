@@ -49,6 +49,7 @@ def assert_floats_close(actual: list, expected: list) -> None:
             assert abs(got - want) <= TOLERANCE * max(1.0, abs(want)), (actual, expected)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('scenario', SCENARIOS)
 def test_two_ranks_give_the_losses_and_metrics_of_one_process(runs, scenario):
     # Each rank ran 2 rows of every batch of 4; the loss is the token mean over all 4 rows, and
@@ -71,6 +72,7 @@ def test_two_ranks_give_the_losses_and_metrics_of_one_process(runs, scenario):
         assert_floats_close(two['pending_continued'], one['pending_continued'])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('scenario', SCENARIOS)
 def test_the_torchrun_checkpoint_loads_in_one_process_with_the_same_logits(runs, scenario, tiny_model_dir):
     one, two, one_dir, two_dir = runs
@@ -90,6 +92,7 @@ def test_the_torchrun_checkpoint_loads_in_one_process_with_the_same_logits(runs,
     torch.testing.assert_close(logits(two[scenario]['checkpoint']), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('scenario', SCENARIOS)
 def test_the_model_says_how_it_is_spread(runs, scenario):
     # One process: no mesh. Two ranks: data parallel over the runtime's mesh of 2, or FSDP2
@@ -98,6 +101,7 @@ def test_the_model_says_how_it_is_spread(runs, scenario):
     assert runs[1][scenario]['layout'] == {'world_size': 2, 'uses_fsdp': SCENARIOS[scenario][1] == 'fsdp'}
 
 
+@pytest.mark.integration
 def test_fsdp2_refuses_an_adapter_after_it_sharded_the_model(runs):
     one, two = runs[0], runs[1]
     assert one['fsdp-lora']['late_adapter'] == 'added'  # one process: nothing is sharded

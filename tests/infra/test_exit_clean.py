@@ -15,7 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from server_helpers import free_port
+
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
 
 JOB = Path(__file__).with_name('exit_job.py')
 RUNS = 4  # about 10 s each on an idle 2-core machine

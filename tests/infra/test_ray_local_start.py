@@ -11,6 +11,11 @@ import sys
 import tempfile
 import textwrap
 
+import pytest
+
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 SCRIPT = textwrap.dedent(
     """
     import os, ray

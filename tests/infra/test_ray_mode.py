@@ -33,6 +33,9 @@ from twinkle.infra.ray.cluster import LOCAL_SYSTEM_CONFIG
 from twinkle.model import TransformersModel
 from twinkle.sampler import TorchSampler
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 ray = pytest.importorskip('ray')
 
 from twinkle.infra.ray.proxy import LazyResult, RemoteComponent  # noqa: E402

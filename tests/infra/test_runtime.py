@@ -55,6 +55,7 @@ def test_bad_runtimes_fail_before_anything_starts(kwargs, match):
     assert twinkle.get_runtime().mode == 'local'
 
 
+@pytest.mark.integration
 def test_http_mode_serves_on_the_model_group_device(tmp_path, tiny_model_dir):
     groups = [DeviceGroup('model', ranks=[0], device_type='CPU'), DeviceGroup('sampler', ranks=[1], device_type='cpu')]
     runtime = twinkle.initialize(
@@ -67,6 +68,7 @@ def test_http_mode_serves_on_the_model_group_device(tmp_path, tiny_model_dir):
         runtime.server.stop()
 
 
+@pytest.mark.integration
 def test_the_seed_server_script_serves_until_interrupted(tmp_path, tiny_model_dir):
     port = free_port()
     script = tmp_path / 'server.py'
@@ -97,6 +99,7 @@ def test_get_device_placement_describes_the_current_runtime(monkeypatch):
     assert 'global' in text and 'Local process' in text
 
 
+@pytest.mark.integration
 def test_importing_twinkle_starts_no_server_stack():
     # A client process imports twinkle: launch imports the server and Ray only inside initialize.
     code = (

@@ -166,6 +166,7 @@ def student(tiny_model_dir: str, **loss_kwargs) -> TransformersModel:
     return model
 
 
+@pytest.mark.slow
 def test_teacher_sources_agree(tiny_model_dir, rows, teacher):
     other, saved = teacher
     from_other = teacher_logits(other, rows)
@@ -179,6 +180,7 @@ def test_teacher_sources_agree(tiny_model_dir, rows, teacher):
     assert (base - from_other).abs().max() > 0.1
 
 
+@pytest.mark.slow
 def test_distillation_moves_the_student_to_the_teacher(tiny_model_dir, rows, teacher):
     target = teacher_logits(teacher[0], rows)
     model = student(tiny_model_dir, beta=0.5)
@@ -212,6 +214,7 @@ def test_sampled_reverse_kl_is_unbiased_for_the_reverse_kl_gradient():
     assert torch.allclose(total, expected.grad, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sampled_reverse_kl_through_the_model(tiny_model_dir, rows, teacher):
     target = teacher_logits(teacher[0], rows)
     model = student(tiny_model_dir, mode='sampled_reverse_kl')

@@ -372,6 +372,7 @@ def chosen_minus_rejected(model: TransformersModel, rows: list[dict]) -> float:
     return float((mean[0::2] - mean[1::2]).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ('loss', 'kwargs'),
     [('SimPOLoss', {'beta': 2.0, 'gamma': 0.5}), ('ORPOLoss', {'beta': 0.5}), ('CPOLoss', {'beta': 0.5})],
@@ -392,6 +393,7 @@ def test_paired_losses_train_through_the_model(tiny_model_dir, loss, kwargs):
     assert model.calculate_metric()['reward_accuracy'] > 0.5
 
 
+@pytest.mark.slow
 def test_kto_trains_through_the_model(tiny_model_dir):
     from twinkle.template import Template
 

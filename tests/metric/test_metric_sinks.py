@@ -69,6 +69,7 @@ def trained(tiny_model_dir, self_cognition_path, tmp_path_factory):
     return log_dir, written
 
 
+@pytest.mark.integration
 def test_tensorboard_reads_back_every_scalar_at_its_step(trained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -83,6 +84,7 @@ def test_tensorboard_reads_back_every_scalar_at_its_step(trained):
     assert {'loss', 'lr', 'grad_norm'} <= set(written[1])
 
 
+@pytest.mark.integration
 def test_wandb_offline_run_file_holds_the_history(trained):
     log_dir, written = trained
     (run_file,) = (log_dir / 'wandb').glob('offline-run-*/run-*.wandb')
@@ -92,6 +94,7 @@ def test_wandb_offline_run_file_holds_the_history(trained):
         assert history[step] == pytest.approx({f'train/{k}': v for k, v in values.items()}, rel=1e-9)
 
 
+@pytest.mark.integration
 def test_jsonl_holds_one_line_per_write(trained):
     log_dir, written = trained
     lines = [json.loads(line) for line in (log_dir / 'metrics.jsonl').read_text().splitlines()]

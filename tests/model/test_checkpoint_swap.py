@@ -30,6 +30,9 @@ from twinkle.model import TransformersModel
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 #: Seconds to wait for the child to reach the swap (it loads a model first).
 REACH_S = 300.0
 

@@ -67,6 +67,7 @@ def _train_step(models: tuple[TransformersModel, ...], rows: list[dict[str, Any]
         model.clip_grad_and_step()
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_to_the_eager_numbers(pair: tuple[TransformersModel, TransformersModel]) -> None:
     eager, compiled = pair
     assert (eager.compile_layers, compiled.compile_layers) == (False, True)
@@ -94,6 +95,7 @@ def test_compile_layers_takes_a_bool(tiny_model_dir: str) -> None:
         TransformersModel(model_id=tiny_model_dir, device='cpu', compile_layers='yes')  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_checkpointed_layers_do_not_compile_and_the_pair_is_refused(tiny_model_dir: str) -> None:
     # What the refusal is for: transformers' checkpointed layers give dynamo no graph (they run eager).
     model = TransformersModel(model_id=tiny_model_dir, device='cpu', gradient_checkpointing=True)

@@ -60,6 +60,7 @@ def assert_tensors_close(
         assert float((actual[key] - want).abs().max()) <= tolerance * scale, key
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('scenario', EXPERT_PARALLEL)
 def test_two_ranks_holding_half_the_experts_give_one_process_s_losses_and_gradients(runs, scenario):
     one, two, one_dir, two_dir = runs
@@ -73,6 +74,7 @@ def test_two_ranks_holding_half_the_experts_give_one_process_s_losses_and_gradie
     assert_tensors_close(grads, torch.load(one_dir / f'grads-{scenario}.pt'))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('scenario', EXPERT_PARALLEL)
 def test_the_adapters_saved_under_expert_parallel_are_one_process_s(runs, scenario):
     one, two, _, _ = runs
@@ -85,6 +87,7 @@ def test_the_adapters_saved_under_expert_parallel_are_one_process_s(runs, scenar
         assert trained and max(trained) > 10 * WEIGHT_TOLERANCE
 
 
+@pytest.mark.integration
 def test_the_router_loss_under_expert_parallel_is_data_parallel_s(runs):
     """The load-balancing loss is each rank's own under data parallel; splitting the experts does
     not change it."""
@@ -94,6 +97,7 @@ def test_the_router_loss_under_expert_parallel_is_data_parallel_s(runs):
     assert_close(two['ep-aux']['grad_norms'], two['dp-aux']['grad_norms'])
 
 
+@pytest.mark.integration
 def test_expert_parallel_refuses_what_it_cannot_do(runs):
     refusals = runs[1]['refusals']
     assert 'trains LoRA adapters, not every weight' in refusals['full']

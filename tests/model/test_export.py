@@ -51,6 +51,7 @@ def twinkle_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('model_name', ['tiny-qwen3', 'tiny-qwen3-moe'])
 def test_a_merged_export_loads_in_plain_transformers_with_base_plus_adapter_logits(tmp_path, model_name):
     checkpoint = train_and_save(model_name, tmp_path)
@@ -68,6 +69,7 @@ def test_a_merged_export_loads_in_plain_transformers_with_base_plus_adapter_logi
     assert AutoTokenizer.from_pretrained(tmp_path / 'merged')('hello').input_ids
 
 
+@pytest.mark.slow
 def test_an_unmerged_export_is_the_peft_adapter_without_the_training_state(tmp_path):
     checkpoint = train_and_save('tiny-qwen3', tmp_path)
     assert (checkpoint / 'optimizer.pt').is_file()
@@ -78,6 +80,7 @@ def test_an_unmerged_export_is_the_peft_adapter_without_the_training_state(tmp_p
     torch.testing.assert_close(base_plus_adapter('tiny-qwen3', out), base_plus_adapter('tiny-qwen3', checkpoint))
 
 
+@pytest.mark.slow
 def test_a_merge_into_another_dtype_and_an_explicit_base(tmp_path):
     checkpoint = train_and_save('tiny-qwen3', tmp_path)
     out = export_checkpoint(checkpoint, tmp_path / 'bf16', merge=True, base_model='tiny-qwen3', dtype='bfloat16')
@@ -87,6 +90,7 @@ def test_a_merge_into_another_dtype_and_an_explicit_base(tmp_path):
     torch.testing.assert_close(logits(merged), base_plus_adapter('tiny-qwen3', checkpoint), atol=0.1, rtol=0.05)
 
 
+@pytest.mark.integration
 def test_bad_exports_are_refused_and_leave_nothing_behind(tmp_path):
     with pytest.raises(CheckpointError, match='no checkpoint folder'):
         export_checkpoint(tmp_path / 'missing', tmp_path / 'out')
@@ -107,6 +111,7 @@ def test_bad_exports_are_refused_and_leave_nothing_behind(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('model_name', ['tiny-qwen3', 'tiny-qwen3-moe'])
 def test_tinker_format_builds_with_tinker_cookbook_to_base_plus_adapter_logits(tmp_path, model_name):
     """The adapter in Tinker's layout (expert stacks as 3-D tensors per expert): tinker-cookbook's

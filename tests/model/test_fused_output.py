@@ -269,6 +269,7 @@ print((kib('VmHWM:') - before) * 1024)
 """
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not os.access('/proc/self/clear_refs', os.W_OK), reason='needs Linux /proc/self/clear_refs')
 def test_peak_memory_is_chunk_by_vocab_not_tokens_by_vocab() -> None:
     # N = 4096 tokens, V = 32768: the unfused float32 logits alone are N * V * 4 = 512 MiB (and

@@ -78,6 +78,7 @@ def _assert_same(unfused: TransformersModel, fused: TransformersModel, names: li
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('layout', ['padded', 'packed', 'packed-by-switch', 'micro'])
 @pytest.mark.parametrize('adapter', ['head', 'body'])
 def test_cross_entropy_fused_equals_unfused(base: TransformersModel, layout: str, adapter: str) -> None:
@@ -100,6 +101,7 @@ def _policy_inputs(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {'advantages': torch.randn(len(rows), generator=gen).tolist(), 'old_logps': old}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(('loss', 'kwargs'), [('GRPOLoss', {'beta': 0.04}), ('CISPOLoss', {}), ('GSPOLoss', {})])
 def test_policy_gradient_losses_fused_equal_unfused(base: TransformersModel, loss: str, kwargs: dict) -> None:
     # GRPO with beta > 0 runs the reference pass too (the base model's label logprobs, fused).
@@ -139,6 +141,7 @@ def _tinker_inputs(loss_fn: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {name: [values[name](n) for n in lengths] for name in TINKER_LOSSES[loss_fn].required}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('loss_fn', ['cross_entropy', 'importance_sampling', 'ppo'])
 def test_tinker_losses_fused_equal_unfused(base: TransformersModel, loss_fn: str) -> None:
     rows = _rows(5, [7, 12, 9], prompt=0)  # Tinker datums: every position has a target
@@ -222,6 +225,7 @@ class _TopLogit(Metric):
         self.shapes = []
 
 
+@pytest.mark.slow
 def test_a_metric_that_reads_the_logits_gets_them_and_the_unfused_numbers(base: TransformersModel) -> None:
     # An adapter whose metrics read the logits (a user's metric; Accuracy with its own ignore id)
     # runs its training passes unfused, alone and in a mixed pass; the others stay fused.
@@ -316,6 +320,7 @@ def test_models_whose_logits_are_more_than_the_projection_run_unfused() -> None:
     assert fusable(Gemma2ForCausalLM(Gemma2Config(**sizes, **heads, final_logit_softcapping=None)))
 
 
+@pytest.mark.slow
 def test_bf16_weights_without_autocast_and_a_float32_head_lora(tiny_model_dir: str) -> None:
     # Adapters on a bf16 base are float32 (as peft makes them): the fused layer runs the LoRA in
     # its own dtype, as the unfused layer does.

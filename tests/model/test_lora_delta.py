@@ -43,6 +43,7 @@ def _inputs(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Ten
     return out, x
 
 
+@pytest.mark.slow
 def test_gradients_match_autograd_numerically():
     out, x = _inputs()
     weights = _weights([2, 3])

@@ -61,6 +61,7 @@ def _worst(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(xs, ys, strict=True))
 
 
+@pytest.mark.slow
 def test_each_adapter_gets_what_it_would_get_alone(base: TransformersModel) -> None:
     alone, mixed = copy.deepcopy(base), copy.deepcopy(base)
     losses = {name: alone.forward_backward(inputs=ROWS[name], adapter_name=name).loss for name in ADAPTERS}
@@ -83,6 +84,7 @@ def test_each_adapter_gets_what_it_would_get_alone(base: TransformersModel) -> N
         assert _worst(mixed.groups[name].params, alone.groups[name].params) <= TOL
 
 
+@pytest.mark.slow
 def test_a_tenant_sees_the_same_numbers_whoever_shares_its_pass(base: TransformersModel) -> None:
     # 'b' alone, beside 'a', and beside 'a' and 'c' in another order.
     results = []
@@ -95,6 +97,7 @@ def test_a_tenant_sees_the_same_numbers_whoever_shares_its_pass(base: Transforme
     assert all(abs(loss - loss0) <= TOL and _worst(grads, grads0) <= TOL for loss, grads in rest)
 
 
+@pytest.mark.slow
 def test_forward_only_logprobs_match_alone(base: TransformersModel) -> None:
     model = copy.deepcopy(base)
     outputs = model.forward_backward_mixed([AdapterCall(n, ROWS[n]) for n in ADAPTERS], forward_only=True)
@@ -129,6 +132,7 @@ def test_a_loss_that_raises_leaves_every_adapter_untouched(base: TransformersMod
     assert (model.groups['a'].micro_step, model.groups['b'].micro_step) == (0, 0)
 
 
+@pytest.mark.slow
 def test_calls_of_far_apart_lengths_get_forwards_of_their_own_and_the_same_numbers(base: TransformersModel) -> None:
     # 'a' brings two rows of about 300 tokens, 'b' and 'c' rows of at most 20: padding 'b' to 300
     # would add 280 tokens (over BUCKET_FREE_TOKENS) and 45 % more than separate forwards, so 'a'

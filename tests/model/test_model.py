@@ -63,6 +63,7 @@ def train(model: TransformersModel, batches: list[list[dict]], adapter: str | No
     return losses
 
 
+@pytest.mark.slow
 def test_lora_sft_lowers_the_loss_and_keeps_the_base_bitwise(tiny_model_dir, rows):
     model = new_model(tiny_model_dir, 'default')
     model.set_optimizer('AdamW', lr=5e-3)
@@ -76,6 +77,7 @@ def test_lora_sft_lowers_the_loss_and_keeps_the_base_bitwise(tiny_model_dir, row
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_full_parameter_training_changes_every_trained_weight(tiny_model_dir, rows):
     model = TransformersModel(model_id=tiny_model_dir)
     model.set_optimizer('SGD', lr=0.1)
@@ -99,6 +101,7 @@ def test_train_configs_count_the_base_and_the_adapter_asked_about_only(tiny_mode
         assert f'trainable parameters: {own:,} of {base + own:,} (' in model.get_train_configs(adapter_name=name)
 
 
+@pytest.mark.slow
 def test_two_adapters_trained_alternately_match_each_trained_alone(tiny_model_dir, rows):
     batches_a = [rows[i : i + 4] for i in range(0, 16, 4)]
     batches_b = [rows[i : i + 4] for i in range(16, 32, 4)]
@@ -193,6 +196,7 @@ def test_saved_adapter_loads_in_plain_peft_with_the_same_logits(tiny_model_dir, 
     torch.testing.assert_close(reloaded.forward_only(inputs=[rows[0]]).logits, ours, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reproduces_the_uninterrupted_losses(tiny_model_dir, rows, tmp_path):
     def setup() -> tuple[TransformersModel, DataLoader]:
         torch.manual_seed(0)
@@ -351,6 +355,7 @@ def test_a_failed_adapter_leaves_no_layers_behind(tiny_model_dir, rows):
     assert len(train(model, [rows[:2]], adapter='second')) == 1
 
 
+@pytest.mark.slow
 def test_a_step_closes_its_accumulation_window(tiny_model_dir, rows):
     """Seed 003's loop (``step()`` after each ``forward_backward``, no ``zero_grad()``) trains as
     the loop with ``zero_grad()``: each step uses its own window's gradient, divided by its own

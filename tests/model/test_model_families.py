@@ -85,6 +85,7 @@ def test_the_mixed_pass_gives_each_adapter_what_it_gets_alone(name: str) -> None
             assert (g_mixed - g_alone).abs().max().item() <= TOL, adapter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', FAMILIES)
 @pytest.mark.parametrize('merge', [True, False])
 def test_the_sampler_samples_the_trained_adapter(name: str, merge: bool) -> None:
@@ -184,6 +185,7 @@ def test_target_parameters_beside_all_linear_name_the_stacks() -> None:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', MOE)
 @pytest.mark.parametrize('config', [ALL_LINEAR, EXPERTS_ONLY], ids=['all-linear', 'target_parameters'])
 def test_a_saved_expert_adapter_loads_in_plain_peft_with_the_same_logits(
@@ -213,6 +215,7 @@ def test_target_parameters_that_match_no_stack_are_refused_by_name() -> None:
 # ---- the router: its load-balancing loss and the experts' load ----------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', MOE)
 def test_the_routers_load_balancing_loss_joins_the_training_loss(name: str) -> None:
     """With coefficient c the loss is the language-model loss plus c x transformers' own

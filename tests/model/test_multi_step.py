@@ -81,6 +81,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('offload', [False, True], ids=['in-memory', 'offloaded'])
 def test_stepping_together_gives_the_numbers_of_one_by_one(
     tiny_model_dir: str, tmp_path, fused_calls: list[int], offload: bool

@@ -49,6 +49,7 @@ def assert_close(actual: list[float], expected: list[float]) -> None:
         assert abs(got - want) <= TOLERANCE * max(1.0, abs(want)), (actual, expected)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('scenario', list(SCENARIOS))
 def test_ulysses_2_trains_as_one_process(runs: tuple[dict, dict], scenario: str) -> None:
     """Per-step losses and gradient norms (3 AdamW steps), the metrics and an evaluation loss."""
@@ -63,6 +64,7 @@ def test_ulysses_2_trains_as_one_process(runs: tuple[dict, dict], scenario: str)
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('scenario', list(SCENARIOS))
 def test_outputs_hold_the_whole_sequence(runs: tuple[dict, dict], scenario: str) -> None:
     """``forward_only`` returns every position's logits and label logprobs on each rank, as one
@@ -74,6 +76,7 @@ def test_outputs_hold_the_whole_sequence(runs: tuple[dict, dict], scenario: str)
 
 
 # One process runs each scenario without a mesh, so its 'qwen3.5-fsdp' is the plain run.
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ('fused', 'unfused'), [('qwen3-grpo-packed-fused', 'qwen3-grpo-packed'), ('qwen3.5-dp-fused', 'qwen3.5-fsdp')]
 )
@@ -91,11 +94,13 @@ def test_the_fused_output_layer_under_ulysses_gives_one_unfused_process_s_number
     )
 
 
+@pytest.mark.integration
 def test_packed_rows_have_an_odd_width_so_ulysses_pads_them(runs: tuple[dict, dict]) -> None:
     widths = {name: result['logits_shape'][1] for name, result in runs[0].items() if name.endswith('packed')}
     assert widths and all(width % 2 == 1 for width in widths.values()), widths
 
 
+@pytest.mark.integration
 def test_packing_matters_so_the_packed_scenarios_test_the_block_diagonal_mask(runs: tuple[dict, dict]) -> None:
     """On tiny-qwen3 a packed batch gives the padded batch's losses (attention stays within each
     packed row), so the Ulysses group's packed losses, equal to one process's, are the padded ones:
@@ -105,6 +110,7 @@ def test_packing_matters_so_the_packed_scenarios_test_the_block_diagonal_mask(ru
     assert_close(two['qwen3-fsdp-packed']['losses'], one['qwen3-dp']['losses'])
 
 
+@pytest.mark.integration
 def test_heads_that_do_not_divide_are_refused_naming_the_sizes(runs: tuple[dict, dict]) -> None:
     assert runs[1]['refusal'] == (
         'ulysses_size=2 must divide the attention heads (3) of qwen3: ulysses_size can be one of [3]'

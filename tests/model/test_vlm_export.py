@@ -131,6 +131,7 @@ def test_the_adapter_is_on_the_language_model_and_moves_the_logits(trained: Trai
         assert (ours - base).abs().max().item() > 1e-2  # so a merge that dropped the adapter would fail
 
 
+@pytest.mark.integration
 def test_a_merged_export_loads_as_the_vlm_class_with_the_trained_logits(trained: Trained, tmp_path: Path) -> None:
     out = tmp_path / 'merged'
     result = twinkle_cli('export', str(trained.checkpoint), '--merge', '--out', str(out))

@@ -123,6 +123,7 @@ def assert_same(batched: list[SampleResponse], single: list[SampleResponse]) -> 
             assert got.prompt_logprobs == pytest.approx(want.prompt_logprobs, abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('steps', [0, 4], ids=['at-once', 'mid-generation'])
 def test_calls_made_while_one_generates_join_its_batch_and_get_what_they_get_alone(sampler, steps):
     others = calls(sampler)
@@ -248,6 +249,7 @@ def server(tmp_path_factory, tiny_model_dir):
         yield url, keys, running.app.state.service
 
 
+@pytest.mark.integration
 def test_concurrent_tinker_requests_of_two_tenants_share_a_batch(server, tiny_model_dir, sdk_clients):
     url, keys, service = server
     clients = {name: sdk_clients(url, keys[name]).create_sampling_client(base_model=tiny_model_dir).result()

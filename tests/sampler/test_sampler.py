@@ -365,6 +365,7 @@ def test_sampling_draws_from_the_softmax(seeded):
     assert frequencies.tolist() == pytest.approx([0.5, 0.3, 0.2, 0.0], abs=0.015)
 
 
+@pytest.mark.slow
 def test_a_sampler_sharing_the_trainers_model_samples_like_a_synced_copy_and_leaves_training_alone(
     sampler, tiny_model_dir
 ):

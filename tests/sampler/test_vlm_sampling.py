@@ -83,6 +83,7 @@ def worst_gap(trainer: TransformersModel, seqs: list[SampledSequence], **forward
     return max(gaps(trainer, seqs, **forward))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['tiny-qwen3.5-vl', 'tiny-qwen3-vl'])
 def test_sampled_logprobs_of_image_prompts_equal_the_trainers(name: str, shapes: list[dict[str, Any]]) -> None:
     """One batch of prompts with one, no and two pictures, two samples each (left-padded together),
@@ -105,6 +106,7 @@ def test_sampled_logprobs_of_image_prompts_equal_the_trainers(name: str, shapes:
     assert seqs[0].new_input_feature['messages'][-1]['role'] == 'assistant'
 
 
+@pytest.mark.slow
 def test_greedy_image_sampling_takes_the_tokens_transformers_generate_takes(shapes: list[dict[str, Any]]) -> None:
     path = tiny_model('tiny-qwen3.5-vl')
     sampler = TorchSampler(path, device='cpu')
@@ -157,6 +159,7 @@ def test_decode_steps_sit_past_each_prompts_multimodal_positions(shapes: list[di
     assert image_prefill(sampler.model, [None, None, None], ids, mask, positions) is None
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_and_batches_of_any_size_with_images(shapes: list[dict[str, Any]]) -> None:
     """A prompt already encoded (its pixels as nested lists, as a dataset row holds them after Arrow)
     samples as its messages do, alone or split into batches of two sequences; the prompt's own

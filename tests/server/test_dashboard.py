@@ -23,9 +23,12 @@ from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
 CHROMIUM = shutil.which('chromium') or shutil.which('chromium-browser')
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's chromium is not installed: `make test` installs it with apt-get as root"
-)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="Debian's chromium is not installed: `make test` installs it with apt-get as root"
+    ),
+]
 ADMIN_KEY = 'admin-' + 'k' * 40
 ROWS = [{'input_ids': [5 + i, 17, 42, 99, 3 + i, 8], 'labels': [5 + i, 17, 42, 99, 3 + i, 8]} for i in range(2)]
 TIMEOUT_MS = 60_000

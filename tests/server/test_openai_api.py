@@ -121,6 +121,7 @@ def host_greedy(server, prompt_ids: list[int]) -> str:
     return job.result
 
 
+@pytest.mark.integration
 def test_a_greedy_reply_of_the_base_model_is_the_samplers(server, tiny_model_dir, local_greedy, prompt_ids):
     reply = greedy(server, tiny_model_dir, logprobs=True, top_logprobs=2)
     assert reply.object == 'chat.completion' and reply.id.startswith('chatcmpl-')
@@ -142,6 +143,7 @@ def test_a_greedy_reply_of_the_base_model_is_the_samplers(server, tiny_model_dir
     assert [entry.token for entry in content] == [entry.top_logprobs[0].token for entry in content]
 
 
+@pytest.mark.integration
 def test_a_stop_string_ends_the_reply_before_it(server, tiny_model_dir, local_greedy):
     text = local_greedy.decoded
     # a 3-character stop string from the second half of the greedy reply; the reply ends where it first occurs
@@ -151,6 +153,7 @@ def test_a_stop_string_ends_the_reply_before_it(server, tiny_model_dir, local_gr
     assert reply.choices[0].finish_reason == 'stop'
 
 
+@pytest.mark.integration
 def test_top_p_0_is_greedy_and_max_completion_tokens_wins_over_max_tokens(server, tiny_model_dir, local_greedy):
     reply = client(server, 'alice').chat.completions.create(
         model=tiny_model_dir, messages=MESSAGES, temperature=1.0, top_p=0.0, max_tokens=3, max_completion_tokens=12
@@ -159,6 +162,7 @@ def test_top_p_0_is_greedy_and_max_completion_tokens_wins_over_max_tokens(server
     assert reply.usage.completion_tokens == MAX_TOKENS
 
 
+@pytest.mark.integration
 def test_n_choices_with_a_seed_are_reproducible(server, tiny_model_dir):
     def sample():
         return client(server, 'alice').chat.completions.create(
@@ -173,6 +177,7 @@ def test_n_choices_with_a_seed_are_reproducible(server, tiny_model_dir):
     assert first.usage.completion_tokens == 3 * 6
 
 
+@pytest.mark.integration
 def test_streaming_sends_the_same_reply_in_chunks(server, tiny_model_dir):
     whole = greedy(server, tiny_model_dir, logprobs=True, top_logprobs=1)
     stream = greedy(
@@ -191,6 +196,7 @@ def test_streaming_sends_the_same_reply_in_chunks(server, tiny_model_dir):
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+@pytest.mark.integration
 def test_the_stream_is_server_sent_events_ending_with_done(server, tiny_model_dir):
     body = {'model': tiny_model_dir, 'messages': MESSAGES, 'max_tokens': 4, 'temperature': 0, 'stream': True}
     url, keys, _ = server
@@ -206,6 +212,7 @@ def test_the_stream_is_server_sent_events_ending_with_done(server, tiny_model_di
     assert all('usage' not in event for event in events)  # only with stream_options.include_usage
 
 
+@pytest.mark.integration
 def test_without_max_tokens_the_reply_is_capped_by_the_default(server, tiny_model_dir):
     reply = post(server, {'model': tiny_model_dir, 'messages': MESSAGES, 'temperature': 0, 'user': 'x', 'foo': [1]})
     assert reply.status_code == 200, reply.text  # unknown fields ('foo') are ignored, as OpenAI does
@@ -215,6 +222,7 @@ def test_without_max_tokens_the_reply_is_capped_by_the_default(server, tiny_mode
 
 
 # ---- models and checkpoints ------------------------------------------------------------------------
+@pytest.mark.integration
 def test_models_lists_the_base_model_and_the_tenants_own_checkpoints(server, tiny_model_dir, checkpoints):
     alice = [model.id for model in client(server, 'alice').models.list()]
     bob = [model.id for model in client(server, 'bob').models.list()]
@@ -227,6 +235,7 @@ def test_models_lists_the_base_model_and_the_tenants_own_checkpoints(server, tin
         client(server, 'bob').models.retrieve(checkpoints['sampler'])
 
 
+@pytest.mark.integration
 def test_a_trained_checkpoint_answers_as_the_tinker_api_samples_it(
     server, sdk_clients, tiny_model_dir, checkpoints, prompt_ids
 ):
@@ -251,6 +260,7 @@ def test_a_trained_checkpoint_answers_as_the_tinker_api_samples_it(
     assert greedy(server, checkpoints['training'], max_tokens=16).choices[0].message.content == trained
 
 
+@pytest.mark.integration
 def test_another_tenants_checkpoint_does_not_exist_for_bob(server, checkpoints):
     for path in (checkpoints['sampler'], checkpoints['training']):
         with pytest.raises(openai.NotFoundError) as caught:
@@ -303,6 +313,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(('what', 'changes', 'status', 'param'), BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
 def test_a_bad_request_is_a_4xx_in_openais_error_shape(server, tiny_model_dir, what, changes, status, param):
     response = post(server, ok(tiny_model_dir, **changes))
@@ -314,6 +325,7 @@ def test_a_bad_request_is_a_4xx_in_openais_error_shape(server, tiny_model_dir, w
         assert error['param'] == param, error
 
 
+@pytest.mark.integration
 def test_a_refused_option_is_named_in_the_message(server, tiny_model_dir):
     with pytest.raises(openai.BadRequestError) as caught:
         greedy(server, tiny_model_dir, tools=[{'type': 'function', 'function': {'name': 'f', 'parameters': {}}}])
@@ -324,6 +336,7 @@ def test_a_refused_option_is_named_in_the_message(server, tiny_model_dir):
     assert response.json()['error']['code'] == 'context_length_exceeded'
 
 
+@pytest.mark.integration
 def test_bodies_that_are_not_a_request_are_4xx(server, tiny_model_dir):
     response = post(server, None, content='not json')  # not JSON at all: a 400, as OpenAI answers it
     assert response.status_code == 400 and 'not valid JSON' in response.json()['error']['message'], response.text
@@ -346,6 +359,7 @@ def test_a_full_queue_is_a_429_that_says_when_to_retry():
     assert 'max_queued_per_tenant=2' in error['message']
 
 
+@pytest.mark.integration
 def test_a_request_without_a_known_api_key_is_401(server, tiny_model_dir):
     url, _, _ = server
     for headers in ({}, {'Authorization': 'Bearer tml-not-a-key'}):
@@ -355,6 +369,7 @@ def test_a_request_without_a_known_api_key_is_401(server, tiny_model_dir):
         assert httpx.get(f'{url}/v1/models', headers=headers).status_code == 401
 
 
+@pytest.mark.integration
 def test_developer_messages_and_text_parts_are_what_system_and_plain_text_give(server, tiny_model_dir):
     plain = greedy(server, tiny_model_dir).choices[0].message.content
     parts = [
@@ -411,6 +426,7 @@ FIELDS = {
 }
 
 
+@pytest.mark.integration
 @settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(changes=st.fixed_dictionaries({}, optional=FIELDS))
 def test_no_request_body_gets_a_5xx(server, tiny_model_dir, changes):

@@ -24,6 +24,9 @@ from test_openai_api import (  # noqa: F401 (fixtures, found by pytest by name)
 
 from twinkle.server.api.openai_completions import DEFAULT_MAX_TOKENS
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 TEXT = 'Twinkle, twinkle, little'
 
 

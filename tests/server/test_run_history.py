@@ -17,6 +17,9 @@ from twinkle.errors import DataError
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 ROWS = [{'input_ids': [5 + i, 17, 42, 99, 3 + i, 8], 'labels': [5 + i, 17, 42, 99, 3 + i, 8]} for i in range(4)]
 
 

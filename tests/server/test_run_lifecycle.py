@@ -51,6 +51,9 @@ from twinkle.server.execution.groups.run_files import STATE_FOLDER
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 #: Acknowledged optimizer steps a model worker's death may cost a run: the bound the server states.
 #: It keeps each run's state with every step's answer (``save_state_every_steps``, 1 by default): none lost.
 MAX_LOST_STEPS = 0

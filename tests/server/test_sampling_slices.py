@@ -276,6 +276,7 @@ def running_job(service: Any, operation: str) -> Job:
     raise AssertionError(f'no {operation} job started')
 
 
+@pytest.mark.integration
 def test_another_tenants_step_during_a_long_chat_finishes_while_the_chat_still_samples(server, tiny_model_dir):
     url, keys, service = server
     bob = MultiLoraTransformersModel(client=TwinkleClient(url, keys['bob']))
@@ -317,6 +318,7 @@ def assert_the_unsliced_reply(service: Any, tenant_key: str, body: dict[str, Any
         assert [entry['logprob'] for entry in choice['logprobs']['content']] == [t['logprob'] for t in whole['tokens']]
 
 
+@pytest.mark.integration
 def test_a_sliced_chat_reply_is_the_unsliced_one_for_the_same_seed(server, tiny_model_dir):
     _, keys, service = server
     body = {'model': tiny_model_dir, 'messages': MESSAGES, 'n': 3, 'max_tokens': 40, 'seed': 11, 'logprobs': True}
@@ -345,6 +347,7 @@ def sliced_once(service: Any, operation: str, send: Callable[[], Any]) -> float:
     return after - slices
 
 
+@pytest.mark.integration
 def test_every_sampling_path_of_the_worker_is_sliced(server, tiny_model_dir, sdk_clients):
     url, keys, service = server
     headers = {'Authorization': f'Bearer {keys["alice"]}'}
@@ -365,6 +368,7 @@ def test_every_sampling_path_of_the_worker_is_sliced(server, tiny_model_dir, sdk
     assert sampling.sample(prompt, 1, seeded).result().sequences[0].tokens == first.sequences[0].tokens
 
 
+@pytest.mark.integration
 def test_a_request_over_the_sampled_token_limit_is_a_400_naming_it(tmp_path, tiny_model_dir):
     limits = {'max_sampled_tokens_per_request': 1024}
     with background_server(tmp_path, tiny_model_dir, tenants=('alice',), limits=limits) as (url, keys, _):
@@ -385,6 +389,7 @@ def test_a_request_over_the_sampled_token_limit_is_a_400_naming_it(tmp_path, tin
         assert native.value.status == 400
 
 
+@pytest.mark.integration
 def test_a_chat_past_its_worker_time_ends_with_finish_reason_length(tmp_path, tiny_model_dir):
     options = {'limits': {'max_sampling_s': 0.3, 'max_tokens_per_request': 65_536}}
     with background_server(tmp_path, tiny_model_dir, tenants=('alice',), **options) as (url, keys, running):

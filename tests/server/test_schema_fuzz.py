@@ -42,6 +42,9 @@ from schemathesis.specs.openapi.checks import (
 )
 from server_helpers import background_server
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 #: Operations that answer without an API key; every other one must answer 401 without a known key.
 # The routes that need no API key: health, and a download link's file (the signed link is the credential:
 # tests/server/tinker/test_tinker_export.py checks that an altered or expired one is a 401). The metrics need the

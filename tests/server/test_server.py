@@ -40,6 +40,7 @@ def lora(r: int) -> LoraConfig:
     return LoraConfig(r=r, lora_alpha=2 * r, target_modules='all-linear', init_lora_weights=False)
 
 
+@pytest.mark.integration
 def test_the_seed_client_loop_trains_and_its_loss_falls(server, batches, tiny_model_dir):
     url, keys, _ = server
     client = init_twinkle_client(base_url=url, api_key=keys['alice'])
@@ -80,6 +81,7 @@ def train_steps(model, batches: list, steps: int, **kwargs) -> list[float]:
     return losses
 
 
+@pytest.mark.integration
 def test_two_tenants_at_once_get_the_losses_each_gets_alone(server, batches, tiny_model_dir):
     url, keys, background = server
     base = background.app.state.service.default.host.model.model
@@ -114,6 +116,7 @@ def test_two_tenants_at_once_get_the_losses_each_gets_alone(server, batches, tin
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+@pytest.mark.integration
 def test_another_tenants_things_do_not_exist(server, batches):
     url, keys, _ = server
     alice = MultiLoraTransformersModel(client=TwinkleClient(url, keys['alice']))
@@ -140,6 +143,7 @@ def test_another_tenants_things_do_not_exist(server, batches):
     assert error.value.status == 404
 
 
+@pytest.mark.integration
 def test_missing_or_bad_keys_are_refused(server):
     url, _, _ = server
     assert httpx.get(f'{url}/healthz').json() == {'status': 'ok'}
@@ -148,6 +152,7 @@ def test_missing_or_bad_keys_are_refused(server):
     assert response.status_code == 401 and 'unknown API key' in response.text
 
 
+@pytest.mark.integration
 def test_an_error_names_its_class_and_a_422_does_not_echo_the_request(server):
     url, keys, _ = server
     headers = {'Authorization': f'Bearer {keys["bob"]}'}
@@ -168,6 +173,7 @@ def test_an_error_names_its_class_and_a_422_does_not_echo_the_request(server):
     assert tried.attempted > 0 and tried.failed == 0
 
 
+@pytest.mark.integration
 def test_bad_requests_get_a_4xx_that_names_the_problem_and_the_server_keeps_serving(server, batches):
     url, keys, _ = server
     client = TwinkleClient(url, keys['bob'])
@@ -213,6 +219,7 @@ def test_bad_requests_get_a_4xx_that_names_the_problem_and_the_server_keeps_serv
     assert httpx.get(f'{url}/healthz').status_code == 200
 
 
+@pytest.mark.integration
 def test_a_compute_request_sent_with_wait_is_answered_with_its_result_in_one_round_trip(server, batches):
     url, keys, _ = server
     client = TwinkleClient(url, keys['bob'], binary=False)  # JSON answers to read by hand

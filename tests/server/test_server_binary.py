@@ -20,6 +20,9 @@ from twinkle.wire import MSGPACK
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 OPS = '/twinkle/v1/runs/{run}/ops/{op}'
 
 

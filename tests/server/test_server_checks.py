@@ -40,6 +40,7 @@ def lora(r: int) -> LoraConfig:
 
 
 # ---- optimizer and scheduler values ---------------------------------------------------------------
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ('operation', 'name', 'options', 'named'),
     [
@@ -101,6 +102,7 @@ def test_a_non_finite_loss_fails_locally_and_nothing_is_accumulated(tiny_model_d
     assert 'loss' not in model.calculate_metric(is_training=True)  # the metrics were fed nothing
 
 
+@pytest.mark.integration
 def test_a_non_finite_loss_fails_the_request_on_the_server(server, batch):
     url, keys, background = server
     model = MultiLoraTransformersModel(client=TwinkleClient(url, keys['bob']))
@@ -115,6 +117,7 @@ def test_a_non_finite_loss_fails_the_request_on_the_server(server, batch):
 
 
 # ---- tenant-visible names in errors ---------------------------------------------------------------
+@pytest.mark.integration
 def test_a_checkpoint_that_does_not_fit_names_the_twinkle_path_and_the_run(server):
     url, keys, background = server
     client = TwinkleClient(url, keys['alice'])
@@ -131,6 +134,7 @@ def test_a_checkpoint_that_does_not_fit_names_the_twinkle_path_and_the_run(serve
     assert data_dir not in message and '--' not in message and 'checkpoints/tn-' not in message, message
 
 
+@pytest.mark.integration
 def test_errors_while_running_name_the_run_not_the_adapter(server, batch):
     url, keys, _ = server
     model = MultiLoraTransformersModel(client=TwinkleClient(url, keys['alice']))

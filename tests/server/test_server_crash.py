@@ -32,6 +32,9 @@ from twinkle_client.model import MultiLoraTransformersModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / 'benchmarks'))
 import worker_crash  # the benchmark's run: tenants, the kill, the checks against the store
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 
 def test_an_answered_step_comes_back_and_the_calls_answered_after_it_are_named(tmp_path, tiny_model_dir):
     """Two steps answered, then a ``forward_backward`` answered, then the kill: the run comes back at step

@@ -21,6 +21,9 @@ from twinkle.model.lora.experts import MultiLoraExperts
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 TOL = 1e-5
 FAMILIES = ('tiny-qwen3.5', 'tiny-qwen3-moe', 'tiny-qwen3.5-moe')
 ROWS = [{'input_ids': [11, 23, 5, 42, 17, 8], 'labels': [-100, 23, 5, 42, 17, 8]}]

@@ -39,6 +39,9 @@ from twinkle.wire import MSGPACK_TYPES, OPERATIONS, Configure
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 PREFIX = '/twinkle/v1'
 OPS_ROUTE = f'{PREFIX}/runs/{{run_id}}/ops/{{operation}}'
 EXAMPLES_PER_ROUTE = 10

@@ -119,6 +119,7 @@ def deployment(tmp_path_factory, tiny_model_dir, postgres) -> Iterator[dict[str,
                 gateway.stop()
 
 
+@pytest.mark.integration
 def test_two_gateways_serve_one_run_in_turn(deployment):
     one, two = (g.url for g in deployment['gateways'])
     key = deployment['keys']['alice']
@@ -140,6 +141,7 @@ def test_two_gateways_serve_one_run_in_turn(deployment):
     assert [c.name for c in other.list_checkpoints(run_id)] == ['after-turns']
 
 
+@pytest.mark.integration
 def test_a_gateway_killed_leaves_its_accepted_requests_to_the_other(deployment):
     key = deployment['keys']['bob']
     doomed = GatewayProcess(deployment['worker'], deployment['store'])
@@ -158,6 +160,7 @@ def test_a_gateway_killed_leaves_its_accepted_requests_to_the_other(deployment):
     assert record['status'] == 'done' and record['run_id'] == run_id
 
 
+@pytest.mark.integration
 def test_sigterm_drains_a_gateway(deployment):
     key = deployment['keys']['alice']
     draining = GatewayProcess(deployment['worker'], deployment['store'])
@@ -196,6 +199,7 @@ def test_sigterm_drains_a_gateway(deployment):
         draining.stop()
 
 
+@pytest.mark.integration
 def test_two_gateways_racing_to_delete_one_run_one_wins_and_the_other_is_told(deployment):
     key = deployment['keys']['bob']
     one, two = (g.url for g in deployment['gateways'])
@@ -219,6 +223,7 @@ def test_two_gateways_racing_to_delete_one_run_one_wins_and_the_other_is_told(de
     assert told.json()['detail'] == f'training run {run_id!r} not found'
 
 
+@pytest.mark.integration
 def test_a_tenant_hammering_one_gateway_is_refused_while_another_is_served_at_the_other(
     tmp_path, tiny_model_dir, postgres
 ):
@@ -291,6 +296,7 @@ def head(method: str, target: bytes, key: str | None = None, *more: bytes) -> by
     return b'\r\n'.join(lines) + b'\r\n\r\n'
 
 
+@pytest.mark.integration
 def test_metrics_need_the_admin_key_and_name_tenants_by_id(deployment):
     worker, gateway = deployment['worker'], deployment['gateways'][0].url
     alice = deployment['keys']['alice']
@@ -310,6 +316,7 @@ def test_metrics_need_the_admin_key_and_name_tenants_by_id(deployment):
         assert 'alice' not in metrics and 'bob' not in metrics
 
 
+@pytest.mark.integration
 def test_links_and_redirects_through_a_gateway_name_it_and_never_the_worker(deployment):
     gateway, key = deployment['gateways'][0].url, deployment['keys']['bob']
     worker = httpx.URL(deployment['worker'])
@@ -352,6 +359,7 @@ def test_links_and_redirects_through_a_gateway_name_it_and_never_the_worker(depl
         assert worker_address not in seen, (answer.request.url, seen[:2000])
 
 
+@pytest.mark.integration
 def test_tinker_s_exported_weights_through_a_gateway_are_links_to_it(deployment, sdk_clients, tiny_model_dir):
     gateway, key = deployment['gateways'][1].url, deployment['keys']['alice']
     sdk = sdk_clients(gateway, key)
@@ -362,6 +370,7 @@ def test_tinker_s_exported_weights_through_a_gateway_are_links_to_it(deployment,
     assert all(httpx.get(url, timeout=60).status_code == 200 for url in urls.values())  # no key: the link is it
 
 
+@pytest.mark.integration
 def test_a_gateway_holds_the_worker_s_limits_and_streams_a_body(deployment):
     limits = {'body_read_timeout_s': 1.0, 'idle_connection_timeout_s': 1.0, 'max_body_bytes': WORKER_BODY_BYTES}
     gateway = GatewayProcess(deployment['worker'], deployment['store'], config={'limits': limits})
@@ -423,6 +432,7 @@ ODD_REQUESTS = [
 ODD_BODY = b'{"session_id": "x\\u0000", "type": "session_heartbeat"}'
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('with_key', [False, True], ids=['no key', 'key'])
 def test_odd_requests_are_answered_through_a_gateway_as_at_the_worker(deployment, with_key):
     key = deployment['keys']['alice'] if with_key else None
@@ -449,6 +459,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.integration
 def test_a_waited_call_sent_again_after_its_gateway_was_killed_runs_once(deployment):
     key = deployment['keys']['alice']
     doomed, survivor = GatewayProcess(deployment['worker'], deployment['store']), deployment['gateways'][1]
@@ -504,6 +515,7 @@ def test_a_waited_call_sent_again_after_its_gateway_was_killed_runs_once(deploym
         doomed.stop()
 
 
+@pytest.mark.integration
 def test_a_key_sent_again_with_another_request_is_a_422_that_says_so(deployment):
     key = deployment['keys']['bob']
     gateway = deployment['gateways'][0].url
@@ -599,6 +611,7 @@ class Balancer:
             end.close()
 
 
+@pytest.mark.integration
 def test_the_client_sends_a_call_again_with_its_key_when_its_gateway_dies_under_it(deployment):
     key = deployment['keys']['alice']
     doomed, survivor = GatewayProcess(deployment['worker'], deployment['store']), deployment['gateways'][0]
@@ -656,6 +669,7 @@ def test_the_client_keeps_one_key_per_call_over_its_tries():
     assert seen == [('POST', None)]
 
 
+@pytest.mark.integration
 def test_a_gateway_imports_no_model_code():
     """A gateway starts in seconds: it imports the store and the HTTP layer, never torch or transformers."""
     probe = 'import sys, twinkle.server.gateway; print(sorted({"torch", "transformers"} & {*sys.modules}))'

@@ -66,6 +66,7 @@ def parse(response: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(status_line.split()[1]), headers, body
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('path', [OPS_PATH, '/api/v1/create_session', '/api/v1/create_model', '/api/v1/asample'])
 @pytest.mark.parametrize('auth', [{}, {'Authorization': 'Bearer tml-not-a-key-of-anyone-here-0123456789'}])
 def test_a_body_without_a_known_key_is_not_read(server, auth, path):
@@ -84,6 +85,7 @@ def test_a_body_without_a_known_key_is_not_read(server, auth, path):
     assert headers['connection'] == 'close'
 
 
+@pytest.mark.integration
 def test_the_openai_api_refuses_a_keyless_body_in_its_own_shape(server):
     url, _, _ = server
     with connect(url) as sock:
@@ -94,6 +96,7 @@ def test_the_openai_api_refuses_a_keyless_body_in_its_own_shape(server):
     assert 'API key' in json.loads(body)['error']['message']
 
 
+@pytest.mark.integration
 def test_an_announced_body_over_the_cap_is_413_before_it_is_read(server):
     url, keys, _ = server
     with connect(url) as sock:
@@ -106,6 +109,7 @@ def test_an_announced_body_over_the_cap_is_413_before_it_is_read(server):
     assert headers['connection'] == 'close'
 
 
+@pytest.mark.integration
 def test_a_chunked_body_is_cut_off_at_the_cap(server):
     # No length announced: the server counts the bytes as they come and answers once they pass 4 KiB.
     url, keys, _ = server
@@ -117,6 +121,7 @@ def test_a_chunked_body_is_cut_off_at_the_cap(server):
     assert str(TOKENS_BODY_BYTES) in json.loads(body)['detail']
 
 
+@pytest.mark.integration
 def test_routes_without_tokens_have_the_smaller_cap(server):
     url, keys, _ = server
     auth = {'X-API-Key': keys['alice']}
@@ -129,6 +134,7 @@ def test_routes_without_tokens_have_the_smaller_cap(server):
     assert 400 <= ops.status_code < 500 and ops.status_code != 413, ops.text
 
 
+@pytest.mark.integration
 def test_requests_within_the_caps_are_served(server):
     url, keys, _ = server
     auth = {'X-API-Key': keys['alice']}
@@ -137,12 +143,14 @@ def test_requests_within_the_caps_are_served(server):
     assert httpx.get(f'{url}/healthz', timeout=PATIENCE_S).status_code == 200
 
 
+@pytest.mark.integration
 def test_a_connection_that_sends_nothing_is_closed(server):
     url, _, _ = server
     with connect(url) as sock:
         assert read_until_closed(sock) == b''
 
 
+@pytest.mark.integration
 def test_a_request_head_cut_short_is_closed(server):
     url, _, _ = server
     with connect(url) as sock:
@@ -150,6 +158,7 @@ def test_a_request_head_cut_short_is_closed(server):
         assert read_until_closed(sock) == b''
 
 
+@pytest.mark.integration
 def test_a_body_that_stops_arriving_is_408_and_closed(server):
     url, keys, _ = server
     with connect(url) as sock:
@@ -161,6 +170,7 @@ def test_a_body_that_stops_arriving_is_408_and_closed(server):
     assert headers['connection'] == 'close'
 
 
+@pytest.mark.integration
 def test_a_connection_idle_after_a_response_is_closed(server):
     url, _, _ = server
     with connect(url) as sock:
@@ -187,6 +197,7 @@ def test_the_default_cap_fits_a_forward_backward_of_the_token_limit():
     assert size < limits.max_body_bytes
 
 
+@pytest.mark.integration
 def test_the_token_routes_are_routes_of_the_app(server):
     # Each route the larger cap is for exists, and no other published route gets it: a renamed route
     # would otherwise fall silently under the smaller cap. The native operations are published one by one.
@@ -199,6 +210,7 @@ def test_the_token_routes_are_routes_of_the_app(server):
     assert tokens - native_ops == others
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ('method', 'path', 'body'),
     [
@@ -223,6 +235,7 @@ def test_a_request_looks_its_key_up_once(server, monkeypatch, method, path, body
     assert len(lookups) == 1
 
 
+@pytest.mark.integration
 def test_a_key_removed_while_the_server_runs_is_refused_from_the_next_request_on(server):
     # As `twinkle-server keys add/remove` does it: another connection to the server's database.
     url, _, background = server

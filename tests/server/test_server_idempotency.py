@@ -24,6 +24,9 @@ from twinkle.server.store import KnownRequest, RequestKey, Store
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 ROWS = [{'input_ids': [5, 6, 7, 8, 9, 10], 'labels': [-100, 6, 7, 8, 9, 10]}]
 
 

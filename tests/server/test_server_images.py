@@ -99,6 +99,7 @@ def data_url(image: Image.Image, image_format: str = 'PNG') -> str:
     return f'data:image/{image_format.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}'
 
 
+@pytest.mark.integration
 def test_native_image_rows_get_a_local_models_numbers_and_train(server, vlm_dir, features):
     url, keys, _ = server
     model = native(url, keys['alice'])
@@ -114,6 +115,7 @@ def test_native_image_rows_get_a_local_models_numbers_and_train(server, vlm_dir,
     assert losses[-1] < losses[0] - 0.1
 
 
+@pytest.mark.integration
 def test_image_rows_of_two_tenants_in_one_pass_get_what_each_gets_alone(server, vlm_dir, features):
     url, keys, background = server
     scheduler = background.app.state.service.groups[VLM].scheduler
@@ -139,6 +141,7 @@ def _wire_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return wire_rows(rows)
 
 
+@pytest.mark.integration
 def test_a_sampled_image_prompt_trains_with_its_images_and_scores_as_sampled(server, vlm_dir, features):
     url, keys, _ = server
     model = native(url, keys['alice'], seed=5)
@@ -234,6 +237,7 @@ REFUSALS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('refusal', sorted(REFUSALS))
 def test_images_over_the_limits_are_a_400_naming_the_row_image_and_limit(server, features, refusal):
     change, message = REFUSALS[refusal]
@@ -256,6 +260,7 @@ def _noise(side: int) -> Image.Image:
     return Image.fromarray(torch.randint(0, 256, (side, side, 3), generator=gen, dtype=torch.uint8).numpy())
 
 
+@pytest.mark.integration
 def test_a_text_model_refuses_image_rows_and_a_row_without_its_messages_is_refused_by_the_client(server, features):
     url, keys, _ = server
     text = MultiLoraTransformersModel('tiny-qwen3', client=TwinkleClient(url, keys['alice']))
@@ -290,6 +295,7 @@ def tinker_datum(row: dict[str, Any], image_format: str = 'jpeg', expected: int 
     )
 
 
+@pytest.mark.integration
 def test_tinker_image_chunks_train_and_score_as_the_native_rows(server, sdk_clients, vlm_dir, features):
     url, keys, _ = server
     service = sdk_clients(url, keys['alice'])
@@ -316,6 +322,7 @@ def test_tinker_image_chunks_train_and_score_as_the_native_rows(server, sdk_clie
     assert losses[-1] < losses[0] / 2  # 142 -> 23 when written
 
 
+@pytest.mark.integration
 def test_a_tinker_image_chunk_with_the_wrong_token_count_is_refused(server, sdk_clients, vlm_dir, features):
     url, keys, _ = server
     service = sdk_clients(url, keys['bob'])
@@ -324,6 +331,7 @@ def test_a_tinker_image_chunk_with_the_wrong_token_count_is_refused(server, sdk_
         trainer.forward([tinker_datum(features[0], expected=9)], 'cross_entropy').result()
 
 
+@pytest.mark.integration
 def test_tinker_samples_an_image_prompt_with_the_trainers_logprobs(server, sdk_clients, vlm_dir, features):
     url, keys, _ = server
     service = sdk_clients(url, keys['alice'])
@@ -346,6 +354,7 @@ def test_tinker_samples_an_image_prompt_with_the_trainers_logprobs(server, sdk_c
     assert max(abs(a - b) for a, b in zip(elsewhere[-len(tail) :], tail, strict=True)) > 1e-2
 
 
+@pytest.mark.integration
 def test_a_request_over_its_decoded_pixels_is_a_400_naming_the_total_and_the_limit(server, features):
     # Two rows of a 100 x 90 picture each: 2 x 9,000 = 18,000 pixels to decode, over 4 x 64 x 64 = 16,384.
     url, keys, _ = server
@@ -363,6 +372,7 @@ def test_a_request_over_its_decoded_pixels_is_a_400_naming_the_total_and_the_lim
     ) in response.text
 
 
+@pytest.mark.integration
 def test_a_row_encoded_for_the_processors_own_resize_names_the_servers(server, vlm_dir, features):
     # 100 x 90: the model's processor (at most 16,384 pixels) keeps 96 x 96, 9 tokens, as the local template
     # encodes it; the server resizes to at most 8,192 pixels: beta = sqrt(9000 / 8192) = 1.048, 64 x 64, 4 tokens.
@@ -435,6 +445,7 @@ def _cut_picture(features: list[dict[str, Any]]) -> bytes:
     return base64.b64decode(_cut(_wire_rows(features[:1])[0])['images'][0].partition(',')[2])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('refusal', ['truncated', 'count', *sorted(BAD_FILES)])
 def test_tinker_image_chunks_over_the_limits_are_a_400_naming_the_datum_and_image(
     server, sdk_clients, features, refusal
@@ -454,6 +465,7 @@ def test_tinker_image_chunks_over_the_limits_are_a_400_naming_the_datum_and_imag
     assert trainer.forward([tinker_datum(features[0])], 'cross_entropy').result().loss_fn_outputs  # serves on
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('refusal', ['truncated', 'aspect'])
 def test_a_tinker_prompt_with_a_bad_image_is_a_400_on_both_sampling_routes(server, sdk_clients, features, refusal):
     url, keys, _ = server
@@ -470,6 +482,7 @@ def test_a_tinker_prompt_with_a_bad_image_is_a_400_on_both_sampling_routes(serve
         sampler.compute_logprobs(prompt).result()
 
 
+@pytest.mark.integration
 def test_a_native_sample_prompt_with_a_bad_image_is_a_400(server, features):
     url, keys, _ = server
     model = native(url, keys['alice'], seed=6)

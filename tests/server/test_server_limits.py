@@ -34,6 +34,7 @@ def get_runs(url: str, key: str) -> httpx.Response:
     return httpx.get(f'{url}/twinkle/v1/runs', headers={'Authorization': f'Bearer {key}'})
 
 
+@pytest.mark.integration
 def test_a_tenant_over_its_rate_gets_429_and_others_are_served(server):
     statuses = [get_runs(server, ALICE).status_code for _ in range(4)]  # bursts of 30 / 10 = 3
     assert statuses[:3] == [200, 200, 200] and statuses[3] == 429, statuses
@@ -45,6 +46,7 @@ def test_a_tenant_over_its_rate_gets_429_and_others_are_served(server):
     assert httpx.get(f'{server}/healthz').status_code == 200
 
 
+@pytest.mark.integration
 def test_tenants_of_the_keys_file_are_known_and_others_are_not(server):
     assert get_runs(server, BOB).status_code == 200
     assert get_runs(server, 'tml-' + 'c' * 40).status_code == 401

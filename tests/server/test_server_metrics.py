@@ -22,6 +22,9 @@ from server_helpers import background_server, free_port
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 ROWS = [{'input_ids': [5, 6, 7, 8, 9, 10], 'labels': [-100, 6, 7, 8, 9, 10]}]
 ADMIN_KEY = 'admin-' + 'k' * 40
 #: What answers without a key, and why: health checks, the API's own schema and pages (the package's, the

@@ -82,6 +82,7 @@ def _logps(result: dict[str, Any]) -> torch.Tensor:
     return torch.cat([torch.tensor(row) for row in result['logps']])
 
 
+@pytest.mark.integration
 def test_three_tenants_in_one_pass_get_their_numbers_alone(server):
     url, keys, background = server
     service = background.app.state.service
@@ -93,6 +94,7 @@ def test_three_tenants_in_one_pass_get_their_numbers_alone(server):
     assert 'twinkle_pass_jobs_count{operation="forward_backward"} 6.0' in metrics
 
 
+@pytest.mark.integration
 def test_rows_packed_alone_give_the_numbers_of_the_padded_shared_pass(tmp_path, tiny_model_dir, monkeypatch):
     """With ``speed: {padding_free: true}`` a request alone runs its rows packed into one row,
     while the shared pass pads them: each tenant's numbers are the same (1e-5)."""
@@ -138,6 +140,7 @@ def _one_pass_against_alone(service: Any, models: dict[str, MultiLoraTransformer
         assert worst <= TOL, (tenant, worst)
 
 
+@pytest.mark.integration
 def test_three_tenants_step_together_and_get_the_numbers_of_their_steps_alone(server):
     # Twin runs: 'mixed' steps in one update shared by the three tenants, 'alone' steps alone.
     # Round 1 makes the optimizers' state; round 2 steps the three in one multi-tensor update.
@@ -156,6 +159,7 @@ def test_three_tenants_step_together_and_get_the_numbers_of_their_steps_alone(se
         assert twins[0].loss == twins[1].loss and twins[0].logps == twins[1].logps, tenant
 
 
+@pytest.mark.integration
 def test_a_flood_delays_a_lone_request_by_at_most_one_pass(server):
     url, keys, background = server
     scheduler = background.app.state.service.default.scheduler
@@ -224,6 +228,7 @@ def test_a_tenant_whose_loss_is_not_finite_fails_alone_in_a_shared_tinker_pass(t
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not can_release_memory(), reason='malloc_trim is glibc only')
 def test_an_idle_server_gives_freed_memory_back(tmp_path, tiny_model_dir):
     options = {'release_memory_after_idle_s': 0.05, 'admin_api_key': ADMIN_KEY}

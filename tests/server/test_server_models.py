@@ -23,6 +23,9 @@ from twinkle_client import TwinkleClient
 from twinkle_client.client import PREFIX, RemoteError
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 TOL = 1e-5
 MODELS = ('tiny-qwen3', 'small-qwen3')  # the default first
 ROWS = [{'input_ids': [11, 23, 5, 42, 17, 8], 'labels': [-100, 23, 5, 42, 17, 8]}]

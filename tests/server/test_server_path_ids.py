@@ -15,6 +15,9 @@ import pg_helpers
 import pytest
 from server_helpers import background_server
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 #: Routes the OpenAPI document leaves out (``include_in_schema=False``) that take path parameters.
 HIDDEN = [('POST', '/twinkle/v1/runs/{run_id}/ops/{operation}'), ('PUT', '/api/v1/sessions/{session_id}/project')]
 #: Path parameter values, as sent (already percent-encoded).

@@ -22,6 +22,7 @@ from twinkle_client.model import MultiLoraTransformersModel
 ROWS = [{'input_ids': [5, 6, 7, 8, 9, 10], 'labels': [-100, 6, 7, 8, 9, 10]}]
 
 
+@pytest.mark.integration
 def test_a_server_on_postgres_trains_saves_and_meters(tmp_path, tiny_model_dir, postgres_url):
     with background_server(tmp_path, tiny_model_dir, tenants=('alice',), store=postgres_url) as (url, keys, _):
         model = MultiLoraTransformersModel(client=TwinkleClient(url, keys['alice']))
@@ -53,6 +54,7 @@ def test_an_unreachable_database_at_start_is_a_clear_error_after_retries():
     assert waited >= 1.5, waited  # retried with back-off for its whole timeout, not refused at the first try
 
 
+@pytest.mark.integration
 def test_the_database_gone_in_the_middle_is_a_503_until_it_is_back(tmp_path, tiny_model_dir):
     with (
         pg_helpers.postgres_server() as own,

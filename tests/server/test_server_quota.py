@@ -34,6 +34,7 @@ def test_idle_adapters_are_released_by_default_and_tenants_have_a_quota():
     assert Limits().max_adapters_per_tenant < Limits().max_adapters
 
 
+@pytest.mark.integration
 def test_a_tenant_past_its_quota_gives_up_its_least_recently_used_adapter(tmp_path, tiny_model_dir):
     limits = {'max_adapters': 3, 'max_adapters_per_tenant': 2}
     with background_server(tmp_path, tiny_model_dir, limits=limits, idle_release_s=3600.0) as (url, keys, server):
@@ -47,6 +48,7 @@ def test_a_tenant_past_its_quota_gives_up_its_least_recently_used_adapter(tmp_pa
         assert len(server.app.state.service.default.adapters) == 3
 
 
+@pytest.mark.integration
 def test_a_tenant_whose_adapters_all_wait_for_a_step_still_gets_a_new_run(tmp_path, tiny_model_dir):
     """Both of alice's adapters hold gradients waiting for a step: a third run releases the least
     recently used one with its gradients (before: a 429 until one of them stepped), and each then
@@ -63,6 +65,7 @@ def test_a_tenant_whose_adapters_all_wait_for_a_step_still_gets_a_new_run(tmp_pa
         assert norms[0] is not None and norms[0] > 0 and norms[0] == pytest.approx(norms[1], rel=1e-6), norms
 
 
+@pytest.mark.integration
 def test_a_full_pool_releases_its_least_recently_used_idle_adapter_at_once(tmp_path, tiny_model_dir):
     limits = {'max_adapters': 2, 'max_adapters_per_tenant': 2}
     with background_server(tmp_path, tiny_model_dir, limits=limits, idle_release_s=3600.0) as (url, keys, server):
@@ -94,6 +97,7 @@ def tinker_result(url: str, key: str, request_id: str) -> dict:
             return result
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize('first', ['native', 'tinker'])
 def test_tinker_models_and_native_runs_share_the_quota(tmp_path, tiny_model_dir, first):
     limits = {'max_adapters_per_tenant': 1}

@@ -22,6 +22,9 @@ from twinkle.errors import TwinkleError
 from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 QUOTAS = {'default': {'runs': 2}, 'tenants': {'dave': {'tokens_per_day': 60, 'stored_bytes': 1, 'weight': 2}}}
 ROW = {'input_ids': list(range(10, 35)), 'labels': list(range(10, 35))}  # 25 tokens
 

@@ -101,6 +101,7 @@ def trained(two_ranks) -> list[list[float]]:
     return train(two_ranks)
 
 
+@pytest.mark.integration
 def test_three_tenants_on_two_ranks_get_the_numbers_of_one_rank(trained, one_rank):
     numbers = trained
     assert [len(row) for row in numbers] == [len(row) for row in one_rank]
@@ -118,6 +119,7 @@ def test_each_rank_takes_its_share_of_a_pass():
     assert row_share(kwargs, 0, 0, 1) is kwargs  # one rank: the whole request
 
 
+@pytest.mark.integration
 def test_the_fsdp_ranks_hold_half_the_layers(two_ranks):
     assert len(set(two_ranks.pids)) == 2
     footprint = two_ranks.footprint()
@@ -130,6 +132,7 @@ def test_the_fsdp_ranks_hold_half_the_layers(two_ranks):
         assert held == [total, total]  # data parallel: each rank the whole model
 
 
+@pytest.mark.integration
 def test_a_checkpoint_is_written_once_and_loads_on_one_rank(two_ranks, trained, tmp_path):
     path = Path(two_ranks.save('a', tmp_path, 'step-3', save_optimizer=True))
     assert [p.name for p in tmp_path.iterdir()] == ['step-3']  # one directory, no rank's leftovers
@@ -153,6 +156,7 @@ def test_a_checkpoint_is_written_once_and_loads_on_one_rank(two_ranks, trained, 
     assert (state['consumed_train_samples'], state['optim_step']) == (10, 3)
 
 
+@pytest.mark.integration
 def test_errors_come_back_as_themselves_and_the_group_keeps_serving(two_ranks, trained):
     with pytest.raises(UnknownNameError, match="Unknown adapter 'nobody'"):
         two_ranks.run('nobody', 'forward_only', {'inputs': rows(1, 1)})
@@ -196,6 +200,7 @@ def native_losses(model: MultiLoraTransformersModel, steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.integration
 def test_the_native_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
     url, keys, _ = served
     model = MultiLoraTransformersModel('tiny-qwen3', client=TwinkleClient(url, keys['alice']))
@@ -243,6 +248,7 @@ def tinker_numbers(url: str, key: str) -> list[float]:
     return numbers
 
 
+@pytest.mark.integration
 def test_a_tinker_sdk_client_trains_on_the_group_as_on_one_rank(served, tmp_path):
     url, keys, _ = served
     on_group = tinker_numbers(url, keys['bob'])
@@ -253,6 +259,7 @@ def test_a_tinker_sdk_client_trains_on_the_group_as_on_one_rank(served, tmp_path
     assert on_group[4] < on_group[0]  # trained: the loss went down
 
 
+@pytest.mark.integration
 def test_a_killed_worker_fails_its_request_and_the_group_comes_back(served):
     url, keys, background = served
     service = background.app.state.service
@@ -298,6 +305,7 @@ twinkle.initialize(mode='http', groups=device_groups, base_model='tiny-qwen3', p
 """
 
 
+@pytest.mark.integration
 def test_seed_003_server_script_and_client_loop(tmp_path):
     """Seed 003's ``server.py`` as written (no ``__main__`` guard: the model workers must not run
     it again), with two CPU ranks for the model and one for its sampler group, and its client

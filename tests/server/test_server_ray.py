@@ -10,6 +10,9 @@ import pytest
 import tinker
 from tinker import types
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 ray = pytest.importorskip('ray')
 
 from twinkle.infra.ray.cluster import LOCAL_SYSTEM_CONFIG  # noqa: E402

@@ -11,6 +11,9 @@ import pytest
 import torch
 from test_server_ranks import TOL, flat, train
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 ray = pytest.importorskip('ray')
 
 from ray.cluster_utils import Cluster  # noqa: E402

@@ -79,6 +79,7 @@ def wait_until(condition, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.integration
 def test_an_idle_adapter_is_released_and_comes_back_unchanged(tmp_path, tiny_model_dir, batches, uninterrupted):
     config = config_for(tiny_model_dir, tmp_path, idle_release_s=0.3)
     key = add_key(config)
@@ -101,6 +102,7 @@ def test_an_idle_adapter_is_released_and_comes_back_unchanged(tmp_path, tiny_mod
     assert losses == pytest.approx(uninterrupted, abs=1e-6)
 
 
+@pytest.mark.integration
 def test_a_graceful_restart_keeps_every_adapter(tmp_path, tiny_model_dir, batches, uninterrupted):
     config = config_for(tiny_model_dir, tmp_path)
     key = add_key(config)
@@ -140,6 +142,7 @@ def where_kept(service, run_id: str) -> tuple[str, int]:
     return ('memory' if path.is_relative_to(config.memory_dir) else 'disk'), step_of(path)
 
 
+@pytest.mark.integration
 def test_kept_states_tier_between_host_memory_and_disk(tmp_path, tiny_model_dir, batches, uninterrupted):
     """One adapter on the model and two states' room in host memory: a run's state is kept in memory
     after each step and at its release, and comes back from there; pushed out by three other runs'
@@ -203,6 +206,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.integration
 def test_states_a_dead_server_left_in_memory_are_moved_to_disk_at_start(tmp_path):
     """A killed server's kept states outlive it in host memory: the next start moves them to disk
     whole (where its runs come back from) and empties memory; a half-written one is dropped; an older

@@ -19,6 +19,9 @@ from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope='module')
 def batches(tiny_model_dir, self_cognition_path) -> list[list[dict]]:

@@ -21,6 +21,9 @@ from twinkle_client.dataset import Dataset
 from twinkle_client.model import MultiLoraTransformersModel
 from twinkle_client.sampler import TorchSampler, vLLMSampler
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 PROMPTS = [
     {'messages': [{'role': 'user', 'content': 'What is your name?'}], 'user_data': {'answer': 'twinkle'}},
     {'messages': [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Name three fruits'}]},

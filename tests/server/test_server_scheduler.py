@@ -447,6 +447,7 @@ def test_a_job_that_can_share_waits_for_the_companions_of_its_last_pass(make_sch
     assert {(job.pass_id, job.pass_size) for job in second} == {(first[0].pass_id + 1, 3)}
 
 
+@pytest.mark.slow
 def test_the_wait_for_companions_ends_after_mix_wait_s_and_a_lone_tenant_does_not_wait(make_scheduler, gate):
     wait_s = 1.0
     scheduler = make_scheduler(mix_wait_s=wait_s)

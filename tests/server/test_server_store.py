@@ -115,6 +115,7 @@ def test_check_name_rejects_names_that_could_escape_a_directory(name):
         check_name('checkpoint', name)
 
 
+@pytest.mark.integration
 def test_twinkle_path_round_trip(store):
     tenant, _ = store.tenants.add('alice')
     run = store.runs.create(tenant.id, 'base', 'default', {})
@@ -160,6 +161,7 @@ def test_keys_are_stored_only_hashed(sqlite_db):
     assert hash_key(key).encode() in stored
 
 
+@pytest.mark.integration
 def test_tenant_lookup_by_key(store):
     alice, alice_key = store.tenants.add('alice')
     bob, bob_key = store.tenants.add('bob', key='tk-' + 'b' * 40)
@@ -171,6 +173,7 @@ def test_tenant_lookup_by_key(store):
     assert store.tenants.all() == [alice, bob]
 
 
+@pytest.mark.integration
 def test_duplicate_tenant_name_or_key_and_weak_keys_are_refused(store):
     store.tenants.add('alice', key='k' * 40)
     with pytest.raises(ConfigurationError, match="a tenant named 'alice'"):
@@ -184,6 +187,7 @@ def test_duplicate_tenant_name_or_key_and_weak_keys_are_refused(store):
     assert [tenant.name for tenant in store.tenants.all()] == ['alice']
 
 
+@pytest.mark.integration
 def test_remove_tenant_removes_their_rows_only(store):
     alice, alice_key = store.tenants.add('alice')
     bob, _ = store.tenants.add('bob')
@@ -202,6 +206,7 @@ def test_remove_tenant_removes_their_rows_only(store):
 # -- tenant isolation ---------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_another_tenants_rows_do_not_exist(store):
     alice, _ = store.tenants.add('alice')
     bob, _ = store.tenants.add('bob')
@@ -230,6 +235,7 @@ def test_another_tenants_rows_do_not_exist(store):
 # -- runs ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_runs_list_newest_first_with_paging_and_without_deleted(db):
     clock = FakeClock()
     with Store(db, clock=clock) as store:
@@ -248,6 +254,7 @@ def test_runs_list_newest_first_with_paging_and_without_deleted(db):
         assert store.runs.get(tenant.id, runs[4].id).status == 'deleted'
 
 
+@pytest.mark.integration
 def test_run_status_and_names_are_validated(store):
     tenant, _ = store.tenants.add('alice')
     run = store.runs.create(tenant.id, 'base', 'default', {})
@@ -259,6 +266,7 @@ def test_run_status_and_names_are_validated(store):
         store.runs.create('tn-missing', 'base', 'default', {})
 
 
+@pytest.mark.integration
 def test_idle_runs(db):
     clock = FakeClock(1_000.0)
     with Store(db, clock=clock) as store:
@@ -280,6 +288,7 @@ def test_idle_runs(db):
 # -- checkpoints --------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_checkpoint_replace_and_delete(db):
     clock = FakeClock()
     with Store(db, clock=clock) as store:
@@ -301,6 +310,7 @@ def test_checkpoint_replace_and_delete(db):
             store.checkpoints.add(tenant.id, run.id, 'x', '/disk/x', 'weights', 1)
 
 
+@pytest.mark.integration
 def test_a_checkpoint_row_and_its_saves_future_commit_together_or_not_at_all(store):
     tenant, _ = store.tenants.add('alice')
     run = store.runs.create(tenant.id, 'base', 'default', {})
@@ -320,6 +330,7 @@ def test_a_checkpoint_row_and_its_saves_future_commit_together_or_not_at_all(sto
     assert store.checkpoints.paths() == {'/disk/v2'}
 
 
+@pytest.mark.integration
 def test_a_run_brought_back_with_less_than_it_had_says_so_and_forgets_the_steps_it_lost(db):
     clock = FakeClock()
     with Store(db, clock=clock) as store:
@@ -341,6 +352,7 @@ def test_a_run_brought_back_with_less_than_it_had_says_so_and_forgets_the_steps_
 # -- futures ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_future_lifecycle(store):
     tenant, _ = store.tenants.add('alice')
     future = store.futures.create(tenant.id, None, 'create_run')
@@ -364,6 +376,7 @@ def test_future_lifecycle(store):
         store.futures.finish(store.futures.create(tenant.id, None, 'op').id, object())
 
 
+@pytest.mark.integration
 def test_fail_unfinished_futures(store):
     tenant, _ = store.tenants.add('alice')
     pending = store.futures.create(tenant.id, None, 'a')
@@ -383,6 +396,7 @@ def test_fail_unfinished_futures(store):
 # -- durability and concurrency -----------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_rows_persist_across_reopen(db):
     with Store(db) as store:
         tenant, key = store.tenants.add('alice')
@@ -444,6 +458,7 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(sqlite_db):
     connection.close()
 
 
+@pytest.mark.integration
 def test_the_keys_file_decides_its_own_tenants_only(store, tmp_path):
     carol, carol_key = store.tenants.add('carol')  # added by hand: the file never touches her
     keys = tmp_path / 'keys.yaml'
@@ -477,6 +492,7 @@ def test_bad_keys_files_are_refused(tmp_path, text, match):
         read_keys_file(tmp_path / 'missing.yaml')
 
 
+@pytest.mark.integration
 def test_newer_schema_is_refused(db):
     Store(db).close()
     set_schema_version(db, 99)
@@ -484,6 +500,7 @@ def test_newer_schema_is_refused(db):
         Store(db)
 
 
+@pytest.mark.integration
 def test_concurrent_writes_from_8_threads(store):
     tenant, _ = store.tenants.add('alice')
     per_thread = 40
@@ -532,6 +549,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_acknowledged_rows_survive_kill_9(db):
     env = {**os.environ, 'PYTHONPATH': SRC + os.pathsep + os.environ.get('PYTHONPATH', '')}
     writer = subprocess.Popen(
@@ -565,6 +583,7 @@ def test_acknowledged_rows_survive_kill_9(db):
             assert connection.execute('PRAGMA foreign_key_check').fetchall() == []
 
 
+@pytest.mark.integration
 def test_tinker_sessions_sampling_sessions_and_their_runs(store):
     alice, _ = store.tenants.add('alice')
     bob, _ = store.tenants.add('bob')
@@ -583,6 +602,7 @@ def test_tinker_sessions_sampling_sessions_and_their_runs(store):
     assert [s.id for s in store.sessions.page(alice.id)] == [session.id] and store.sessions.page(bob.id) == []
 
 
+@pytest.mark.integration
 def test_sessions_without_a_heartbeat_since_a_time_expire_once(db):
     clock = FakeClock(1_000.0)
     with Store(db, clock=clock) as store:
@@ -600,6 +620,7 @@ def test_sessions_without_a_heartbeat_since_a_time_expire_once(db):
         assert store.sessions.expired([]) == set()
 
 
+@pytest.mark.integration
 def test_published_checkpoints_are_readable_by_others_and_expired_ones_go(db):
     clock = FakeClock()
     with Store(db, clock=clock) as store:
@@ -671,6 +692,7 @@ def test_marking_a_future_running_is_not_synced_alone_and_leaves_later_writes_sy
     store.close()
 
 
+@pytest.mark.integration
 def test_usage_sums_per_hour_steps_replace_and_sampled_sequences_round_trip(db):
     clock = FakeClock(7_200.0)
     with Store(db, clock=clock) as store:

@@ -29,6 +29,9 @@ from twinkle_client import RemoteError, TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 from twinkle_client.sampler import vLLMSampler
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 ADMIN_KEY = 'admin-' + 'k' * 40
 PRICING = {
     'training_per_million_tokens': 2.0,

@@ -13,6 +13,9 @@ from server_helpers import background_server
 
 from twinkle.server.api.errors import MAX_PROBLEMS
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 #: Bytes a 422 of a handful of problems fits in: a problem is under 200 bytes (a location of a few
 #: short parts, a one-line message); the largest possible one is under 2 kB (errors.MAX_* cut it).
 SMALL_ANSWER_BYTES = 4096

@@ -24,6 +24,9 @@ from twinkle.template import Template
 from twinkle_client import TwinkleClient
 from twinkle_client.sampler import TorchSampler
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 TEMPERATURES = [0.5, 0.7, 1.0, 1.5]
 TOL = 1e-5
 PROMPT = [11, 42, 7, 99, 512, 3]

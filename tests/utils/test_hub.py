@@ -211,6 +211,7 @@ def test_hf_model_is_not_a_hf_dataset(offline_env: Path) -> None:
 # ModelScope, through modelscope.hub.snapshot_download(local_files_only=True)
 
 
+@pytest.mark.integration
 def test_ms_model_and_dataset_resolve_from_the_cache(offline_env: Path) -> None:
     model = make_ms_repo(offline_env / 'ms', 'org/tiny', 'model', {'config.json': '{}'}, 'master')
     data = make_ms_repo(offline_env / 'ms', 'org/data', 'dataset', {'train.jsonl': '{"a": 1}\n'}, 'master')
@@ -221,6 +222,7 @@ def test_ms_model_and_dataset_resolve_from_the_cache(offline_env: Path) -> None:
     assert resolve_dataset('org/data') == str(data)
 
 
+@pytest.mark.integration
 def test_ms_revision_picks_that_snapshot(offline_env: Path) -> None:
     make_ms_repo(offline_env / 'ms', 'org/tiny', 'model', {'config.json': '{}'}, 'master')
     tagged = make_ms_repo(offline_env / 'ms', 'org/tiny', 'model', {'config.json': '{"v": 1}'}, 'v1.0')
@@ -229,6 +231,7 @@ def test_ms_revision_picks_that_snapshot(offline_env: Path) -> None:
         resolve_model('ms://org/tiny', revision='v9')
 
 
+@pytest.mark.integration
 def test_ms_reads_the_pre_1_38_cache_layout(offline_env: Path) -> None:
     # Older modelscope wrote {cache}/hub/models/org/name with '.' in the name spelled '___'.
     legacy = offline_env / 'ms' / 'hub' / 'models' / 'Qwen' / 'Qwen3___5-0___8B'
@@ -237,6 +240,7 @@ def test_ms_reads_the_pre_1_38_cache_layout(offline_env: Path) -> None:
     assert resolve_model('ms://Qwen/Qwen3.5-0.8B') == str(legacy)
 
 
+@pytest.mark.integration
 def test_missing_ms_repo_names_the_id_hub_and_folder(offline_env: Path) -> None:
     from modelscope_hub.errors import CacheNotFound
 
@@ -337,6 +341,7 @@ def test_network_guard_is_active() -> None:
         socket.create_connection(('127.0.0.1', 9), timeout=1)
 
 
+@pytest.mark.integration
 def test_ms_falls_back_to_the_cache_when_the_hub_is_unreachable(
     offline_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

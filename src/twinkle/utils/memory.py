@@ -9,18 +9,16 @@ resident set grows by more than what it holds. ``malloc_trim(0)`` releases every
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library, when it is glibc (the only one with ``malloc_trim``); None elsewhere."""
-    name = ctypes.util.find_library('c')
-    if name is None:
-        return None
+    """The C library, when it is glibc (the only one with ``malloc_trim``); None elsewhere. Looked up
+    among the symbols this process has loaded (``CDLL(None)``), not by ``ctypes.util.find_library``,
+    which runs ``ldconfig`` or a compiler to find a file name."""
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     return libc if hasattr(libc, 'malloc_trim') else None

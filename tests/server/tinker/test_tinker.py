@@ -19,6 +19,9 @@ from tinker import types
 
 from twinkle.server.store import Store
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope='module')
 def server(tmp_path_factory, tiny_model_dir):

@@ -148,6 +148,7 @@ def test_the_codec_decodes_spans_and_checks_their_tiling():
 
 
 # ---- recorded sequences and spans ---------------------------------------------------------------
+@pytest.mark.integration
 def test_stable_reinforce_trains_on_the_recorded_logprobs_not_the_clients(server, sdk_clients, tiny_model_dir):
     url, keys, _ = server
     client = training_client(sdk_clients(url, keys['alice']), tiny_model_dir)
@@ -187,6 +188,7 @@ def test_recorded_sequences_outlive_a_restart_and_expire_after_a_day_unused(tmp_
         assert store.sequences.get(tenant.id, ['seq-a:0']) == {}
 
 
+@pytest.mark.integration
 def test_spans_must_name_a_recorded_sequence_of_the_models_own_session(server, sdk_clients, tiny_model_dir):
     url, keys, _ = server
     mine, other = sdk_clients(url, keys['alice']), sdk_clients(url, keys['alice'])
@@ -207,6 +209,7 @@ def test_spans_must_name_a_recorded_sequence_of_the_models_own_session(server, s
     assert client.forward_backward([traced(own)], 'stable_reinforce').result().metrics['loss:sum'] is not None
 
 
+@pytest.mark.integration
 def test_spans_must_match_the_recorded_tokens_and_stay_inside_the_sequence(server, sdk_clients, tiny_model_dir):
     url, keys, _ = server
     client = training_client(sdk_clients(url, keys['alice']), tiny_model_dir)
@@ -231,6 +234,7 @@ def test_spans_must_match_the_recorded_tokens_and_stay_inside_the_sequence(serve
         client.forward([traced(sequence, recorded_logprobs=torch.zeros(p + 3))], 'stable_reinforce').result()
 
 
+@pytest.mark.integration
 def test_an_expired_sequence_is_refused_and_each_use_restarts_its_day(server, sdk_clients, tiny_model_dir):
     url, keys, store = server
     client = training_client(sdk_clients(url, keys['alice']), tiny_model_dir)
@@ -249,6 +253,7 @@ def test_an_expired_sequence_is_refused_and_each_use_restarts_its_day(server, sd
         client.forward([traced(sequence)], 'stable_reinforce').result()
 
 
+@pytest.mark.integration
 def test_record_stability_info_is_kept_only_when_asked(server, sdk_clients, tiny_model_dir):
     url, keys, _ = server
     client = training_client(sdk_clients(url, keys['alice']), tiny_model_dir)
@@ -262,6 +267,7 @@ def test_record_stability_info_is_kept_only_when_asked(server, sdk_clients, tiny
 
 
 # ---- inflight sampling clients --------------------------------------------------------------------
+@pytest.mark.integration
 def test_inflight_clients_follow_the_latest_inflight_save_and_snapshots_do_not(server, sdk_clients, tiny_model_dir):
     url, keys, _ = server
     client = training_client(sdk_clients(url, keys['alice']), tiny_model_dir, seed=7)
@@ -308,6 +314,7 @@ COOKBOOK_ASYNC_RL = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_tinker_cookbooks_async_rl_loop_trains_with_stable_reinforce(tmp_path: Path, tiny_model_dir: str) -> None:
     with background_server(tmp_path / 'server', tiny_model_dir, tenants=('cookbook',)) as (url, keys, background):
         environment = {**os.environ, 'TINKER_BASE_URL': url, 'TINKER_API_KEY': keys['cookbook']}

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 from server_helpers import background_server
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 pytest.importorskip('chz')  # installed beside tinker-cookbook by `make setup`, with the few others it imports
 
 

@@ -18,6 +18,9 @@ from server_helpers import background_server
 
 from twinkle import assets
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 pytest.importorskip('chz')  # installed beside tinker-cookbook by `make setup`, with the few others it imports
 
 

@@ -22,6 +22,9 @@ from transformers import AutoModelForCausalLM
 from twinkle.server.cli import BackgroundServer
 from twinkle.server.config import ServerConfig
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 TOKENS = [(7 * j) % 400 + 10 for j in range(12)]
 
 

@@ -21,6 +21,9 @@ from tinker import types
 
 from twinkle.server.store import Store
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 #: One queued request fills a tenant's queue.
 QUEUE = 1
 

@@ -26,6 +26,9 @@ from twinkle.server.store import Store
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 #: Seconds between two sweeps for expired checkpoints: short, so that a TTL test takes seconds.
 SWEEP_S = 0.2
 

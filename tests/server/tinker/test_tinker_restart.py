@@ -7,11 +7,15 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import tinker
 import torch
 from sdk_clients import ServiceClients
 from server_helpers import add_key, free_port, start_server
 from tinker import types
+
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
 
 
 def data() -> list[types.Datum]:

@@ -123,6 +123,7 @@ def test_a_row_that_is_not_one_encoded_sequence_is_refused(feature, message):
         input_feature_to_datum(feature)
 
 
+@pytest.mark.integration
 def test_the_tinker_loss_sum_is_twinkles_token_mean_times_the_token_count(server, rows, tiny_model_dir):
     # A fresh adapter's LoRA B is zero, so its first forward is the base model's: the same
     # numbers twinkle's own TransformersModel computes on the same rows.
@@ -143,6 +144,7 @@ def test_the_tinker_loss_sum_is_twinkles_token_mean_times_the_token_count(server
 
 
 # ---- the seed scripts -----------------------------------------------------------------------------
+@pytest.mark.integration
 @pytest.mark.filterwarnings('ignore:Using the future as the TrainingClient:FutureWarning')  # as the seed does
 def test_seed_000_script_trains_and_saves(server, tiny_model_dir, self_cognition_path):
     """Seed 000's Tinker script with the model id, dataset path, URL and key replaced."""
@@ -174,6 +176,7 @@ def test_seed_000_script_trains_and_saves(server, tiny_model_dir, self_cognition
     assert paths == [f'tinker://{run_id}/weights/twinkle-lora-{epoch}' for epoch in range(3)]
 
 
+@pytest.mark.integration
 def test_seed_002_script_runs_offline_and_its_loss_falls(tmp_path, tiny_model_dir):
     """cookbook/tinker_sft.py is seed 002's section 3.2 script; with no URL it starts its own server."""
     command = [sys.executable, str(ROOT / 'cookbook' / 'tinker_sft.py'), '--samples', '32', '--lr', '1e-3']
@@ -189,6 +192,7 @@ def test_seed_002_script_runs_offline_and_its_loss_falls(tmp_path, tiny_model_di
 
 
 # ---- init_tinker_client ---------------------------------------------------------------------------
+@pytest.mark.integration
 def test_init_tinker_client_points_an_argumentless_service_client_at_the_server(server, clean_env, tiny_model_dir):
     url, key = server
     init_tinker_client(url, key)

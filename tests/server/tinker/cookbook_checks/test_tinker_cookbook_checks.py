@@ -39,6 +39,9 @@ import torch
 from vendored import compare_sampling_training_logprobs as compare
 from vendored import validate_temperature_logprobs as validate
 
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
 #: How far a logprob may be from exact. Both scripts compare one float32 forward of the tiny model with another
 #: of the same tokens (a decode step against a prefill, the trainer's pass against the sampler's), which agree to
 #: float32 rounding: measured, 5e-6 on a pair's difference at t=0.5, 1e-6 in the sequence check, and a squared

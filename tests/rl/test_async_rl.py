@@ -20,7 +20,7 @@ from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, StateError
 from twinkle.rl import AsyncRollouts, Session, Stamped, generate_partial
 
-COOKBOOK = Path(__file__).resolve().parents[1] / 'cookbook'
+COOKBOOK = Path(__file__).resolve().parents[2] / 'cookbook'
 
 
 @pytest.fixture(scope='module')
@@ -395,6 +395,7 @@ def test_async_recipe_stays_within_its_bound_in_one_process(recipe: Any) -> None
     assert result['stats']['staleness/1'] > 0  # it did run ahead
 
 
+@pytest.mark.integration
 def test_async_recipe_on_ray_sampler_and_model_groups(recipe: Any) -> None:
     result = _run(recipe, max_staleness=1, mode='ray')
     assert all(record['staleness_max'] <= 1 for record in result['history'])
@@ -425,6 +426,7 @@ def test_a_cpu_sampler_group_and_its_model_split_the_cores(monkeypatch: pytest.M
     assert multi_rank.rank_threads(world=2) == max(1, (os.cpu_count() or 1) // 2)
 
 
+@pytest.mark.integration
 def test_two_tenants_async_loops_share_one_service_each_within_its_budget(recipe: Any, tiny_model_dir: str) -> None:
     from twinkle.server.cli import BackgroundServer
     from twinkle.server.config import ServerConfig

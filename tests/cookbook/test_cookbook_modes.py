@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 from server_helpers import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+#: Each test here starts a server, a process or a cluster (tests/tiers.py).
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
 # Losses of one process and of 2 ranks (gloo sums in another order) agree to float rounding.
 TOLERANCE = 1e-4
 FSDP_ARGS = ('--steps', '6', '--batch-size', '4')

@@ -15,7 +15,7 @@ import pytest
 from twinkle.assets.images import COLOURS
 from twinkle.errors import ConfigurationError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def recipe() -> ModuleType:
