@@ -96,7 +96,11 @@ class Gateway:
 
     def __init__(self, store: Store, settings: GatewaySettings):
         self.store, self.settings = store, settings
-        self.worker = httpx.AsyncClient(timeout=settings.worker_timeout_s)
+        # A kept connection is dropped well before the worker closes it as idle (``idle_connection_timeout_s``):
+        # at the same expiry (httpx's 5 s, uvicorn's 5 s) a request sent as the worker closed it failed with a
+        # ReadError, a 503 for a request the worker never saw (seen under load).
+        kept = httpx.Limits(keepalive_expiry=settings.limits.idle_connection_timeout_s / 2)
+        self.worker = httpx.AsyncClient(timeout=settings.worker_timeout_s, limits=kept)
         self.worker_url = httpx.URL(settings.worker_url)
         self.in_flight = 0
         self.draining = False
