@@ -102,7 +102,7 @@ def train(scenario: str, data: list[dict[str, Any]], mesh: DeviceMesh | None) ->
     model = build(name, mesh, packed, checkpointing)
     model.fused_output = scenario.endswith('-fused')
     if model.fused_output:  # the scenario runs the fused layer, not a silent fallback to the logits
-        assert model._runner.fused_reads([model.train_group(None).loss]) is not None, scenario
+        assert model._runner.fused_reads([model.train_group(None).spec.loss]) is not None, scenario
     if loss == 'grpo':
         model.set_loss('GRPOLoss', epsilon=0.2)
     losses, norms = [], []

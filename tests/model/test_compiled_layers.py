@@ -52,7 +52,7 @@ def pair(tiny_model_dir: str) -> tuple[TransformersModel, TransformersModel]:
 def _grads(model: TransformersModel) -> list[torch.Tensor]:
     """The gradients the optimizer will step on: the summed ones over the call's item count."""
     group = model.groups['default']
-    return [p.grad / group.pending_items for p in group.params]
+    return [p.grad / group.pending.items for p in group.params]
 
 
 def _train_step(models: tuple[TransformersModel, ...], rows: list[dict[str, Any]], **inputs: Any) -> None:

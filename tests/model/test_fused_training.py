@@ -58,14 +58,14 @@ def _pair(base: TransformersModel) -> tuple[TransformersModel, TransformersModel
 
 def _grads(model: TransformersModel, name: str) -> list[torch.Tensor]:
     group = model.groups[name]
-    return [p.grad / group.pending_items.clamp(min=1) for p in group.params]  # a summed loss (Tinker) counts 0
+    return [p.grad / group.pending.items.clamp(min=1) for p in group.params]  # a summed loss (Tinker) counts 0
 
 
 def _assert_same(unfused: TransformersModel, fused: TransformersModel, names: list[str]) -> dict[str, float]:
     """Equal gradients and metrics; the last adapter's metrics (reading them resets them)."""
     got: dict[str, float] = {}
     for name in names:
-        assert fused._runner.fused_reads([fused.groups[name].loss]) is not None, name  # the fused layer ran
+        assert fused._runner.fused_reads([fused.groups[name].spec.loss]) is not None, name  # the fused layer ran
         grads, expected = _grads(fused, name), _grads(unfused, name)
         assert all(g.abs().max() > 0 for g in expected), name  # every layer of the adapter trained
         worst = max((g - e).abs().max().item() for g, e in zip(grads, expected, strict=True))
@@ -234,8 +234,8 @@ def test_a_metric_that_reads_the_logits_gets_them_and_the_unfused_numbers(base: 
     fused.add_metric(top, adapter_name='body')
     for model in (unfused, fused):
         model.add_metric('Accuracy', ignore_index=-1, adapter_name='head')
-    assert fused._runner.fused_reads([fused.groups['body'].loss], fused.groups['body'].train_metrics) is None
-    assert fused._runner.fused_reads([fused.groups['head'].loss], fused.groups['head'].train_metrics) is None
+    assert fused._runner.fused_reads([fused.groups['body'].spec.loss], fused.groups['body'].spec.train_metrics) is None
+    assert fused._runner.fused_reads([fused.groups['head'].spec.loss], fused.groups['head'].spec.train_metrics) is None
     fused.forward_backward(inputs=ROWS, adapter_name='body')
     width = max(len(row['input_ids']) for row in ROWS)
     assert top.shapes == [(len(ROWS), width, 4096)]

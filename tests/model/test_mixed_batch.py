@@ -54,7 +54,7 @@ def base(tiny_model_dir: str) -> TransformersModel:
 def _grads(model: TransformersModel, name: str) -> list[torch.Tensor]:
     """The gradient the optimizer will see: summed over the loss items, divided by their count."""
     group = model.groups[name]
-    return [p.grad / group.pending_items for p in group.params]
+    return [p.grad / group.pending.items for p in group.params]
 
 
 def _worst(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
@@ -129,7 +129,7 @@ def test_a_loss_that_raises_leaves_every_adapter_untouched(base: TransformersMod
         model.forward_backward_mixed([AdapterCall('a', ROWS['a']), AdapterCall('b', ROWS['b'])])
     assert model.calculate_metric(adapter_name='a').get('loss') is None
     assert all(p.grad is None for name in ('a', 'b') for p in model.groups[name].params)
-    assert (model.groups['a'].micro_step, model.groups['b'].micro_step) == (0, 0)
+    assert (model.groups['a'].window.micro_step, model.groups['b'].window.micro_step) == (0, 0)
 
 
 @pytest.mark.slow

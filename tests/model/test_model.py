@@ -127,7 +127,7 @@ def test_two_adapters_trained_alternately_match_each_trained_alone(tiny_model_di
 def mean_loss_grad_norm(model: TransformersModel, batch: list[dict]) -> float:
     """The gradient norm of the token-mean cross-entropy of ``batch``, by plain autograd."""
     logits = model.forward(inputs=batch).logits
-    labels = model.groups['default'].processor(batch, pad_token_id=0)['labels']
+    labels = model.groups['default'].spec.processor(batch, pad_token_id=0)['labels']
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     grads = torch.autograd.grad(loss, model.groups['default'].params)
     return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
@@ -328,7 +328,7 @@ def test_bad_inputs_fail_before_any_compute(tiny_model_dir, rows):
         model.backward()
     with pytest.raises(CheckpointError, match='does not exist'):
         model.load('/nonexistent/ckpt')
-    assert model.groups['default'].micro_step == 0
+    assert model.groups['default'].window.micro_step == 0
 
 
 def test_packed_batches_give_the_padded_loss_and_count_their_rows(tiny_model_dir, rows):
@@ -340,7 +340,7 @@ def test_packed_batches_give_the_padded_loss_and_count_their_rows(tiny_model_dir
     assert packed.calculate_loss() == pytest.approx(expected, rel=1e-5)
     packed.backward()
     # Three sequences in one packed tensor row still count as three consumed samples.
-    assert packed.groups['default'].consumed_train_samples == 3
+    assert packed.groups['default'].window.consumed_train_samples == 3
 
 
 def test_a_failed_adapter_leaves_no_layers_behind(tiny_model_dir, rows):

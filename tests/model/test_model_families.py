@@ -54,7 +54,7 @@ def model_with(name: str, adapters: dict[str, LoraConfig]) -> TransformersModel:
 def grads(model: TransformersModel, adapter: str) -> list[torch.Tensor]:
     """The gradient the optimizer will see: summed over the loss items, divided by their count."""
     group = model.groups[adapter]
-    return [p.grad / group.pending_items for p in group.params]
+    return [p.grad / group.pending.items for p in group.params]
 
 
 @pytest.mark.parametrize('name', FAMILIES)
@@ -259,7 +259,7 @@ def test_the_experts_load_is_a_metric(name: str) -> None:
     model = model_with(name, {'a': ALL_LINEAR})
     batch = rows(8, [10, 6])
     model.forward_backward(inputs=batch, adapter_name='a')
-    load = next(m for m in model.groups['a'].train_metrics if type(m).__name__ == 'ExpertLoad')
+    load = next(m for m in model.groups['a'].spec.train_metrics if type(m).__name__ == 'ExpertLoad')
     tokens = load.tokens_per_expert
     assert tokens is not None
     metrics = model.calculate_metric(adapter_name='a')
@@ -282,7 +282,7 @@ def test_vllm_refuses_an_expert_adapter_by_name() -> None:
 
     model = model_with('tiny-qwen3-moe', {'a': ALL_LINEAR})
     with pytest.raises(ConfigurationError, match=r'merge_and_sync=True'):
-        adapter_config_json(model.groups['a'].config, multi_lora.peft_state_dict(model.model, 'a'))
+        adapter_config_json(model.groups['a'].spec.config, multi_lora.peft_state_dict(model.model, 'a'))
 
 
 def test_a_native_runs_expert_stacks_are_tinkers_train_mlp() -> None:

@@ -95,7 +95,7 @@ def test_stepping_together_gives_the_numbers_of_one_by_one(
     for name, params in weights(one_by_one).items():
         assert all(torch.equal(a, b) for a, b in zip(params, weights(together)[name], strict=True)), name
     for name in ADAPTERS:
-        assert together.groups[name].optim_step == one_by_one.groups[name].optim_step
+        assert together.groups[name].window.optim_step == one_by_one.groups[name].window.optim_step
     # Round 1 makes the optimizers' state one by one. Then a, b, c and f step together, and d
     # with them from its second step (round 4); e's SGD steps alone. Offloaded (max_in_memory=2),
     # the adapters ready to step go two at a time, the pairs with state together.

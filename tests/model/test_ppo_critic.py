@@ -163,7 +163,9 @@ def _same(before: list[torch.Tensor], model: TransformersModel, name: str) -> bo
 
 def test_critic_trains_while_the_policy_stays_and_the_other_way_round(tmp_path):
     model, rows = _model(), _rows()
-    assert model.train_group('critic').value_head is not None and model.train_group('policy').value_head is None
+    assert (
+        model.train_group('critic').spec.value_head is not None and model.train_group('policy').spec.value_head is None
+    )
     assert model.forward_values(inputs=rows, adapter_name='critic').shape == (2, 7)
     assert model.forward_only(inputs=rows, adapter_name='policy').values is None
     policy = _snapshot(model, 'policy')
@@ -239,4 +241,4 @@ def test_values_and_value_loss_need_a_value_head():
     with pytest.raises(ConfigurationError, match="adapter 'policy' has no value head"):
         model.forward_values(inputs=_rows(), adapter_name='policy')
     # The policy kept its loss (the refused one was never set).
-    assert type(model.train_group('policy').loss).__name__ == 'CrossEntropyLoss'
+    assert type(model.train_group('policy').spec.loss).__name__ == 'CrossEntropyLoss'

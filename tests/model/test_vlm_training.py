@@ -232,7 +232,7 @@ def lora_model(path: str, target_modules: Any = 'all-linear', names: tuple[str, 
 
 def grads(model: TransformersModel, name: str = 'a') -> list[torch.Tensor]:
     group = model.groups[name]
-    return [p.grad / group.pending_items for p in group.params]
+    return [p.grad / group.pending.items for p in group.params]
 
 
 def worst(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:

@@ -48,7 +48,7 @@ def model(name: str = 'tiny-qwen3') -> TransformersModel:
 def grads(trainer: TransformersModel) -> list[torch.Tensor]:
     group = trainer.groups['a']
     # A layer the forward does not reach (tiny-qwen3.5 has some) has no gradient: zero, in both runs.
-    return [torch.zeros_like(p) if p.grad is None else p.grad / group.pending_items for p in group.params]
+    return [torch.zeros_like(p) if p.grad is None else p.grad / group.pending.items for p in group.params]
 
 
 def test_first_fit_decreasing_places_every_row_once_within_the_length():
@@ -90,7 +90,7 @@ def test_gradient_accumulation_over_packed_batches_stays_exact():
     padded, packed = model(), model()
     padded.padding_free = False  # rows padded, as an adapter with its own padded processor has them
     for trainer in (padded, packed):
-        trainer.groups['a'].gradient_accumulation_steps = 2
+        trainer.groups['a'].window.gradient_accumulation_steps = 2
         trainer.set_optimizer('AdamW', lr=1e-2, adapter_name='a')
     packed.set_processor('InputProcessor', padding_free=True, adapter_name='a')
     halves = [rows(1, LENGTHS[:6]), rows(2, LENGTHS[6:])]
@@ -145,7 +145,7 @@ def test_padding_free_packs_forward_backward_and_gives_the_padded_numbers():
     rows packed into one row (no padding computed), with the padded rows' loss and gradients;
     ``forward`` keeps the rows padded."""
     default, padded = model(), model()
-    assert not padded.padding_free and not default.groups['a'].processor_set  # off by default under sdpa
+    assert not padded.padding_free and not default.groups['a'].spec.processor_set  # off by default under sdpa
     default.padding_free = True
     recorders = {}
     for trainer in (default, padded):

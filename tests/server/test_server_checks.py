@@ -94,10 +94,10 @@ def test_a_non_finite_loss_fails_locally_and_nothing_is_accumulated(tiny_model_d
     blow_up(model, batch)
     model.calculate_metric(is_training=True)  # reset the metrics
     group = model.groups['default']
-    steps, samples = group.micro_step, group.consumed_train_samples
+    steps, samples = group.window.micro_step, group.window.consumed_train_samples
     with pytest.raises(DataError, match=r"loss of adapter 'default' is not finite \((nan|inf)\)"):
         model.forward_backward(inputs=batch)
-    assert (group.micro_step, group.consumed_train_samples) == (steps, samples)
+    assert (group.window.micro_step, group.window.consumed_train_samples) == (steps, samples)
     assert all(p.grad is None for p in group.params)
     assert 'loss' not in model.calculate_metric(is_training=True)  # the metrics were fed nothing
 

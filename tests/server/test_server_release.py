@@ -97,8 +97,8 @@ def test_an_idle_adapter_is_released_and_comes_back_unchanged(tmp_path, tiny_mod
         group = host.model.groups[server.app.state.service.default.adapters[model.runs['default']]]
         # One optimizer step per batch (accumulation 1): 3 restored from the released state (the
         # model's restore_counters), 3 after; every row of the 6 batches counted once.
-        assert group.optim_step == 6
-        assert group.consumed_train_samples == sum(len(batch) for batch in batches[:6])
+        assert group.window.optim_step == 6
+        assert group.window.consumed_train_samples == sum(len(batch) for batch in batches[:6])
     assert losses == pytest.approx(uninterrupted, abs=1e-6)
 
 

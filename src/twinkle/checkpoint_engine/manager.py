@@ -150,7 +150,7 @@ def export_weights(
         export.update = _merged_weights(model, group.name)
     elif mode == 'adapter':
         export.update = _adapter_weights(model, group.name)
-        export.adapter_name, export.config = group.name, group.config
+        export.adapter_name, export.config = group.name, group.spec.config
     if to_cpu:
         export.base = {name: t.cpu() for name, t in export.base.items()}
         export.update = {name: t.cpu() for name, t in export.update.items()}

@@ -319,8 +319,8 @@ class ModelParallel:
         (every rank takes part; rank 0's is the one to write): the gradients summed over the
         ranks with their item count, unless they were normalised already (then every rank holds
         the reduced gradient); an FSDP2 shard's gradient, summed in its backward, gathered whole."""
-        params, normalized = group.params, group.grads_normalized
-        items = torch.as_tensor(group.pending_items).detach().clone()
+        params, normalized = group.params, group.pending.normalized
+        items = torch.as_tensor(group.pending.items).detach().clone()
         grads: dict[int, torch.Tensor] = {}
         if not self.enabled:
             grads = {i: p.grad.detach().cpu().clone() for i, p in enumerate(params) if p.grad is not None}
@@ -340,7 +340,7 @@ class ModelParallel:
             if not normalized:
                 items = head[0].detach().cpu()
         figures = group.step_log.open_figures()
-        return Window(grads, items.cpu(), normalized, group.last_grad_norm, group.boundary_done(), figures)
+        return Window(grads, items.cpu(), normalized, group.pending.grad_norm, group.window.boundary_done(), figures)
 
     def place_window(self, group: TrainGroup, window: Window) -> None:
         """Open ``window`` (``gather_window``'s) on this rank: its gradients and item count go to
@@ -368,9 +368,9 @@ class ModelParallel:
                 param.grad = _shard_like(param, grad)
             else:
                 param.grad = grad.to(device=param.device, dtype=param.dtype).clone()
-        group.pending_items = window.items.clone() if holds else torch.zeros_like(window.items)
-        group.grads_normalized, group.last_grad_norm = window.normalized, window.grad_norm
-        group.mark_done(window.done)
+        items = window.items.clone() if holds else torch.zeros_like(window.items)
+        group.pending.reopen(items, window.normalized, window.grad_norm)
+        group.window.mark_done(window.done)
         if window.figures:
             group.step_log.reopen(window.figures)
 
@@ -426,7 +426,7 @@ def _shard(model: torch.nn.Module, groups: list[TrainGroup], mesh: Any) -> None:
     for group in groups:
         mapping = {id(p): sharded[names[id(p)]] for p in group.params}
         _move_grads(group, mapping)
-        group.params = [mapping[id(p)] for p in group.params]
+        group.rebind(mapping)
         if group.optimizer is not None:
             _move_optimizer(group.optimizer, mapping)
 
@@ -446,7 +446,7 @@ def _move_grads(group: TrainGroup, mapping: dict[int, torch.nn.Parameter]) -> No
         if not has or not isinstance(shard, DTensor):  # left whole (an expert-parallel stack): its own
             continue
         grad = _grad_or_zeros(param)
-        if not group.grads_normalized:
+        if not group.pending.normalized:
             grad = distributed.all_reduce_sum(grad)
         shard.grad = _shard_like(shard, grad)
         param.grad = None

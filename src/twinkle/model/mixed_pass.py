@@ -61,7 +61,7 @@ def forward_backward_mixed(
     parts, logits = _mixed_forward(runner, groups, features, forward_only, max_tokens)
     if forward_only:
         for group, rows, part in zip(groups, features, parts, strict=True):
-            group.pending = (
+            group.pending.forward = (
                 None if part is None else Pending(*part, training=False, rows=len(rows), carried=carried(rows))
             )
         return [
@@ -179,9 +179,9 @@ def _forward(
     names = [groups[i].name for i in calls for _ in features[i]]
     batch = runner.collate(groups[calls[0]], flat)
     multi_lora.assign_rows(runner.model, names)
-    heads = [groups[i].value_head for i in calls]
-    metrics = [metric for i in calls for metric in groups[i].train_metrics]
-    fused = None if forward_only else runner.fused_reads([groups[i].loss for i in calls], metrics)
+    heads = [groups[i].spec.value_head for i in calls]
+    metrics = [metric for i in calls for metric in groups[i].spec.train_metrics]
+    fused = None if forward_only else runner.fused_reads([groups[i].spec.loss for i in calls], metrics)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         outputs = runner.outputs(batch, hidden_state=any(head is not None for head in heads), fused=fused)
     # split, not slices: a slice's backward would write into zeros the size of all the logits
@@ -286,7 +286,7 @@ def _mixed_backward(
     outputs = []
     for group, rows, loss, call_sums in zip(pass_.groups, pass_.features, losses, sums, strict=True):
         if loss is not None:
-            group.pending_items = group.pending_items + loss.num_items.detach()
+            group.pending.add_items(loss.num_items)
         outputs.append(record_call(group, rows, call_sums, elapsed))
     return outputs
 

@@ -132,7 +132,7 @@ def with_logps(logits: torch.Tensor, batch: Batch, values: torch.Tensor | None =
 def accumulate(group: TrainGroup, batch: Batch, outputs: Outputs, loss: LossOutput, training: bool) -> None:
     """Feed a loss to the group's training (or evaluation) metrics, and a training loss's own
     statistics to the step log (a server's run history records them per step)."""
-    for metric in group.train_metrics if training else group.eval_metrics:
+    for metric in group.spec.train_metrics if training else group.spec.eval_metrics:
         metric.accumulate(inputs=batch, outputs=outputs, loss=loss)
     if training:
         group.step_log.on_loss(loss)
@@ -153,8 +153,7 @@ def record_call(
     are the global batch's on every rank, as one process counts them). ``row_share`` 0: this
     rank's rows are counted by another rank of its group (Ulysses), so its tokens are not."""
     total, items, trained, global_rows = sums
-    group.micro_step += 1
-    group.consumed_train_samples += int(global_rows)
+    group.window.count_backward(int(global_rows))
     tokens = sum(len(f['input_ids']) for f in rows)
     group.stats.accumulate(num_tokens=round(tokens * row_share), elapsed_s=elapsed_s)
     loss = total / max(items, 1.0)

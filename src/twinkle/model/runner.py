@@ -103,8 +103,8 @@ class ModelRunner:
     # ---- rows ---------------------------------------------------------------------------------
     def template_for(self, group: TrainGroup) -> Template:
         """The template that encodes the group's trajectories: its own, else the model's (from ``model_id``)."""
-        if group.template is not None:
-            return group.template
+        if group.spec.template is not None:
+            return group.spec.template
         if self._template is None:
             if self.model_id is None:
                 raise StateError('this model was built from a config: call set_template(...) first')
@@ -152,10 +152,10 @@ class ModelRunner:
     def processor(self, group: TrainGroup, packs: bool = False) -> InputProcessor:
         """The group's processor; the rows packed into one row instead when the pass ``packs``
         (``forward_backward``, whose caller reads only the loss), the switch ``padding_free`` is
-        on and no processor was set for the group (``TrainGroup.processor_set``)."""
-        if packs and self.padding_free and not group.processor_set:
+        on and no processor was set for the group (``AdapterSpec.processor_set``)."""
+        if packs and self.padding_free and not group.spec.processor_set:
             return PACKED
-        return group.processor
+        return group.spec.processor
 
     def collate(self, group: TrainGroup, rows: Sequence[InputFeature], packs: bool = False) -> Batch:
         """The rows as one batch on the model's device, by the group's processor and pad token."""
@@ -193,7 +193,7 @@ class ModelRunner:
         self.prepare(training)
         batch = self.collate(group, rows, packs)
         multi_lora.assign_rows(self.model, group.name if lora and group.name != FULL else None)
-        head = group.value_head if lora else None
+        head = group.spec.value_head if lora else None
         outputs = self.outputs(batch, hidden_state=head is not None, fused=fused)
         if head is not None:
             outputs['values'] = head(outputs.pop('hidden_state'))
@@ -282,13 +282,13 @@ class ModelRunner:
         """A forward of the rows left pending on the group (``Pending``) for ``calculate_loss``
         and, when ``training``, ``backward``; its logits and label logprobs."""
         batch, outputs = self.run(group, features, training, lora)
-        group.pending = Pending(batch, outputs, training, rows=len(features), carried=carried(features))
+        group.pending.forward = Pending(batch, outputs, training, rows=len(features), carried=carried(features))
         return with_logps(outputs['logits'], batch, outputs.get('values'))
 
     def calculate_loss(self, group: TrainGroup, loss_inputs: dict[str, object]) -> float:
         """The loss of the group's pending forward, fed to its metrics: its mean over the items
         it counts, over every rank (the pending forward keeps it for ``backward``)."""
-        pending = group.pending
+        pending = group.pending.forward
         if pending is None:
             raise StateError(f'calculate_loss() needs a forward()/forward_only() first (adapter {group.name!r})')
         loss_inputs = {**pending.carried, **loss_inputs}
@@ -299,14 +299,13 @@ class ModelRunner:
 
     def backward_pending(self, group: TrainGroup) -> None:
         """The backward of the group's pending training forward and its loss: one micro step."""
-        pending = group.pending
+        pending = group.pending.forward
         if pending is None or pending.loss is None or not pending.training:
             raise StateError(f'backward() needs forward() then calculate_loss() first (adapter {group.name!r})')
         check_finite(group, pending.loss, self.parallel.sum_)
         self.backward(group, pending.loss)
-        group.micro_step += 1
-        group.consumed_train_samples += pending.rows
-        group.pending = None
+        group.window.count_backward(pending.rows)
+        group.pending.forward = None
 
     def forward_backward(
         self,
@@ -320,7 +319,7 @@ class ModelRunner:
         started, sums = time.perf_counter(), []
         self.parallel.check_trainable(group.name == FULL)
         self.prepare(training=True)  # the mode (LoRA dropout) and the shards fused_reads looks at
-        fused = self.fused_reads([group.loss], group.train_metrics)
+        fused = self.fused_reads([group.spec.loss], group.spec.train_metrics)
         for rows, chunk_inputs in chunks(features, micro_batch_size, loss_inputs):
             batch, outputs = self.run(group, rows, training=True, fused=fused, packs=True)
             loss = self.loss_value(group, batch, outputs, chunk_inputs)
@@ -347,16 +346,16 @@ class ModelRunner:
     ) -> LossOutput:
         """The group's loss of a forward's ``outputs`` (the reference logprobs computed first
         where the loss needs them and none were given), with the router's loss on a mixture of experts."""
-        if group.loss.needs_reference and 'ref_logps' not in loss_inputs and group.name != FULL:
+        if group.spec.loss.needs_reference and 'ref_logps' not in loss_inputs and group.name != FULL:
             outputs['ref_logps'] = self._reference_logps(batch)
-        loss = self._router_loss(batch, outputs, group.loss(batch, outputs, **loss_inputs))
+        loss = self._router_loss(batch, outputs, group.spec.loss(batch, outputs, **loss_inputs))
         return self.parallel.own_share(loss)
 
     def backward(self, group: TrainGroup, loss: LossOutput) -> None:
         """The loss's backward, its items added to what the group's step divides by."""
         check_trainable(group, loss)
         torch.autograd.backward(loss.loss)
-        group.pending_items = group.pending_items + loss.num_items.detach()
+        group.pending.add_items(loss.num_items)
 
     def _reference_logps(self, batch: Batch) -> torch.Tensor:
         """Label-token logprobs under the base model with every adapter switched off: the KL
@@ -387,12 +386,9 @@ class ModelRunner:
         items = torch.where(loss.num_items > 0, loss.num_items.detach(), tokens.to(loss.num_items.device))
         return LossOutput(loss.loss + self.router.aux_loss_coef * aux * items, loss.num_items, loss.metrics)
 
-    def with_router_metric(self, group: TrainGroup) -> TrainGroup:
-        """The group with the experts' load among its metrics, on a mixture of experts."""
-        if self.router is not None:
-            group.train_metrics.append(ExpertLoad())
-            group.eval_metrics.append(ExpertLoad())
-        return group
+    def router_metrics(self) -> list[Metric]:
+        """The metrics a group adds on a mixture of experts (the experts' load); none otherwise."""
+        return [] if self.router is None else [ExpertLoad()]
 
 
 def _tower_rows(model: torch.nn.Module) -> None:

@@ -1,4 +1,16 @@
-"""Per-adapter training state: what one tenant's adapter (or the full model) owns."""
+"""Per-adapter training state: what one tenant's adapter (or the full model) owns.
+
+A ``TrainGroup`` composes three parts, each changed by one owner:
+
+- ``AdapterSpec`` (``group.spec``): what the user configured (config, loss, template,
+  processor, metrics, value head); ``TransformersModel`` and its ``set_*`` calls.
+- ``Accumulation`` (``group.window``): the accumulation window's counters and boundary logic
+  that the stepper (``optim/stepping.py``) steps by; a backward counts itself in.
+- ``PendingStep`` (``group.pending``): what the runner keeps between ``forward_backward`` and
+  the step (the pending forward, the loss items, the normalisation and the clip's norm).
+
+The group itself holds its parameters, optimizer, schedule and figures.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +41,7 @@ Batch = dict[str, torch.Tensor]
 Outputs = dict[str, torch.Tensor]
 #: Sums a step's gradients over data-parallel ranks; returns the step's item count over all ranks.
 GradientReducer = Callable[[list[torch.nn.Parameter], torch.Tensor | int], torch.Tensor | int]
-#: The operations ``TrainGroup.at_boundary`` lets run once per accumulation boundary.
+#: The operations ``Accumulation.at_boundary`` lets run once per accumulation boundary.
 BOUNDARY_OPERATIONS = ('clip', 'step', 'zero_grad', 'lr_step')
 
 
@@ -153,18 +165,16 @@ class Window:
 
 
 @dataclass
-class TrainGroup:
-    """An adapter (or ``FULL``) with its own optimizer, schedule, loss, template, processor,
-    metrics and step counters. Nothing here is shared between groups."""
+class AdapterSpec:
+    """What the user configured for an adapter (or ``FULL``): its config, loss, template,
+    processor, metrics and value head. ``TransformersModel`` builds it and its ``set_*`` calls
+    replace its parts; nothing else writes it."""
 
     name: str
-    params: list[torch.nn.Parameter]
-    gradient_accumulation_steps: int = 1
     config: Any = None  # the adapter's PeftConfig; None for FULL
-    # A critic's scalar head (``output/value_head.py``): its parameters are among ``params``; None for a policy.
+    # A critic's scalar head (``output/value_head.py``): its parameters are among the group's
+    # ``params``; None for a policy.
     value_head: ValueHead | None = None
-    optimizer: Optimizer | None = None
-    scheduler: LRScheduler | None = None
     loss: Loss = field(default_factory=CrossEntropyLoss)
     template: Template | None = None
     processor: InputProcessor = field(default_factory=InputProcessor)
@@ -173,20 +183,20 @@ class TrainGroup:
     processor_set: bool = False
     train_metrics: list[Metric] = field(default_factory=lambda: [LossMetric(), Accuracy()])
     eval_metrics: list[Metric] = field(default_factory=lambda: [LossMetric(), Accuracy()])
-    stats: TrainMetric = field(default_factory=TrainMetric)
-    step_log: StepLog = field(default_factory=StepLog)
+
+
+@dataclass
+class Accumulation:
+    """A group's accumulation window and step counters, which the stepper (``optim/stepping.py``)
+    steps by: every ``gradient_accumulation_steps``-th backward is a boundary where each of the
+    ``BOUNDARY_OPERATIONS`` runs once (``at_boundary``). Its fields change through its methods
+    only: a backward counts itself in (``count_backward``), a step (``count_step``), a checkpoint
+    restores them (``restore_counters``, ``mark_done``)."""
+
+    gradient_accumulation_steps: int = 1
     micro_step: int = 0  # backward calls so far
     optim_step: int = 0  # optimizer steps taken
     consumed_train_samples: int = 0
-    pending: Pending | None = None
-    # Loss items (tokens for a token-mean loss) accumulated since the window opened (the last
-    # step or zero_grad): the gradient is divided by this once, before clipping or stepping.
-    pending_items: torch.Tensor | int = 0
-    grads_normalized: bool = False
-    last_grad_norm: float | None = None  # from clip_grad_norm, before clipping
-    # Called as the window closes: a backend whose gradients live outside ``param.grad`` (megatron's
-    # grad buffers under its distributed optimizer) drops them there too.
-    on_close: Callable[[], None] | None = None
     _done_at: int = -1
     _done: set[str] = field(default_factory=set)
 
@@ -209,34 +219,15 @@ class TrainGroup:
             return False
         return self._done_at != self.micro_step or not self._done & {'clip', 'step'}
 
-    def normalize_grads(self, reduce: GradientReducer | None = None) -> None:
-        """Divide the summed gradient by the number of loss items of the whole step.
+    def count_backward(self, rows: int) -> None:
+        """One micro step: a backward of ``rows`` sequences (over every rank)."""
+        self.micro_step += 1
+        self.consumed_train_samples += rows
 
-        ``reduce(params, items)``, under data parallelism, first sums the gradients over the
-        ranks and returns the item count over all ranks (``ModelParallel.reduce_gradients``)."""
-        if self.grads_normalized:
-            return
-        self.grads_normalized = True
-        items = self.pending_items if reduce is None else reduce(self.params, self.pending_items)
-        if isinstance(items, torch.Tensor) or items > 1:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if grads:
-                divisor = torch.clamp(torch.as_tensor(items, device=grads[0].device), min=1)
-                # A sharded (DTensor) gradient divides by a number, not by a plain tensor.
-                torch._foreach_div_(grads, divisor if type(grads[0]) is torch.Tensor else float(divisor))
-
-    def close_window(self) -> None:
-        """End the accumulation window: its gradients are dropped and its item count and
-        normalisation reset, so the next ``forward_backward`` starts the next window afresh. A
-        step closes it (``Stepper.step``), whether it stepped or skipped a gradient that was not
-        finite, and so does ``zero_grad``: a loop that never calls ``zero_grad`` (``step()``
-        alone) steps each window on its own gradient, divided by its own item count."""
-        for param in self.params:
-            param.grad = None
-        if self.on_close is not None:
-            self.on_close()
-        self.pending_items = 0
-        self.grads_normalized = False
+    def count_step(self) -> int:
+        """One optimizer step taken; returns the step's number."""
+        self.optim_step += 1
+        return self.optim_step
 
     def boundary_done(self) -> list[str]:
         """The ``BOUNDARY_OPERATIONS`` done at the current micro step (none between boundaries)."""
@@ -249,11 +240,115 @@ class TrainGroup:
             raise CheckpointError(f'unknown boundary operations {unknown}; they are {list(BOUNDARY_OPERATIONS)}')
         self._done_at, self._done = (self.micro_step, set(operations)) if operations else (-1, set())
 
-    def restore_counters(self, state: Mapping[str, int]) -> None:
+    def restore_counters(self, state: Mapping[str, int], accumulation_steps: int | None = None) -> None:
         """The step counters of a trainer state a checkpoint holds (``cur_step``, ``optim_step``,
-        ``consumed_train_samples``; ``checkpoint.read_trainer_state``)."""
+        ``consumed_train_samples``; ``checkpoint.read_trainer_state``) and, when given, its
+        ``gradient_accumulation_steps``."""
+        if accumulation_steps is not None:
+            self.gradient_accumulation_steps = accumulation_steps
         self.micro_step, self.optim_step = state['cur_step'], state['optim_step']
         self.consumed_train_samples = state['consumed_train_samples']
+
+
+@dataclass
+class PendingStep:
+    """What the runner keeps between ``forward_backward`` and the step: the last forward waiting
+    for its loss and backward, the loss items its gradients will be divided by, whether they were
+    divided already and the norm ``clip_grad_norm`` found. The runner and the passes add to it
+    (``forward``, ``add_items``); the stepper divides (``normalize``), books a clip (``clipped``)
+    and closes it (``close``); a restored ``Window`` reopens it (``reopen``)."""
+
+    forward: Pending | None = None
+    # Loss items (tokens for a token-mean loss) accumulated since the window opened (the last
+    # step or zero_grad): the gradient is divided by this once, before clipping or stepping.
+    items: torch.Tensor | int = 0
+    normalized: bool = False
+    grad_norm: float | None = None  # from clip_grad_norm, before clipping
+    # Called as the window closes: a backend whose gradients live outside ``param.grad`` (megatron's
+    # grad buffers under its distributed optimizer) drops them there too.
+    on_close: Callable[[], None] | None = None
+
+    def when_closed(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` as each window closes (megatron's ``DistributedOptimizerStepper.watch``)."""
+        self.on_close = hook
+
+    def add_items(self, items: torch.Tensor) -> None:
+        """A backward's loss items, added to what the step divides by."""
+        self.items = self.items + items.detach()
+
+    def clipped(self, norm: float | None) -> None:
+        """The gradient norm a clip found (None: forgotten, once a step used or skipped it)."""
+        self.grad_norm = norm
+
+    def normalize(self, params: list[torch.nn.Parameter], reduce: GradientReducer | None = None) -> None:
+        """Divide the summed gradient of ``params`` by the number of loss items of the whole step.
+
+        ``reduce(params, items)``, under data parallelism, first sums the gradients over the
+        ranks and returns the item count over all ranks (``ModelParallel.reduce_gradients``)."""
+        if self.normalized:
+            return
+        self.normalized = True
+        items = self.items if reduce is None else reduce(params, self.items)
+        if isinstance(items, torch.Tensor) or items > 1:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                divisor = torch.clamp(torch.as_tensor(items, device=grads[0].device), min=1)
+                # A sharded (DTensor) gradient divides by a number, not by a plain tensor.
+                torch._foreach_div_(grads, divisor if type(grads[0]) is torch.Tensor else float(divisor))
+
+    def mark_normalized(self) -> None:
+        """The gradients were divided elsewhere (megatron's ``finalize_model_grads``)."""
+        self.normalized = True
+
+    def close(self, params: list[torch.nn.Parameter]) -> None:
+        """Drop the gradients of ``params`` and reset the item count and normalisation."""
+        for param in params:
+            param.grad = None
+        if self.on_close is not None:
+            self.on_close()
+        self.items = 0
+        self.normalized = False
+
+    def reopen(self, items: torch.Tensor, normalized: bool, grad_norm: float | None) -> None:
+        """Take up a restored ``Window``'s item count, normalisation and norm (``place_window``)."""
+        self.items, self.normalized, self.grad_norm = items, normalized, grad_norm
+
+
+@dataclass
+class TrainGroup:
+    """An adapter (or ``FULL``): what the user configured (``spec``), the parameters it trains,
+    its accumulation window (``window``, the stepper's), what the runner left pending for the
+    step (``pending``), its own optimizer and schedule, and its figures. Nothing here is shared
+    between groups."""
+
+    spec: AdapterSpec
+    params: list[torch.nn.Parameter]
+    window: Accumulation = field(default_factory=Accumulation)
+    pending: PendingStep = field(default_factory=PendingStep)
+    optimizer: Optimizer | None = None
+    scheduler: LRScheduler | None = None
+    stats: TrainMetric = field(default_factory=TrainMetric)
+    step_log: StepLog = field(default_factory=StepLog)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def normalize_grads(self, reduce: GradientReducer | None = None) -> None:
+        """``PendingStep.normalize`` of the group's parameters."""
+        self.pending.normalize(self.params, reduce)
+
+    def close_window(self) -> None:
+        """End the accumulation window: its gradients are dropped and its item count and
+        normalisation reset, so the next ``forward_backward`` starts the next window afresh. A
+        step closes it (``Stepper.step``), whether it stepped or skipped a gradient that was not
+        finite, and so does ``zero_grad``: a loop that never calls ``zero_grad`` (``step()``
+        alone) steps each window on its own gradient, divided by its own item count."""
+        self.pending.close(self.params)
+
+    def rebind(self, mapping: Mapping[int, torch.nn.Parameter]) -> None:
+        """Point the group at new parameters (by the old ones' ``id``), as a wrapper replaced them."""
+        self.params = [mapping[id(p)] for p in self.params]
 
     def current_lr(self) -> float | None:
         return None if self.optimizer is None else float(self.optimizer.param_groups[0]['lr'])

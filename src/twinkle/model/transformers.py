@@ -45,11 +45,11 @@ from twinkle.model.lora.adapter import check_name
 from twinkle.model.optim.offload import OptimizerOffloader
 from twinkle.model.optim.stepping import Stepper, describe_optimizer
 from twinkle.model.output.layer import fuses_by_default
-from twinkle.model.output.value_head import has_saved_head, new_value_head
+from twinkle.model.output.value_head import ValueHead, has_saved_head, new_value_head
 from twinkle.model.passes import check_positive
 from twinkle.model.router import Router, model_router
 from twinkle.model.runner import ModelRunner, packs_by_default
-from twinkle.model.train_group import FULL, TrainGroup
+from twinkle.model.train_group import FULL, Accumulation, AdapterSpec, TrainGroup
 from twinkle.processor import PROCESSORS, InputProcessor
 from twinkle.template import TEMPLATES, Template
 
@@ -177,7 +177,7 @@ class TransformersModel(TwinkleModel):
             mixed_precision=mixed_precision,
             model_router=moe_router,
         )
-        self.groups[FULL] = self._runner.with_router_metric(TrainGroup(name=FULL, params=params))
+        self.groups[FULL] = TrainGroup(self._spec(FULL), params)
         self._stepper = Stepper(self._parallel)
         self._checkpointer = checkpointer_cls(self.model, self.model_id, self._parallel, self._stepper.optimizer_ready)
         #: Most padded tokens one forward of a mixed pass holds: calls past it get forwards of
@@ -294,14 +294,9 @@ class TransformersModel(TwinkleModel):
         head = new_value_head(self.model, self.device) if value_head else None
         if head is not None:
             params = [*params, *head.parameters()]
-        group = TrainGroup(
-            name=adapter_name,
-            params=params,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            config=config,
-            value_head=head,
-        )
-        self.groups[adapter_name] = self._runner.with_router_metric(group)
+        spec = self._spec(adapter_name, config, head)
+        group = TrainGroup(spec, params, window=Accumulation(gradient_accumulation_steps=gradient_accumulation_steps))
+        self.groups[adapter_name] = group
         if weights_dir is not None:
             try:
                 self._checkpointer.load_adapter_weights(group, weights_dir)
@@ -310,6 +305,13 @@ class TransformersModel(TwinkleModel):
                 raise
         self._parallel.adapter_added(group)
         self._runner.forget_mode()  # the new LoRA modules start in train mode whatever the rest is in
+
+    def _spec(self, name: str, config: Any = None, value_head: ValueHead | None = None) -> AdapterSpec:
+        """A new group's spec, with the experts' load among its metrics on a mixture of experts."""
+        spec = AdapterSpec(name, config, value_head)
+        spec.train_metrics += self._runner.router_metrics()
+        spec.eval_metrics += self._runner.router_metrics()
+        return spec
 
     def _check_value_head(self, adapter_name: str, value_head: bool) -> None:
         """``ConfigurationError`` where the adapter cannot have the value head it asks for."""
@@ -377,13 +379,13 @@ class TransformersModel(TwinkleModel):
         """The adapter's loss; a value loss (``needs_values``) only on an adapter with a value head."""
         group = self.train_group(adapter_name)
         loss = LOSSES.build(loss_cls, Loss, **kwargs)
-        if loss.needs_values and group.value_head is None:
+        if loss.needs_values and group.spec.value_head is None:
             raise ConfigurationError(
                 f'{type(loss).__name__} trains a value head, and adapter {group.name!r} has none; add the critic '
                 f'with add_adapter_to_model(name, lora_config, value_head=True). Adapters with a value head: '
-                f'{[name for name, g in self.groups.items() if g.value_head is not None]}'
+                f'{[name for name, g in self.groups.items() if g.spec.value_head is not None]}'
             )
-        group.loss = loss
+        group.spec.loss = loss
 
     def set_template(
         self, template_cls: str | type[Template] | Template, *, adapter_name: str | None = None, **kwargs: Any
@@ -392,7 +394,7 @@ class TransformersModel(TwinkleModel):
         to the model's own."""
         if not isinstance(template_cls, Template):
             kwargs.setdefault('model_id', self.model_id)
-        self.train_group(adapter_name).template = TEMPLATES.build(template_cls, Template, **kwargs)
+        self.train_group(adapter_name).spec.template = TEMPLATES.build(template_cls, Template, **kwargs)
 
     def set_processor(
         self,
@@ -402,8 +404,8 @@ class TransformersModel(TwinkleModel):
         **kwargs: Any,
     ) -> None:
         group = self.train_group(adapter_name)
-        group.processor = PROCESSORS.build(processor_cls, InputProcessor, **kwargs)
-        group.processor_set = True
+        group.spec.processor = PROCESSORS.build(processor_cls, InputProcessor, **kwargs)
+        group.spec.processor_set = True
 
     def add_metric(
         self,
@@ -418,7 +420,7 @@ class TransformersModel(TwinkleModel):
         built = METRICS.build(metric, Metric, **kwargs)
         if isinstance(built, TrainMetric):
             raise ConfigurationError('TrainMetric is always on: calculate_metric() reports lr, grad_norm, tokens_per_s')
-        (group.train_metrics if is_training else group.eval_metrics).append(built)
+        (group.spec.train_metrics if is_training else group.spec.eval_metrics).append(built)
 
     # ---- forward and backward -------------------------------------------------------------------
     def forward(self, *, inputs: Inputs, adapter_name: str | None = None) -> ModelOutput:
@@ -441,7 +443,7 @@ class TransformersModel(TwinkleModel):
         at position ``t`` the value of the state that chooses label ``t`` (``twinkle.model.output.value_head``).
         ``ConfigurationError`` before any compute if the adapter has no value head."""
         group = self.train_group(adapter_name)
-        if group.value_head is None:
+        if group.spec.value_head is None:
             raise ConfigurationError(
                 f'adapter {group.name!r} has no value head to compute values with; add the critic with '
                 'add_adapter_to_model(name, lora_config, value_head=True)'
@@ -539,7 +541,7 @@ class TransformersModel(TwinkleModel):
         and for training ``lr``, ``grad_norm``, ``tokens``, ``tokens_per_s`` and ``steps``. Under a mesh,
         every rank reports the figures of all ranks together."""
         group = self.train_group(adapter_name)
-        metrics = group.train_metrics if is_training else group.eval_metrics
+        metrics = group.spec.train_metrics if is_training else group.spec.eval_metrics
         if is_training:
             metrics = [*metrics, group.stats]
         self._parallel.merge_metrics(metrics)
@@ -568,21 +570,21 @@ class TransformersModel(TwinkleModel):
             f'model: {self.model_id}',
             f'adapter: {group.name or "(full model)"}',
             f'trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)',
-            f'gradient_accumulation_steps: {group.gradient_accumulation_steps}',
+            f'gradient_accumulation_steps: {group.window.gradient_accumulation_steps}',
             f'optimizer: {describe_optimizer(group.optimizer)}',
             f'lr scheduler: {type(group.scheduler).__name__ if group.scheduler else None}',
-            f'loss: {type(group.loss).__name__}',
+            f'loss: {type(group.spec.loss).__name__}',
             f'mixed precision: {self.mixed_precision}, device: {self.device}',
             f'parallel: {self._parallel.describe()}',
         ]
-        if group.config is not None:
-            lines.append(f'adapter config: {group.config.to_dict()}')
+        if group.spec.config is not None:
+            lines.append(f'adapter config: {group.spec.config.to_dict()}')
         return '\n'.join(lines)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def optimizer_steps(self, *, adapter_name: str | None = None) -> int:
         """The optimizer steps the adapter has taken (restored ones included)."""
-        return self.train_group(adapter_name).optim_step
+        return self.train_group(adapter_name).window.optim_step
 
     def write_checkpoint(
         self, destination: Path, *, adapter_name: str | None, save_optimizer: bool, consumed_train_samples: int | None

@@ -124,7 +124,7 @@ def test_a_shared_step_that_fails_after_clipping_fails_every_request(tiny_model_
     for _ in range(2):  # the first step makes the optimizers' state; the second steps them together
         for name in ('a', 'b'):
             model.forward_backward(inputs=row, adapter_name=name)
-        if model.groups['a'].optim_step:
+        if model.groups['a'].window.optim_step:
             monkeypatch.setattr(multi_step, 'step_together', out_of_memory)
         results = optim_steps(model, [('a', adam), ('b', adam)])
     assert [type(result) for result in results] == [MemoryError, MemoryError]

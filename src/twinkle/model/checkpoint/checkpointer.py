@@ -96,15 +96,15 @@ class Checkpointer:
         with ckpt.atomic_directory(destination) as staging:
             self._write_weights(group, staging, save)
             tokenizer.save_pretrained(str(staging))
-            ckpt.write_json(staging / ckpt.WEIGHTS_STEP, {'optim_step': group.optim_step})
+            ckpt.write_json(staging / ckpt.WEIGHTS_STEP, {'optim_step': group.window.optim_step})
             if save.save_optimizer:
                 ckpt.save_training_state(group, staging, save.consumed_train_samples, save.optimizer_state, save.window)
 
     def load_adapter_weights(self, group: TrainGroup, directory: Path) -> None:
         """A saved adapter's weights (and value head) into the adapter just added with its config."""
         ckpt.load_adapter(self.model, group.name, directory)
-        if group.value_head is not None:
-            load_value_head(group.value_head, directory)
+        if group.spec.value_head is not None:
+            load_value_head(group.spec.value_head, directory)
 
     def _write_weights(self, group: TrainGroup, staging: Path, save: _Save) -> None:
         """The weights' files into ``staging``: the full model, or the adapter (and its value head)
@@ -113,8 +113,8 @@ class Checkpointer:
             self.model.save_pretrained(str(staging), state_dict=save.weights, safe_serialization=True)
         else:
             ckpt.save_adapter(self.model, group, self.model_id, staging, save.weights)
-            if group.value_head is not None:
-                save_value_head(group.value_head, staging)
+            if group.spec.value_head is not None:
+                save_value_head(group.spec.value_head, staging)
 
     def load(self, group: TrainGroup, directory: Path, *, load_optimizer: bool) -> None:
         """The adapter's weights and, with ``load_optimizer``, its optimizer and scheduler state
@@ -133,8 +133,7 @@ class Checkpointer:
             self.optimizer_ready(group)
             ckpt.load_optimizer_state(group, directory, self.parallel.shard_optimizer_state)
             ckpt.set_rng_state(torch.load(directory / ckpt.RNG_STATE, weights_only=False))
-            group.gradient_accumulation_steps = state['gradient_accumulation_steps']
-            group.restore_counters(state)
+            group.window.restore_counters(state, accumulation_steps=state['gradient_accumulation_steps'])
             self._restore_window(group, directory)
         return {key: int(state[key]) for key in RESUMED_COUNTERS}
 
@@ -148,19 +147,23 @@ class Checkpointer:
         self._load_weights(group, directory)
         if not (directory / ckpt.TRAINER_STATE).is_file():
             step = ckpt.read_weights_step(directory)
-            cur_step = step * group.gradient_accumulation_steps  # a boundary, every operation of it done
-            group.restore_counters(
-                {'cur_step': cur_step, 'optim_step': step, 'consumed_train_samples': group.consumed_train_samples}
+            cur_step = step * group.window.gradient_accumulation_steps  # a boundary, every operation of it done
+            group.window.restore_counters(
+                {
+                    'cur_step': cur_step,
+                    'optim_step': step,
+                    'consumed_train_samples': group.window.consumed_train_samples,
+                }
             )
             group.close_window()
-            group.mark_done(list(BOUNDARY_OPERATIONS))
+            group.window.mark_done(list(BOUNDARY_OPERATIONS))
             return {'optim_step': step, 'fresh_optimizer': True}
         if group.optimizer is not None:
             self.optimizer_ready(group)
             ckpt.load_optimizer_state(group, directory, self.parallel.shard_optimizer_state)
-        group.restore_counters(ckpt.read_trainer_state(directory))
+        group.window.restore_counters(ckpt.read_trainer_state(directory))
         self._restore_window(group, directory)
-        return {'optim_step': group.optim_step, 'fresh_optimizer': False}
+        return {'optim_step': group.window.optim_step, 'fresh_optimizer': False}
 
     def _restore_window(self, group: TrainGroup, directory: Path) -> None:
         """The checkpoint's accumulation window on this rank (none kept: an empty one)."""
@@ -174,8 +177,8 @@ class Checkpointer:
             raise ConfigurationError(
                 'to continue full-parameter training, build TransformersModel(model_id=<checkpoint dir>) instead'
             )
-        if group.value_head is not None:  # whole on every rank: the model's shards never hold it
-            load_value_head(group.value_head, directory)
+        if group.spec.value_head is not None:  # whole on every rank: the model's shards never hold it
+            load_value_head(group.spec.value_head, directory)
         if not self.parallel.sharded:
             ckpt.load_adapter(self.model, group.name, directory)
             return

@@ -220,7 +220,7 @@ def save_adapter(
     tensors by parameter name, when the model's own are shards (FSDP2)."""
     state = multi_lora.peft_state_dict(model, group.name, weights)
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(directory / ADAPTER_WEIGHTS))
-    config = copy.copy(group.config)
+    config = copy.copy(group.spec.config)
     config.base_model_name_or_path = base_model_id
     # Expert stacks are named for peft, which 'all-linear' does not reach, and the linear layers by
     # their paths: peft reads a pattern on an MoE model as targets of transformers 4's per-expert
@@ -294,10 +294,10 @@ def save_training_state(
         )  # fmt: skip
     state = {
         'checkpoint_version': CHECKPOINT_VERSION,
-        'cur_step': group.micro_step,
-        'optim_step': group.optim_step,
-        'gradient_accumulation_steps': group.gradient_accumulation_steps,
-        'consumed_train_samples': group.consumed_train_samples if consumed is None else consumed,
+        'cur_step': group.window.micro_step,
+        'optim_step': group.window.optim_step,
+        'gradient_accumulation_steps': group.window.gradient_accumulation_steps,
+        'consumed_train_samples': group.window.consumed_train_samples if consumed is None else consumed,
     }
     write_json(directory / TRAINER_STATE, state)
 

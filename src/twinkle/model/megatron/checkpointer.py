@@ -94,7 +94,7 @@ class MegatronCheckpointer(Checkpointer):
             self.model.config.save_pretrained(str(staging))
             return
         save_file(weights, str(staging / ckpt.ADAPTER_WEIGHTS), metadata={'format': 'pt'})
-        adapter_config = copy.copy(group.config)
+        adapter_config = copy.copy(group.spec.config)
         adapter_config.base_model_name_or_path = self.model_id
         adapter_config.inference_mode = True
         adapter_config.save_pretrained(str(staging))

@@ -218,7 +218,7 @@ def build_optimizer(ddp: Any, name: str, kwargs: dict[str, Any]) -> MegatronOpti
 class DistributedOptimizerStepper(Stepper):
     """``Stepper`` of a full model under megatron's DDP and distributed optimizer (see the module docstring).
 
-    Its group is ``FULL``; ``TrainGroup.grads_normalized`` marks a window whose gradients
+    Its group is ``FULL``; ``PendingStep.normalized`` marks a window whose gradients
     ``finalize_model_grads`` reduced already (megatron's buffer, not ``param.grad``, holds them)."""
 
     def __init__(self, parallel: ModelParallel, ddp: Any):
@@ -234,7 +234,7 @@ class DistributedOptimizerStepper(Stepper):
             if isinstance(group.optimizer, MegatronOptimizerView):
                 group.optimizer.megatron.zero_grad()
 
-        group.on_close = drop
+        group.pending.when_closed(drop)
 
     def set_optimizer(self, group: TrainGroup, optimizer_cls: str | type[Optimizer], kwargs: dict[str, Any]) -> None:
         name = optimizer_cls if isinstance(optimizer_cls, str) else optimizer_cls.__name__
@@ -258,7 +258,7 @@ class DistributedOptimizerStepper(Stepper):
             raise ConfigurationError(
                 f"megatron's distributed optimizer clips by the 2-norm (norm_type=2.0); got norm_type={norm_type}"
             )
-        if not group.at_boundary('clip'):
+        if not group.window.at_boundary('clip'):
             return None
         started = time.perf_counter()
         optimizer = self._ready_grads(group)
@@ -267,22 +267,22 @@ class DistributedOptimizerStepper(Stepper):
         return self._clipped(group, torch.tensor(norm), time.perf_counter() - started)
 
     def step(self, group: TrainGroup) -> bool:
-        if not group.at_boundary('step'):
+        if not group.window.at_boundary('step'):
             return False
         started = time.perf_counter()
         optimizer = self._ready_grads(group)
-        stepped = group.last_grad_norm is None or math.isfinite(group.last_grad_norm)
+        stepped = group.pending.grad_norm is None or math.isfinite(group.pending.grad_norm)
         if stepped:
             optimizer.step()
             self._stepped(group, time.perf_counter() - started)
         else:
-            logger.warning(f'adapter {group.name!r}: gradient norm is {group.last_grad_norm}; step skipped')
-            group.last_grad_norm = None
+            logger.warning(f'adapter {group.name!r}: gradient norm is {group.pending.grad_norm}; step skipped')
+            group.pending.clipped(None)
         self._close(group)
         return stepped
 
     def zero_grad(self, group: TrainGroup) -> None:
-        if group.at_boundary('zero_grad'):
+        if group.window.at_boundary('zero_grad'):
             self._close(group)
 
     def step_fused(self, groups: Sequence[TrainGroup], calls: Sequence[StepCall]) -> dict[int, OptimizerStep]:
@@ -296,13 +296,13 @@ class DistributedOptimizerStepper(Stepper):
             logger.info(f'the full model has no optimizer: using {DEFAULT_OPTIMIZER}(lr={DEFAULT_LR})')
             self.set_optimizer(group, DEFAULT_OPTIMIZER, {})
         optimizer = self._view(group, 'clip_grad_and_step')
-        if not group.grads_normalized:
+        if not group.pending.normalized:
             from megatron.core.distributed import finalize_model_grads
 
-            items = torch.as_tensor(group.pending_items, dtype=torch.float64).reshape(1).clone()
+            items = torch.as_tensor(group.pending.items, dtype=torch.float64).reshape(1).clone()
             finalize_model_grads([self.ddp], num_tokens=items.to(_device(self.ddp)))
             optimizer.megatron.prepare_grads()
-            group.grads_normalized = True
+            group.pending.mark_normalized()
         return optimizer
 
     def _close(self, group: TrainGroup) -> None:

@@ -301,14 +301,15 @@ class MegatronParallel(ModelParallel):
         boundary, where the window is empty: gradients of slices are not gathered."""
         if not self.model_parallel and not self.distributed_optimizer:
             return super().gather_window(group)
-        if self.distributed_optimizer and bool(group.pending_items):
+        window = group.window
+        if self.distributed_optimizer and bool(group.pending.items):
             raise StateError(
-                f'the full model holds gradients of {int(group.pending_items)} loss items waiting for a step '
-                f'(micro step {group.micro_step}, gradient_accumulation_steps={group.gradient_accumulation_steps}) '
+                f'the full model holds gradients of {int(group.pending.items)} loss items waiting for a step '
+                f'(micro step {window.micro_step}, gradient_accumulation_steps={window.gradient_accumulation_steps}) '
                 "in megatron's grad buffers (distributed_optimizer=True), which a checkpoint does not keep: save at a "
                 'step boundary, after clip_grad_and_step'
             )
-        pending = any(p.grad is not None for p in group.params) and not group.grads_normalized
+        pending = any(p.grad is not None for p in group.params) and not group.pending.normalized
         if pending:
             raise StateError(
                 f'adapter {group.name!r} holds gradients waiting for a step; under tensor or pipeline parallel '
@@ -316,7 +317,7 @@ class MegatronParallel(ModelParallel):
             )
         items = torch.zeros(())
         figures = group.step_log.open_figures()
-        return Window({}, items, False, group.last_grad_norm, group.boundary_done(), figures)
+        return Window({}, items, False, group.pending.grad_norm, group.window.boundary_done(), figures)
 
     def _layout(self) -> str:
         return f'tp={self.tp_size}, pp={self.pp_size}, ep={self.ep_size}'

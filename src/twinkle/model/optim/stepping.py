@@ -77,7 +77,7 @@ class Stepper:
     def clip_grad_norm(self, group: TrainGroup, max_grad_norm: float, norm_type: float = 2.0) -> float | None:
         """At an accumulation boundary: normalise the summed gradient, clip it to
         ``max_grad_norm`` and return its norm before clipping; ``None`` elsewhere."""
-        if not group.at_boundary('clip'):
+        if not group.window.at_boundary('clip'):
             return None
         started = time.perf_counter()
         group.normalize_grads(self.parallel.reduce_gradients)
@@ -88,7 +88,7 @@ class Stepper:
         """At an accumulation boundary, take an optimizer step and close the window (its
         gradients are spent, ``TrainGroup.close_window``); returns whether it stepped (a gradient
         norm that is not finite skips the step, and its gradient is dropped all the same)."""
-        if not group.at_boundary('step'):
+        if not group.window.at_boundary('step'):
             return False
         started = time.perf_counter()
         stepped = self._ready_to_step(group)
@@ -100,28 +100,29 @@ class Stepper:
 
     def zero_grad(self, group: TrainGroup) -> None:
         """At an accumulation boundary, drop the window's gradients (nothing left after a step)."""
-        if group.at_boundary('zero_grad'):
+        if group.window.at_boundary('zero_grad'):
             group.close_window()
 
     def lr_step(self, group: TrainGroup) -> None:
-        if group.at_boundary('lr_step') and group.scheduler is not None:
+        if group.window.at_boundary('lr_step') and group.scheduler is not None:
             group.scheduler.step()
 
     def _clipped(self, group: TrainGroup, norm: torch.Tensor, elapsed_s: float) -> float:
         """Book a clip: the norm before clipping is the group's ``last_grad_norm``, returned."""
-        group.last_grad_norm = self.parallel.norm_value(norm)
-        group.stats.accumulate(grad_norm=group.last_grad_norm, elapsed_s=elapsed_s)
-        group.step_log.grad_norm = group.last_grad_norm
-        return group.last_grad_norm
+        value = self.parallel.norm_value(norm)
+        group.pending.clipped(value)
+        group.stats.accumulate(grad_norm=value, elapsed_s=elapsed_s)
+        group.step_log.grad_norm = value
+        return value
 
     def _ready_to_step(self, group: TrainGroup) -> bool:
         """Before a step: normalised gradients and an optimizer whose state is on the device
         (``DEFAULT_OPTIMIZER`` if none was set); False, the step skipped, when the gradient
         norm is NaN or infinite."""
         group.normalize_grads(self.parallel.reduce_gradients)
-        if group.last_grad_norm is not None and not math.isfinite(group.last_grad_norm):
-            logger.warning(f'adapter {group.name!r}: gradient norm is {group.last_grad_norm}; step skipped')
-            group.last_grad_norm = None
+        if group.pending.grad_norm is not None and not math.isfinite(group.pending.grad_norm):
+            logger.warning(f'adapter {group.name!r}: gradient norm is {group.pending.grad_norm}; step skipped')
+            group.pending.clipped(None)
             return False
         if group.optimizer is None:
             logger.info(f'adapter {group.name!r} has no optimizer: using {DEFAULT_OPTIMIZER}(lr={DEFAULT_LR})')
@@ -130,11 +131,11 @@ class Stepper:
         return True
 
     def _stepped(self, group: TrainGroup, elapsed_s: float) -> None:
-        group.optim_step += 1
-        group.last_grad_norm = None
+        step = group.window.count_step()
+        group.pending.clipped(None)
         lr = group.current_lr()
         group.stats.accumulate(elapsed_s=elapsed_s, lr=lr, stepped=True)
-        group.step_log.on_step(group.optim_step, lr, elapsed_s)
+        group.step_log.on_step(step, lr, elapsed_s)
 
     # ---- several adapters -----------------------------------------------------------------------
     def step_fused(self, groups: Sequence[TrainGroup], calls: Sequence[StepCall]) -> dict[int, OptimizerStep]:
@@ -145,7 +146,7 @@ class Stepper:
         for one-by-one calls. Under a mesh every rank's gradients are reduced first, so every
         rank decides alike."""
         results: dict[int, OptimizerStep] = {}
-        ready = [i for i, group in enumerate(groups) if group.at_open_boundary() and group.optimizer is not None]
+        ready = [i for i, group in enumerate(groups) if group.window.at_open_boundary() and group.optimizer is not None]
         ready = [i for i in ready if not self.parallel.holds_shards(groups[i].params)]
         if self.parallel.enabled:
             for i in ready:
@@ -167,13 +168,13 @@ class Stepper:
         the device, as one clip and one optimizer update; each group books an equal share of the time."""
         started = time.perf_counter()
         for group in groups:
-            group.at_boundary('clip')
+            group.window.at_boundary('clip')
             group.normalize_grads(self.parallel.reduce_gradients)
         norms = multi_step.clip_together([g.params for g in groups], [c.max_grad_norm for c in calls])
         share = (time.perf_counter() - started) / len(groups)
         grad_norms = [self._clipped(group, norm, share) for group, norm in zip(groups, norms, strict=True)]
         started = time.perf_counter()
-        stepping = [group for group in groups if group.at_boundary('step') and self._ready_to_step(group)]
+        stepping = [group for group in groups if group.window.at_boundary('step') and self._ready_to_step(group)]
         multi_step.step_together([cast(Optimizer, group.optimizer) for group in stepping])
         share = (time.perf_counter() - started) / max(len(stepping), 1)
         for group in stepping:

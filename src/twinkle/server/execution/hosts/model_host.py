@@ -370,7 +370,7 @@ class ModelHost(RequestChecks):
         self.model.log_step_figures(figures, adapter_name=adapter)
 
     def _calculate_loss(self, adapter: str, **loss_inputs: Json) -> float:
-        if self.model.groups[adapter].pending is None:
+        if self.model.groups[adapter].pending.forward is None:
             raise StateError(
                 'calculate_loss() needs a forward_only() first, and none is pending: either none ran, or the '
                 "server released the run's adapter since (it saves an idle run, or one that makes room for another, "
@@ -397,12 +397,12 @@ class ModelHost(RequestChecks):
         prompts, params = self.sample_request(inputs, sampling_params)
         sampler = self.sampler()
         group = self.model.groups[adapter]
-        template = group.template or sampler.template
+        template = group.spec.template or sampler.template
         prompts = [encoded_prompt(template, index, prompt) for index, prompt in enumerate(prompts)]
         if base_model:
             responses = self.generate(prompts, params, None)
         else:
-            responses = self.generate(prompts, params, self._current(adapter), weight_version=group.optim_step)
+            responses = self.generate(prompts, params, self._current(adapter), weight_version=group.window.optim_step)
         return responses_json(responses, inputs)
 
     def _current(self, adapter: str) -> str:
@@ -411,8 +411,10 @@ class ModelHost(RequestChecks):
         if self.vllm is None:
             return adapter
         group = self.model.groups[adapter]
-        key = (self._weights_epoch.get(adapter, 0), group.optim_step)
-        return self.vllm.run_adapter(adapter, key, group.config, lambda: peft_state_dict(self.model.model, adapter))
+        key = (self._weights_epoch.get(adapter, 0), group.window.optim_step)
+        return self.vllm.run_adapter(
+            adapter, key, group.spec.config, lambda: peft_state_dict(self.model.model, adapter)
+        )
 
     def sample_weights(
         self, inputs: list[JsonObject], sampling_params: JsonObject | None, weights: SavedWeights | None = None
