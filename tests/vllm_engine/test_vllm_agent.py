@@ -17,7 +17,7 @@ from twinkle.model import TransformersModel
 from twinkle.sampler import vLLMSampler
 from twinkle.template import Template
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/agent/agent_envs.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/agent_envs.py
 from agent_envs import Countdown
 
 pytest.importorskip('vllm')
