@@ -150,8 +150,9 @@ class Heartbeats:
 
 
 def test_a_session_that_stops_heartbeating_loses_its_queue_and_another_keeps_its_own(tmp_path, tiny_model_dir):
-    # 2 s without a heartbeat expires a session; the live one beats every 0.1 s.
-    with background_server(tmp_path, tiny_model_dir, tinker={'session_timeout_s': 2.0}) as (url, keys, background):
+    # 8 s without a heartbeat expires a session; the live one beats every 0.1 s. (At 2 s both expired beside a busy
+    # core: the server on this process's thread answered no heartbeat for 2 s while it loaded the model.)
+    with background_server(tmp_path, tiny_model_dir, tinker={'session_timeout_s': 8.0}) as (url, keys, background):
         key, service = keys['alice'], background.app.state.service
         gone, live = new_session(url, key), new_session(url, key)
         heartbeats = Heartbeats(url, key, gone, live)
