@@ -11,7 +11,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / 'src'
 #: Modules importable only where an optional extra is installed: their examples run in that extra's suite.
-OPTIONAL = {'vllm': 'vllm', 'megatron': 'megatron'}
+OPTIONAL = {'vllm', 'megatron'}
 #: Modules whose examples start a process (the sandbox runs code in one): outside the quick tier.
 STARTS_PROCESSES = {'twinkle.agent.sandbox'}
 
