@@ -354,10 +354,12 @@ def speed_main(args: argparse.Namespace) -> None:
     spread = max(statistics.pstdev(values) for values in zip(*curves['sync'], strict=True))
     staleness = [r['stats'] for r in runs['async']]
     # The synchronous step's parts: with sampling fully overlapped the best ratio is sum / max.
-    parts = {
-        part: statistics.fmean(record[part] for r in runs['sync'] for record in r['history'])
-        for part in ('sync_s', 'sample_s', 'train_s')
-    }
+    # --sync's wait_s is the weights' loading (stats' apply_s over the run) and the sampling.
+    steps = sum(len(r['history']) for r in runs['sync'])
+    waited, loaded = (sum(record['wait_s'] for r in runs['sync'] for record in r['history']),
+                      sum(r['stats']['apply_s'] for r in runs['sync']))  # fmt: skip
+    train_s = statistics.fmean(record['train_s'] for r in runs['sync'] for record in r['history'])
+    parts = {'sync_s': loaded / steps, 'sample_s': (waited - loaded) / steps, 'train_s': train_s}
     overlap_bound = sum(parts.values()) / max(parts['sample_s'], parts['sync_s'] + parts['train_s'])
     summary = {
         'machine': platform.machine(),

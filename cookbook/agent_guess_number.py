@@ -77,7 +77,7 @@ class Config:
 @contextmanager
 def start(config: Config) -> Iterator[RecipeParts]:
     """The model (its adapter, the cold start's optimizer), the sampler and their weight sync in ``config.mode``."""
-    mode = ModeSettings(config.mode, config.seed, device='cpu')  # type: ignore[arg-type]
+    mode = ModeSettings.of(config, device='cpu')
     with start_parts(mode, assets.tiny_model(config.model)) as parts:
         lora = LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules=LORA_TARGETS)
         parts.model.add_adapter_to_model(ADAPTER, lora)

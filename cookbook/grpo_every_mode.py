@@ -109,7 +109,7 @@ def sample(sampler: Any, prompts: list[dict[str, Any]], config: ModeConfig, step
 def train(config: ModeConfig, writer: MetricWriter | None = None) -> list[dict[str, float]]:
     """The GRPO loop; each step's record also goes to ``writer`` (rank 0's) when given."""
     # Ray: the model on a 'model' group, the sampler on a 'sampler' group. torchrun: a sampler per process.
-    mode = ModeSettings(config.mode, config.seed, config.model_ranks, config.sampler_ranks)  # type: ignore[arg-type]
+    mode = ModeSettings.of(config)
     with start_parts(mode, assets.tiny_model(config.model)) as parts:
         model, sampler = parts.model, parts.sampler
         configure(model, config)

@@ -108,6 +108,22 @@ class ModeSettings:
                 f'got {self.model_ranks} and {self.sampler_ranks}'
             )
 
+    @classmethod
+    def of(cls, config: object, **overrides: object) -> ModeSettings:
+        """The settings that ``config`` (a recipe's config) names in fields of the same names, then ``overrides``.
+
+        >>> @dataclass
+        ... class Config:
+        ...     mode: str = 'ray'
+        ...     steps: int = 3
+        >>> settings = ModeSettings.of(Config(), seed=1)
+        >>> settings.mode, settings.seed, settings.threads
+        ('ray', 1, 0)
+        """
+        names = [field.name for field in dataclasses.fields(cls)]
+        values = {name: getattr(config, name) for name in names if hasattr(config, name)}
+        return cls(**{**values, **overrides})
+
     @property
     def device_type(self) -> str:
         """The device type of the Ray groups and of the mesh."""

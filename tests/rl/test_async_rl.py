@@ -350,10 +350,9 @@ class _NoSignalModel:
 @pytest.mark.parametrize('loop', ['sync', 'async_k0', 'async_k1'])
 def test_a_skipped_step_stages_no_weights_and_keeps_the_version(recipe: Any, loop: str) -> None:
     """4 steps of one prompt, 2 samples: step 2's samples score alike (no prompt left to train on),
-    step 3's optimizer skips (a NaN gradient norm). Only steps 1 and 4 change the weights, so the
-    async loop stages 1 + 2 copies (versions 0, 1, 2), the synchronous one 2 (before steps 1 and 2;
-    it stages before a step), and steps 2-4 sample version 1, not 2 and 3. Before the fix every step
-    staged: 5 copies, 4."""
+    step 3's optimizer skips (a NaN gradient norm). Only steps 1 and 4 change the weights, so each
+    loop stages 1 + 2 copies (versions 0, 1, 2) and steps 2-4 sample version 1, not 2 and 3. Before
+    the fix every step staged: 5 copies."""
     staged: list[int] = []
 
     def stage() -> tuple[int, Any]:
@@ -370,12 +369,9 @@ def test_a_skipped_step_stages_no_weights_and_keeps_the_version(recipe: Any, loo
     parts = SimpleNamespace(model=model, stage_weights=stage)  # what the loops use of a RecipeParts
     k = {'sync': 0, 'async_k0': 0, 'async_k1': 1}[loop]
     config = recipe.Config(steps=4, prompts_per_step=1, num_generations=2, max_staleness=k, sync=loop == 'sync')
-    if config.sync:
-        history = recipe._sync_loop(parts, produce, config)
-    else:
-        history = recipe._async_loop(parts, produce, config)[0]
+    history = recipe._loop(parts, produce, config)[0]
     assert [record.get('skipped', 0.0) for record in history] == [0.0, 1.0, 1.0, 0.0]
-    assert model.steps == 3 and staged == ([0, 1] if config.sync else [0, 1, 2])
+    assert model.steps == 3 and staged == [0, 1, 2]
     # Steps 1, 3, 4 trained: step 1 on the first weights, 3 and 4 on step 1's (at k=1 too: item 2 is
     # planned only once step 1 published, item 3 once step 2 finished).
     assert model.versions == [0, 1, 1]

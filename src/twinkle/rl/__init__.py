@@ -1,6 +1,15 @@
-"""Reinforcement-learning loops: rollouts that overlap training, with bounded staleness."""
+"""Reinforcement-learning loops: rollouts that overlap training, with bounded staleness, or the synchronous loop."""
 
-from twinkle.rl.async_rollout import AsyncRollouts, AsyncRolloutStats, Session, Stamped
+from twinkle.rl.async_rollout import AsyncRollouts, AsyncRolloutStats, Session, Stamped, batch_staleness
 from twinkle.rl.partial import generate_partial
+from twinkle.rl.sync_rollout import SyncRollouts
 
-__all__ = ['AsyncRolloutStats', 'AsyncRollouts', 'Session', 'Stamped', 'generate_partial']
+__all__ = [
+    'AsyncRolloutStats',
+    'AsyncRollouts',
+    'Session',
+    'Stamped',
+    'SyncRollouts',
+    'batch_staleness',
+    'generate_partial',
+]

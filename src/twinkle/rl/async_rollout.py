@@ -52,13 +52,14 @@ The threads stop on ``close()`` (or leaving ``running``); an exception in ``prod
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-from twinkle.errors import ConfigurationError, StateError, TwinkleError, one_of
+from twinkle.errors import ConfigurationError, DataError, StateError, TwinkleError, one_of
 
 T = TypeVar('T')
 Stale = Literal['drop', 'reweight']
@@ -90,8 +91,9 @@ class AsyncRolloutStats:
     reweighted: int = 0
     #: Staleness of each item handed to the trainer: counts per value.
     staleness: Counter[int] = field(default_factory=Counter)
-    #: Weight updates applied to the sampler.
+    #: Weight updates applied to the sampler, and the seconds spent applying them.
     applied: int = 0
+    apply_s: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         """Flat numbers for a metric sink: staleness mean/max and its histogram, drops."""
@@ -102,9 +104,25 @@ class AsyncRolloutStats:
             'staleness_max': float(max(self.staleness, default=0)),
             'dropped_stale': float(self.dropped),
             'reweighted_stale': float(self.reweighted),
+            'apply_s': self.apply_s,
         }
         record.update({f'staleness/{s}': float(n) for s, n in sorted(self.staleness.items())})
         return record
+
+
+def batch_staleness(batch: Sequence[Stamped[object]]) -> dict[str, float]:
+    """A batch's staleness for a step's log: mean, max, and the share of its items at each value.
+
+    >>> batch_staleness([Stamped('a', 3, staleness=0), Stamped('b', 2, staleness=1), Stamped('c', 2, staleness=1)])
+    {'staleness/0': 0.333..., 'staleness/1': 0.666..., 'staleness_mean': 0.666..., 'staleness_max': 1.0}
+    """
+    if not batch:
+        raise DataError('batch_staleness got an empty batch')
+    counts = Counter(item.staleness for item in batch)
+    figures = {f'staleness/{s}': n / len(batch) for s, n in sorted(counts.items())}
+    figures['staleness_mean'] = sum(s * n for s, n in counts.items()) / len(batch)
+    figures['staleness_max'] = float(max(counts))
+    return figures
 
 
 class Session:
@@ -325,6 +343,7 @@ class AsyncRollouts(Generic[T]):
         version, apply = self._pending
         self._pending, self._applying = None, True
         self._lock.release()
+        started = time.perf_counter()
         try:
             if apply is not None:
                 apply()
@@ -333,6 +352,7 @@ class AsyncRollouts(Generic[T]):
             self._applying = False
             self._lock.notify_all()
         self.stats.applied += 1
+        self.stats.apply_s += time.perf_counter() - started
         self.sampler_version = version
 
     def _admit(self, item: Stamped[T]) -> bool:
