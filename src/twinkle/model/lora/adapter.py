@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -167,8 +167,16 @@ class RowAssignment:
             self._flat[count] = RowAssignment.from_names([name for name in self.names for _ in range(per_row)])
         return self._flat[count]
 
+    def place(self, devices: Iterable[torch.device]) -> RowAssignment:
+        """Copy the row indices to ``devices`` now, before the forward: a compiled layer that
+        found the copy missing in one layer and present in the next would compile twice (dynamo
+        guards on the cache's contents)."""
+        for device in devices:
+            self.rows_on(device)
+        return self
+
     def rows_on(self, device: torch.device) -> dict[str, torch.Tensor | None]:
-        """The row indices on ``device``, copied there once per forward."""
+        """The row indices on ``device``, copied there once per forward (``place``)."""
         if device not in self._by_device:
             self._by_device[device] = {n: None if i is None else i.to(device) for n, i in self.rows.items()}
         return self._by_device[device]

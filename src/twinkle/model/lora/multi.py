@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -325,8 +326,10 @@ def assign_rows(model: nn.Module, names: Sequence[str | None] | str | None) -> R
     for name in [names] if names is None or isinstance(names, str) else names:
         if name is not None and name not in known:
             raise UnknownNameError('adapter', name, known)
+    layers = multi_lora_layers(model).values()
     assignment = RowAssignment.from_names(names)
-    for layer in multi_lora_layers(model).values():
+    assignment.place({param.device for layer in layers for param in itertools.islice(layer.parameters(), 1)})
+    for layer in layers:
         layer.assignment = assignment
     return assignment
 
