@@ -6,7 +6,7 @@
   or joins a ``torch.distributed`` group fails, with the mark it needs.
 - **integration**: a test that starts a server, a process or a cluster.
 - **slow**: a test that trains for more than a few seconds.
-- ``make test`` runs them all: the quick tier, then ``-m 'integration or slow'``.
+- ``make test`` runs them all: the quick tier, then ``-m 'integration or slow'`` on two workers (pytest-xdist).
 
 The gate: each run prints its tier's wall time, and the slowest tests that ``tests/durations.json`` does not
 hold (the new ones, whose cost no one has looked at yet). ``pytest --write-durations`` writes that file from the
@@ -59,6 +59,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 _STARTED = pytest.StashKey[float]()
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Spread over workers (``pytest -n 2``, pytest-xdist's ``--dist loadfile``: a module's tests on one
+    worker, so its module-scoped servers start once), the modules run longest first by their seconds in
+    ``tests/durations.json``: the workers then end near together, where in file order the last long module
+    ran alone. Each worker orders alike (the scheduler needs one order); a test's order in its module stays."""
+    if not os.environ.get('PYTEST_XDIST_WORKER'):
+        return
+    known = _known(Path(config.getoption('--durations-file')))
+    seconds: dict[str, float] = {}
+    for item in items:
+        module = item.nodeid.split('::')[0]
+        seconds[module] = seconds.get(module, 0.0) + known.get(item.nodeid, 0.0)
+    items.sort(key=lambda item: -seconds[item.nodeid.split('::')[0]])
 
 
 # ---- the quick tier starts nothing ----------------------------------------------------------------

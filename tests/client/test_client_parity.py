@@ -147,6 +147,8 @@ def test_an_unreachable_hub_is_a_clear_error(pair, tmp_path, hub_id):
     closed = f'http://127.0.0.1:{free_port()}'
     environment = {k: v for k, v in os.environ.items() if not k.endswith('_OFFLINE')}
     environment |= {'HF_ENDPOINT': closed, 'MODELSCOPE_ENDPOINT': closed, 'HF_TOKEN': 'hf_' + 'x' * 34}
+    # modelscope_hub tries a refused connection 5 times with back-off (15 s); one try shows the error.
+    environment['MODELSCOPE_API_MAX_RETRIES'] = '1'
     command = [sys.executable, '-m', 'twinkle.cli', 'export', str(checkpoint), '--out', str(tmp_path / 'out')]
     result = subprocess.run(
         [*command, '--push-to-hub', hub_id], capture_output=True, text=True, timeout=300, env=environment, check=False

@@ -64,15 +64,16 @@ def test_kto_recipe_raises_the_held_out_reward_margin(tmp_path, tiny_model_dir):
     assert 'eval/margin' in lines[0] and 'train/kl' in lines[1]
 
 
-@pytest.mark.timeout(1800)  # three runs of the recipe: beside two CPU-bound processes they took over 600 s
+@pytest.mark.timeout(1200)  # three runs of the recipe: beside two CPU-bound processes they took over 400 s
 def test_grpo_recipe_reward_rises_over_three_seeds(tmp_path, tiny_model_dir):
     gains = []
     for seed in (0, 1, 2):
         output = tmp_path / f'seed{seed}.json'
         logs = tmp_path / f'logs{seed}'
-        log = run(
-            'grpo_letter_words.py', '--seed', str(seed), '--output', str(output), '--log-dir', str(logs), cwd=tmp_path
-        )
+        # 50 of the recipe's 80 steps: by steps 41-50 every seed's reward is past 0.8 (docs/rl.md's table, which
+        # benchmarks/grpo_reward_curve.py keeps); the 80 steps' plateau is the benchmark's to show.
+        flags = ['--seed', str(seed), '--steps', '50', '--output', str(output), '--log-dir', str(logs)]
+        log = run('grpo_letter_words.py', *flags, cwd=tmp_path)
         assert re.search(r'step\s+1\s+reward [\d.]+\s+kl [\d.]+\s+entropy [\d.]+\s+completion length', log), log[-2000:]
         rewards = [step['total_reward'] for step in json.loads(output.read_text())['history']]
         # The default sink: every step's record in metrics.jsonl.

@@ -22,7 +22,9 @@ from server_helpers import free_port
 pytestmark = pytest.mark.integration
 
 JOB = Path(__file__).with_name('exit_job.py')
-RUNS = 4  # about 10 s each on an idle 2-core machine
+# About 15 s each on an idle 2-core machine. The exit status catches the race only now and then; the gloo threads
+# still alive after the exit hooks, its cause, show at every run, so two runs keep it out (it was four).
+RUNS = 2
 # The native threads of a gloo process group: its tcp event loop and its two workers.
 GLOO_THREADS = ('gloo_tcp_loop', 'pt_gloo_runloop')
 
