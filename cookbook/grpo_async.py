@@ -6,7 +6,7 @@ that changed the weights publishes a copy, which the rollouts load between two g
 two chunks of ``--partial-chunk N`` tokens). ``--max-staleness k`` bounds how many steps behind a
 group may be; ``0`` gives the synchronous loop's numbers, and ``--sync`` is that loop without
 threads (``SyncRollouts``). Stale groups train with the decoupled loss (``loss_settings``), and
-prompts whose samples all scored alike are left out (``trained_rows``): docs/async_rl.md says why.
+prompts whose samples all scored alike are left out (``twinkle.rl.groups.trained_rows``): docs/async_rl.md says why.
 
     python cookbook/grpo_async.py                                  # one process, about 40 s
     python cookbook/grpo_async.py --mode ray                       # sampler and trainer in two Ray actors
@@ -34,16 +34,16 @@ import torch
 from peft import LoraConfig
 
 from twinkle import assets, get_logger
-from twinkle.advantage import GRPOAdvantage
-from twinkle.advantage.dynamic_sampling import filter_groups
 from twinkle.data_format import SampledSequence, SamplingParams
 from twinkle.recipe import RECIPE_MODES, ModeSettings, RecipeParts, add_config_arguments, start_parts
 from twinkle.reward import LetterWordsReward
 from twinkle.reward.letter_words import letter_words_prompts
-from twinkle.rl import AsyncRollouts, Session, Stamped, SyncRollouts, batch_staleness, generate_partial
+from twinkle.rl import AsyncRollouts, ScoredGroup, Session, Stamped, SyncRollouts, batch_staleness, generate_partial
+from twinkle.rl.groups import score_group, trained_rows
 
 logger = get_logger()
 ADAPTER = 'default'
+Group = ScoredGroup[SampledSequence]  # one prompt's scored samples
 
 
 @dataclass
@@ -80,15 +80,6 @@ class Config:
     sampler_group: bool = False
 
 
-@dataclass
-class Group:
-    """One prompt's scored samples."""
-
-    sequences: list[SampledSequence]
-    rewards: list[float]
-    advantages: list[float]
-
-
 @contextmanager
 def start(config: Config) -> Iterator[RecipeParts]:
     """The model (set up for GRPO), the sampler and their weight sync in ``config.mode``."""
@@ -112,17 +103,14 @@ def loss_settings(config: Config) -> dict[str, Any]:
 
 
 def make_produce(parts: RecipeParts, config: Config) -> Callable[[Session], Group]:
-    """Sample and score rollout item ``session.index``: ``prompts_per_call`` prompts, whose
-    prompts and seed depend on the index only, so any run of the same config draws the same
-    groups from the same weights."""
+    """Sample and score rollout item ``session.index``: ``prompts_per_call`` prompts, whose prompts and seed
+    depend on the index only, so any run of the same config draws the same groups from the same weights."""
     prompts = letter_words_prompts(config.letters, config.steps * config.prompts_per_step, config.seed)
-    reward_fn, advantage_fn = LetterWordsReward(config.target_words), GRPOAdvantage()
-    per_call = config.prompts_per_call
+    reward_fn, per_call = LetterWordsReward(config.target_words), config.prompts_per_call
 
     def produce(session: Session) -> Group:
         first = session.index * per_call % len(prompts)
-        step = first // config.prompts_per_step + 1
-        seed, n = config.seed * 100_003 + step, config.num_generations
+        seed, n = config.seed * 100_003 + first // config.prompts_per_step + 1, config.num_generations
         params = SamplingParams(max_tokens=config.max_tokens, num_samples=n, temperature=config.temperature, seed=seed)
         rows = prompts[first : first + per_call]
         if config.partial_chunk:
@@ -130,10 +118,7 @@ def make_produce(parts: RecipeParts, config: Config) -> Callable[[Session], Grou
         else:
             with session.sampling():
                 responses = parts.sampler.sample(rows, params)
-        sequences = [seq for response in responses for seq in response.sequences]
-        rewards = reward_fn([seq.new_input_feature for seq in sequences])
-        advantages = advantage_fn(rewards, num_generations=config.num_generations, scale='group').tolist()
-        return Group(sequences, rewards, advantages)
+        return score_group(responses, reward_fn, n)
 
     return produce
 
@@ -141,7 +126,7 @@ def make_produce(parts: RecipeParts, config: Config) -> Callable[[Session], Grou
 def train_step(parts: RecipeParts, batch: list[Stamped[Group]], config: Config) -> dict[str, float]:
     """One GRPO step on the batch's ``trained_rows``. ``skipped`` is 1 when the weights did not change (no row to
     train on, or a NaN or infinite gradient norm, which the model skips): the loop then publishes none."""
-    sequences, advantages = trained_rows(batch, config)
+    sequences, advantages = trained_rows(batch, config.num_generations, skip_flat=config.skip_flat_groups)
     rewards = [r for item in batch for r in item.value.rewards]
     # signal_prompts: the share of the step's prompts whose samples scored differently (those it trains on).
     record = {'total_reward': sum(rewards) / len(rewards), 'signal_prompts': len(sequences) / len(rewards)}
@@ -160,21 +145,6 @@ def train_step(parts: RecipeParts, batch: list[Stamped[Group]], config: Config) 
     if grad_norm is None or not math.isfinite(grad_norm):  # the model skips a step with such a norm
         record['skipped'] = 1.0
     return record
-
-
-def trained_rows(batch: list[Stamped[Group]], config: Config) -> tuple[list[SampledSequence], list[float]]:
-    """The batch's sequences and advantages (times each item's weight) to train on; with ``skip_flat_groups``
-    not a prompt's samples that all scored alike (DAPO's dynamic sampling without the refill,
-    arXiv:2503.14476): they add only the KL term's pull to the base model (docs/async_rl.md)."""
-    sequences: list[SampledSequence] = []
-    advantages: list[float] = []
-    for item in batch:
-        group, rows = item.value, range(len(item.value.rewards))
-        if config.skip_flat_groups:
-            rows = filter_groups(group.rewards, config.num_generations).kept_rows
-        sequences += [group.sequences[row] for row in rows]
-        advantages += [group.advantages[row] * item.weight for row in rows]
-    return sequences, advantages
 
 
 def train(config: Config) -> dict[str, Any]:

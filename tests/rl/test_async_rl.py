@@ -18,7 +18,7 @@ import torch
 
 from twinkle.data_format import SamplingParams
 from twinkle.errors import ConfigurationError, StateError
-from twinkle.rl import AsyncRollouts, Session, Stamped, generate_partial
+from twinkle.rl import AsyncRollouts, Session, Stamped, generate_partial, trained_rows
 
 COOKBOOK = Path(__file__).resolve().parents[2] / 'cookbook'
 
@@ -317,11 +317,10 @@ def test_prompts_whose_samples_all_scored_alike_are_left_out(recipe: Any) -> Non
         Stamped(recipe.Group(['a', 'b', 'c', 'd'], [1.0, 1.0, 0.0, 1.0], [0.0, 0.0, -1.0, 1.0]), 0, weight=0.5),
         Stamped(recipe.Group(['e', 'f'], [0.0, 0.0], [0.0, 0.0]), 0),
     ]
-    assert recipe.trained_rows(batch, config) == (['c', 'd'], [-0.5, 0.5])
-    assert recipe.trained_rows(batch[1:], config) == ([], [])
+    assert trained_rows(batch, 2) == (['c', 'd'], [-0.5, 0.5])
+    assert trained_rows(batch[1:], 2) == ([], [])
     assert recipe.train_step(None, batch[1:], config) == {'total_reward': 0.0, 'signal_prompts': 0.0, 'skipped': 1.0}
-    everything = recipe.Config(num_generations=2, skip_flat_groups=False)
-    assert recipe.trained_rows(batch, everything)[0] == ['a', 'b', 'c', 'd', 'e', 'f']
+    assert trained_rows(batch, 2, skip_flat=False)[0] == ['a', 'b', 'c', 'd', 'e', 'f']
 
 
 class _NoSignalModel:
