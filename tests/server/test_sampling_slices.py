@@ -106,11 +106,18 @@ def test_a_continued_jobs_duration_is_the_time_its_slices_ran(scheduler):
 
 
 def test_stopping_fails_a_paused_job_and_cancels_its_continuation(scheduler):
-    cancelled = threading.Event()
-    gate = threading.Event()
+    cancelled, gate, submitted = threading.Event(), threading.Event(), threading.Event()
+
+    def first_slice() -> Continue:
+        # Alice's slice ends only once bob's job is queued: on a busy machine the worker could otherwise
+        # take her continuation before bob was submitted, run it to the end, and never show her paused.
+        submitted.wait(TIMEOUT)
+        return Continue(lambda: 'never', cancel=cancelled.set)
+
     scheduler.start()
-    job = scheduler.submit('alice', lambda: Continue(lambda: 'never', cancel=cancelled.set))
+    job = scheduler.submit('alice', first_slice)
     blocker = scheduler.submit('bob', lambda: gate.wait(TIMEOUT))
+    submitted.set()
     while job.status != 'paused' or blocker.status != 'running':
         time.sleep(0.001)
     left = scheduler.stop(wait=False)  # bob's job holds the worker until the gate opens: alice's is queued, paused
