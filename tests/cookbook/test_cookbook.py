@@ -67,12 +67,12 @@ def test_kto_recipe_raises_the_held_out_reward_margin(tmp_path, tiny_model_dir):
 @pytest.mark.timeout(1200)  # three runs of the recipe: beside two CPU-bound processes they took over 400 s
 def test_grpo_recipe_reward_rises_over_three_seeds(tmp_path, tiny_model_dir):
     gains = []
-    for seed in (0, 1, 2):
+    # Fewer than the recipe's 80 steps: seed 0's reward is past 0.8 by steps 41-50, seeds 1 and 2's by steps 31-40
+    # (docs/rl.md's table, which benchmarks/grpo_reward_curve.py keeps); the 80 steps' plateau is the benchmark's.
+    for seed, steps in ((0, 50), (1, 40), (2, 40)):
         output = tmp_path / f'seed{seed}.json'
         logs = tmp_path / f'logs{seed}'
-        # 50 of the recipe's 80 steps: by steps 41-50 every seed's reward is past 0.8 (docs/rl.md's table, which
-        # benchmarks/grpo_reward_curve.py keeps); the 80 steps' plateau is the benchmark's to show.
-        flags = ['--seed', str(seed), '--steps', '50', '--output', str(output), '--log-dir', str(logs)]
+        flags = ['--seed', str(seed), '--steps', str(steps), '--output', str(output), '--log-dir', str(logs)]
         log = run('grpo_letter_words.py', *flags, cwd=tmp_path)
         assert re.search(r'step\s+1\s+reward [\d.]+\s+kl [\d.]+\s+entropy [\d.]+\s+completion length', log), log[-2000:]
         rewards = [step['total_reward'] for step in json.loads(output.read_text())['history']]
@@ -90,8 +90,8 @@ def test_grpo_recipe_reward_rises_over_three_seeds(tmp_path, tiny_model_dir):
 
 def test_ppo_recipe_with_a_critic_raises_the_reward(tmp_path, tiny_model_dir):
     output = tmp_path / 'ppo.json'
-    # 40 of the recipe's 60 steps: by steps 31-40 the reward is up 0.8 and the value 0.6 (the checks ask 0.3).
-    log = run('ppo_letter_words.py', '--steps', '40', '--output', str(output), cwd=tmp_path)
+    # 30 of the recipe's 60 steps: by steps 21-30 the reward is up 0.8 and the value 0.58 (the checks ask 0.3).
+    log = run('ppo_letter_words.py', '--steps', '30', '--output', str(output), cwd=tmp_path)
     assert re.search(r'step\s+1\s+reward [\d.]+\s+value error [\d.]+\s+value -?[\d.]+', log), log[-2000:]
     history = json.loads(output.read_text())['history']
     rewards, values = [step['reward'] for step in history], [step['value'] for step in history]
