@@ -74,7 +74,6 @@ def test_a_body_without_a_known_key_is_not_read(server, auth, path):
     # The native and Tinker routes answer it in their shared error shape, under the tree's class.
     url, _, _ = server
     with connect(url) as sock:
-        # One send: bytes that came after the server closed would make its kernel reset the connection.
         sock.sendall(
             head('POST', path, {**auth, 'Content-Type': 'application/json', 'Content-Length': '50000000'}) + b'{"'
         )
@@ -94,6 +93,22 @@ def test_the_openai_api_refuses_a_keyless_body_in_its_own_shape(server):
         status, _, body = parse(read_until_closed(sock))
     assert status == 401
     assert 'API key' in json.loads(body)['error']['message']
+
+
+@pytest.mark.integration
+def test_a_body_sent_after_its_refusal_is_read_and_dropped_not_reset(server):
+    # What a streaming client does (a gateway, httpx): the head, then the body in sends of its own. The
+    # 401 comes after the head; the server then reads the body on and drops it until the client closes,
+    # where closing at once would make its kernel answer the body's bytes with a reset (RFC 9112 9.6).
+    url, _, _ = server
+    with connect(url) as sock:
+        sock.sendall(head('POST', OPS_PATH, {'Content-Type': 'application/json', 'Content-Length': '65536'}))
+        status, headers, _ = parse(read_until_closed(sock))  # the answer, then the server's half-close
+        for _ in range(4):
+            sock.sendall(b' ' * 16384)  # a reset by now fails these sends or the read below
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.recv(1) == b''
+    assert status == 401 and headers['connection'] == 'close'
 
 
 @pytest.mark.integration

@@ -11,7 +11,13 @@
 - **An idle connection is closed**: one that sends no request head (or half of one) for
   ``limits.idle_connection_timeout_s``, as well as one idle between requests (uvicorn's keep-alive).
 
-Each refusal closes the connection (``Connection: close``), so the unread rest is never read.
+Each refusal closes the connection (``Connection: close``), so the unread rest is never parsed. The close is
+staged (RFC 9112 §9.6): the answer is followed by a FIN, and what the client still sends is read and dropped
+until it closes its side, for ``LINGER_S`` at most. A socket closed with unread bytes in it is reset by the
+kernel, and the reset can reach the client before the answer it was sent after: a gateway streaming a body
+to a route answered before reading it (a 405, a 401) got a ReadError in place of the answer, once in a few
+thousand requests beside a loaded machine. uvicorn closes at once, and nginx's ``lingering_close`` is what
+this does.
 ``HttpLimits`` is a plain ASGI middleware that holds no more of a body than one chunk;
 ``uvicorn_options`` gives the settings for the server underneath. A gateway (``twinkle.server.gateway``)
 applies the same limits before it streams a body on to its worker.
@@ -45,6 +51,9 @@ TOKEN_ROUTES = re.compile(
 )
 #: Bytes in a request head (request line and headers); h11's own default, made explicit.
 MAX_HEAD_BYTES = 16 * 1024
+#: Seconds a connection closed before its request's body came is read on and dropped, at most, waiting for
+#: the client to close its side (nginx's ``lingering_timeout``).
+LINGER_S = 5.0
 
 
 class HttpLimits:
@@ -203,32 +212,48 @@ def _content_length(headers: dict[str, str]) -> int | None:
 class IdleClosingH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol that also closes a connection whose request head does not come
     within ``timeout_keep_alive`` seconds: one that connects and sends nothing, or sends part of a
-    head and stops. (uvicorn by itself times only the wait between two requests, and any byte
-    ends that wait.)"""
+    head and stops (uvicorn by itself times only the wait between two requests, and any byte
+    ends that wait); and closes in stages one whose request body has not all come (the module's
+    docstring): its transport is a ``LingeringTransport``."""
 
     #: When the awaited request head is given up on; None while no head is awaited.
     head_deadline: asyncio.TimerHandle | None = None
+    #: When a connection closed in stages is closed for good; None while it is not being closed.
+    linger_deadline: asyncio.TimerHandle | None = None
 
     # override: asyncio.Protocol takes a BaseTransport; uvicorn's H11Protocol narrows it to the Transport
     # it is always given (with this same ignore), and this override keeps its signature.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(LingeringTransport(transport, self))
         self.await_head()
 
     def data_received(self, data: bytes) -> None:
+        if self.linger_deadline is not None:  # the rest of a body nobody reads
+            return
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE and self.head_deadline is not None:
             self.head_deadline.cancel()  # the head is in
             self.head_deadline = None
+
+    def eof_received(self) -> None:
+        if self.linger_deadline is not None:
+            self.transport.close()  # the client closed its side: nothing more to wait for
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self.conn.their_state is h11.IDLE:
             self.await_head()  # the next request's head, should a first byte of it come
 
+    def shutdown(self) -> None:
+        if self.linger_deadline is not None:
+            self.transport.close()  # the server stops: it waits for no client's unread body
+        else:
+            super().shutdown()
+
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.head_deadline is not None:
-            self.head_deadline.cancel()
+        for deadline in (self.head_deadline, self.linger_deadline):
+            if deadline is not None:
+                deadline.cancel()
         super().connection_lost(exc)
 
     def await_head(self) -> None:
@@ -240,6 +265,66 @@ class IdleClosingH11Protocol(H11Protocol):
         self.head_deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
+
+    def body_unread(self) -> bool:
+        """Whether the client may still be sending the request's body."""
+        return self.conn.their_state is h11.SEND_BODY
+
+    def linger(self, transport: asyncio.Transport) -> None:
+        """Close in stages: a FIN after the answer, the client's bytes dropped until it closes (``LINGER_S``)."""
+        if self.linger_deadline is None:
+            transport.write_eof()
+            transport.resume_reading()
+            self.linger_deadline = self.loop.call_later(LINGER_S, transport.close)
+
+
+class LingeringTransport(asyncio.Transport):
+    """The socket's transport as uvicorn's protocol sees it: the same, but ``close`` while the request's body
+    is still coming closes in stages (``IdleClosingH11Protocol.linger``) and reads as closing from then on.
+    uvicorn closes through its transport in several places (an answer with ``Connection: close``, a bad
+    request, a timeout), so this is where one rule covers them all."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: IdleClosingH11Protocol):
+        super().__init__()
+        self.socket_transport, self.protocol, self.lingering = transport, protocol, False
+
+    def close(self) -> None:
+        if self.lingering or not self.protocol.body_unread() or not self.socket_transport.can_write_eof():
+            self.socket_transport.close()
+        else:
+            self.lingering = True
+            self.protocol.linger(self.socket_transport)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self.socket_transport.is_closing()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.socket_transport.write(data)
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self.socket_transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        if not self.lingering:  # a lingering connection reads until its client closes
+            self.socket_transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.socket_transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self.socket_transport.is_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.socket_transport.set_protocol(protocol)  # a WebSocket upgrade: its protocol gets the socket's own
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self.socket_transport.get_protocol()
+
+    def abort(self) -> None:
+        self.socket_transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self.socket_transport.get_write_buffer_size()
 
 
 class UvicornOptions(TypedDict):
