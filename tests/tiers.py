@@ -49,6 +49,20 @@ def pytest_configure(config: pytest.Config) -> None:
             given = config.option.markexpr
             raise pytest.UsageError(f'--quick selects {QUICK!r} itself; it takes no -m (got {given!r})')
         config.option.markexpr = QUICK
+    if os.environ.get('PYTEST_XDIST_WORKER'):
+        _one_thread_per_worker()
+
+
+def _one_thread_per_worker() -> None:
+    """On workers (``pytest -n 2``), torch takes one thread in the worker and in the processes its tests
+    start (``OMP_NUM_THREADS``, unless set), not the machine's every core each. Two workers already keep two
+    cores busy; a torch process with two threads beside another busy one waits on its slower thread at
+    every op: the GRPO recipe's 20 steps took 22.8 s on two threads beside a busy-loop process, 15.5 s on
+    one (12.1 and 14.4 s alone, 2026-12-03). A test that sets the threads itself keeps its own."""
+    threads = int(os.environ.setdefault('OMP_NUM_THREADS', '1'))
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
