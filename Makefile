@@ -71,8 +71,14 @@ dashboard-assets:  ## refresh the vendored uPlot from npm
 		&& cp package/dist/uPlot.iife.min.js package/dist/uPlot.min.css package/LICENSE ../static/vendor/uplot/ \
 		&& cd .. && rm -rf .npm-pack
 
+# Python keeps its compiled modules (__pycache__, git-ignored) during the tests even where PYTHONDONTWRITEBYTECODE is set
+# (this machine sets it): without them every process the tests start, a server, a rank, a recipe, compiles twinkle's
+# modules again (0.4 s of each start), and each pytest run rewrites every test module's asserts again (6 s of its 21 s
+# collection). PYTHONDONTWRITEBYTECODE set to the empty string is unset (python -h).
+TEST_ENV := PYTHONDONTWRITEBYTECODE=
+
 test-quick: setup  ## the quick tier: the unit tests and every docstring example of src/, nothing started (at most 3 minutes)
-	$(PY) -m pytest -q --quick
+	$(TEST_ENV) $(PY) -m pytest -q --quick
 
 # The quick tier, then the rest (tests/tiers.py): each run prints its time and its slowest tests that
 # tests/durations.json does not hold yet. The rest runs on two workers (pytest-xdist, a module's tests on one
@@ -84,8 +90,8 @@ test: setup browser postgres  ## lint, layer contracts, types (mypy over src/), 
 	$(VENV)/bin/ruff format --check src tests cookbook benchmarks
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q --quick
-	$(PY) -m pytest -q -m 'integration or slow' -n 2 --dist loadfile
+	$(TEST_ENV) $(PY) -m pytest -q --quick
+	$(TEST_ENV) $(PY) -m pytest -q -m 'integration or slow' -n 2 --dist loadfile
 
 # The docs site (mkdocs.yml, docs/) into site/. --strict fails on a broken link or anchor, a missing page or a reference
 # that does not resolve; mkdocstrings reads the sources without importing them. `$(VENV)/bin/mkdocs serve` previews it.
@@ -115,7 +121,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: setup-vllm  ## vLLMSampler, the service sampling through vLLM and seed 002's loop, on vLLM's CPU build
-	$(VPY) -m pytest -q tests/vllm_engine
+	$(TEST_ENV) $(VPY) -m pytest -q tests/vllm_engine
 
 setup-megatron: $(MEGATRON_VENV)/.installed
 
@@ -128,7 +134,7 @@ $(MEGATRON_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-megatron: setup-megatron  ## megatron-core on the CPU: Hugging Face <-> GPTModel conversion, tensor/pipeline/expert parallel over gloo
-	$(MPY) -m pytest -q tests/megatron_backend
+	$(TEST_ENV) $(MPY) -m pytest -q tests/megatron_backend
 
 bench-megatron: setup-megatron  ## megatron-core TP=2, PP=2, TP2xPP2 vs one process: losses, step time, parameters and optimizer state per rank
 	$(MPY) benchmarks/megatron_parallel.py
